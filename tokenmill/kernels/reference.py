@@ -36,6 +36,9 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
@@ -43,6 +46,7 @@ def paged_attention(
     (request b owns rows query_start_loc[b]:query_start_loc[b+1]). Request b's context is seq_lens[b]
     tokens, the last of which are its new tokens, so a prefill, a chunk of a prefill over a cached
     prefix and a decode step are the same call. The KV of the new tokens must already be written.
+    max_query_len and max_seq_len are host-side hints for kernels that size their grid by them.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
