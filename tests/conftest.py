@@ -1,0 +1,66 @@
+"""Shared fixtures: small random-weight models built with transformers' own classes, saved to disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Odd sizes on purpose: head_dim not a power of two, GQA ratios 1, 3 and 4, vocab not a power of two.
+ARCH_CONFIGS = {
+    "llama": dict(
+        cls="LlamaConfig", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=48,
+        intermediate_size=200, attention_bias=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 128},
+        rope_theta=500000.0,
+    ),
+    "mistral": dict(
+        cls="MistralConfig", hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        intermediate_size=176, sliding_window=None,
+    ),
+    "qwen2": dict(
+        cls="Qwen2Config", hidden_size=80, num_attention_heads=5, num_key_value_heads=5,
+        intermediate_size=150, tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        cls="Qwen3Config", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=40,
+        intermediate_size=136, tie_word_embeddings=False,
+    ),
+}
+ARCHS = list(ARCH_CONFIGS)
+
+
+def make_hf_model(arch: str, seed: int = 0):
+    import transformers
+
+    spec = dict(ARCH_CONFIGS[arch])
+    config_cls = getattr(transformers, spec.pop("cls"))
+    config = config_cls(
+        vocab_size=1003, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.2, **spec,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # random norm weights too, so the norm code is exercised
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(tmp_path_factory):
+    """arch -> (saved model directory, transformers model in fp32)."""
+    models = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(f"{arch}_model")
+        model = make_hf_model(arch)
+        model.save_pretrained(path)
+        models[arch] = (str(path), model)
+    return models

@@ -1,0 +1,32 @@
+"""What crosses between the engine core, the worker and the output processor, as small typed records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    """The sampled token's logprob, its rank, and the top-k alternatives (ids and logprobs)."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per scheduled request, in schedule order (prompt chunks get a throwaway token).
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,61 @@
+"""The attention layer: writes new K/V into its paged cache, then attends over each request's context.
+The backend (Triton on CUDA, torch reference elsewhere) is picked once per device by tokenmill.kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.kernels import get_kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat varlen batch description shared by every attention layer of one forward pass."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner once the KV cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        kernels = get_kernels(q.device)
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            attn_metadata.block_tables,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            self.scale,
+            max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,199 @@
+"""The model runner: owns the model and the KV cache tensors, turns a scheduler decision into flat
+batch tensors (input ids, positions, slot mapping, block tables, sequence lengths), runs the forward
+pass and samples on the device."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import ModelRunnerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.loader import ModelSource
+from tokenmill.models.registry import model_class
+from tokenmill.worker.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in bf16 are slower and less exact
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if config_dtype in (torch.float16, torch.bfloat16, "float16", "bfloat16"):
+        return config_dtype if isinstance(config_dtype, torch.dtype) else _DTYPES[config_dtype]
+    return torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device)
+        self.hf_config = source.hf_config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = model_class(source.hf_config)(source.hf_config, max_model_len)
+            finally:
+                torch.set_default_dtype(default_dtype)
+        if source.format == "dummy":
+            self._init_dummy_weights()
+        else:
+            self.model.load_weights(source.iter_weights())
+        self.model.eval()
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _init_dummy_weights(self) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+
+    # ---- KV cache ---------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((attn.k_cache, attn.v_cache))
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        query_start_loc, seq_lens = [0], []
+        max_blocks = 1
+        for request, num_new in scheduler_output.scheduled:
+            start = request.num_computed_tokens
+            pos = np.arange(start, start + num_new)
+            block_ids = np.asarray(request.block_ids, dtype=np.int64)
+            input_ids.append(np.asarray(request.all_token_ids[start : start + num_new], dtype=np.int64))
+            positions.append(pos)
+            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(start + num_new)
+            max_blocks = max(max_blocks, len(request.block_ids))
+        block_tables = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
+        for row, (request, _) in enumerate(scheduler_output.scheduled):
+            block_tables[row, : len(request.block_ids)] = request.block_ids
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        md = AttentionMetadata(
+            slot_mapping=to_device(np.concatenate(slots)),
+            block_tables=to_device(block_tables),
+            seq_lens=to_device(np.asarray(seq_lens, dtype=np.int32)),
+            query_start_loc=to_device(np.asarray(query_start_loc, dtype=np.int32)),
+            max_query_len=max(n for _, n in scheduler_output.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        logits_indices = to_device(np.asarray(query_start_loc[1:], dtype=np.int64) - 1)
+        return to_device(np.concatenate(input_ids)), to_device(np.concatenate(positions)), md, logits_indices
+
+    def _sampling_batch(self, scheduler_output: SchedulerOutput, vocab_size: int) -> SamplingBatch:
+        requests = [r for r, _ in scheduler_output.scheduled]
+        params = [r.sampling_params for r in requests]
+        generators = {}
+        for row, (request, num_new) in enumerate(scheduler_output.scheduled):
+            # A seeded request draws only for tokens it keeps, so chunking and batching never shift it.
+            keeps_token = request.num_computed_tokens + num_new >= request.num_tokens
+            seed = request.sampling_params.seed
+            if keeps_token and seed is not None and not request.sampling_params.greedy:
+                generator = self.generators.get(request.request_id)
+                if generator is None:
+                    generator = torch.Generator(device=self.device).manual_seed(seed)
+                    self.generators[request.request_id] = generator
+                generators[row] = generator
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return SamplingBatch(
+            requests=requests,
+            temperature=tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            all_greedy=all(p.greedy for p in params),
+            needs_top_k_p=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
+            needs_min_p=any(p.min_p > 0 for p in params),
+            needs_penalties=any(p.uses_penalties for p in params),
+            generators=generators,
+            max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_req_ids:
+            self.generators.pop(request_id, None)
+        input_ids, positions, md, logits_indices = self._prepare_inputs(scheduler_output)
+        hidden = self.model(input_ids, positions, md)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sampled, logprobs = self.sampler(logits, self._sampling_batch(scheduler_output, logits.shape[-1]))
+        return ModelRunnerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+    @torch.inference_mode()
+    def profile_free_memory(self, num_tokens: int) -> int:
+        """Bytes left for the KV cache under gpu_memory_utilization, after a forward pass of the
+        largest batch (num_tokens as one prefill) has shown the activations' peak."""
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        scratch_bytes = num_blocks * self.kv_bytes_per_block()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        positions = torch.arange(num_tokens, device=self.device)
+        md = AttentionMetadata(
+            slot_mapping=positions,
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None, :],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, md)
+        num_rows = min(num_tokens, self.config.max_num_seqs)
+        self.model.compute_logits(hidden[-num_rows:]).float().softmax(dim=-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = (total - free) - torch.cuda.memory_reserved()
+        self.allocate_kv_cache(0)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(total * self.config.gpu_memory_utilization - used_by_others - peak + scratch_bytes)

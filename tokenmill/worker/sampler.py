@@ -1,0 +1,125 @@
+"""Sampling on the device: logit processors (bias, min_tokens, penalties), then greedy or random
+sampling with temperature, top-k, top-p and min-p. Seeded requests draw from their own generator, so
+their output does not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.outputs import TokenLogprobs
+from tokenmill.core.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for one step, as device tensors where the math needs them."""
+
+    requests: list[Request]
+    temperature: torch.Tensor  # [B] float32; 0 means greedy
+    top_k: torch.Tensor  # [B] int64; vocab size means no top-k
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    all_greedy: bool
+    needs_top_k_p: bool
+    needs_min_p: bool
+    needs_penalties: bool
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    max_num_logprobs: int  # -1 when no row asks for logprobs
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    vocab_size = logits.shape[1]
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if not params.uses_penalties:
+            continue
+        output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
+        counts = torch.zeros(vocab_size, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+        if params.repetition_penalty != 1.0:
+            # Prompt and output tokens both count for the repetition penalty (the CTRL/HF definition).
+            seen = counts > 0
+            seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
+            row_logits = logits[row]
+            penalised = torch.where(
+                row_logits > 0, row_logits / params.repetition_penalty, row_logits * params.repetition_penalty
+            )
+            logits[row] = torch.where(seen, penalised, row_logits)
+        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64, device=logits.device)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, bias)
+        if request.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned |= request.eos_token_ids
+            if banned:
+                logits[row, list(banned)] = float("-inf")
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab_ranks = torch.arange(logits.shape[1], device=logits.device)
+    mask = vocab_ranks[None, :] >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the mass strictly before it already reaches top_p; the first token always stays.
+    mask |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    # Exponential race (Gumbel-max in disguise): argmax(p / q), q ~ Exp(1), samples from p with no sync.
+    q = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div(q).argmax(dim=-1)
+
+
+def _logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
+    logprobs = raw_logits.float().log_softmax(dim=-1)
+    sampled_lp = logprobs.gather(1, sampled[:, None])
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(max(batch.max_num_logprobs, 1), dim=-1)
+    sampled_lp, ranks, top_lp, top_ids = (t.tolist() for t in (sampled_lp, ranks, top_lp, top_ids))
+    result: list[TokenLogprobs | None] = []
+    for row, request in enumerate(batch.requests):
+        k = request.sampling_params.logprobs
+        if k is None:
+            result.append(None)
+        else:
+            result.append(TokenLogprobs(sampled_lp[row][0], ranks[row], top_ids[row][:k], top_lp[row][:k]))
+    return result
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
+        """Returns (sampled token ids [B] on the device, logprobs per row or None)."""
+        raw_logits = logits
+        logits = logits.float().clone()
+        _apply_bias_and_min_tokens(logits, batch.requests)
+        if batch.needs_penalties:
+            _apply_penalties(logits, batch.requests)
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy
+        else:
+            temperature = batch.temperature
+            scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+            if batch.needs_top_k_p:
+                scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
+            probs = scaled.softmax(dim=-1)
+            if batch.needs_min_p:
+                max_prob = probs.max(dim=-1, keepdim=True).values
+                probs = probs.masked_fill(probs < batch.min_p[:, None] * max_prob, 0.0)
+            sampled = torch.where(temperature > 0, _random_sample(probs, batch.generators), greedy)
+        logprobs = _logprobs(raw_logits, sampled, batch) if batch.max_num_logprobs >= 0 else None
+        return sampled, logprobs
