@@ -1,0 +1,42 @@
+"""Kernel tests run the Triton kernels through the interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is set here, at collection,
+before the test modules import tokenmill.kernels' Triton modules. Two interpreter faults of triton 3.6
+that the GPU does not share are mended here, so that the tests hold the kernels to GPU behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        interpreter = None
+
+    if interpreter is not None:
+        import triton.language as tl
+
+        _patch_lang_tensor = interpreter._patch_lang_tensor
+        _convert_float = interpreter._convert_float
+
+        def _patch_lang_tensor_numpy24(tensor, scope) -> None:
+            # Scalars are ndarrays of shape (1,), and numpy >= 2.4 refuses int() of those
+            # (triton-lang/triton#9171): a loop over run-time bounds would fail.
+            _patch_lang_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        def _convert_float_rtne(data, input_dtype, output_dtype, rounding_mode):
+            # The interpreter rounds fp32 -> bf16 toward zero; the GPU rounds to nearest even, as torch.
+            if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+                as_bf16 = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch.bfloat16)
+                return as_bf16.view(torch.int16).numpy().view(np.uint16)
+            return _convert_float(data, input_dtype, output_dtype, rounding_mode)
+
+        interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24
+        interpreter._convert_float = _convert_float_rtne

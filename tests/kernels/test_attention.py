@@ -1,0 +1,213 @@
+"""Triton paged attention against the torch reference: prefill, chunked prefill over cached prefixes,
+decode with and without split-KV, padded requests, GQA ratios and head sizes that are not powers of two."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels import attention, reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def needs_cuda(test):
+    """@pytest.mark.gpu, skipped cleanly where there is no CUDA device."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.gpu(skip(test))
+
+
+FP32_TOL = dict(atol=2e-5, rtol=2e-5)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+SEQ_LENS = [1, 17, 33, 100, 129]
+# A one-token prompt, a whole prompt, two chunks over cached prefixes and a decode step.
+MIXED_QUERY_LENS = [1, 17, 5, 1, 60]
+
+
+class Batch(NamedTuple):
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+
+
+def make_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    kv_block_size: int = 16,
+    extra_query_rows: int = 0,
+    seed: int = 0,
+) -> Batch:
+    """Random queries and a random cache whose blocks are scattered; every page, including the unused
+    tail of each request's last page, holds random values, so a kernel that reads past seq_len fails."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // kv_block_size) for seq_len in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, kv_block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, kv_block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)
+    # Unused entries point far outside the cache: reading one would fault or fail loudly.
+    block_tables = torch.full((len(seq_lens), max(max(blocks_per_seq), 1) + 1), 1 << 30, dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(blocks_per_seq):
+        block_tables[row, :count] = order[used : used + count]
+        used += count
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    num_tokens = int(query_start_loc[-1]) + extra_query_rows
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    return Batch(
+        query=query.to(DEVICE, dtype),
+        k_cache=k_cache.to(DEVICE, dtype),
+        v_cache=v_cache.to(DEVICE, dtype),
+        block_tables=block_tables.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc.to(DEVICE),
+        scale=head_dim**-0.5,
+    )
+
+
+def both(batch: Batch, **hints: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Triton output, reference output); the reference runs in fp32 on the same inputs."""
+    got = attention.paged_attention(*batch, **hints)
+    want = reference.paged_attention(*batch)
+    return got, want
+
+
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(48, 4, 4), (64, 6, 2)])
+def test_mixed_prefill_chunks_and_decode_match_reference(
+    head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    batch = make_batch(SEQ_LENS, MIXED_QUERY_LENS, num_heads, num_kv_heads, head_dim)
+    got, want = both(batch, max_query_len=max(MIXED_QUERY_LENS))
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_long_prefill_spans_several_query_tiles() -> None:
+    # 129 and 100 tokens x 3 heads per KV head fill many query tiles; the second request has a
+    # 40-token cached prefix.
+    batch = make_batch([129, 140], [129, 100], 3, 1, 48)
+    got, want = both(batch)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3, None])
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(48, 4, 4), (64, 6, 2)])
+def test_decode_matches_reference(
+    num_kv_splits: int | None, head_dim: int, num_heads: int, num_kv_heads: int
+) -> None:
+    batch = make_batch(SEQ_LENS, [1] * len(SEQ_LENS), num_heads, num_kv_heads, head_dim)
+    got, want = both(batch, max_query_len=1, max_seq_len=max(SEQ_LENS), num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(4, 80), (8, 96)])
+def test_decode_gqa_ratios_and_odd_head_dims(group: int, head_dim: int) -> None:
+    batch = make_batch([7, 70], [1, 1], group, 1, head_dim)
+    got, want = both(batch, max_query_len=1, num_kv_splits=2)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("max_query_len", [1, 4])
+def test_padded_requests_and_rows_are_left_alone(max_query_len: int) -> None:
+    """CUDA-graph padding: requests with seq_len 0 and query_len 0 (between and after the real ones) and
+    query rows that no request owns. Their block-table rows are garbage; their output rows stay as given."""
+    seq_lens = [40, 0, 23, 0, 0]
+    query_lens = [max_query_len, 0, 1, 0, 0]
+    batch = make_batch(seq_lens, query_lens, 6, 2, 48, extra_query_rows=3)
+    owned = int(batch.query_start_loc[-1])
+    sentinel = torch.full_like(batch.query, 7.0)
+    got = attention.paged_attention(
+        *batch, out=sentinel.clone(), max_query_len=max_query_len, num_kv_splits=4
+    )
+    want = reference.paged_attention(*batch, out=sentinel.clone())
+    torch.testing.assert_close(got[:owned], want[:owned], **FP32_TOL)
+    assert torch.equal(got[owned:], sentinel[owned:])
+
+
+def test_max_query_len_is_found_when_not_given() -> None:
+    batch = make_batch(SEQ_LENS, MIXED_QUERY_LENS, 6, 2, 64)
+    torch.testing.assert_close(
+        attention.paged_attention(*batch),
+        attention.paged_attention(*batch, max_query_len=max(MIXED_QUERY_LENS)),
+        atol=0.0,
+        rtol=0.0,
+    )
+
+
+def test_writes_into_a_strided_out_and_reads_a_strided_query() -> None:
+    """The model passes q as a view of the fused qkv projection, so its rows are not contiguous."""
+    batch = make_batch(SEQ_LENS, MIXED_QUERY_LENS, 6, 2, 48)
+    fused = torch.randn(batch.query.shape[0], 10, 48, device=DEVICE)
+    fused[:, :6] = batch.query
+    out = torch.zeros(batch.query.shape[0], 8, 48, device=DEVICE)[:, 1:7]
+    strided = batch._replace(query=fused[:, :6])
+    attention.paged_attention(*strided, out=out)
+    torch.testing.assert_close(out, reference.paged_attention(*batch), **FP32_TOL)
+
+
+def test_default_num_kv_splits_depends_only_on_host_ints() -> None:
+    cpu = torch.device("cpu")
+    assert attention.default_num_kv_splits(1, 8, None, cpu) == 2
+    assert attention.default_num_kv_splits(1, 1, None, cpu) == 16
+    assert attention.default_num_kv_splits(1, 1, 300, cpu) == 2
+    assert attention.default_num_kv_splits(128, 8, 8192, cpu) == 1
+
+
+def test_reference_accepts_the_launch_hints() -> None:
+    batch = make_batch([5, 9], [1, 1], 2, 1, 16)
+    plain = reference.paged_attention(*batch)
+    hinted = reference.paged_attention(*batch, max_query_len=1, max_seq_len=9, num_kv_splits=4)
+    assert torch.equal(plain, hinted)
+
+
+@needs_cuda
+@pytest.mark.parametrize("max_query_len", [1, 100])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_on_gpu(max_query_len: int, group: int, dtype: torch.dtype) -> None:
+    seq_lens = [1, 17, 33, 100, 129, 1000, 2050]
+    query_lens = [1] * 7 if max_query_len == 1 else [1, 17, 5, 1, 60, 100, 1]
+    batch = make_batch(seq_lens, query_lens, 4 * group, 4, 128, dtype=dtype)
+    got = attention.paged_attention(*batch, max_query_len=max_query_len)
+    torch.testing.assert_close(got, reference.paged_attention(*batch), **BF16_TOL)
+
+
+@needs_cuda
+def test_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
+    """Captured once, replayed after the lengths, block tables and queries change in place."""
+    batch = make_batch([30, 0, 500, 2000], [1, 0, 1, 1], 32, 8, 128, dtype=torch.bfloat16)
+    out = torch.zeros_like(batch.query)
+
+    def step() -> None:
+        attention.paged_attention(*batch, out=out, max_query_len=1, num_kv_splits=8)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # New lengths that fit the same cache and block-table width; blocks reshuffled.
+    new_seq_lens = [2000, 0, 17, 520]
+    order = torch.randperm(batch.k_cache.shape[0], device=DEVICE).to(torch.int32)
+    used = 0
+    for row, seq_len in enumerate(new_seq_lens):
+        count = -(-seq_len // 16)
+        batch.block_tables[row, :count] = order[used : used + count]
+        used += count
+    batch.seq_lens.copy_(torch.tensor(new_seq_lens, dtype=torch.int32))
+    batch.query.normal_()
+    graph.replay()
+    want = reference.paged_attention(*batch, out=torch.zeros_like(out))
+    torch.testing.assert_close(out, want, **BF16_TOL)

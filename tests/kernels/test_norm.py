@@ -1,0 +1,56 @@
+"""Triton RMSNorm and fused residual-add RMSNorm against the torch reference, rounding included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels import norm, reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS = 1e-6
+
+
+def rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("shape", [(7, 100), (5, 3, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = rows(shape, dtype, 0)
+    weight = rows(shape[-1:], dtype, 1)
+    got = norm.rms_norm(x, weight, EPS)
+    want = reference.rms_norm(x, weight, EPS)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # rsqrt may differ in its last fp32 bit, which can move a bf16 result by one unit.
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+
+
+def test_rms_norm_fp32_weight_on_bf16_input_promotes_like_torch() -> None:
+    x = rows((4, 96), torch.bfloat16, 2)
+    weight = rows((96,), torch.float32, 3)
+    got = norm.rms_norm(x, weight, EPS)
+    want = reference.rms_norm(x, weight, EPS)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    x, residual = rows((9, 80), dtype, 4), rows((9, 80), dtype, 5)
+    weight = rows((80,), dtype, 6)
+    x_before, residual_before = x.clone(), residual.clone()
+    got, got_residual = norm.fused_add_rms_norm(x, residual, weight, EPS)
+    want, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(got_residual, want_residual)  # one rounding of the sum, exactly as torch's add
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_empty_batch() -> None:
+    x = torch.empty(0, 64, device=DEVICE)
+    assert norm.rms_norm(x, torch.ones(64, device=DEVICE), EPS).shape == (0, 64)
