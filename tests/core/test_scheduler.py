@@ -1,0 +1,196 @@
+"""Scheduler and KV cache accounting with no model at all: a fake executor samples token 7 every time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.core.engine import EngineCore
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.outputs import ModelRunnerOutput
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class FakeExecutor:
+    def __init__(self) -> None:
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(scheduler_output)
+        for request, num_new in scheduler_output.scheduled:
+            # Every slot the step writes must be allocated to the request.
+            assert request.num_computed_tokens + num_new <= len(request.block_ids) * 4
+        return ModelRunnerOutput(sampled_token_ids=[7] * len(scheduler_output.scheduled))
+
+
+def make_core(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    executor = FakeExecutor()
+    return EngineCore(Scheduler(kv, max_num_seqs, budget, max_model_len), executor), executor
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 5, **kwargs) -> Request:
+    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=max_tokens), **kwargs)
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            return tokens
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("engine did not finish")
+
+
+def test_token_budget_and_seq_cap_are_respected():
+    core, executor = make_core(budget=10, max_num_seqs=3)
+    for i in range(6):
+        core.add_request(request(str(i), prompt_len=13))
+    tokens = run_to_completion(core)
+    assert sorted(tokens) == [str(i) for i in range(6)] and all(len(t) == 5 for t in tokens.values())
+    for step in executor.steps:
+        assert step.total_num_scheduled_tokens <= 10
+        assert sum(n for _, n in step.scheduled) == step.total_num_scheduled_tokens
+        assert len(step.scheduled) <= 3
+    # The 13-token prompts cannot fit a 10-token budget: the first step is a chunk.
+    assert [(r.request_id, n) for r, n in executor.steps[0].scheduled] == [("0", 10)]
+
+
+def test_running_requests_first_and_prefills_share_steps_with_decodes():
+    core, executor = make_core(budget=8)
+    core.add_request(request("a", prompt_len=3, max_tokens=4))
+    core.step()
+    core.add_request(request("b", prompt_len=20, max_tokens=2))
+    core.step()
+    step = executor.steps[1]
+    assert [(r.request_id, n) for r, n in step.scheduled] == [("a", 1), ("b", 7)]
+
+
+def test_blocks_freed_on_finish_and_abort():
+    core, _ = make_core(num_blocks=20)
+    kv = core.scheduler.kv
+    core.add_request(request("done", prompt_len=9, max_tokens=2))
+    core.add_request(request("cut", prompt_len=9, max_tokens=50))
+    core.step()
+    assert kv.pool.num_free_blocks == 20 - 3 - 3
+    core.step()  # "done" finishes
+    assert "done" not in core.scheduler.requests
+    core.abort_requests(["cut"])
+    assert kv.pool.num_free_blocks == 20
+    assert not core.has_unfinished_requests()
+    assert core.scheduler.num_running == 0 and core.scheduler.num_waiting == 0
+
+
+def test_abort_while_waiting():
+    core, _ = make_core(max_num_seqs=1)
+    core.add_request(request("a", prompt_len=4))
+    core.add_request(request("b", prompt_len=4))
+    core.step()
+    core.abort_requests(["b"])
+    assert core.scheduler.num_waiting == 0
+    assert set(run_to_completion(core)) == {"a"}
+
+
+def test_preempts_newest_and_recomputes():
+    # Two requests growing to 24 tokens need 6 blocks each; 9 blocks force one out.
+    core, executor = make_core(num_blocks=9, budget=64, max_model_len=64)
+    core.add_request(request("old", prompt_len=8, max_tokens=16, arrival_time=1.0))
+    core.add_request(request("new", prompt_len=8, max_tokens=16, arrival_time=2.0))
+    tokens = run_to_completion(core)
+    assert tokens == {"old": [7] * 16, "new": [7] * 16}
+    preempted = [rid for step in executor.steps for rid in step.preempted_req_ids]
+    assert preempted and set(preempted) == {"new"}
+    assert core.scheduler.kv.pool.num_free_blocks == 9
+
+
+def test_priority_orders_admission():
+    core, executor = make_core(max_num_seqs=1)
+    core.add_request(request("low", prompt_len=4, max_tokens=1, priority=5, arrival_time=1.0))
+    core.add_request(request("high", prompt_len=4, max_tokens=1, priority=0, arrival_time=2.0))
+    run_to_completion(core)
+    assert [s.scheduled[0].request.request_id for s in executor.steps] == ["high", "low"]
+
+
+def test_prefix_cache_hits_counted_in_tokens():
+    core, _ = make_core(block_size=4)
+    kv = core.scheduler.kv
+    core.add_request(request("a", prompt_len=10, max_tokens=1))
+    run_to_completion(core)
+    b = request("b", prompt_len=10, max_tokens=1)
+    core.add_request(b)
+    core.step()
+    assert b.num_cached_tokens == 8  # two full blocks; the last partial block is recomputed
+    assert kv.prefix_cache_hits == 8 and kv.prefix_cache_queries == 20
+
+
+def test_cache_salt_isolates_prefixes():
+    core, _ = make_core(block_size=4)
+    core.add_request(request("a", prompt_len=10, max_tokens=1, cache_salt="tenant-1"))
+    run_to_completion(core)
+    b = request("b", prompt_len=10, max_tokens=1, cache_salt="tenant-2")
+    core.add_request(b)
+    core.step()
+    assert b.num_cached_tokens == 0
+
+
+def test_stop_conditions():
+    core, _ = make_core()
+    eos = Request("eos", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=(7,))
+    min_tok = Request("min", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=3), eos_token_ids=(7,))
+    ignore = Request("ign", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), eos_token_ids=(7,))
+    stop_id = Request("sid", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[7]))
+    for r in (eos, min_tok, ignore, stop_id):
+        core.add_request(r)
+    tokens = run_to_completion(core)
+    assert {k: len(v) for k, v in tokens.items()} == {"eos": 1, "min": 3, "ign": 4, "sid": 1}
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+    assert ignore.status == RequestStatus.FINISHED_LENGTH
+    assert stop_id.stop_reason == 7
+
+
+def test_max_model_len_caps_output():
+    core, _ = make_core(max_model_len=12)
+    r = Request("r", list(range(10)), SamplingParams(max_tokens=None))
+    core.add_request(r)
+    assert len(run_to_completion(core)["r"]) == 2
+    assert r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_duplicate_request_id_rejected():
+    core, _ = make_core()
+    core.add_request(request("x", 3))
+    with pytest.raises(ValueError, match="request_id"):
+        core.add_request(request("x", 3))
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_no_leak_after_random_traffic(caching):
+    rng = random.Random(0)
+    core, executor = make_core(num_blocks=40, block_size=4, max_num_seqs=6, budget=24, caching=caching)
+    kv = core.scheduler.kv
+    live: list[str] = []
+    prefixes = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(3)]
+    for step in range(3000):
+        action = rng.random()
+        if action < 0.3:
+            rid = f"r{step}"
+            prompt = rng.choice(prefixes)[: rng.randint(0, 16)] + [rng.randint(0, 99) for _ in range(rng.randint(1, 30))]
+            core.add_request(Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 20)), arrival_time=step))
+            live.append(rid)
+        elif action < 0.4 and live:
+            core.abort_requests([live.pop(rng.randrange(len(live)))])
+        for out in core.step():
+            if out.finish_reason is not None:
+                live.remove(out.request_id)
+        held = sum(len(r.block_ids) for r in core.scheduler.requests.values())
+        refs = sum(b.ref_cnt for b in kv.pool.blocks)
+        assert held == refs  # every reference is owned by a live request
+        assert kv.pool.num_free_blocks + sum(1 for b in kv.pool.blocks if b.ref_cnt > 0) == 40
+    core.abort_requests(list(core.scheduler.requests))
+    assert kv.pool.num_free_blocks == 40
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not core.has_unfinished_requests()
