@@ -100,7 +100,7 @@ MODELS: dict[str, ModelShape] = {
             num_experts_per_tok=8,
             moe_intermediate_size=2048,
             shared_expert_intermediate_size=2048,
-            first_dense_layers=3,
+            moe_dense_layers=3,
             router_bias=True,
             q_lora_rank=1536,
             kv_lora_rank=512,
@@ -168,6 +168,8 @@ def resolve_model(spec: str) -> ModelShape:
     key = catalogue_key(spec)
     if key in MODELS:
         return MODELS[key]
+    if path.suffix in (".gguf", ".json"):
+        raise ValueError(f"cannot read model file {path}: no such file")
     raise ValueError(
         f"unknown model {spec!r}: not a catalogue name ({', '.join(MODELS)}), 'default', "
         "a directory with config.json, or a .gguf file"

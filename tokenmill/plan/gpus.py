@@ -101,18 +101,27 @@ MEASURED: dict[str, MeasuredCeilings] = {
 }
 
 
-def _normalise(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum())
+# Short names people type for each card, compared after dropping case, spaces and punctuation.
+ALIASES = {
+    "h100": "H100 SXM",
+    "h100sxm": "H100 SXM",
+    "h200": "H200",
+    "h200sxm": "H200",
+    "b200": "B200",
+    "a100": "A100 80GB",
+    "a10080gb": "A100 80GB",
+    "l40s": "L40S",
+    "4090": "RTX 4090",
+    "rtx4090": "RTX 4090",
+}
 
 
 def resolve_gpu(name: str) -> GpuSpec:
     """Look a card up by name, forgiving case, spaces and dashes (`h100-sxm`, `A100 80GB`, `rtx4090`)."""
-    wanted = _normalise(name)
-    for spec in GPUS.values():
-        if _normalise(spec.name) == wanted or _normalise(spec.name.split()[0]) == wanted:
-            return spec
-    known = ", ".join(GPUS) + ", custom"
-    raise ValueError(f"unknown GPU {name!r}; choose one of: {known}")
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    if key in ALIASES:
+        return GPUS[ALIASES[key]]
+    raise ValueError(f"unknown GPU {name!r}; choose one of: {', '.join(GPUS)}, custom")
 
 
 def custom_gpu(memory_gb: float | None, bandwidth_tb_s: float | None, tflops: float | None) -> GpuSpec:

@@ -27,8 +27,9 @@ class ModelShape:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # total width of the always-on shared experts
-    first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace
+    moe_dense_layers: int = 0  # layers of a MoE model with a dense MLP (DeepSeek's first_k_dense_replace)
     router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    shared_expert_gate: bool = False  # Qwen2-MoE scales its shared expert by a learned gate
     # Multi-head latent attention (DeepSeek): the KV cache holds kv_lora_rank + qk_rope_head_dim per token.
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -57,7 +58,7 @@ class ModelShape:
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_dense_layers if self.is_moe else 0
+        return self.num_layers - self.moe_dense_layers if self.is_moe else 0
 
     @property
     def num_dense_layers(self) -> int:
@@ -98,7 +99,10 @@ class ModelShape:
             dense_mlp=3 * hidden * self.intermediate_size * self.num_dense_layers,
             routed_experts=per_expert * self.num_experts * self.num_moe_layers,
             shared_experts=3 * hidden * self.shared_expert_intermediate_size * self.num_moe_layers,
-            router=(hidden + int(self.router_bias)) * self.num_experts * self.num_moe_layers,
+            router=(
+                (hidden + int(self.router_bias)) * self.num_experts + hidden * int(self.shared_expert_gate)
+            )
+            * self.num_moe_layers,
             norms_and_biases=norms,
             per_expert=per_expert,
         )
@@ -134,12 +138,14 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
-        # Mixtral names its experts num_local_experts and sizes them with intermediate_size.
-        num_experts = int(config.get("n_routed_experts") or config.get("num_experts") or 0)
-        moe_width = int(config.get("moe_intermediate_size") or 0)
-        if config.get("num_local_experts"):
-            num_experts = int(config["num_local_experts"])
-            moe_width = int(config["intermediate_size"])
+        num_experts = int(
+            config.get("n_routed_experts")
+            or config.get("num_experts")
+            or config.get("num_local_experts")
+            or 0
+        )
+        # Mixtral sizes its experts with intermediate_size; the others give moe_intermediate_size.
+        moe_width = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
         shared_width = int(config.get("shared_expert_intermediate_size") or 0)
         if config.get("n_shared_experts"):
             shared_width = int(config["n_shared_experts"]) * moe_width
@@ -152,7 +158,7 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
             intermediate_size=int(config.get("intermediate_size") or 0),
             vocab_size=int(config["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             qk_norm=model_type.startswith("qwen3"),
             q_lora_rank=int(config.get("q_lora_rank") or 0),
             kv_lora_rank=int(config.get("kv_lora_rank") or 0),
@@ -169,14 +175,24 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
                 num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=moe_width,
                 shared_expert_intermediate_size=shared_width,
-                first_dense_layers=int(config.get("first_k_dense_replace") or 0),
-                router_bias=config.get("topk_method") == "noaux_tc",
+                moe_dense_layers=_moe_dense_layers(config, int(config["num_hidden_layers"])),
+                router_bias=model_type == "deepseek_v3" or config.get("topk_method") == "noaux_tc",
+                shared_expert_gate=model_type == "qwen2_moe",
             )
     except KeyError as exc:
         raise ValueError(f"model {name!r}: config.json has no {exc.args[0]!r}") from exc
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ValueError(f"model {name!r}: config.json has a malformed value ({exc})") from exc
     return ModelShape(name=name, **fields)
+
+
+def _moe_dense_layers(config: dict[str, Any], num_layers: int) -> int:
+    """DeepSeek keeps its first k layers dense; Qwen-MoE lists dense layers and may sparsify every n-th."""
+    if config.get("first_k_dense_replace"):
+        return int(config["first_k_dense_replace"])
+    dense_listed = {int(layer) for layer in config.get("mlp_only_layers") or ()}
+    sparse_step = int(config.get("decoder_sparse_step") or 1)
+    return sum(1 for layer in range(num_layers) if layer in dense_listed or (layer + 1) % sparse_step)
 
 
 def load_hf_dir(path: Path) -> ModelShape:
@@ -199,7 +215,7 @@ def load_gguf(path: Path) -> ModelShape:
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError, IndexError, KeyError) as exc:
-        raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+        raise ValueError(f"cannot read GGUF file {path} (not GGUF, or truncated): {exc}") from exc
 
     def field(key: str, default: int | None = None) -> int:
         value = reader.fields.get(key)
@@ -239,8 +255,11 @@ def load_gguf(path: Path) -> ModelShape:
         num_experts=num_experts,
         num_experts_per_tok=field(f"{arch}.expert_used_count", 0),
         moe_intermediate_size=moe_width,
-        shared_expert_intermediate_size=field(f"{arch}.expert_shared_count", 0) * moe_width,
-        first_dense_layers=field(f"{arch}.leading_dense_block_count", 0) if num_experts else 0,
+        shared_expert_intermediate_size=field(
+            f"{arch}.expert_shared_feed_forward_length", field(f"{arch}.expert_shared_count", 0) * moe_width
+        ),
+        shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in tensors,
+        moe_dense_layers=field(f"{arch}.leading_dense_block_count", 0) if num_experts else 0,
         router_bias=f"blk.{field(f'{arch}.leading_dense_block_count', 0)}.exp_probs_b.bias" in tensors,
         q_lora_rank=field(f"{arch}.attention.q_lora_rank", 0),
         kv_lora_rank=kv_lora_rank,
