@@ -16,7 +16,7 @@ from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
 
-_CPU_DEFAULT_KV_BYTES = 2 << 30
+_CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 class EngineParts(NamedTuple):

@@ -1,0 +1,118 @@
+"""Sampling: each knob's effect on a known distribution, and seeds independent of the batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.sampler import Sampler
+
+VOCAB = 11
+
+
+class _Runner:
+    """Just enough of a ModelRunner to build sampling batches on the CPU."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.generators: dict = {}
+
+    _sampling_batch = ModelRunner._sampling_batch
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, prompts=None, runner=None):
+    runner = runner or _Runner()
+    requests = []
+    for i, p in enumerate(params):
+        r = Request(f"r{i}", (prompts or {}).get(i, [0]), p, eos_token_ids=(1,))
+        for t in (outputs or {}).get(i, []):
+            r.append_output_token(t)
+        r.num_computed_tokens = r.num_tokens - 1
+        requests.append(r)
+    batch = runner._sampling_batch(SchedulerOutput([ScheduledRequest(r, 1) for r in requests]), VOCAB)
+    return Sampler()(logits.clone(), batch)
+
+
+def peaked(top: int, rows: int = 1) -> torch.Tensor:
+    logits = torch.zeros(rows, VOCAB)
+    logits[:, top] = 5.0
+    return logits
+
+
+def test_greedy_takes_argmax():
+    tokens, logprobs = sample(peaked(4, rows=2), [SamplingParams(temperature=0)] * 2)
+    assert tokens.tolist() == [4, 4] and logprobs is None
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))
+    tokens, _ = sample(logits, [SamplingParams(temperature=5.0, top_k=1)] * 8)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_p_and_min_p_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05] + [1e-9] * (VOCAB - 5)])).repeat(400, 1)
+    top_p, _ = sample(logits, [SamplingParams(temperature=1.0, top_p=0.75)] * 400)
+    assert set(top_p.tolist()) == {0, 1}
+    min_p, _ = sample(logits, [SamplingParams(temperature=1.0, min_p=0.25)] * 400)
+    assert set(min_p.tolist()) == {0, 1}
+
+
+def test_temperature_sampling_follows_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (VOCAB - 3))
+    logits = torch.log(probs.clamp_min(1e-12)).repeat(4000, 1)
+    torch.manual_seed(0)
+    tokens, _ = sample(logits, [SamplingParams(temperature=1.0)] * 4000)
+    freq = torch.bincount(tokens, minlength=VOCAB).float() / 4000
+    assert torch.allclose(freq[:3], probs[:3], atol=0.03)
+
+
+def test_seed_gives_same_tokens_whatever_the_batch():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [sample(logits, [seeded])[0].item() for _ in range(1)]
+    runner = _Runner()
+    crowd_logits = torch.cat([torch.randn(5, VOCAB), logits])
+    crowded = sample(crowd_logits, [SamplingParams(temperature=1.0)] * 5 + [seeded], runner=runner)[0][-1].item()
+    assert alone == [crowded]
+    # A fresh runner replays the same stream; the same runner continues it.
+    streams = [[sample(logits, [seeded], runner=r)[0].item() for _ in range(6)] for r in (_Runner(), _Runner())]
+    assert streams[0] == streams[1]
+
+
+def test_penalties():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 5] = 2.0, 1.9
+    # Token 3 was already generated twice: frequency 0.1 * 2 drops it below token 5.
+    tokens, _ = sample(logits, [SamplingParams(temperature=0, frequency_penalty=0.1)], outputs={0: [3, 3]})
+    assert tokens.item() == 5
+    tokens, _ = sample(logits, [SamplingParams(temperature=0, presence_penalty=0.2)], outputs={0: [3]})
+    assert tokens.item() == 5
+    # Repetition penalty counts prompt tokens too: 2.0 / 1.1 < 1.9.
+    tokens, _ = sample(logits, [SamplingParams(temperature=0, repetition_penalty=1.1)], prompts={0: [3]})
+    assert tokens.item() == 5
+
+
+def test_min_tokens_masks_eos_and_logit_bias_shifts():
+    tokens, _ = sample(peaked(1), [SamplingParams(temperature=0, min_tokens=2)])
+    assert tokens.item() != 1
+    tokens, _ = sample(peaked(4), [SamplingParams(temperature=0, logit_bias={6: 10.0})])
+    assert tokens.item() == 6
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
+    tokens, logprobs = sample(logits, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)])
+    expected = logits[0].log_softmax(-1)
+    entry = logprobs[0]
+    assert math.isclose(entry.logprob, expected[tokens[0]].item(), rel_tol=1e-6)
+    assert entry.rank == 1
+    assert entry.top_token_ids == expected.topk(3).indices.tolist()
+    assert logprobs[1] is None
