@@ -68,14 +68,18 @@ def paged_attention(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q = query[q_start:q_end]
         # Query i sits at position seq_len - query_len + i and sees keys at positions <= its own.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
+        mask, is_causal = None, False
+        if query_len == seq_len:
+            is_causal = True
+        elif query_len > 1:
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1).float(),
             k.transpose(0, 1).float(),
             v.transpose(0, 1).float(),
             attn_mask=mask,
+            is_causal=is_causal,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
