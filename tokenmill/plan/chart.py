@@ -55,7 +55,7 @@ def write_roofline_chart(
             (point.arithmetic_intensity, achieved),
             textcoords="offset points",
             # Prefill sits under the flat roof at the right edge: label it to the left, below the roofs.
-            xytext=(-8, -26) if point.phase == "prefill" else (6, -14),
+            xytext=(-8, -40) if point.phase == "prefill" else (6, -14),
             ha="right" if point.phase == "prefill" else "left",
             fontsize=8,
         )

@@ -121,12 +121,16 @@ class ParamCounts(NamedTuple):
 
     @property
     def total(self) -> int:
-        return sum(self[:8])
-
-    @property
-    def quantizable(self) -> int:
-        """Linear weights inside the blocks: the ones fp8/int8/int4 checkpoints quantize."""
-        return self.attention + self.dense_mlp + self.routed_experts + self.shared_experts
+        return (
+            self.embedding
+            + self.lm_head
+            + self.attention
+            + self.dense_mlp
+            + self.routed_experts
+            + self.shared_experts
+            + self.router
+            + self.norms_and_biases
+        )
 
 
 def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
