@@ -195,6 +195,13 @@ def test_bad_input_is_a_clean_error(capsys, argv, message):
     assert err.startswith("error: ") and message in err
 
 
+def test_unwritable_chart_is_a_clean_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["plan", "--model", "qwen3-0.6b", "--gpu", "H200", "--chart", str(blocker / "x.png")]) == 2
+    assert "cannot write the chart to" in capsys.readouterr().err
+
+
 def test_unreadable_model_file_is_a_clean_error(tmp_path, capsys):
     broken = tmp_path / "model.gguf"
     broken.write_bytes(b"\0" * 64)

@@ -36,10 +36,14 @@ def test_h200_ridge_point():
     ("typed", "name"),
     [
         ("h200", "H200"),
+        ("NVIDIA H200", "H200"),
         ("H100", "H100 SXM"),
         ("h100-sxm", "H100 SXM"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
         ("a100", "A100 80GB"),
         ("4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
     ],
 )
 def test_names_forgive_case_and_punctuation(typed, name):
@@ -49,6 +53,8 @@ def test_names_forgive_case_and_punctuation(typed, name):
 def test_unknown_gpu_lists_the_choices():
     with pytest.raises(ValueError, match="unknown GPU 'tpu-v5'; choose one of: H100 SXM, H200, B200"):
         resolve_gpu("tpu-v5")
+    with pytest.raises(ValueError, match="unknown GPU 'NVIDIA H100 PCIe'"):  # 2 TB/s, not the SXM's 3.35
+        resolve_gpu("NVIDIA H100 PCIe")
 
 
 def test_compute_dtype_follows_the_weights_and_the_card():

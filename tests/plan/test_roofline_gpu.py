@@ -112,7 +112,7 @@ def time_decode(weights: dict, batch: int, context_len: int, device: torch.devic
 
 def test_measured_forward_never_beats_the_floor():
     device = torch.device("cuda")
-    gpu = resolve_gpu(torch.cuda.get_device_name().removeprefix("NVIDIA ").split(" ")[0])
+    gpu = resolve_gpu(torch.cuda.get_device_name())
     deployment = Deployment(SHAPE, gpu)
     datasheet = ceilings_for(gpu, "bf16", measured=False)
     torch.manual_seed(0)

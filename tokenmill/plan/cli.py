@@ -220,4 +220,7 @@ def write_chart(path: Path, plan: Plan, measured: list[tuple[str, float, float]]
         f"{plan.deployment.shape.name} on {plan.tp} x {gpu.name}: {plan.deployment.weight_dtype} weights, "
         f"{plan.deployment.kv_dtype} KV"
     )
-    return write_roofline_chart(path, roofs, [*plan.decode_points, plan.prefill], title, measured)
+    try:
+        return write_roofline_chart(path, roofs, [*plan.decode_points, plan.prefill], title, measured)
+    except OSError as exc:
+        raise ValueError(f"cannot write the chart to {path}: {exc.strerror or exc}") from exc

@@ -101,24 +101,28 @@ MEASURED: dict[str, MeasuredCeilings] = {
 }
 
 
-# Short names people type for each card, compared after dropping case, spaces and punctuation.
+# Short names people type and the names nvidia-smi prints (without "NVIDIA"), compared after dropping
+# case, spaces and punctuation. PCIe variants are left out on purpose: their bandwidth differs.
 ALIASES = {
     "h100": "H100 SXM",
     "h100sxm": "H100 SXM",
+    "h10080gbhbm3": "H100 SXM",
     "h200": "H200",
     "h200sxm": "H200",
     "b200": "B200",
     "a100": "A100 80GB",
     "a10080gb": "A100 80GB",
+    "a100sxm480gb": "A100 80GB",
     "l40s": "L40S",
     "4090": "RTX 4090",
     "rtx4090": "RTX 4090",
+    "geforcertx4090": "RTX 4090",
 }
 
 
 def resolve_gpu(name: str) -> GpuSpec:
     """Look a card up by name, forgiving case, spaces and dashes (`h100-sxm`, `A100 80GB`, `rtx4090`)."""
-    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    key = "".join(ch for ch in name.lower() if ch.isalnum()).removeprefix("nvidia")
     if key in ALIASES:
         return GPUS[ALIASES[key]]
     raise ValueError(f"unknown GPU {name!r}; choose one of: {', '.join(GPUS)}, custom")
