@@ -152,6 +152,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "skip_tokenizer_init": args.skip_tokenizer_init or None,
     }
     return LLM(**{k: v for k, v in engine_args.items() if v is not None})
 

@@ -84,7 +84,13 @@ def plot_throughput_vs_rate(summaries: Sequence[Mapping[str, Any]], path: Path) 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     ax.plot(x, [s["request_throughput"] for s in summaries], "o-", label="achieved requests/s")
     if all(s.get("request_goodput") is not None for s in summaries):
-        ax.plot(x, [s["request_goodput"] for s in summaries], "s--", label="goodput requests/s (met SLOs)")
+        ax.plot(
+            x,
+            [s["request_goodput"] for s in summaries],
+            "s--",
+            color="tab:green",
+            label="goodput requests/s (met SLOs)",
+        )
     finite = [
         (xi, float(s["request_rate"])) for xi, s in zip(x, summaries, strict=True) if _is_finite_rate(s)
     ]

@@ -1,0 +1,169 @@
+"""`tokenmill bench serve` end to end against the fake server: report, JSON with vLLM keys, PNGs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tokenmill.bench.cli import add_parser
+from tokenmill.bench.report import format_summary, format_sweep
+
+from .fake_openai_server import Script
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+VLLM_KEYS = [
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "errors",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "model_id",
+    "num_prompts",
+] + [
+    f"{stat}_{m}_ms"
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p90", "p99")
+]
+
+
+def _parse(argv: str | list[str]) -> argparse.Namespace:
+    """Parse `tokenmill bench ARGV`; a string is split as a shell would."""
+    parser = argparse.ArgumentParser(prog="tokenmill")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *(shlex.split(argv) if isinstance(argv, str) else argv)])
+
+
+def _prompts_file(tmp_path: Path, count: int, **extra: object) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": f"r{i} hi", "output_length": 3, **extra}) for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_serve_sweep_writes_json_and_plots(
+    fake_server, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    def script(payload: dict) -> Script:
+        if payload["prompt"].startswith("r3 "):
+            return Script(status=500, message="no capacity")
+        return Script(ttft_s=0.02, itl_s=0.005, num_tokens=3)
+
+    server = fake_server(script)
+    args = _parse(
+        ["serve", "--base-url", server.base_url, "--dataset-name", "file", "--dataset-path",
+         str(_prompts_file(tmp_path, 6)), "--request-rate", "100,inf", "--goodput", "ttft:500", "tpot:50",
+         "--output-json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "plots"), "--disable-tqdm",
+         "--api-key", "sk-test"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert [r["request_rate"] for r in results] == [100.0, "inf"]
+    for result in results:
+        assert set(VLLM_KEYS) <= set(result)
+        assert result["completed"] == 5 and result["failed"] == 1
+        assert "HTTP 500: no capacity" in result["errors"]
+        assert result["model_id"] == "fake-model"  # asked from /v1/models
+        assert result["request_goodput"] == pytest.approx(5 / result["duration"])
+        assert result["mean_ttft_ms"] == pytest.approx(20.0, abs=15.0)
+    assert server.headers[0]["Authorization"] == "Bearer sk-test"
+    assert all(p["max_tokens"] == 3 and p["model"] == "fake-model" for p in server.payloads)
+
+    for name in ("latency_cdf.png", "throughput_vs_rate.png", "latency_vs_rate.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+
+    out = capsys.readouterr().out
+    assert out.count("Serving Benchmark Result") == 2
+    assert "Request Rate Sweep" in out and "1 x HTTP 500: no capacity" in out
+
+
+def test_serve_replays_a_trace_at_its_own_pace(fake_server, tmp_path: Path) -> None:
+    server = fake_server(lambda payload: Script(ttft_s=0.0, itl_s=0.0, num_tokens=1))
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(json.dumps({"timestamp": t, "prompt": "p", "output_length": 1}) + "\n" for t in (0, 200))
+    )
+    args = _parse(
+        ["serve", "--base-url", server.base_url, "--model", "m", "--dataset-name", "file", "--dataset-path",
+         str(path), "--trace-speedup", "2", "--output-json", str(tmp_path / "r.json"), "--disable-tqdm"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["request_rate"] == "trace" and result["trace_speedup"] == 2.0
+    assert result["duration"] == pytest.approx(0.1, abs=0.03)  # 200 ms of trace at 2x speed
+    assert result["tpots"] == [None, None]  # one-token answers
+
+
+def test_serve_with_no_successful_request_exits_nonzero(tmp_path: Path) -> None:
+    args = _parse(
+        ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--dataset-name", "file",
+         "--dataset-path", str(_prompts_file(tmp_path, 2)), "--disable-tqdm"]
+    )  # fmt: skip
+    assert args.func(args) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--goodput", "ttft"], "--goodput"),
+        (["--burstiness", "0.5", "--arrival-process", "constant"], "--burstiness"),
+        (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--endpoint", "/v1/chat/completions", "--prompts-as-token-ids"], "--prompts-as-token-ids"),
+        (["--metric-percentiles", "200"], "--metric-percentiles"),
+    ],
+)
+def test_serve_rejects_bad_flags_before_sending(argv: list[str], message: str) -> None:
+    args = _parse(["serve", "--model", "m", "--base-url", "http://127.0.0.1:9", *argv])
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
+
+
+def test_vllm_flag_names_parse() -> None:
+    args = _parse(
+        "serve --dataset-name random --tokenizer t --num-prompts 7 --random-input-len 5 --random-output-len 6"
+        " --random-range-ratio 0.2 --request-rate 1,inf --burstiness 0.5 --max-concurrency 3 --seed 4"
+        " --goodput ttft:500 tpot:50 --ignore-eos"
+    )
+    assert (args.num_prompts, args.random_input_len, args.random_output_len) == (7, 5, 6)
+    assert (args.request_rate, args.burstiness, args.max_concurrency, args.seed) == ("1,inf", 0.5, 3, 4)
+    assert args.goodput == ["ttft:500", "tpot:50"] and args.ignore_eos
+    throughput = _parse(["throughput", "--input-len", "9", "--output-len", "2", "--load-format", "dummy"])
+    assert (throughput.random_input_len, throughput.random_output_len, throughput.model) == (9, 2, "default")
+    latency = _parse(["latency", "--batch-size", "2", "--input-len", "3", "--output-len", "4"])
+    assert (latency.batch_size, latency.input_len, latency.output_len) == (2, 3, 4)
+
+
+def test_report_formats() -> None:
+    summary = dict(completed=2, failed=0, duration=1.0, total_input_tokens=4, total_output_tokens=6)
+    summary |= dict(
+        request_throughput=2.0, request_goodput=1.0, output_throughput=6.0, total_token_throughput=10.0
+    )
+    summary |= dict(
+        max_output_tokens_per_s=6.0, max_concurrent_requests=2, request_rate="inf", errors=["", ""]
+    )
+    summary |= dict(mean_ttft_ms=12.5, median_ttft_ms=12.5, p99_ttft_ms=13.0)
+    text = format_summary(summary, percentiles=[99], metrics=["ttft"])
+    assert "Request goodput (req/s):                      1.00" in text
+    assert "P99 TTFT (ms):                               13.00" in text
+    assert "Errors" not in text
+    sweep = format_sweep([summary], percentile=99)
+    assert sweep.splitlines()[2].split()[:3] == ["inf", "2.00", "1.00"]
