@@ -16,6 +16,8 @@ from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
+from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs once the KV cache exists (the graphs bake in its addresses)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
+        )
+        self.decode_graphs.capture()
 
     def _init_dummy_weights(self) -> None:
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
@@ -93,38 +107,26 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_start_loc, seq_lens = [0], []
-        max_blocks = 1
-        for request, num_new in scheduler_output.scheduled:
-            start = request.num_computed_tokens
-            pos = np.arange(start, start + num_new)
-            block_ids = np.asarray(request.block_ids, dtype=np.int64)
-            input_ids.append(np.asarray(request.all_token_ids[start : start + num_new], dtype=np.int64))
-            positions.append(pos)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(start + num_new)
-            max_blocks = max(max_blocks, len(request.block_ids))
-        block_tables = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
-        for row, (request, _) in enumerate(scheduler_output.scheduled):
-            block_tables[row, : len(request.block_ids)] = request.block_ids
-
-        def to_device(array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        def device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
 
         md = AttentionMetadata(
-            slot_mapping=to_device(np.concatenate(slots)),
-            block_tables=to_device(block_tables),
-            seq_lens=to_device(np.asarray(seq_lens, dtype=np.int32)),
-            query_start_loc=to_device(np.asarray(query_start_loc, dtype=np.int32)),
-            max_query_len=max(n for _, n in scheduler_output.scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=device(inputs.slot_mapping),
+            block_tables=device(inputs.block_tables),
+            seq_lens=device(inputs.seq_lens),
+            query_start_loc=device(inputs.query_start_loc),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
         )
-        logits_indices = to_device(np.asarray(query_start_loc[1:], dtype=np.int64) - 1)
-        return to_device(np.concatenate(input_ids)), to_device(np.concatenate(positions)), md, logits_indices
+        return device(inputs.input_ids), device(inputs.positions), md
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        """(input_ids, positions, attention metadata, logits_indices) on the device, run eagerly."""
+        inputs = self.input_batch.prepare(scheduler_output)
+        input_ids, positions, md = self._to_device(inputs)
+        logits_indices = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
+        return input_ids, positions, md, logits_indices
 
     def _sampling_batch(self, scheduler_output: SchedulerOutput, vocab_size: int) -> SamplingBatch:
         requests = [r for r, _ in scheduler_output.scheduled]
@@ -164,9 +166,14 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
-        input_ids, positions, md, logits_indices = self._prepare_inputs(scheduler_output)
-        hidden = self.model(input_ids, positions, md)
-        logits = self.model.compute_logits(hidden[logits_indices])
+        inputs = self.input_batch.prepare(scheduler_output)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+            logits = self.decode_graphs.run(inputs)
+        else:
+            input_ids, positions, md = self._to_device(inputs)
+            hidden = self.model(input_ids, positions, md)
+            last_rows = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last_rows])
         sampled, logprobs = self.sampler(logits, self._sampling_batch(scheduler_output, logits.shape[-1]))
         return ModelRunnerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
 

@@ -104,7 +104,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
         """Returns (sampled token ids [B] on the device, logprobs per row or None)."""
         raw_logits = logits
-        logits = logits.float().clone()
+        logits = logits.to(torch.float32, copy=True)
         _apply_bias_and_min_tokens(logits, batch.requests)
         if batch.needs_penalties:
             _apply_penalties(logits, batch.requests)
