@@ -125,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.served_model_name or args.model or _first_served_model(base_url, headers)
-    source = resolve_tokenizer_source(args.tokenizer, args.model)
+    # The served name finds the tokenizer too when it is a path or `default` (tokenmill's embedded model).
+    source = resolve_tokenizer_source(args.tokenizer, args.model or model)
     tokenizer = load_tokenizer(source) if source else None
     samples = samples_from_args(args, tokenizer)
     target = ServeTarget(
