@@ -95,10 +95,10 @@ def test_mixed_prefill_chunks_and_decode_match_reference(
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
-def test_long_prefill_spans_several_query_tiles() -> None:
-    # 129 and 100 tokens x 3 heads per KV head fill many query tiles; the second request has a
-    # 40-token cached prefix.
-    batch = make_batch([129, 140], [129, 100], 3, 1, 48)
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [([70], [70]), ([129, 140], [129, 100])])
+def test_long_prefill_spans_several_query_tiles(seq_lens: list[int], query_lens: list[int]) -> None:
+    # With 3 heads per KV head these fill many query tiles; [140, 100] has a 40-token cached prefix.
+    batch = make_batch(seq_lens, query_lens, 3, 1, 48)
     got, want = both(batch)
     torch.testing.assert_close(got, want, **FP32_TOL)
 

@@ -29,8 +29,9 @@ class TileConfig(NamedTuple):
 
 @triton.jit
 def _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
-    """The request owning query tile `tile_id`: request b's tiles start at query_start_loc[b] // BLOCK_Q + b,
-    a bound that needs no prefix sum over the tile counts and leaves gaps only for the empty tiles."""
+    """The request owning query tile `tile_id`. Request b's tiles are numbered from
+    query_start_loc[b] // BLOCK_Q + b: no prefix sum over tile counts is needed, at the price of at most
+    one unused number per request, whose program finds no query rows and exits."""
     lo = 0
     hi = num_seqs
     while hi - lo > 1:
@@ -140,13 +141,15 @@ def _paged_attention_kernel(
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request."""
-    tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
-        seq = tile_id
+        seq = tl.program_id(0)
         q_tile = 0
     else:
+        # Last tiles first: a request's later query tiles see the most keys, so starting them early
+        # shortens the tail of the launch.
+        tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
         seq = _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q)
         q_tile = tile_id - (tl.load(query_start_loc + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc + seq)

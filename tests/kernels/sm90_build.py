@@ -1,0 +1,151 @@
+"""Builds every Triton launch the kernel wrappers make, for the H100/H200 (sm_90), on a machine without a
+GPU: the wrappers run on CPU tensors with each kernel swapped for a recorder that compiles the launch
+through triton.compile and ptxas instead of running it. Run in a process without TRITON_INTERPRET.
+
+    python -m tests.kernels.sm90_build   # prints one JSON line per launch
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tokenmill.kernels import activation, attention, kv_cache, norm, rotary
+
+SM90 = GPUTarget("cuda", 90, 32)
+_TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+class Build(NamedTuple):
+    kernel: str
+    constants: dict
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    uses_tensor_cores: bool
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args)` compiles instead of launching."""
+
+    def __init__(self, fn: triton.JITFunction, builds: list[Build]) -> None:
+        self.fn = fn
+        self.builds = builds
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return self._compile
+
+    def _compile(self, *args: object, **kwargs: object) -> None:
+        options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+        bound = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
+        signature, constants, attrs = {}, {}, {}
+        for index, (name, param) in enumerate(zip(self.fn.arg_names, self.fn.params, strict=True)):
+            value = bound[name]
+            if param.is_constexpr:
+                signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                # The CUDA caching allocator aligns every tensor to 16 bytes; the JIT would see that.
+                signature[name], attrs[(index,)] = "*" + _TRITON_TYPES[value.dtype], [["tt.divisibility", 16]]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32"
+                if value % 16 == 0 and value:
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+            else:
+                signature[name] = "fp32"
+        compiled = triton.compile(
+            ASTSource(self.fn, signature, constants, attrs), target=SM90, options=options
+        )
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx_path = os.path.join(tmp, "kernel.ptx")
+            with open(ptx_path, "w") as file:
+                file.write(ptx)
+            report = subprocess.run(
+                [_PTXAS, "-v", "-arch=sm_90a", ptx_path, "-o", os.path.join(tmp, "kernel.cubin")],
+                capture_output=True, text=True, check=True,
+            ).stderr  # fmt: skip
+        registers = re.search(r"Used (\d+) registers", report)
+        spills = re.search(r"(\d+) bytes spill stores", report)
+        self.builds.append(
+            Build(
+                kernel=self.fn.__name__,
+                constants={k: v for k, v in constants.items() if k.isupper()},
+                registers=int(registers.group(1)) if registers else -1,
+                spill_bytes=int(spills.group(1)) if spills else 0,
+                shared_bytes=compiled.metadata.shared,
+                uses_tensor_cores="mma" in ptx,
+            )
+        )
+
+
+def _attention_launches(dtype: torch.dtype) -> None:
+    """Decode with and without splits, a long prefill and short chunks, for the shapes that matter."""
+    for num_heads, num_kv_heads, head_dim in ((32, 8, 128), (12, 4, 48), (8, 8, 64)):
+        k_cache = torch.empty(8, 16, num_kv_heads, head_dim, dtype=dtype)
+        block_tables = torch.zeros(2, 8, dtype=torch.int32)
+        seq_lens = torch.tensor([100, 50], dtype=torch.int32)
+        for query_lens, splits in (([1, 1], 4), ([1, 1], 1), ([100, 1], None), ([2, 1], None)):
+            query = torch.empty(sum(query_lens), num_heads, head_dim, dtype=dtype)
+            query_start_loc = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
+            attention.paged_attention(
+                query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, 0.1,
+                max_query_len=max(query_lens), num_kv_splits=splits,
+            )  # fmt: skip
+
+
+def _small_launches(dtype: torch.dtype) -> None:
+    tokens = torch.empty(5, 8, 128, dtype=dtype)
+    cache = torch.empty(4, 16, 8, 128, dtype=dtype)
+    kv_cache.write_kv_cache(tokens, tokens, cache, cache, torch.zeros(5, dtype=torch.int64))
+    x, weight = torch.empty(5, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
+    norm.rms_norm(x, weight, 1e-6)
+    norm.fused_add_rms_norm(x, x, weight, 1e-6)
+    positions = torch.zeros(5, dtype=torch.int64)
+    rotary.rotary_embedding(positions, torch.empty(5, 32, 128, dtype=dtype), tokens, torch.empty(10, 128))
+    activation.silu_and_mul(torch.empty(5, 2 * 14336, dtype=dtype))
+
+
+def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
+    builds: list[Build] = []
+    kernels = [
+        (attention, "_paged_attention_kernel"),
+        (attention, "_reduce_splits_kernel"),
+        (kv_cache, "_write_kv_cache_kernel"),
+        (norm, "_rms_norm_kernel"),
+        (rotary, "_rotary_kernel"),
+        (activation, "_silu_and_mul_kernel"),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name in kernels]
+    for module, name, fn in originals:
+        setattr(module, name, _Recorder(fn, builds))
+    try:
+        _attention_launches(dtype)
+        _small_launches(dtype)
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+    return builds
+
+
+if __name__ == "__main__":
+    for build in build_all():
+        print(json.dumps(build._asdict()))

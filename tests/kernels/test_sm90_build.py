@@ -1,0 +1,42 @@
+"""The Triton kernels build for the H100/H200 (sm_90) without spilling, checked on a machine without a
+GPU: CI has none, and a kernel that only fails to compile on the GPU would otherwise go unseen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernels themselves")
+def test_every_launch_builds_for_sm90_without_spills() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_build"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    builds = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {build["kernel"] for build in builds} == {
+        "_paged_attention_kernel",
+        "_reduce_splits_kernel",
+        "_write_kv_cache_kernel",
+        "_rms_norm_kernel",
+        "_rotary_kernel",
+        "_silu_and_mul_kernel",
+    }
+    assert [build for build in builds if build["spill_bytes"]] == []
+    attention_builds = [build for build in builds if build["kernel"] == "_paged_attention_kernel"]
+    assert len(attention_builds) == 12
+    assert all(build["uses_tensor_cores"] for build in attention_builds)
+    # Hopper allows 227 KB of shared memory per block.
+    assert max(build["shared_bytes"] for build in builds) <= 227 * 1024
