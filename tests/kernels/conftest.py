@@ -1,7 +1,7 @@
 """Kernel tests run the Triton kernels through the interpreter when there is no GPU.
 
 TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is set here, at collection,
-before the test modules import tokenmill.kernels' Triton modules. Two interpreter faults of triton 3.6
+before the test modules import tokenmill.kernels' Triton modules. Three interpreter faults of triton 3.6
 that the GPU does not share are mended here, so that the tests hold the kernels to GPU behaviour.
 """
 
@@ -38,5 +38,18 @@ if not torch.cuda.is_available():
                 return as_bf16.view(torch.int16).numpy().view(np.uint16)
             return _convert_float(data, input_dtype, output_dtype, rounding_mode)
 
+        _create_dot = interpreter.InterpreterBuilder.create_dot
+
+        def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+            # bf16 operands are stored as uint16 bit patterns, which the interpreter multiplies as integers.
+            def widen(x):
+                if x.dtype.scalar != tl.bfloat16:
+                    return x
+                data = _convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return interpreter.TensorHandle(data.reshape(x.data.shape), tl.float32)
+
+            return _create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
         interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24
         interpreter._convert_float = _convert_float_rtne
+        interpreter.InterpreterBuilder.create_dot = _create_dot_bf16

@@ -86,13 +86,16 @@ def both(batch: Batch, **hints: int | None) -> tuple[torch.Tensor, torch.Tensor]
     return got, want
 
 
-@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(48, 4, 4), (64, 6, 2)])
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads", "dtype"),
+    [(48, 4, 4, torch.float32), (64, 6, 2, torch.float32), (64, 6, 2, torch.bfloat16)],
+)
 def test_mixed_prefill_chunks_and_decode_match_reference(
-    head_dim: int, num_heads: int, num_kv_heads: int
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
-    batch = make_batch(SEQ_LENS, MIXED_QUERY_LENS, num_heads, num_kv_heads, head_dim)
+    batch = make_batch(SEQ_LENS, MIXED_QUERY_LENS, num_heads, num_kv_heads, head_dim, dtype=dtype)
     got, want = both(batch, max_query_len=max(MIXED_QUERY_LENS))
-    torch.testing.assert_close(got, want, **FP32_TOL)
+    torch.testing.assert_close(got, want, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
 @pytest.mark.parametrize(("seq_lens", "query_lens"), [([70], [70]), ([129, 140], [129, 100])])
@@ -158,11 +161,12 @@ def test_writes_into_a_strided_out_and_reads_a_strided_query() -> None:
     torch.testing.assert_close(out, reference.paged_attention(*batch), **FP32_TOL)
 
 
-def test_default_num_kv_splits_depends_only_on_host_ints() -> None:
+def test_default_num_kv_splits_is_a_power_of_two_from_host_ints() -> None:
     cpu = torch.device("cpu")
     assert attention.default_num_kv_splits(1, 8, None, cpu) == 2
     assert attention.default_num_kv_splits(1, 1, None, cpu) == 16
     assert attention.default_num_kv_splits(1, 1, 300, cpu) == 2
+    assert attention.default_num_kv_splits(1, 3, None, cpu) == 4  # 6 rounded down to a power of two
     assert attention.default_num_kv_splits(128, 8, 8192, cpu) == 1
 
 

@@ -200,7 +200,7 @@ def _paged_attention_kernel(
         KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
     )  # fmt: skip
 
-    # An empty split (short request, many splits) has l_i == 0: it reports lse -inf and weighs nothing.
+    # An empty split (short request, many splits) has l_i == 0: it reports lse -inf and a zero output.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     result = acc / l_safe[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]
@@ -238,9 +238,9 @@ def _reduce_splits_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
     lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
+    # An empty split wrote lse -inf and a zero output, so it weighs nothing here.
     weight = tl.exp2(lse - tl.max(lse, 0))
-    # Empty splits wrote no partial output; masking their loads keeps uninitialised memory out.
-    part_mask = (lse > float("-inf"))[:, None] & (dims < HEAD_DIM)[None, :]
+    part_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
     part = tl.load(partial_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_mask, other=0.0)
     result = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
     o_offsets = q_start * stride_o_tok + head * stride_o_head + dims
@@ -259,12 +259,14 @@ def default_num_kv_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
 ) -> int:
     """KV splits for a decode: enough programs for two per multiprocessor, never a split under
-    _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. Depends only on host ints, so a CUDA graph
-    captured for a batch size stays valid."""
+    _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. A power of two, so a server compiles at most
+    six variants. Any count is correct for any lengths (the kernel splits by the seq_lens it reads), so a
+    CUDA graph captured with one count stays valid when the lengths change."""
     splits = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
     if max_seq_len is not None:
         splits = min(splits, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
-    return max(1, min(splits, _MAX_KV_SPLITS))
+    splits = max(1, min(splits, _MAX_KV_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 def decode_config(group: int, element_size: int) -> TileConfig:
