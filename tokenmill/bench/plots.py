@@ -70,7 +70,7 @@ def plot_latency_cdfs(
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="best")
     first = summaries[0]
     fig.suptitle(f"Latency CDFs: {first.get('model_id', '')}, {first.get('completed', 0)} requests per rate")
     fig.tight_layout()
