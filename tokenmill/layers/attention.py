@@ -6,9 +6,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenmill.kernels import get_kernels
+
+# Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
+_DENSE_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence, q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out[0].transpose(0, 1)
 
 
 @dataclass
@@ -21,6 +45,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
+    # One request, whole prompt, no cached prefix: attention can read K/V straight from this step's
+    # tensors through cuDNN's dense causal kernel, the fastest long prefill on Hopper.
+    dense_prefill: bool = False
 
     @property
     def is_decode_only(self) -> bool:
@@ -47,6 +74,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         kernels = get_kernels(q.device)
         kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        if attn_metadata.dense_prefill:
+            return dense_causal_attention(q, k, v, self.scale).view(
+                num_tokens, self.num_heads * self.head_dim
+            )
         out = kernels.paged_attention(
             q,
             self.k_cache,

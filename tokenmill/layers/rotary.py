@@ -24,7 +24,9 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type in _UNSUPPORTED_ROPE:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn).")
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)."
+        )
     if rope_type == "default":
         base = float(params["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

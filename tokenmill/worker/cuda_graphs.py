@@ -22,8 +22,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -83,8 +89,12 @@ class DecodeGraphs:
         self.positions[:num_seqs].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
         self.slot_mapping[:num_seqs].copy_(torch.from_numpy(inputs.slot_mapping), non_blocking=True)
         self.seq_lens[:num_seqs].copy_(torch.from_numpy(inputs.seq_lens), non_blocking=True)
-        self.block_tables[:num_seqs, :num_blocks].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
-        self.query_start_loc[: num_seqs + 1].copy_(torch.from_numpy(inputs.query_start_loc), non_blocking=True)
+        self.block_tables[:num_seqs, :num_blocks].copy_(
+            torch.from_numpy(inputs.block_tables), non_blocking=True
+        )
+        self.query_start_loc[: num_seqs + 1].copy_(
+            torch.from_numpy(inputs.query_start_loc), non_blocking=True
+        )
         if size > num_seqs:
             self.slot_mapping[num_seqs:size].fill_(-1)
             self.seq_lens[num_seqs:size].fill_(0)

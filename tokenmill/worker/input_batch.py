@@ -56,7 +56,9 @@ class InputBatch:
         scheduled = scheduler_output.scheduled
         rows = np.fromiter((self._sync_row(r) for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
         num_new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
-        starts = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        starts = np.fromiter(
+            (r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled)
+        )
         query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start_loc[1:])
         seq_lens = starts + num_new
@@ -64,17 +66,26 @@ class InputBatch:
         if max_query_len == 1:
             positions = starts
             request_of_token = np.arange(len(scheduled))
-            input_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+            input_ids = np.fromiter(
+                (r.all_token_ids[r.num_computed_tokens] for r, _ in scheduled),
+                dtype=np.int64,
+                count=len(scheduled),
+            )
         else:
             request_of_token = np.repeat(np.arange(len(scheduled)), num_new)
             positions = starts[request_of_token] + (
                 np.arange(int(query_start_loc[-1])) - query_start_loc[:-1][request_of_token]
             )
             input_ids = np.concatenate(
-                [np.asarray(r.all_token_ids[s : s + n], dtype=np.int64) for (r, n), s in zip(scheduled, starts)]
+                [
+                    np.asarray(r.all_token_ids[s : s + n], dtype=np.int64)
+                    for (r, n), s in zip(scheduled, starts)
+                ]
             )
         bs = self.block_size
-        slot_mapping = self.block_table[rows[request_of_token], positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = (
+            self.block_table[rows[request_of_token], positions // bs].astype(np.int64) * bs + positions % bs
+        )
         max_blocks = int(self.num_blocks_in_row[rows].max())
         return StepInputs(
             input_ids=input_ids,

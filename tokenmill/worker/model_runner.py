@@ -11,8 +11,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput
-from tokenmill.core.request import Request
 from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.kernels import get_kernels
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
@@ -51,6 +51,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # Memory that others (other processes, earlier engines in this one) hold before we start.
+            free, total = torch.cuda.mem_get_info()
+            self._memory_used_before = total - free
+            self._allocated_before = torch.cuda.memory_allocated()
         with torch.device(self.device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
@@ -69,6 +75,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
+        # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
+        self.dense_prefill_ok = self.device.type == "cuda" and get_kernels(self.device).backend == "triton"
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs once the KV cache exists (the graphs bake in its addresses)."""
@@ -118,6 +126,11 @@ class ModelRunner:
             query_start_loc=device(inputs.query_start_loc),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
+            dense_prefill=(
+                self.dense_prefill_ok
+                and len(inputs.seq_lens) == 1
+                and inputs.max_query_len == inputs.max_seq_len
+            ),
         )
         return device(inputs.input_ids), device(inputs.positions), md
 
@@ -199,10 +212,12 @@ class ModelRunner:
         num_rows = min(num_tokens, self.config.max_num_seqs)
         self.model.compute_logits(hidden[-num_rows:]).float().softmax(dim=-1)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        used_by_others = (total - free) - torch.cuda.memory_reserved()
+        # Weights plus the activation peak, this engine's own share of the allocator.
+        peak = torch.cuda.max_memory_allocated() - self._allocated_before - scratch_bytes
+        _, total = torch.cuda.mem_get_info()
         self.allocate_kv_cache(0)
         self.kv_caches = []
         torch.cuda.empty_cache()
-        return int(total * self.config.gpu_memory_utilization - used_by_others - peak + scratch_bytes)
+        # Headroom for the CUDA graphs' private pool and allocator fragmentation.
+        reserve = 512 << 20
+        return int(total * self.config.gpu_memory_utilization - self._memory_used_before - peak - reserve)

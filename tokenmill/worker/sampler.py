@@ -47,7 +47,9 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
                 row_logits > 0, row_logits / params.repetition_penalty, row_logits * params.repetition_penalty
             )
             logits[row] = torch.where(seen, penalised, row_logits)
-        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+            logits.dtype
+        )
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -84,7 +86,9 @@ def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) 
     return probs.div(q).argmax(dim=-1)
 
 
-def _logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
+def _logprobs(
+    raw_logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch
+) -> list[TokenLogprobs | None]:
     logprobs = raw_logits.float().log_softmax(dim=-1)
     sampled_lp = logprobs.gather(1, sampled[:, None])
     ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
