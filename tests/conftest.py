@@ -12,23 +12,47 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Odd sizes on purpose: head_dim not a power of two, GQA ratios 1, 3 and 4, vocab not a power of two.
 ARCH_CONFIGS = {
     "llama": dict(
-        cls="LlamaConfig", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=48,
-        intermediate_size=200, attention_bias=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 128},
+        cls="LlamaConfig",
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=48,
+        intermediate_size=200,
+        attention_bias=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
         rope_theta=500000.0,
     ),
     "mistral": dict(
-        cls="MistralConfig", hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-        intermediate_size=176, sliding_window=None,
+        cls="MistralConfig",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=176,
+        sliding_window=None,
     ),
     "qwen2": dict(
-        cls="Qwen2Config", hidden_size=80, num_attention_heads=5, num_key_value_heads=5,
-        intermediate_size=150, tie_word_embeddings=True,
+        cls="Qwen2Config",
+        hidden_size=80,
+        num_attention_heads=5,
+        num_key_value_heads=5,
+        intermediate_size=150,
+        tie_word_embeddings=True,
     ),
     "qwen3": dict(
-        cls="Qwen3Config", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=40,
-        intermediate_size=136, tie_word_embeddings=False,
+        cls="Qwen3Config",
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=40,
+        intermediate_size=136,
+        tie_word_embeddings=False,
     ),
 }
 ARCHS = list(ARCH_CONFIGS)
@@ -40,8 +64,15 @@ def make_hf_model(arch: str, seed: int = 0):
     spec = dict(ARCH_CONFIGS[arch])
     config_cls = getattr(transformers, spec.pop("cls"))
     config = config_cls(
-        vocab_size=1003, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.2, **spec,
+        vocab_size=1003,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        initializer_range=0.2,
+        **spec,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

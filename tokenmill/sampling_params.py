@@ -81,9 +81,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-        )
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def stop_buffer_length(self) -> int:

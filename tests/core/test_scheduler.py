@@ -178,8 +178,12 @@ def test_no_leak_after_random_traffic(caching):
         action = rng.random()
         if action < 0.3:
             rid = f"r{step}"
-            prompt = rng.choice(prefixes)[: rng.randint(0, 16)] + [rng.randint(0, 99) for _ in range(rng.randint(1, 30))]
-            core.add_request(Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 20)), arrival_time=step))
+            prompt = rng.choice(prefixes)[: rng.randint(0, 16)] + [
+                rng.randint(0, 99) for _ in range(rng.randint(1, 30))
+            ]
+            core.add_request(
+                Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 20)), arrival_time=step)
+            )
             live.append(rid)
         elif action < 0.4 and live:
             core.abort_requests([live.pop(rng.randrange(len(live)))])

@@ -33,14 +33,21 @@ def test_smollm2_gguf_greedy_matches_transformers_gguf(llm):
     hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     outputs = llm.chat(CHATS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     for chat, output in zip(CHATS, outputs):
-        ids = hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = hf_tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         input_ids = ids["input_ids"]
         assert output.prompt_token_ids == input_ids[0].tolist()
         with torch.no_grad():
             expected = hf_model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=24, min_new_tokens=24,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-            )[0, input_ids.shape[1]:].tolist()
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, input_ids.shape[1] :].tolist()
         assert output.outputs[0].token_ids == expected
         assert output.outputs[0].text == hf_tokenizer.decode(expected, skip_special_tokens=True)
 
@@ -56,7 +63,8 @@ def test_stop_string_cut_from_text(llm):
     assert completion.text == "The capital of France is "
     assert completion.finish_reason == "stop" and completion.stop_reason == "Paris"
     kept = llm.chat(
-        CHATS[0], SamplingParams(max_tokens=64, temperature=0, stop=["Paris"], include_stop_str_in_output=True),
+        CHATS[0],
+        SamplingParams(max_tokens=64, temperature=0, stop=["Paris"], include_stop_str_in_output=True),
         use_tqdm=False,
     )
     assert kept[0].outputs[0].text == "The capital of France is Paris"
@@ -91,7 +99,9 @@ def test_seed_independent_of_batch(llm):
 
 
 def test_logprobs(llm):
-    out = llm.generate("The sky is", SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False)[0]
+    out = llm.generate("The sky is", SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False)[
+        0
+    ]
     completion = out.outputs[0]
     assert len(completion.logprobs) == 4
     for token_id, entry in zip(completion.token_ids, completion.logprobs):
@@ -156,7 +166,9 @@ def test_bad_prompts_fail_alone_and_engine_keeps_serving(llm):
 def test_bad_models_and_engine_knobs(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         LLM(model=str(tmp_path / "missing"))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ValueError, match="architecture"):
         LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True)
     broken = tmp_path / "broken.gguf"

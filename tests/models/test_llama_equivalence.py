@@ -24,10 +24,15 @@ def hf_greedy(model, prompt: list[int], num_tokens: int = NUM_NEW_TOKENS) -> lis
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 PROMPTS = random_prompts([5, 17, 33, 2])

@@ -80,10 +80,14 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     alone = [sample(logits, [seeded])[0].item() for _ in range(1)]
     runner = _Runner()
     crowd_logits = torch.cat([torch.randn(5, VOCAB), logits])
-    crowded = sample(crowd_logits, [SamplingParams(temperature=1.0)] * 5 + [seeded], runner=runner)[0][-1].item()
+    crowded = sample(crowd_logits, [SamplingParams(temperature=1.0)] * 5 + [seeded], runner=runner)[0][
+        -1
+    ].item()
     assert alone == [crowded]
     # A fresh runner replays the same stream; the same runner continues it.
-    streams = [[sample(logits, [seeded], runner=r)[0].item() for _ in range(6)] for r in (_Runner(), _Runner())]
+    streams = [
+        [sample(logits, [seeded], runner=r)[0].item() for _ in range(6)] for r in (_Runner(), _Runner())
+    ]
     assert streams[0] == streams[1]
 
 
@@ -109,7 +113,9 @@ def test_min_tokens_masks_eos_and_logit_bias_shifts():
 
 def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
-    tokens, logprobs = sample(logits, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)])
+    tokens, logprobs = sample(
+        logits, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
+    )
     expected = logits[0].log_softmax(-1)
     entry = logprobs[0]
     assert math.isclose(entry.logprob, expected[tokens[0]].item(), rel_tol=1e-6)

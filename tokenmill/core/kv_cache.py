@@ -80,7 +80,9 @@ class KVCacheManager:
         num_tokens_after = (
             request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
         )
-        num_needed = cdiv(num_tokens_after, self.block_size) - len(request.block_ids) - len(computed_block_ids)
+        num_needed = (
+            cdiv(num_tokens_after, self.block_size) - len(request.block_ids) - len(computed_block_ids)
+        )
         # Cached blocks that sit in the free queue stop being allocatable once this request takes them.
         num_reclaimed = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_reclaimed:

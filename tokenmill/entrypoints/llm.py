@@ -69,13 +69,18 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
             )
             for conversation in conversations
         ]
         # The template already holds any BOS token: tokenize without adding special tokens again.
         token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(
+            prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm
+        )
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs

@@ -33,7 +33,9 @@ def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     files = safetensors_files(path)
     if not files:
-        raise ValueError(f"model {path!r} has no *.safetensors weights (use load_format='dummy' for random weights).")
+        raise ValueError(
+            f"model {path!r} has no *.safetensors weights (use load_format='dummy' for random weights)."
+        )
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
@@ -49,8 +51,10 @@ def load_hf_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot load a tokenizer from {path!r} ({exc}); pass skip_tokenizer_init=True "
-                         "to work with token ids only.") from exc
+        raise ValueError(
+            f"cannot load a tokenizer from {path!r} ({exc}); pass skip_tokenizer_init=True "
+            "to work with token ids only."
+        ) from exc
 
 
 def generation_eos_ids(path: str) -> list[int]:
