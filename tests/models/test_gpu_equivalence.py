@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-NEAR_TIE = 0.05  # logits in bf16 carry about 3 significant digits
+NEAR_TIE = 0.02  # of the largest logit: bf16 keeps about 3 significant digits through each layer
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -45,5 +45,6 @@ def test_greedy_tokens_match_transformers_in_bf16(arch, enforce_eager, hf_model_
         chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
         gap = logits.max(dim=-1).values - chosen
         # Teacher-forced on our own tokens: each pick is transformers' argmax or within a near tie.
-        assert (gap <= NEAR_TIE).all(), f"{arch}: gaps {gap.tolist()}"
+        tolerance = NEAR_TIE * logits.abs().max(dim=-1).values
+        assert (gap <= tolerance).all(), f"{arch}: gaps {gap.tolist()} tolerance {tolerance.tolist()}"
         assert (gap == 0).float().mean() >= 0.9

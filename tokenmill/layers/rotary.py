@@ -29,7 +29,8 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
         )
     if rope_type == "default":
         base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = 1.0 / (base**exponents)
         return inv_freq, 1.0
     # The scaled variants follow transformers' own definitions exactly, so reuse them.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -43,11 +44,12 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_position: int) -> None:
         super().__init__()
-        inv_freq, attention_scaling = inverse_frequencies(config, head_dim)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # Computed in fp32 on the CPU whatever the default device, then moved where the model lives.
+        with torch.device("cpu"):
+            inv_freq, attention_scaling = inverse_frequencies(config, head_dim)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.cpu())
+            cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -71,8 +71,12 @@ def create_engine(config: EngineConfig) -> EngineParts:
     runner.capture_cuda_graphs()
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: %.1fx",
-        num_blocks, config.block_size, capacity, num_blocks * runner.kv_bytes_per_block() / 2**30,
-        max_model_len, capacity / max_model_len,
+        num_blocks,
+        config.block_size,
+        capacity,
+        num_blocks * runner.kv_bytes_per_block() / 2**30,
+        max_model_len,
+        capacity / max_model_len,
     )
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_seqs, batched_tokens, max_model_len)

@@ -28,7 +28,9 @@ class LLMEngine:
         self.num_kv_blocks = parts.num_kv_blocks
         self.tokenizer = None if config.skip_tokenizer_init else self.source.load_tokenizer()
         self.eos_token_ids = eos_ids(self.source, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @property
@@ -45,7 +47,9 @@ class LLMEngine:
     ) -> None:
         prompt_token_ids = self.input_processor.process(prompt, params)
         text = prompt if isinstance(prompt, str) else prompt_text
-        for child_id, child_params in self.output_processor.add_request(request_id, text, prompt_token_ids, params):
+        for child_id, child_params in self.output_processor.add_request(
+            request_id, text, prompt_token_ids, params
+        ):
             self.core.add_request(
                 Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, priority=priority)
             )
