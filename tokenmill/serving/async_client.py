@@ -291,7 +291,8 @@ class AsyncEngineClient:
 
     def _on_core_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        self.process.join(timeout=0)
+        # The sentinel fires as the process ends, a moment before it can be reaped for its exit code.
+        self.process.join(timeout=0.5)
         if not self._closing:
             self._fail(f"engine core process died unexpectedly (exit code {self.process.exitcode}).")
 

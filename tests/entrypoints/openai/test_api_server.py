@@ -1,0 +1,162 @@
+"""The server's own endpoints and its error contract: every bad input is an OpenAI-style error object with
+the status code the openai client expects."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tokenmill import __version__
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+VLLM_METRICS = [
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+    "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+    "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+]  # fmt: skip
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_health_version_models(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == "default" and models["data"][0]["max_model_len"] == 1024
+
+
+def test_metrics_use_vllm_names_under_the_tokenmill_prefix(server, client):
+    client.completions.create(model="default", prompt="Hi", max_tokens=2)
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    metrics = server.metrics()
+    for name in VLLM_METRICS:
+        assert f"tokenmill:{name}" in metrics, name
+    assert metrics["tokenmill:generation_tokens_total"] >= 2
+    assert metrics["tokenmill:time_to_first_token_seconds_count"] >= 1
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    tokenized = server.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 1024
+    assert server.post("/detokenize", json={"tokens": tokenized["tokens"]}).json() == {
+        "prompt": "Hello world"
+    }
+    chat = server.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["count"] > tokenized["count"]  # the chat template adds the role markers
+    assert_error(server.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    assert_error(server.post("/tokenize", json={"prompt": "a", "messages": MESSAGES}), 400)
+
+
+def test_unknown_model_is_404(server, client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-17", messages=MESSAGES, max_tokens=1)
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+    assert_error(server.post("/v1/completions", json={"model": "nope", "prompt": "a"}), 404, "model")
+
+
+def test_unknown_route_is_an_openai_404(server):
+    assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+
+
+def test_malformed_json_is_400(server):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        error = assert_error(
+            server.post(path, content=b'{"prompt": "a",', headers={"content-type": "application/json"}), 400
+        )
+        assert "JSON" in error["message"]
+
+
+CHAT_BAD = [
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, None),
+    ({"logit_bias": {"abc": 1}}, None),
+    ({"logit_bias": {"5": 101}}, None),
+    ({"logit_bias": {"99999999": 1}}, None),
+    ({"seed": "abc"}, "seed"),
+    ({"stop": [""]}, None),
+    ({"stream_options": {"include_usage": True}}, None),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, None),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": None}, "messages"),
+    ({"response_format": {"type": "json_object"}}, None),
+]
+
+
+@pytest.mark.parametrize("override, param", CHAT_BAD, ids=[str(o) for o, _ in CHAT_BAD])
+def test_chat_out_of_range_parameter_is_400(server, override, param):
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 2, **override}
+    error = assert_error(server.post("/v1/chat/completions", json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+COMPLETION_BAD = [
+    ({"prompt": None}, "prompt"),
+    ({"prompt": []}, None),
+    ({"prompt": [[]]}, None),
+    ({"prompt": [10**9]}, None),
+    ({"logprobs": 21}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "logprobs": 1}, None),
+    ({"best_of": 2}, None),
+    ({"suffix": "x"}, None),
+    ({"n": 0}, "n"),
+]
+
+
+@pytest.mark.parametrize("override, param", COMPLETION_BAD, ids=[str(o) for o, _ in COMPLETION_BAD])
+def test_completion_out_of_range_parameter_is_400(server, override, param):
+    body = {"model": "default", "prompt": "Hi", "max_tokens": 2, **override}
+    assert_error(server.post("/v1/completions", json=body), 400, param)
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400_with_the_numbers(server, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="default", prompt=[7] * 1000, max_tokens=100)
+    message = caught.value.body["message"]
+    assert "maximum context length is 1024 tokens" in message
+    assert "you requested 1100 tokens (1000 in the prompt, 100 in the completion)" in message
+    assert caught.value.body["code"] == "context_length_exceeded"
+
+    error = assert_error(server.post("/v1/completions", json={"prompt": [7] * 1024}), 400, "prompt")
+    assert "1024 tokens" in error["message"]
+    long_messages = [{"role": "user", "content": "word " * 1100}]
+    error = assert_error(
+        server.post("/v1/chat/completions", json={"messages": long_messages}), 400, "messages"
+    )
+    assert "maximum context length is 1024 tokens" in error["message"]
+
+
+def test_openai_client_raises_bad_request_for_out_of_range(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="default", messages=MESSAGES, temperature=5)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "temperature"
+
+
+def test_server_survives_bad_input(client):
+    result = client.completions.create(model="default", prompt="Hi", max_tokens=1)
+    assert result.choices[0].text is not None

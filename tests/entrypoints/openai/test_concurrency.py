@@ -1,0 +1,95 @@
+"""64 streaming requests at once, a third of them cancelled (half before their first token, half
+mid-stream): the rest finish with the right text, and afterwards no request runs and no KV block is
+held beyond the prefix cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .conftest import wait_for
+
+NUM_REQUESTS = 64
+MAX_TOKENS = 6
+QUESTIONS = ["Name a color.", "Name an animal.", "Name a city.", "Name a fruit."]
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+
+
+async def one_request(client, i: int) -> tuple[str, str | None, int | None]:
+    """Returns (how it went, the streamed text, completion tokens)."""
+    stream = await client.chat.completions.create(
+        model="default",
+        messages=messages(i),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, num_content_chunks = "", 0
+    async for chunk in stream:
+        if i % 6 == 0:  # leave right after the role chunk, before any token
+            await stream.close()
+            return "cancelled before first token", None, None
+        if chunk.usage is not None:
+            return "completed", text, chunk.usage.completion_tokens
+        delta = chunk.choices[0].delta.content
+        if delta:
+            text += delta
+            num_content_chunks += 1
+            if i % 6 == 3 and num_content_chunks == 2:  # leave mid-stream
+                await stream.close()
+                return "cancelled mid-stream", None, None
+    raise AssertionError(f"request {i}: stream ended without a usage chunk")
+
+
+def test_64_streams_with_a_third_cancelled(server, client):
+    expected = {
+        q: client.chat.completions.create(
+            model="default",
+            messages=messages(i),
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+        for i, q in enumerate(QUESTIONS)
+    }
+    aborts_before = server.metrics().get(
+        'tokenmill:request_success_total{engine="0",finished_reason="abort",model_name="default"}', 0.0
+    )
+
+    async def run_all():
+        async with server.async_client() as async_client:
+            return await asyncio.gather(*(one_request(async_client, i) for i in range(NUM_REQUESTS)))
+
+    results = asyncio.run(run_all())
+    outcomes = [outcome for outcome, _, _ in results]
+    num_early = len(range(0, NUM_REQUESTS, 6))
+    assert outcomes.count("cancelled before first token") == num_early == 11
+    assert outcomes.count("cancelled mid-stream") == len(range(3, NUM_REQUESTS, 6)) == 11
+    assert outcomes.count("completed") == 42
+    for i, (outcome, text, completion_tokens) in enumerate(results):
+        if outcome == "completed":
+            assert completion_tokens == MAX_TOKENS
+            assert text == expected[QUESTIONS[i % len(QUESTIONS)]], i  # batched greedy == alone greedy
+
+    def drained() -> dict[str, float] | None:
+        metrics = server.metrics()
+        idle = (
+            metrics["tokenmill:num_requests_running"] == 0
+            and metrics["tokenmill:num_requests_waiting"] == 0
+            and metrics["tokenmill:kv_cache_used_blocks"] == 0
+        )
+        return metrics if idle else None
+
+    metrics = wait_for(drained, timeout=20)
+    assert metrics, server.metrics()
+    assert metrics["tokenmill:kv_cache_usage_perc"] == 0
+    aborts = metrics[
+        'tokenmill:request_success_total{engine="0",finished_reason="abort",model_name="default"}'
+    ]
+    assert aborts - aborts_before >= num_early  # at least every request that left before its first token

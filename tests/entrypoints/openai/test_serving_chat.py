@@ -1,0 +1,192 @@
+"""/v1/chat/completions through the official openai client against the real server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import MODEL_NAMES
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat_prompt_tokens(server, messages) -> int:
+    return server.post("/tokenize", json={"messages": messages}).json()["count"]
+
+
+@pytest.fixture(scope="module")
+def greedy(client):
+    """The greedy reply to MESSAGES, 12 tokens at most."""
+    return client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=12, temperature=0)
+
+
+def test_non_streaming_chat_and_usage_match_the_tokenizer(server, greedy):
+    choice = greedy.choices[0]
+    assert greedy.object == "chat.completion" and greedy.model == "default"
+    assert greedy.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = greedy.usage
+    assert usage.prompt_tokens == chat_prompt_tokens(server, MESSAGES)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 1 <= usage.completion_tokens <= 12
+    if choice.finish_reason == "length":
+        assert usage.completion_tokens == 12
+    assert usage.prompt_tokens_details.cached_tokens % 16 == 0  # whole blocks of the prefix cache
+
+
+def test_second_identical_request_hits_the_prefix_cache(client, greedy):
+    again = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=12, temperature=0)
+    assert again.model == "smollm2"  # either served name works and is echoed back
+    assert again.choices[0].message.content == greedy.choices[0].message.content
+    prompt_tokens = again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+
+
+def test_streaming_chat_chunks(client, greedy):
+    stream = client.chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    first, *middle, finish, usage_chunk = chunks
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
+    assert all(c.object == "chat.completion.chunk" and c.id == first.id for c in chunks)
+    assert all(c.choices[0].finish_reason is None and c.choices[0].delta.content for c in middle)
+    assert "".join(c.choices[0].delta.content for c in middle) == greedy.choices[0].message.content
+    assert finish.choices[0].finish_reason == greedy.choices[0].finish_reason
+    assert not finish.choices[0].delta.content
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.completion_tokens == greedy.usage.completion_tokens
+    assert usage_chunk.usage.prompt_tokens == greedy.usage.prompt_tokens
+
+
+def test_raw_stream_ends_with_done_and_omits_usage_unless_asked(server):
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True}
+    lines = [line for line in server.post("/v1/chat/completions", json=body).text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("usage" not in p for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] is not None
+
+
+def test_stop_string_cuts_the_text(client, greedy):
+    text = greedy.choices[0].message.content
+    words = text.split(" ")
+    assert len(words) >= 3, text
+    stop = " " + words[2]
+    result = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert result.choices[0].message.content == text[: text.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+    assert result.model_extra is not None and result.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_stop_string_in_stream_is_never_half_sent(client, greedy):
+    text = greedy.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    stream = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=12, temperature=0, stop=stop, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text[: text.index(stop)]
+
+
+def test_n2_and_seed_are_reproducible(client):
+    def sample(seed: int):
+        result = client.chat.completions.create(
+            model="default", messages=MESSAGES, max_tokens=8, temperature=1.0, n=2, seed=seed
+        )
+        assert [c.index for c in result.choices] == [0, 1]
+        assert 2 <= result.usage.completion_tokens <= 16
+        return [c.message.content for c in result.choices]
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert first[0] != first[1]  # the two samples get seeds 1234 and 1235
+    assert sample(99) != first
+
+
+def test_logprobs_shape(client):
+    result = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = result.choices[0].logprobs.content
+    assert len(content) == 4 == result.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        ranked = [t.logprob for t in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True)
+        # Greedy: the chosen token is the likeliest one.
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(ranked[0])
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(e.token for e in content) == result.choices[0].message.content
+
+
+def test_logprobs_without_top_logprobs(client):
+    result = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True
+    )
+    assert [len(e.top_logprobs) for e in result.choices[0].logprobs.content] == [0] * len(
+        result.choices[0].logprobs.content
+    )
+
+
+def test_max_completion_tokens_and_extras(client):
+    result = client.chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_completion_tokens=5,
+        temperature=0.8,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        seed=3,
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "ignore_eos": True,
+            "min_tokens": 5,
+        },
+    )
+    assert result.usage.completion_tokens == 5
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_forces_a_token(server, client):
+    token_id = server.post("/tokenize", json={"prompt": " Paris", "add_special_tokens": False}).json()[
+        "tokens"
+    ][0]
+    result = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=3, temperature=0, logit_bias={str(token_id): 100},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = server.post("/detokenize", json={"tokens": [token_id] * 3}).json()["prompt"]
+    assert result.choices[0].message.content == text
+
+
+def test_stop_token_ids(server, client, greedy):
+    text = greedy.choices[0].message.content
+    tokens = server.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    result = client.chat.completions.create(
+        model="default",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [tokens[1]]},
+    )
+    assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].model_extra["stop_reason"] == tokens[1]
+    assert result.usage.completion_tokens == 2
+
+
+def test_both_served_names_are_listed(client):
+    assert [m.id for m in client.models.list().data] == list(MODEL_NAMES)

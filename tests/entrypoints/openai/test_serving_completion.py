@@ -1,0 +1,144 @@
+"""/v1/completions through the official openai client, and greedy equality with the offline LLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+PROMPT = "The three primary colors are"
+
+
+def tokenize(server, text: str) -> list[int]:
+    return server.post("/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def greedy(client):
+    return client.completions.create(model="default", prompt=PROMPT, max_tokens=10, temperature=0)
+
+
+def test_completion_and_usage_match_the_tokenizer(server, greedy):
+    choice = greedy.choices[0]
+    assert greedy.object == "text_completion" and greedy.id.startswith("cmpl-")
+    assert choice.index == 0 and choice.text and choice.logprobs is None
+    assert greedy.usage.prompt_tokens == len(tokenize(server, PROMPT))
+    if choice.finish_reason == "length":
+        assert greedy.usage.completion_tokens == 10
+
+
+def test_greedy_output_equals_llm_generate(server, greedy):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server's core runs one thread too: same kernels, same rounding
+    try:
+        llm = LLM("default", max_model_len=1024, num_kv_blocks=64)
+        (offline,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+        (offline_chat,) = llm.chat(
+            [{"role": "user", "content": "Name a fruit."}],
+            SamplingParams(temperature=0, max_tokens=10),
+            use_tqdm=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert greedy.choices[0].text == offline.outputs[0].text
+    assert greedy.choices[0].finish_reason == offline.outputs[0].finish_reason
+    assert greedy.usage.prompt_tokens == len(offline.prompt_token_ids)
+    chat = server.client().chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=10, temperature=0
+    )
+    assert chat.choices[0].message.content == offline_chat.outputs[0].text
+    assert chat.usage.completion_tokens == len(offline_chat.outputs[0].token_ids)
+
+
+def test_token_id_prompt_equals_text_prompt(server, client, greedy):
+    result = client.completions.create(
+        model="default", prompt=tokenize(server, PROMPT), max_tokens=10, temperature=0
+    )
+    assert result.choices[0].text == greedy.choices[0].text
+
+
+def test_prompt_list_numbers_choices_prompt_major(server, client, greedy):
+    prompts = [PROMPT, "Water boils at"]
+    result = client.completions.create(model="default", prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in result.choices]
+    assert texts[0] == texts[1] == greedy.choices[0].text[: len(texts[0])]  # greedy samples agree
+    assert texts[2] == texts[3]
+    assert result.usage.prompt_tokens == sum(len(tokenize(server, p)) for p in prompts)
+    assert result.usage.completion_tokens == 16
+
+
+def test_echo_prepends_the_prompt(client, greedy):
+    result = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=10, temperature=0, echo=True
+    )
+    assert result.choices[0].text == PROMPT + greedy.choices[0].text
+
+
+def test_logprobs_shape(client, greedy):
+    result = client.completions.create(
+        model="default",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = result.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert "".join(logprobs.tokens) == result.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 2 and top[token] == logprob == max(top.values())  # greedy: the likeliest
+
+
+def test_streaming_completion(client, greedy):
+    stream = client.completions.create(
+        model="default",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == greedy.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == greedy.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == greedy.usage.completion_tokens
+
+
+def test_streaming_several_prompts_interleaves_choices(client):
+    stream = client.completions.create(
+        model="default", prompt=["One, two,", "Red, green,"], max_tokens=3, temperature=0, stream=True
+    )
+    finished = {}
+    for chunk in stream:
+        (choice,) = chunk.choices
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert sorted(finished) == [0, 1]
+
+
+def test_stop_string(client, greedy):
+    text = greedy.choices[0].text
+    stop = text[3:6]
+    result = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=10, temperature=0, stop=stop
+    )
+    assert result.choices[0].text == text[: text.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_include_stop_str_in_output(client, greedy):
+    text = greedy.choices[0].text
+    stop = text[3:6]
+    result = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=10, temperature=0, stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert result.choices[0].text == text[: text.index(stop) + len(stop)]

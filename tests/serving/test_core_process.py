@@ -1,0 +1,199 @@
+"""The engine core in its own process behind AsyncEngineClient, on a tiny random model: the same tokens as
+the in-process engine, aborts that free KV blocks at once, the waiting cap, start-up errors, core death."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.async_client import AsyncEngineClient, EngineDeadError, EngineOverloadedError
+from tokenmill.serving.llm_engine import LLMEngine
+from tokenmill.serving.metrics import ServerMetrics
+
+PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 30], [1, 5, 7, 9, 11, 13, 15, 17, 19]]
+
+
+class LoopThread:
+    """An event loop on a background thread, so synchronous tests can drive async code step by step."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+def tiny_config(path: str, **overrides) -> EngineConfig:
+    options = dict(model=path, skip_tokenizer_init=True, device="cpu", max_model_len=128, num_kv_blocks=32)
+    return EngineConfig(**{**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def model_path(hf_model_dirs) -> str:
+    return hf_model_dirs["llama"][0]
+
+
+@pytest.fixture(scope="module")
+def engine(loop: LoopThread, model_path: str) -> Iterator[AsyncEngineClient]:
+    client = loop.run(AsyncEngineClient.start(tiny_config(model_path), ServerMetrics("tiny")))
+    yield client
+    loop.run(client.shutdown())
+
+
+async def collect(engine: AsyncEngineClient, request_id: str, prompt: list[int], params: SamplingParams):
+    return [output async for output in engine.add_request(request_id, prompt, params)]
+
+
+@pytest.fixture(scope="module")
+def offline(model_path: str) -> LLMEngine:
+    return LLMEngine(tiny_config(model_path))
+
+
+def offline_tokens(offline: LLMEngine, params: SamplingParams) -> list[list[list[int]]]:
+    """Every prompt's samples' token ids from the in-process engine, all prompts batched together."""
+    request_ids = [f"{id(params)}-{i}" for i in range(len(PROMPTS))]
+    for request_id, prompt in zip(request_ids, PROMPTS, strict=True):
+        offline.add_request(request_id, prompt, params)
+    finals: dict[str, RequestOutput] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the core process on this machine (see core_process._limit_cpu_threads)
+    try:
+        while offline.has_unfinished_requests():
+            finals.update({o.request_id: o for o in offline.step() if o.finished})
+    finally:
+        torch.set_num_threads(threads)
+    return [[c.token_ids for c in finals[request_id].outputs] for request_id in request_ids]
+
+
+def test_outputs_equal_the_in_process_engine(loop, engine, offline):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def all_at_once():
+        return await asyncio.gather(*(collect(engine, f"g{i}", p, params) for i, p in enumerate(PROMPTS)))
+
+    results = loop.run(all_at_once())
+    served = [[c.token_ids for c in outputs[-1].outputs] for outputs in results]
+    assert served == offline_tokens(offline, params)
+    for outputs in results:
+        assert [o.finished for o in outputs] == [False] * 11 + [True]  # one output per step, streamed
+        assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+def test_seeded_samples_fan_out_and_reproduce(loop, engine, offline):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    first = loop.run(collect(engine, "s1", PROMPTS[0], params))[-1]
+    second = loop.run(collect(engine, "s2", PROMPTS[0], params))[-1]
+    tokens = [c.token_ids for c in first.outputs]
+    assert [c.index for c in first.outputs] == [0, 1] and all(len(t) == 8 for t in tokens)
+    assert tokens == [c.token_ids for c in second.outputs]
+    assert tokens == offline_tokens(offline, params)[0]
+
+
+def test_stop_token_ids_finish_with_the_stop_reason(loop, engine):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = loop.run(collect(engine, "t1", PROMPTS[1], greedy))[-1].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[2]])
+    final = loop.run(collect(engine, "t2", PROMPTS[1], params))[-1].outputs[0]
+    assert final.token_ids == tokens[: tokens.index(tokens[2]) + 1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", tokens[2])
+
+
+def gauge(engine: AsyncEngineClient, name: str) -> float:
+    return engine.metrics.registry.get_sample_value(
+        f"tokenmill:{name}", {"model_name": "tiny", "engine": "0"}
+    )
+
+
+def test_closing_a_stream_aborts_and_frees_its_blocks(loop, engine):
+    async def scenario():
+        stream = engine.add_request("a1", PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))
+        await anext(stream)
+        used_while_running = gauge(engine, "kv_cache_used_blocks")
+        await stream.aclose()
+        deadline = time.monotonic() + 10
+        while gauge(engine, "kv_cache_used_blocks") and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return used_while_running, await engine.num_unfinished_in_core()
+
+    used_while_running, unfinished = loop.run(scenario())
+    assert used_while_running == 1  # 9 prompt tokens and the first output fit one 16-token block
+    assert unfinished == 0 and engine.num_open_requests == 0
+    assert gauge(engine, "kv_cache_used_blocks") == 0 and gauge(engine, "num_requests_running") == 0
+
+
+def test_waiting_cap_rejects_before_submitting(loop, engine, monkeypatch):
+    monkeypatch.setattr(engine.config, "max_waiting_requests", 1)
+
+    async def scenario():
+        first = engine.add_request("w1", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("w2", PROMPTS[0], SamplingParams(max_tokens=1))
+        await anext(first)  # the first one started: room again
+        second = engine.add_request("w3", PROMPTS[0], SamplingParams(max_tokens=1))
+        await first.aclose()
+        return [o async for o in second]
+
+    assert loop.run(scenario())[-1].finished
+
+
+def test_bad_requests_fail_alone(loop, engine):
+    async def scenario():
+        with pytest.raises(ValueError, match="token ids"):
+            engine.add_request("b1", [10**6], SamplingParams())
+        stream = engine.add_request("b2", PROMPTS[0], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("b2", PROMPTS[0], SamplingParams(max_tokens=2))
+        return [o async for o in stream]
+
+    assert loop.run(scenario())[-1].outputs[0].token_ids
+
+
+def test_start_up_error_in_the_core_is_raised_by_start(loop, model_path):
+    with pytest.raises(ValueError, match="max_model_len=100000 exceeds"):
+        loop.run(AsyncEngineClient.start(tiny_config(model_path, max_model_len=100000)))
+
+
+def test_core_death_fails_open_requests_fast(loop, model_path):
+    client = loop.run(AsyncEngineClient.start(tiny_config(model_path)))
+    died = threading.Event()
+    client.add_dead_callback(died.set)
+
+    async def scenario():
+        stream = client.add_request("d1", PROMPTS[0], SamplingParams(max_tokens=120, ignore_eos=True))
+        await anext(stream)
+        os.kill(client.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died unexpectedly"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - start
+
+    assert loop.run(scenario()) < 2
+    assert died.is_set() and client.dead_error is not None
+    with pytest.raises(EngineDeadError):
+        client.add_request("d2", PROMPTS[0], SamplingParams())
+    loop.run(client.shutdown())
