@@ -1,5 +1,5 @@
 """On a GPU, in bf16: the Triton kernels and CUDA graphs end to end against transformers. Greedy tokens
-must agree wherever transformers' own top choice is not a near tie (bf16 rounding may flip those)."""
+must be transformers' fp32 argmax, or within bf16 rounding of it where the top two nearly tie."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-NEAR_TIE = 0.02  # of the largest logit: bf16 keeps about 3 significant digits through each layer
+NEAR_TIE = 0.04  # of the largest logit: bf16 keeps about 3 significant digits through each layer
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -36,7 +36,7 @@ def test_greedy_tokens_match_transformers_in_bf16(arch, enforce_eager, hf_model_
         assert llm.engine.runner.decode_graphs is not None
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
-    model = copy.deepcopy(hf_model).to("cuda", torch.bfloat16)
+    model = copy.deepcopy(hf_model).to("cuda")  # fp32: the model's true greedy choice
     for prompt, output in zip(PROMPTS, outputs):
         tokens = output.outputs[0].token_ids
         sequence = torch.tensor([prompt + tokens], device="cuda")

@@ -202,9 +202,10 @@ class ModelRunner:
         scratch_bytes = num_blocks * self.kv_bytes_per_block()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        positions = torch.arange(num_tokens, device=self.device)
+        # The budget may exceed max_model_len (many requests per step); keep positions inside the rope table.
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         md = AttentionMetadata(
-            slot_mapping=positions,
+            slot_mapping=torch.arange(num_tokens, device=self.device),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None, :],
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
