@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
+
+from ..conftest import one_thread
 
 PROMPT = "The three primary colors are"
 
@@ -28,19 +29,16 @@ def test_completion_and_usage_match_the_tokenizer(server, greedy):
         assert greedy.usage.completion_tokens == 10
 
 
-def test_greedy_output_equals_llm_generate(server, greedy):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the server's core runs one thread too: same kernels, same rounding
-    try:
-        llm = LLM("default", max_model_len=1024, num_kv_blocks=64)
-        (offline,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-        (offline_chat,) = llm.chat(
+def test_greedy_output_equals_llm_generate(server, greedy, default_llm):
+    with one_thread():  # the server's core runs one thread too: same kernels, same rounding
+        (offline,) = default_llm.generate(
+            PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+        )
+        (offline_chat,) = default_llm.chat(
             [{"role": "user", "content": "Name a fruit."}],
             SamplingParams(temperature=0, max_tokens=10),
             use_tqdm=False,
         )
-    finally:
-        torch.set_num_threads(threads)
     assert greedy.choices[0].text == offline.outputs[0].text
     assert greedy.choices[0].finish_reason == offline.outputs[0].finish_reason
     assert greedy.usage.prompt_tokens == len(offline.prompt_token_ids)

@@ -1,0 +1,45 @@
+"""Server metrics: vLLM's names under `tokenmill:`, gauges set from core stats, counters advanced by the
+difference of the core's running totals."""
+
+from __future__ import annotations
+
+from tokenmill.serving.core_protocol import SchedulerStats
+from tokenmill.serving.metrics import ServerMetrics
+
+LABELS = {"model_name": "m", "engine": "0"}
+
+
+def value(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(f"tokenmill:{name}", {**LABELS, **labels})
+
+
+def test_stats_set_gauges_and_advance_counters_by_the_difference():
+    metrics = ServerMetrics("m")
+    metrics.record_stats(SchedulerStats(4, 2, 0.25, 10, 100, 32, 1, [0.5, 1.5]))
+    metrics.record_stats(SchedulerStats(1, 0, 0.0, 0, 180, 64, 1, []))
+    assert value(metrics, "num_requests_running") == 1 and value(metrics, "num_requests_waiting") == 0
+    assert value(metrics, "kv_cache_usage_perc") == 0 and value(metrics, "kv_cache_used_blocks") == 0
+    assert value(metrics, "prefix_cache_queries_total") == 180
+    assert value(metrics, "prefix_cache_hits_total") == 64
+    assert value(metrics, "num_preemptions_total") == 1
+    assert value(metrics, "request_queue_time_seconds_count") == 2
+    assert value(metrics, "request_queue_time_seconds_sum") == 2.0
+
+
+def test_request_metrics():
+    metrics = ServerMetrics("m")
+    metrics.record_first_token(0.2, num_prompt_tokens=7)
+    metrics.record_inter_token(0.05)
+    metrics.record_generation_tokens(2)
+    metrics.record_finished("length", 0.3)
+    metrics.record_finished("abort", None)
+    assert value(metrics, "prompt_tokens_total") == 7 and value(metrics, "generation_tokens_total") == 2
+    assert value(metrics, "time_to_first_token_seconds_count") == 1
+    assert value(metrics, "inter_token_latency_seconds_sum") == 0.05
+    assert value(metrics, "request_success_total", finished_reason="length") == 1
+    assert value(metrics, "request_success_total", finished_reason="abort") == 1
+    assert value(metrics, "request_success_total", finished_reason="stop") == 0
+    assert value(metrics, "e2e_request_latency_seconds_count") == 1  # aborts have no end-to-end latency
+    text = metrics.render().decode()
+    assert 'tokenmill:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0' in text
+    assert "_created" not in text
