@@ -3,6 +3,7 @@ engine-core process dying (requests fail fast, /health 503, exit 1). Random weig
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -115,7 +116,6 @@ def test_sigterm_drains_running_requests_then_exits_0(servers):
 def test_engine_death_fails_requests_fast_and_exits_nonzero(servers):
     _, doomed = servers
     client = doomed.client()
-    stream = long_stream(client)
     non_streaming: dict[str, object] = {}
 
     def blocking_request() -> None:
@@ -127,17 +127,27 @@ def test_engine_death_fails_requests_fast_and_exits_nonzero(servers):
             non_streaming["error"] = exc
             non_streaming["at"] = time.monotonic()
 
-    thread = threading.Thread(target=blocking_request)
-    thread.start()
-    time.sleep(0.5)  # let it reach the engine
-    os.kill(doomed.core_pid(), signal.SIGKILL)
-    killed_at = time.monotonic()
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{doomed.url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for line in lines:  # wait for the first token
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break
+        thread = threading.Thread(target=blocking_request)
+        thread.start()
+        time.sleep(0.5)  # let it reach the engine
+        os.kill(doomed.core_pid(), signal.SIGKILL)
+        killed_at = time.monotonic()
 
-    assert wait_for(lambda: httpx.get(f"{doomed.url}/health").status_code == 503, timeout=2, interval=0.05)
-    assert httpx.get(f"{doomed.url}/health").json()["error"]["code"] == "engine_dead"
-    with pytest.raises(openai.APIError) as caught:
-        list(stream)  # the stream carries an error event, then [DONE]
-    assert "engine core" in str(caught.value.message)
+        assert wait_for(
+            lambda: httpx.get(f"{doomed.url}/health").status_code == 503, timeout=2, interval=0.05
+        )
+        assert httpx.get(f"{doomed.url}/health").json()["error"]["code"] == "engine_dead"
+        rest = [line for line in lines if line]
+    # The stream began with 200, so the failure travels as an error event, then [DONE].
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_dead" and "engine core" in error["message"]
     thread.join(10)
     assert isinstance(non_streaming.get("error"), openai.APIStatusError)
     assert non_streaming["error"].status_code == 503

@@ -105,7 +105,8 @@ class ChatServing:
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
         try:
-            yield chunk([choice(i, {"role": "assistant", "content": ""}) for i in range(request.n)])
+            for index in range(request.n):  # one choice per chunk, as clients reading choices[0] expect
+                yield chunk([choice(index, {"role": "assistant", "content": ""})])
             final, finished = None, set()
             async for output in stream:
                 final = output
