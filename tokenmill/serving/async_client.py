@@ -109,7 +109,6 @@ class AsyncEngineClient:
     @classmethod
     async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None) -> AsyncEngineClient:
         """Start the engine-core process and wait until its model is loaded."""
-        source = resolve_model(config.model, config.load_format, config.tokenizer)  # bad paths fail here
         sockets = _Sockets.bind()
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
@@ -120,7 +119,9 @@ class AsyncEngineClient:
         process.start()
         logger.info("engine core process started (pid %d)", process.pid)
         try:
-            # The tokenizer loads here while the core loads the model.
+            # The tokenizer loads here while the core loads the model; a bad model path fails here first.
+            model, load_format = config.model, config.load_format
+            source = await asyncio.to_thread(resolve_model, model, load_format, config.tokenizer)
             tokenizer = None if config.skip_tokenizer_init else await asyncio.to_thread(source.load_tokenizer)
             ready = await _wait_ready(sockets.output, process)
         except BaseException:
@@ -155,10 +156,6 @@ class AsyncEngineClient:
     @property
     def num_open_requests(self) -> int:
         return len(self._requests)
-
-    @property
-    def num_not_started(self) -> int:
-        return self._num_not_started
 
     def add_request(
         self,

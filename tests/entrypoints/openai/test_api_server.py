@@ -58,6 +58,17 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert_error(server.post("/tokenize", json={"prompt": "a", "messages": MESSAGES}), 400)
 
 
+def test_reset_prefix_cache(server, client):
+    def cached_tokens() -> int:
+        result = client.completions.create(model="default", prompt="one two three " * 12, max_tokens=1)
+        return result.usage.prompt_tokens_details.cached_tokens
+
+    cached_tokens()
+    assert cached_tokens() == 32
+    assert server.post("/reset_prefix_cache").json() == {"reset": True}
+    assert cached_tokens() == 0
+
+
 def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-17", messages=MESSAGES, max_tokens=1)
