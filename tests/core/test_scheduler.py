@@ -198,3 +198,13 @@ def test_no_leak_after_random_traffic(caching):
     assert kv.pool.num_free_blocks == 40
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not core.has_unfinished_requests()
+
+
+def test_empty_step_carries_finished_and_preempted_ids_to_the_next_real_step():
+    core, executor = make_core()
+    core.add_request(request("a", prompt_len=3, max_tokens=1))
+    run_to_completion(core)
+    assert core.scheduler.schedule().is_empty  # nothing to run: the news of "a" must not be lost
+    core.add_request(request("b", prompt_len=3, max_tokens=1))
+    run_to_completion(core)
+    assert executor.steps[-1].finished_req_ids == ["a"]

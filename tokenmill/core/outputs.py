@@ -21,6 +21,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
 
+    def result(self) -> ModelRunnerOutput:
+        """Executors may return a pending output whose result() waits for the device; this one is ready."""
+        return self
+
 
 @dataclass
 class EngineCoreOutput:

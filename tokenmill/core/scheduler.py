@@ -51,6 +51,7 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._tiebreak = itertools.count()
         self._finished_since_last_step: list[str] = []
+        self._preempted_since_last_step: list[str] = []
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------
@@ -159,6 +160,13 @@ class Scheduler:
 
         out.scheduled = list(scheduled.values())
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if out.is_empty:
+            # An empty step is never executed: carry its news for the worker to the next real one.
+            self._finished_since_last_step = out.finished_req_ids + self._finished_since_last_step
+            self._preempted_since_last_step += out.preempted_req_ids
+        else:
+            out.preempted_req_ids = self._preempted_since_last_step + out.preempted_req_ids
+            self._preempted_since_last_step = []
         return out
 
     def update_from_output(

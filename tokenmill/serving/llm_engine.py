@@ -32,6 +32,7 @@ class LLMEngine:
             self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._unprocessed: list = []  # the last step's core outputs, processed during the next step
 
     @property
     def scheduler(self):
@@ -58,10 +59,17 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.core.has_unfinished_requests() or bool(self._unprocessed)
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process(self.core.step())
+        """Run one engine step, and meanwhile turn the previous step's tokens into outputs.
+
+        Outputs therefore trail the device by one step; a request that a stop string ended in the
+        previous step may compute one more token, which is dropped.
+        """
+        launched = self.core.launch_step()
+        outputs, to_abort = self.output_processor.process(self._unprocessed)
+        self._unprocessed = self.core.finish_step(launched) if launched is not None else []
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs

@@ -67,10 +67,11 @@ class ParentState:
     prompt_token_ids: list[int]
     samples: list[SampleState]
     num_cached_tokens: int = 0
+    num_finished: int = 0
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return self.num_finished == len(self.samples)
 
 
 class OutputProcessor:
@@ -153,6 +154,7 @@ class OutputProcessor:
                 delta_text = sample.detokenizer.take_delta(finished=finish_reason is not None)
             if finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
+                parent.num_finished += 1
                 self.child_to_parent.pop(core_output.request_id, None)
             deltas.setdefault(parent.request_id, {})[sample.index] = sample.snapshot(
                 delta_text, core_output.new_token_ids, delta_logprobs

@@ -45,6 +45,17 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+class PendingRunnerOutput:
+    """Sampled tokens still on the device; result() copies them to the host (the step's one sync)."""
+
+    def __init__(self, sampled: torch.Tensor, logprobs: list | None) -> None:
+        self.sampled = sampled
+        self.logprobs = logprobs
+
+    def result(self) -> ModelRunnerOutput:
+        return ModelRunnerOutput(sampled_token_ids=self.sampled.tolist(), logprobs=self.logprobs)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.config = config
@@ -179,19 +190,23 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch one step on the device; the returned output's result() waits for the tokens."""
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
         inputs = self.input_batch.prepare(scheduler_output)
+        # Host-to-device copies from pageable memory wait for the stream, so every input goes over
+        # before the forward pass is launched; after it, nothing waits until result().
+        sampling_batch = self._sampling_batch(scheduler_output, self.hf_config.vocab_size)
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(inputs)
         else:
             input_ids, positions, md = self._to_device(inputs)
-            hidden = self.model(input_ids, positions, md)
             last_rows = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
+            hidden = self.model(input_ids, positions, md)
             logits = self.model.compute_logits(hidden[last_rows])
-        sampled, logprobs = self.sampler(logits, self._sampling_batch(scheduler_output, logits.shape[-1]))
-        return ModelRunnerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+        sampled, logprobs = self.sampler(logits, sampling_batch)
+        return PendingRunnerOutput(sampled, logprobs)
 
     @torch.inference_mode()
     def profile_free_memory(self, num_tokens: int) -> int:
