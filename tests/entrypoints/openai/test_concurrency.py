@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+import pytest
+
 from .conftest import wait_for
 
 NUM_REQUESTS = 64
@@ -93,3 +96,21 @@ def test_64_streams_with_a_third_cancelled(server, client):
         'tokenmill:request_success_total{engine="0",finished_reason="abort",model_name="default"}'
     ]
     assert aborts - aborts_before >= num_early  # at least every request that left before its first token
+
+
+def test_disconnect_during_a_non_streaming_request_aborts_it(server):
+    abort_series = 'tokenmill:request_success_total{engine="0",finished_reason="abort",model_name="default"}'
+    aborts_before = server.metrics().get(abort_series, 0.0)
+    body = {"model": "default", "prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+
+    def aborted_and_freed() -> bool:
+        metrics = server.metrics()
+        return (
+            metrics[abort_series] == aborts_before + 1
+            and metrics["tokenmill:num_requests_running"] == 0
+            and metrics["tokenmill:kv_cache_used_blocks"] == 0
+        )
+
+    assert wait_for(aborted_and_freed, timeout=10), server.metrics()
