@@ -17,7 +17,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len) on GPU, 2048 on CPU
+    max_num_batched_tokens: int | None = None  # None: 8192 tokens per step
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes of KV cache; overrides gpu_memory_utilization
