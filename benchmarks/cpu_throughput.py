@@ -14,13 +14,31 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.loader.default_model import default_model_path
 
-TOPICS = ["the sea", "mountains", "a city at night", "coffee", "rain", "libraries", "trains", "winter",
-          "gardens", "the moon", "bread", "rivers", "music", "deserts", "bicycles", "clocks"]
+TOPICS = [
+    "the sea",
+    "mountains",
+    "a city at night",
+    "coffee",
+    "rain",
+    "libraries",
+    "trains",
+    "winter",
+    "gardens",
+    "the moon",
+    "bread",
+    "rivers",
+    "music",
+    "deserts",
+    "bicycles",
+    "clocks",
+]
 
 
 def prompts(count: int) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}."}]
-            for i in range(count)]
+    return [
+        [{"role": "user", "content": f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}."}]
+        for i in range(count)
+    ]
 
 
 def run_tokenmill(chats, max_tokens: int) -> tuple[float, int]:
@@ -39,11 +57,17 @@ def run_transformers(chats, max_tokens: int) -> tuple[float, int]:
     folder, name = os.path.split(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # transformers' GGUF tokenizer leaves SmolLM2's pad unset
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    settings = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id or 0)
+    settings = dict(
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         model.generate(**tokenizer(texts[:1], return_tensors="pt"), max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
@@ -61,9 +85,13 @@ def main() -> None:
     ours_s, ours_tokens = run_tokenmill(chats, args.max_tokens)
     peer_s, peer_tokens = run_transformers(chats, args.max_tokens)
     result = {
-        "prompts": args.num_prompts, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
-        "tokenmill_tok_s": ours_tokens / ours_s, "transformers_tok_s": peer_tokens / peer_s,
-        "tokenmill_s": ours_s, "transformers_s": peer_s,
+        "prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "tokenmill_tok_s": ours_tokens / ours_s,
+        "transformers_tok_s": peer_tokens / peer_s,
+        "tokenmill_s": ours_s,
+        "transformers_s": peer_s,
     }
     result["ratio"] = result["tokenmill_tok_s"] / result["transformers_tok_s"]
     print(json.dumps(result, indent=2))

@@ -22,14 +22,20 @@ def newest(folder: str, pattern: str) -> dict:
 
 def main(folder: str, out: str) -> None:
     ceilings = newest(folder, "ceilings.json")
-    decode = max((json.load(open(p)) for p in glob.glob(os.path.join(folder, "decode_8b_*.json"))
-                  if "torch" not in p), key=lambda d: d["decode_tok_s"])
+    decode = max(
+        (json.load(open(p)) for p in glob.glob(os.path.join(folder, "decode_8b_*.json")) if "torch" not in p),
+        key=lambda d: d["decode_tok_s"],
+    )
     decode_torch = newest(folder, "decode_8b_torch.json")
     prefill, prefill_torch = newest(folder, "prefill_8b.json"), newest(folder, "prefill_8b_torch.json")
-    small = max((json.load(open(p)) for p in glob.glob(os.path.join(folder, "throughput_qwen3*.json"))),
-                key=lambda d: d["ours"]["all"]["output_tok_s"])
-    large = max((json.load(open(p)) for p in glob.glob(os.path.join(folder, "throughput_llama*.json"))),
-                key=lambda d: d["ours"]["all"]["output_tok_s"])
+    small = max(
+        (json.load(open(p)) for p in glob.glob(os.path.join(folder, "throughput_qwen3*.json"))),
+        key=lambda d: d["ours"]["all"]["output_tok_s"],
+    )
+    large = max(
+        (json.load(open(p)) for p in glob.glob(os.path.join(folder, "throughput_llama*.json"))),
+        key=lambda d: d["ours"]["all"]["output_tok_s"],
+    )
 
     roofline_tok_s = ceilings["copy_bandwidth_Bps"] / decode["bytes_per_step"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
@@ -44,8 +50,11 @@ def main(folder: str, out: str) -> None:
 
     ax = axes[1]
     labels = ["matmul rate", "tokenmill\nTriton+cuDNN", "tokenmill\ntorch ref"]
-    values = [ceilings["bf16_matmul_flops"] / 1e12, prefill["achieved_flops"] / 1e12,
-              prefill_torch["achieved_flops"] / 1e12]
+    values = [
+        ceilings["bf16_matmul_flops"] / 1e12,
+        prefill["achieved_flops"] / 1e12,
+        prefill_torch["achieved_flops"] / 1e12,
+    ]
     ax.bar(labels, values, color=["#bbbbbb", "#2b6cb0", "#90cdf4"])
     ax.axhline(0.6 * values[0], color="red", ls="--", label="goal: 60% of matmul rate")
     ax.set_title("Prefill of 8,192 tokens, 8B shape (TFLOP/s)")
@@ -53,17 +62,25 @@ def main(folder: str, out: str) -> None:
 
     ax = axes[2]
     x = [0, 1, 3, 4]
-    values = [small["ours"]["all"]["output_tok_s"], small["ours"]["subset"]["output_tok_s"],
-              large["ours"]["all"]["output_tok_s"], large["ours"]["subset"]["output_tok_s"]]
+    values = [
+        small["ours"]["all"]["output_tok_s"],
+        small["ours"]["subset"]["output_tok_s"],
+        large["ours"]["all"]["output_tok_s"],
+        large["ours"]["subset"]["output_tok_s"],
+    ]
     peers = [small["peer"]["output_tok_s"], large["peer"]["output_tok_s"]]
     ax.bar(x, values, color=["#2b6cb0", "#63b3ed", "#2b6cb0", "#63b3ed"])
     ax.bar([1.4, 4.4], peers, width=0.4, color="#ed8936", label="transformers CB (16 requests)")
-    ax.hlines([20000, 10000], [-0.4, 2.6], [1.8, 4.8], colors="red", linestyles="--", label="goals (256 requests)")
+    ax.hlines(
+        [20000, 10000], [-0.4, 2.6], [1.8, 4.8], colors="red", linestyles="--", label="goals (256 requests)"
+    )
     ax.set_xticks([0, 1.2, 3, 4.2], ["0.6B: 256 req", "0.6B: 16 req", "8B: 256 req", "8B: 16 req"])
     ax.set_title("Offline throughput, nano-vllm workload (output tok/s)")
     ax.legend(fontsize=8)
-    fig.suptitle(f"tokenmill on {ceilings['device']}: measured copy {ceilings['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
-                 f"bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    fig.suptitle(
+        f"tokenmill on {ceilings['device']}: measured copy {ceilings['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s"
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

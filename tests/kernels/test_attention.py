@@ -173,8 +173,9 @@ def test_default_num_kv_splits_is_a_power_of_two_from_host_ints() -> None:
 def test_reference_accepts_the_launch_hints() -> None:
     batch = make_batch([5, 9], [1, 1], 2, 1, 16)
     plain = reference.paged_attention(*batch)
+    # With max_query_len=1 the reference batches all decodes into one padded attention call.
     hinted = reference.paged_attention(*batch, max_query_len=1, max_seq_len=9, num_kv_splits=4)
-    assert torch.equal(plain, hinted)
+    torch.testing.assert_close(plain, hinted, **FP32_TOL)
 
 
 @needs_cuda

@@ -55,6 +55,8 @@ def paged_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
         out = torch.empty_like(query)
+    if max_query_len == 1 and num_tokens == seq_lens.shape[0]:
+        return _batched_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -84,6 +86,39 @@ def paged_attention(
             enable_gqa=num_heads != num_kv_heads,
         )
         out[q_start:q_end] = attn.transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _batched_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """One query token per request: gather every context into one padded batch and attend once,
+    instead of once per request (the CPU decode path's cost is per call, not per byte)."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    # Table entries past a request's blocks may be stale or garbage: any valid id will do, it is masked.
+    blocks = block_tables.long().clamp(0, k_cache.shape[0] - 1)
+    k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # Keys past a request's length are padding (and may be garbage): masked out. Padded requests
+    # (seq_len 0) see nothing; their rows are filled with zeros rather than NaN.
+    valid = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]
+    attn = F.scaled_dot_product_attention(
+        query[:, :, None, :].float(),
+        k.float(),
+        v.float().nan_to_num(),  # a masked key weighs 0, but 0 * NaN would still poison the sum
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    rows = seq_lens > 0
+    out[rows] = attn[:, :, 0, :].to(out.dtype)[rows]
     return out
 
 
