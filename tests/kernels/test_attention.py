@@ -216,3 +216,21 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
     graph.replay()
     want = reference.paged_attention(*batch, out=torch.zeros_like(out))
     torch.testing.assert_close(out, want, **BF16_TOL)
+
+
+def test_reference_batched_decode_ignores_nan_in_unwritten_slots() -> None:
+    # The KV cache is allocated uninitialised: slots past each request's length may hold NaN or inf.
+    batch = make_batch([5, 17, 33], [1, 1, 1], 6, 2, 48)
+    poisoned_k, poisoned_v = batch.k_cache.clone(), batch.v_cache.clone()
+    block_size = poisoned_k.shape[1]
+    for row, seq_len in enumerate([5, 17, 33]):
+        last = int(batch.block_tables[row, (seq_len - 1) // block_size])
+        poisoned_k[last, seq_len % block_size or block_size :] = float("nan")
+        poisoned_v[last, seq_len % block_size or block_size :] = float("inf")
+    fields = batch._asdict()
+    fields.update(k_cache=poisoned_k, v_cache=poisoned_v)
+    poisoned = type(batch)(**fields)
+    per_request = reference.paged_attention(*batch)
+    batched = reference.paged_attention(*poisoned, max_query_len=1)
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(batched, per_request, **FP32_TOL)

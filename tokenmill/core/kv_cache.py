@@ -76,6 +76,10 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None
     ) -> bool:
         """Make room for num_new_tokens more tokens after the computed ones; False if blocks run out."""
+        if not computed_block_ids and (
+            request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+        ):
+            return True  # the common decode step: its slot is in a block the request already holds
         computed_block_ids = computed_block_ids or []
         num_tokens_after = (
             request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens

@@ -106,13 +106,17 @@ def _batched_decode(
     blocks = block_tables.long().clamp(0, k_cache.shape[0] - 1)
     k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    # Keys past a request's length are padding (and may be garbage): masked out. Padded requests
-    # (seq_len 0) see nothing; their rows are filled with zeros rather than NaN.
+    # Padded requests (seq_len 0) see nothing: their rows of `out` are left untouched.
     valid = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]
+    # Padding keys and values are zeroed, not just masked: uninitialised slots may hold NaN or inf,
+    # which would poison the scores (NaN + -inf) and the weighted sum (0 * NaN).
+    keep = valid[:, None, :, None]
+    k = torch.where(keep, k.float(), 0.0)
+    v = torch.where(keep, v.float(), 0.0)
     attn = F.scaled_dot_product_attention(
         query[:, :, None, :].float(),
-        k.float(),
-        v.float().nan_to_num(),  # a masked key weighs 0, but 0 * NaN would still poison the sum
+        k,
+        v,
         attn_mask=valid[:, None, None, :],
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
