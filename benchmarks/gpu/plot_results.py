@@ -14,6 +14,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def newest(folder: str, pattern: str) -> dict:
     paths = sorted(glob.glob(os.path.join(folder, pattern)), key=os.path.getmtime)
     with open(paths[-1]) as f:
@@ -23,17 +28,17 @@ def newest(folder: str, pattern: str) -> dict:
 def main(folder: str, out: str) -> None:
     ceilings = newest(folder, "ceilings.json")
     decode = max(
-        (json.load(open(p)) for p in glob.glob(os.path.join(folder, "decode_8b_*.json")) if "torch" not in p),
+        (load(p) for p in glob.glob(os.path.join(folder, "decode_8b_*.json")) if "torch" not in p),
         key=lambda d: d["decode_tok_s"],
     )
     decode_torch = newest(folder, "decode_8b_torch.json")
     prefill, prefill_torch = newest(folder, "prefill_8b.json"), newest(folder, "prefill_8b_torch.json")
     small = max(
-        (json.load(open(p)) for p in glob.glob(os.path.join(folder, "throughput_qwen3*.json"))),
+        (load(p) for p in glob.glob(os.path.join(folder, "throughput_qwen3*.json"))),
         key=lambda d: d["ours"]["all"]["output_tok_s"],
     )
     large = max(
-        (json.load(open(p)) for p in glob.glob(os.path.join(folder, "throughput_llama*.json"))),
+        (load(p) for p in glob.glob(os.path.join(folder, "throughput_llama*.json"))),
         key=lambda d: d["ours"]["all"]["output_tok_s"],
     )
 

@@ -9,7 +9,7 @@ import torch
 from tests.conftest import ARCHS
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import SchedulerOutput, ScheduledRequest
+from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -174,9 +174,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loaded.add(target)
             if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}."
-                )
+                got, expected = tuple(tensor.shape), tuple(dest.shape)
+                raise ValueError(f"checkpoint tensor {name!r} has shape {got}, expected {expected}.")
             dest.copy_(tensor)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:

@@ -62,8 +62,9 @@ def create_engine(config: EngineConfig) -> EngineParts:
     num_blocks = _num_kv_blocks(config, runner, max_model_len, batched_tokens)
     capacity = num_blocks * config.block_size
     if capacity < max_model_len:
+        needed = cdiv(max_model_len, config.block_size)
         raise ValueError(
-            f"max_model_len={max_model_len} needs {cdiv(max_model_len, config.block_size)} KV blocks but only "
+            f"max_model_len={max_model_len} needs {needed} KV blocks but only "
             f"{num_blocks} fit ({capacity} tokens); lower max_model_len or give the KV cache more memory "
             "(gpu_memory_utilization, kv_cache_memory or num_kv_blocks)."
         )
