@@ -40,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # When asked for (SamplingParams.prompt_logprobs): one entry per prompt token, None for the first,
+    # each {token_id: Logprob} holding the prompt token and the top-k alternatives at that position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -20,6 +20,8 @@ class ModelRunnerOutput:
     # One entry per scheduled request, in schedule order (prompt chunks get a throwaway token).
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # request id -> (position of the first prompt token scored, one entry per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
     def result(self) -> ModelRunnerOutput:
         """Executors may return a pending output whose result() waits for the device; this one is ready."""
@@ -34,3 +36,5 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # With the first token only, when asked for: entry i scores prompt token i + 1 given those before it.
+    prompt_logprobs: list[TokenLogprobs] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tokenmill.core.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.. scored so far
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -144,7 +144,8 @@ class Scheduler:
             if request is None:
                 break
             computed_blocks, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
@@ -176,6 +177,8 @@ class Scheduler:
         for i, (request, num_new) in enumerate(scheduler_output.scheduled):
             if request.status.finished:  # aborted while the step ran
                 continue
+            if runner_output.prompt_logprobs and request.request_id in runner_output.prompt_logprobs:
+                self._add_prompt_logprobs(request, *runner_output.prompt_logprobs[request.request_id])
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
@@ -192,11 +195,24 @@ class Scheduler:
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=(
+                        request.prompt_logprobs
+                        if request.num_output_tokens == 1
+                        and request.sampling_params.prompt_logprobs is not None
+                        else None
+                    ),
                 )
             )
             if status is not None:
                 self._finish(request, status)
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:
+        # A recomputed (preempted) prompt scores positions again: keep only the ones not yet seen.
+        skip = len(request.prompt_logprobs) + 1 - first_position
+        if 0 <= skip < len(entries):
+            request.prompt_logprobs.extend(entries[skip:])
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -68,6 +68,7 @@ class ParentState:
     samples: list[SampleState]
     num_cached_tokens: int = 0
     num_finished: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -134,6 +135,9 @@ class OutputProcessor:
             parent = self.parents[located[0]]
             sample = parent.samples[located[1]]
             parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
+            if core_output.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                scored = zip(parent.prompt_token_ids[1:], core_output.prompt_logprobs)
+                parent.prompt_logprobs = [None] + [self._decode_logprobs(lp, tid) for tid, lp in scored]
             sample.token_ids.extend(core_output.new_token_ids)
             delta_logprobs = None
             if core_output.new_logprobs is not None and sample.logprobs is not None:
@@ -170,6 +174,7 @@ class OutputProcessor:
                     outputs=[changed.get(s.index) or s.snapshot() for s in parent.samples],
                     finished=parent.finished,
                     num_cached_tokens=parent.num_cached_tokens,
+                    prompt_logprobs=parent.prompt_logprobs,
                 )
             )
             if parent.finished:

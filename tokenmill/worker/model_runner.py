@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ModelRunnerOutput
+from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.kernels import get_kernels
 from tokenmill.layers.attention import AttentionMetadata
@@ -21,6 +21,8 @@ from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
+
+_PROMPT_LOGPROB_ROWS = 512
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,12 +50,19 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 class PendingRunnerOutput:
     """Sampled tokens still on the device; result() copies them to the host (the step's one sync)."""
 
-    def __init__(self, sampled: torch.Tensor, logprobs: list | None) -> None:
+    def __init__(
+        self, sampled: torch.Tensor, logprobs: list | None, prompt_logprobs: dict | None = None
+    ) -> None:
         self.sampled = sampled
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
 
     def result(self) -> ModelRunnerOutput:
-        return ModelRunnerOutput(sampled_token_ids=self.sampled.tolist(), logprobs=self.logprobs)
+        return ModelRunnerOutput(
+            sampled_token_ids=self.sampled.tolist(),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 class ModelRunner:
@@ -198,15 +207,53 @@ class ModelRunner:
         # Host-to-device copies from pageable memory wait for the stream, so every input goes over
         # before the forward pass is launched; after it, nothing waits until result().
         sampling_batch = self._sampling_batch(scheduler_output, self.hf_config.vocab_size)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+        # Requests asking for prompt logprobs whose chunk still scores prompt tokens need every row's
+        # hidden state, which only the eager path keeps.
+        scoring = [
+            (row, request, num_new)
+            for row, (request, num_new) in enumerate(scheduler_output.scheduled)
+            if request.sampling_params.prompt_logprobs is not None
+            and request.num_computed_tokens + 1 < request.num_prompt_tokens
+        ]
+        prompt_logprobs = None
+        if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(inputs)
         else:
             input_ids, positions, md = self._to_device(inputs)
             last_rows = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
             hidden = self.model(input_ids, positions, md)
             logits = self.model.compute_logits(hidden[last_rows])
+            if scoring:
+                prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
         sampled, logprobs = self.sampler(logits, sampling_batch)
-        return PendingRunnerOutput(sampled, logprobs)
+        return PendingRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Score the prompt tokens this step's chunks predict: the row at position p scores token p + 1."""
+        result = {}
+        for row, request, num_new in scoring:
+            start = request.num_computed_tokens
+            num_scored = min(start + num_new, request.num_prompt_tokens - 1) - start
+            first_row = int(query_start_loc[row])
+            k = request.sampling_params.prompt_logprobs
+            entries: list[TokenLogprobs] = []
+            # Slices bound the [rows, vocab] fp32 buffer on long prompts.
+            for offset in range(0, num_scored, _PROMPT_LOGPROB_ROWS):
+                count = min(_PROMPT_LOGPROB_ROWS, num_scored - offset)
+                rows = hidden[first_row + offset : first_row + offset + count]
+                logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
+                target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+                chosen = logprobs.gather(1, target_ids[:, None])
+                ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+                top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
+                top_lp, top_ids = top_lp[:, :k].tolist(), top_ids[:, :k].tolist()
+                for j, logprob in enumerate(chosen[:, 0].tolist()):
+                    entries.append(TokenLogprobs(logprob, ranks[j], top_ids[j], top_lp[j]))
+            result[request.request_id] = (start + 1, entries)
+        return result
 
     @torch.inference_mode()
     def profile_free_memory(self, num_tokens: int) -> int:
