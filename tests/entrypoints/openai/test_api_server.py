@@ -132,7 +132,6 @@ COMPLETION_BAD = [
     ({"prompt": [10**9]}, None),
     ({"logprobs": 21}, "logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"echo": True, "logprobs": 1}, None),
     ({"best_of": 2}, None),
     ({"suffix": "x"}, None),
     ({"n": 0}, "n"),

@@ -93,6 +93,52 @@ def test_logprobs_shape(client, greedy):
         assert len(top) == 2 and top[token] == logprob == max(top.values())  # greedy: the likeliest
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, client, greedy, default_llm):
+    prompt_ids = tokenize(server, PROMPT)
+    result = client.completions.create(
+        model="default",
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = result.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 3
+    assert "".join(logprobs.tokens) == choice.text and choice.text.startswith(PROMPT)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    with one_thread():
+        (offline,) = default_llm.generate(
+            PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False
+        )
+    expected = [entry[token].logprob for token, entry in zip(prompt_ids[1:], offline.prompt_logprobs[1:])]
+    assert logprobs.token_logprobs[1 : len(prompt_ids)] == pytest.approx(expected, abs=1e-4)
+
+    stream = client.completions.create(
+        model="default",
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    tokens, text = [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+    assert text == choice.text and tokens == logprobs.tokens
+
+
 def test_streaming_completion(client, greedy):
     stream = client.completions.create(
         model="default",

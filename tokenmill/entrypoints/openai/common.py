@@ -138,6 +138,26 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     }
 
 
+def echo_logprobs(
+    prompt_token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None], first_token_text: str
+) -> dict:
+    """The prompt's part of an echoed completion's logprobs: the first token has no logprob (nothing
+    precedes it), every later one is scored given the tokens before it."""
+    scored = completion_logprobs(prompt_token_ids[1:], prompt_logprobs[1:], len(first_token_text))
+    return {
+        "tokens": [first_token_text] + scored["tokens"],
+        "token_logprobs": [None] + scored["token_logprobs"],
+        "top_logprobs": [None] + scored["top_logprobs"],
+        "text_offset": [0] + scored["text_offset"],
+    }
+
+
+def join_logprobs(head: dict, tail: dict | None) -> dict:
+    if tail is None:
+        return head
+    return {key: head[key] + tail[key] for key in head}
+
+
 class DisconnectWatcher:
     """Aborts requests the moment their client disconnects, rather than when the next token fails to
     send: a client that leaves before its first token frees its KV blocks at once."""

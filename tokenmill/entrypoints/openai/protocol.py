@@ -65,7 +65,9 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -82,6 +84,7 @@ class SamplingFields(OpenAIModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -150,8 +153,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (beam search and best-of ranking are not supported)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which this server does not compute")
         if isinstance(self.prompt, list) and (
             not self.prompt or any(p == [] or p == "" for p in self.prompt)
         ):

@@ -20,8 +20,10 @@ from .common import (
     ServerState,
     aborted_error,
     completion_logprobs,
+    echo_logprobs,
     error_event,
     final_outputs,
+    join_logprobs,
     merge_streams,
     resolve_max_tokens,
     sse,
@@ -82,7 +84,8 @@ class CompletionServing:
             max_tokens = resolve_max_tokens(
                 len(prompt.token_ids), request.max_tokens, engine.max_model_len, "prompt"
             )
-            params = request.sampling_params(max_tokens, request.logprobs)
+            prompt_logprobs = request.logprobs if request.echo else None
+            params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
             engine.input_processor.check(prompt.token_ids, params)
             all_params.append(params)
         streams: dict[str, AsyncIterator[RequestOutput]] = {}
@@ -103,12 +106,21 @@ class CompletionServing:
         for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             for c in final.outputs:
                 prefix = prompt.text if request.echo and prompt.text else ""
-                choices.append(
-                    self._choice(request, prompt_index, c, prefix + c.text, c.token_ids, c.logprobs, True)
+                choice = self._choice(
+                    request, prompt_index, c, prefix + c.text, c.token_ids, c.logprobs, True, len(prefix)
                 )
+                if request.echo and request.logprobs is not None:
+                    choice["logprobs"] = join_logprobs(self._echoed(prompt, final), choice["logprobs"])
+                choices.append(choice)
         return JSONResponse(
             {**head, "object": "text_completion", "choices": choices, "usage": _usage(finals)}
         )
+
+    def _echoed(self, prompt: _Prompt, output: RequestOutput) -> dict:
+        tokenizer = self.state.engine.tokenizer
+        first = prompt.token_ids[0]
+        first_text = tokenizer.decode([first]) if tokenizer is not None else f"token_id:{first}"
+        return echo_logprobs(prompt.token_ids, output.prompt_logprobs, first_text)
 
     def _choice(
         self,
@@ -154,8 +166,11 @@ class CompletionServing:
             for p, prompt in enumerate(prompts)
             for i in range(request.n)
         }
+        # With logprobs, the prompt's scores come with the first output, so the echo waits for it.
+        echo_with_logprobs = request.echo and request.logprobs is not None
+        echo_pending = {key for key in offsets} if echo_with_logprobs else set()
         try:
-            if request.echo:
+            if request.echo and not echo_with_logprobs:
                 yield chunk(
                     [
                         {
@@ -176,20 +191,22 @@ class CompletionServing:
                     key = (prompt_index, c.index)
                     if key in done or (not c.delta_text and not c.delta_logprobs and not c.finished):
                         continue
-                    yield chunk(
-                        [
-                            self._choice(
-                                request,
-                                prompt_index,
-                                c,
-                                c.delta_text,
-                                c.delta_token_ids,
-                                c.delta_logprobs,
-                                c.finished,
-                                offsets[key],
-                            )
-                        ]
+                    choice = self._choice(
+                        request,
+                        prompt_index,
+                        c,
+                        c.delta_text,
+                        c.delta_token_ids,
+                        c.delta_logprobs,
+                        c.finished,
+                        offsets[key],
                     )
+                    if key in echo_pending and output.prompt_logprobs is not None:
+                        echo_pending.discard(key)
+                        prompt = prompts[prompt_index]
+                        choice["text"] = (prompt.text or "") + choice["text"]
+                        choice["logprobs"] = join_logprobs(self._echoed(prompt, output), choice["logprobs"])
+                    yield chunk([choice])
                     offsets[key] += len(c.delta_text)
                     if c.finished:
                         done.add(key)
