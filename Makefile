@@ -34,6 +34,7 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tokenmill tests benchmarks
 	$(VENV)/bin/ruff format --check tokenmill tests benchmarks
+	$(VENV)/bin/mypy --follow-imports=silent tokenmill/core tokenmill/config.py tokenmill/sampling_params.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format tokenmill tests benchmarks

@@ -140,10 +140,12 @@ class Scheduler:
 
         # New requests only when nobody had to be preempted: otherwise they would just thrash.
         while not out.preempted_req_ids and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._peek_waiting()
-            if request is None:
+            waiting = self._peek_waiting()
+            if waiting is None:
                 break
-            computed_blocks, num_hit_tokens = [], 0
+            request = waiting
+            computed_blocks: list[int] = []
+            num_hit_tokens = 0
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
