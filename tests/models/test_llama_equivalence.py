@@ -68,7 +68,7 @@ def test_prefill_logits_match_transformers(arch, hf_model_dirs):
     scheduled = SchedulerOutput([ScheduledRequest(r, r.num_tokens) for r in requests])
     runner = engine.runner
     with torch.inference_mode():
-        input_ids, positions, md, _ = runner._prepare_inputs(scheduled)  # noqa: SLF001
+        input_ids, positions, md = runner.to_device(runner.input_batch.prepare(scheduled))
         logits = runner.model.compute_logits(runner.model(input_ids, positions, md))
         expected = torch.cat([hf_model(torch.tensor([p])).logits[0] for p in prompts])
     assert logits.shape == expected.shape

@@ -49,10 +49,6 @@ class AttentionMetadata:
     # tensors through cuDNN's dense causal kernel, the fastest long prefill on Hopper.
     dense_prefill: bool = False
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:

@@ -94,7 +94,6 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
@@ -127,18 +126,16 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Never read before written (attention reads only each request's own filled slots),
             # so there is no need to pay for zeroing gigabytes.
             attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         def device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -156,13 +153,6 @@ class ModelRunner:
             ),
         )
         return device(inputs.input_ids), device(inputs.positions), md
-
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        """(input_ids, positions, attention metadata, logits_indices) on the device, run eagerly."""
-        inputs = self.input_batch.prepare(scheduler_output)
-        input_ids, positions, md = self._to_device(inputs)
-        logits_indices = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
-        return input_ids, positions, md, logits_indices
 
     def _sampling_batch(self, scheduler_output: SchedulerOutput, vocab_size: int) -> SamplingBatch:
         requests = [r for r, _ in scheduler_output.scheduled]
@@ -219,7 +209,7 @@ class ModelRunner:
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(inputs)
         else:
-            input_ids, positions, md = self._to_device(inputs)
+            input_ids, positions, md = self.to_device(inputs)
             last_rows = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
             hidden = self.model(input_ids, positions, md)
             logits = self.model.compute_logits(hidden[last_rows])
@@ -282,7 +272,6 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated() - self._allocated_before - scratch_bytes
         _, total = torch.cuda.mem_get_info()
         self.allocate_kv_cache(0)
-        self.kv_caches = []
         torch.cuda.empty_cache()
         # Headroom for the CUDA graphs' private pool and allocator fragmentation.
         reserve = 512 << 20
