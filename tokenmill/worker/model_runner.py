@@ -128,8 +128,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            # Never read before written (attention reads only each request's own filled slots),
-            # so there is no need to pay for zeroing gigabytes.
+            # Left uninitialised: attention uses only slots a request has written and masks (or zeroes)
+            # the rest of its blocks, so zeroing gigabytes would buy nothing.
             attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
