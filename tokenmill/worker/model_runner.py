@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.kernels import get_kernels
@@ -18,7 +19,7 @@ from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.input_batch import InputBatch, StepInputs
-from tokenmill.worker.sampler import Sampler, SamplingBatch
+from tokenmill.worker.sampler import Sampler, SamplingBatch, score_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
@@ -170,17 +171,22 @@ class ModelRunner:
                 generators[row] = generator
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        # One host-to-device copy for all four per-row knobs (top-k fits fp32 exactly: vocab < 2**24).
+        knobs = torch.tensor(
+            [[0.0 if p.greedy else p.temperature for p in params], top_k, [p.top_p for p in params],
+             [p.min_p for p in params]],
+            dtype=torch.float32,
+        ).to(self.device, non_blocking=True)  # fmt: skip
         return SamplingBatch(
             requests=requests,
-            temperature=tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
+            temperature=knobs[0],
+            top_k=knobs[1].long(),
+            top_p=knobs[2],
+            min_p=knobs[3],
             all_greedy=all(p.greedy for p in params),
+            needs_logit_edits=any(
+                p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in zip(requests, params)
+            ),
             needs_top_k_p=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),
             needs_penalties=any(p.uses_penalties for p in params),
@@ -236,12 +242,7 @@ class ModelRunner:
                 logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
                 targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
                 target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
-                chosen = logprobs.gather(1, target_ids[:, None])
-                ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-                top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
-                top_lp, top_ids = top_lp[:, :k].tolist(), top_ids[:, :k].tolist()
-                for j, logprob in enumerate(chosen[:, 0].tolist()):
-                    entries.append(TokenLogprobs(logprob, ranks[j], top_ids[j], top_lp[j]))
+                entries += map(TokenLogprobs, *score_tokens(logprobs, target_ids, k))
             result[request.request_id] = (start + 1, entries)
         return result
 
@@ -249,7 +250,7 @@ class ModelRunner:
     def profile_free_memory(self, num_tokens: int) -> int:
         """Bytes left for the KV cache under gpu_memory_utilization, after a forward pass of the
         largest batch (num_tokens as one prefill) has shown the activations' peak."""
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         self.allocate_kv_cache(num_blocks)
         scratch_bytes = num_blocks * self.kv_bytes_per_block()
         torch.cuda.synchronize()

@@ -22,6 +22,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
     all_greedy: bool
+    needs_logit_edits: bool  # some row has a logit bias or is still under its min_tokens
     needs_top_k_p: bool
     needs_min_p: bool
     needs_penalties: bool
@@ -86,21 +87,29 @@ def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) 
     return probs.div(q).argmax(dim=-1)
 
 
+def score_tokens(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
+    """For rows of log-probabilities and one token per row: (the token's logprob, its rank, the top-k
+    ids, the top-k logprobs), copied to the host in one go."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
+    return chosen[:, 0].tolist(), ranks.tolist(), top_ids[:, :k].tolist(), top_lp[:, :k].tolist()
+
+
 def _logprobs(
     raw_logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch
 ) -> list[TokenLogprobs | None]:
     logprobs = raw_logits.float().log_softmax(dim=-1)
-    sampled_lp = logprobs.gather(1, sampled[:, None])
-    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
-    top_lp, top_ids = logprobs.topk(max(batch.max_num_logprobs, 1), dim=-1)
-    sampled_lp, ranks, top_lp, top_ids = (t.tolist() for t in (sampled_lp, ranks, top_lp, top_ids))
+    chosen, ranks, top_ids, top_lp = score_tokens(logprobs, sampled, batch.max_num_logprobs)
     result: list[TokenLogprobs | None] = []
     for row, request in enumerate(batch.requests):
         k = request.sampling_params.logprobs
         if k is None:
             result.append(None)
         else:
-            result.append(TokenLogprobs(sampled_lp[row][0], ranks[row], top_ids[row][:k], top_lp[row][:k]))
+            result.append(TokenLogprobs(chosen[row], ranks[row], top_ids[row][:k], top_lp[row][:k]))
     return result
 
 
@@ -108,10 +117,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
         """Returns (sampled token ids [B] on the device, logprobs per row or None)."""
         raw_logits = logits
-        logits = logits.to(torch.float32, copy=True)
-        _apply_bias_and_min_tokens(logits, batch.requests)
-        if batch.needs_penalties:
-            _apply_penalties(logits, batch.requests)
+        logits = logits.float()
+        if batch.needs_logit_edits or batch.needs_penalties:
+            if logits is raw_logits:  # fp32 logits: edit a copy, logprobs are of the raw ones
+                logits = logits.clone()
+            if batch.needs_logit_edits:
+                _apply_bias_and_min_tokens(logits, batch.requests)
+            if batch.needs_penalties:
+                _apply_penalties(logits, batch.requests)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             sampled = greedy
