@@ -24,8 +24,8 @@ class ScheduledRequest(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    # Requests preempted or finished since the previous executed step, so the worker can drop their state.
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests finished since the previous step, so the worker can drop their state.
     finished_req_ids: list[str] = field(default_factory=list)
 
     @property
@@ -102,6 +102,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._preempted_since_last_step.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -111,9 +112,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
-        self._finished_since_last_step = []
         budget = self.max_num_batched_tokens
+        num_preempted = 0
         scheduled: dict[str, ScheduledRequest] = {}
 
         index = 0
@@ -130,7 +130,7 @@ class Scheduler:
                     budget += undone.num_new_tokens
                     index -= 1
                 self._preempt(victim)
-                out.preempted_req_ids.append(victim.request_id)
+                num_preempted += 1
                 if victim is request:
                     break
             else:
@@ -139,7 +139,7 @@ class Scheduler:
                 index += 1
 
         # New requests only when nobody had to be preempted: otherwise they would just thrash.
-        while not out.preempted_req_ids and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not num_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             waiting = self._peek_waiting()
             if waiting is None:
                 break
@@ -161,15 +161,16 @@ class Scheduler:
             scheduled[request.request_id] = ScheduledRequest(request, num_new)
             budget -= num_new
 
-        out.scheduled = list(scheduled.values())
-        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        if out.is_empty:
-            # An empty step is never executed: carry its news for the worker to the next real one.
-            self._finished_since_last_step = out.finished_req_ids + self._finished_since_last_step
-            self._preempted_since_last_step += out.preempted_req_ids
-        else:
-            out.preempted_req_ids = self._preempted_since_last_step + out.preempted_req_ids
-            self._preempted_since_last_step = []
+        if not scheduled:
+            # An empty step is never executed: its news for the worker waits for the next real one.
+            return SchedulerOutput()
+        out = SchedulerOutput(
+            scheduled=list(scheduled.values()),
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_req_ids=self._preempted_since_last_step,
+            finished_req_ids=self._finished_since_last_step,
+        )
+        self._preempted_since_last_step, self._finished_since_last_step = [], []
         return out
 
     def update_from_output(
