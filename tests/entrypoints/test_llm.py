@@ -70,6 +70,14 @@ def test_stop_string_cut_from_text(llm):
     assert kept[0].outputs[0].text == "The capital of France is Paris"
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    # "The" appears in the very first token; under min_tokens it must neither stop nor cut the text.
+    params = SamplingParams(max_tokens=12, min_tokens=4, temperature=0, stop=["The"])
+    completion = llm.chat(CHATS[0], params, use_tqdm=False)[0].outputs[0]
+    assert completion.text.startswith("The capital of France is Paris.")
+    assert len(completion.token_ids) >= 4
+
+
 def test_max_tokens_length_and_min_tokens(llm):
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"

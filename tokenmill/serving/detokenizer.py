@@ -23,14 +23,15 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._num_emitted = 0  # characters of output_text already handed out
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; returns the stop string that matched (text is then cut before it), else None."""
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Add tokens; returns the stop string that matched (text is then cut before it), else None.
+        check_stop is False while the request is still under its min_tokens."""
         for token_id in new_token_ids:
             start = len(self.output_text)
             chunk = self._stream.step(self._backend, token_id)
             if chunk:
                 self.output_text += chunk
-                stop = self._check_stop_strings(start)
+                stop = self._check_stop_strings(start) if check_stop else None
                 if stop is not None:
                     return stop
         return None

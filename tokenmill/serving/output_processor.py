@@ -150,8 +150,9 @@ class OutputProcessor:
             finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
             delta_text = ""
             if sample.detokenizer is not None:
-                stop = sample.detokenizer.update(core_output.new_token_ids)
-                if stop is not None and len(sample.token_ids) >= sample.params.min_tokens:
+                past_min_tokens = len(sample.token_ids) >= sample.params.min_tokens
+                stop = sample.detokenizer.update(core_output.new_token_ids, check_stop=past_min_tokens)
+                if stop is not None:
                     if finish_reason is None:
                         to_abort.append(core_output.request_id)
                     finish_reason, stop_reason = "stop", stop
