@@ -44,13 +44,13 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(inputs)
         if len(priorities) != len(inputs):
             raise ValueError(f"priority has {len(priorities)} entries for {len(inputs)} prompts.")
-        # Validate everything first, so a bad prompt leaves nothing half-submitted.
-        for prompt, params in zip(inputs, params_list):
-            self.engine.input_processor.process(prompt, params)
+        # Tokenize and check everything first, so a bad prompt leaves nothing half-submitted.
+        token_ids = [self.engine.input_processor.process(p, params) for p, params in zip(inputs, params_list)]
         request_ids = []
-        for prompt, params, prio in zip(inputs, params_list, priorities):
+        for prompt, ids, params, prio in zip(inputs, token_ids, params_list, priorities):
             request_id = str(next(self._request_counter))
-            self.engine.add_request(request_id, prompt, params, priority=prio)
+            text = prompt if isinstance(prompt, str) else None
+            self.engine.add_request(request_id, ids, params, priority=prio, prompt_text=text)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 

@@ -38,14 +38,18 @@ class ModelSource:
 
         return load_hf_tokenizer(path)
 
-    def eos_token_ids(self) -> tuple[int, ...]:
+    def eos_token_ids(self, tokenizer=None) -> tuple[int, ...]:
+        """The config's EOS ids, plus generation_config.json's (instruct models often add e.g. Llama 3's
+        <|eot_id|>) and the tokenizer's own."""
         eos = getattr(self.hf_config, "eos_token_id", None)
         ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         if self.format != "gguf" and os.path.isdir(self.path):
             from tokenmill.loader.hf import generation_eos_ids
 
-            ids += [i for i in generation_eos_ids(self.path) if i not in ids]
-        return tuple(ids)
+            ids += generation_eos_ids(self.path)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
 
 
 def resolve_model(model: str | None, load_format: str = "auto", tokenizer: str | None = None) -> ModelSource:

@@ -36,7 +36,6 @@ from tokenmill.serving.core_protocol import (
     message_decoder,
 )
 from tokenmill.serving.input_processor import InputProcessor
-from tokenmill.serving.llm_engine import eos_ids
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.output_processor import OutputProcessor
 
@@ -129,7 +128,7 @@ class AsyncEngineClient:
             process.join()
             sockets.close()
             raise
-        return cls(config, ready, tokenizer, eos_ids(source, tokenizer), process, sockets, metrics)
+        return cls(config, ready, tokenizer, source.eos_token_ids(tokenizer), process, sockets, metrics)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (politely, then by force) and release the sockets."""

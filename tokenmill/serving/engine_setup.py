@@ -42,7 +42,7 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     return config.max_model_len
 
 
-def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int, batched_tokens: int) -> int:
+def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, batched_tokens: int) -> int:
     bytes_per_block = runner.kv_bytes_per_block()
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -59,7 +59,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
     max_model_len = resolve_max_model_len(config, source.hf_config)
     batched_tokens = config.max_num_batched_tokens or 8192
     runner = ModelRunner(config, source, max_model_len)
-    num_blocks = _num_kv_blocks(config, runner, max_model_len, batched_tokens)
+    num_blocks = _num_kv_blocks(config, runner, batched_tokens)
     capacity = num_blocks * config.block_size
     if capacity < max_model_len:
         needed = cdiv(max_model_len, config.block_size)

@@ -12,13 +12,6 @@ from tokenmill.serving.input_processor import InputProcessor
 from tokenmill.serving.output_processor import OutputProcessor
 
 
-def eos_ids(source, tokenizer) -> tuple[int, ...]:
-    ids = list(source.eos_token_ids())
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(ids)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -27,7 +20,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.num_kv_blocks = parts.num_kv_blocks
         self.tokenizer = None if config.skip_tokenizer_init else self.source.load_tokenizer()
-        self.eos_token_ids = eos_ids(self.source, self.tokenizer)
+        self.eos_token_ids = self.source.eos_token_ids(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size
         )
