@@ -1,10 +1,16 @@
-"""Public model shapes (from their Hugging Face config.json files) for dummy-weight benchmarks."""
+"""Public model shapes (from their Hugging Face config.json files) for dummy-weight benchmarks, and the
+bytes and FLOPs their rooflines need, taken from the planner so both count the same way."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+
+from tokenmill.plan.memory import kv_bytes_per_token as plan_kv_bytes_per_token
+from tokenmill.plan.memory import weight_bytes
+from tokenmill.plan.model_shape import ModelShape, from_hf_config
+from tokenmill.plan.roofline import attention_flops_per_context_token, matmul_flops_per_token
 
 SHAPES = {
     "llama-3.1-8b": {
@@ -61,31 +67,24 @@ def shape_dir(name: str, **overrides) -> str:
     return path
 
 
-def decode_weight_bytes(name: str, bytes_per_param: int = 2) -> int:
-    """Bytes one decode step must read: every weight except an untied input embedding table,
-    of which a step gathers one row per sequence."""
-    c = SHAPES[name]
-    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    q = c["num_attention_heads"] * c["head_dim"]
-    kv = c["num_key_value_heads"] * c["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
-    if c["model_type"] == "qwen3":
-        per_layer += 2 * c["head_dim"]
-    params = layers * per_layer + h + c["vocab_size"] * h  # final norm + lm_head
-    return params * bytes_per_param
+def _plan_shape(name: str) -> ModelShape:
+    return from_hf_config(SHAPES[name], name)
 
 
-def kv_bytes_per_token(name: str, bytes_per_elem: int = 2) -> int:
-    c = SHAPES[name]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * bytes_per_elem
+def decode_weight_bytes(name: str) -> int:
+    """Bytes one bf16 decode step must read: the planner's figure (an untied input table is gathered
+    row by row, so it is not counted)."""
+    return weight_bytes(_plan_shape(name), "bf16").read_every_step
 
 
-def prefill_flops(name: str, num_tokens: int) -> float:
-    """Matmul FLOPs of a prefill (logits for the last token only) plus causal attention."""
-    c = SHAPES[name]
-    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    q = c["num_attention_heads"] * c["head_dim"]
-    kv = c["num_key_value_heads"] * c["head_dim"]
-    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
-    attention = layers * 2 * num_tokens * num_tokens * q  # QK^T and PV over the causal half
-    return 2.0 * linear * num_tokens + attention + 2.0 * c["vocab_size"] * h
+def kv_bytes_per_token(name: str) -> int:
+    return plan_kv_bytes_per_token(_plan_shape(name), "bf16")
+
+
+def prefill_flops(name: str, num_tokens: int) -> int:
+    """Matmul FLOPs of a prefill with logits for the last token only, plus causal attention."""
+    shape = _plan_shape(name)
+    body = matmul_flops_per_token(shape, with_lm_head=False)
+    lm_head = matmul_flops_per_token(shape) - body
+    attention = attention_flops_per_context_token(shape, "prefill") * num_tokens * num_tokens // 2
+    return body * num_tokens + attention + lm_head
