@@ -26,6 +26,9 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    # Schedule step N+1 while step N runs on the device. None: on for CUDA, off elsewhere (a CPU step
+    # leaves no idle device to hide host work behind), where it still works and is tested.
+    async_scheduling: bool | None = None
     max_waiting_requests: int | None = None  # cap on the waiting queue (the server answers 429 past it)
 
     def __post_init__(self) -> None:

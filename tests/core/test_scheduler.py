@@ -15,21 +15,30 @@ from tokenmill.sampling_params import SamplingParams
 
 
 class FakeExecutor:
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
         self.steps: list[SchedulerOutput] = []
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(scheduler_output)
-        for request, num_new in scheduler_output.scheduled:
-            # Every slot the step writes must be allocated to the request.
-            assert request.num_computed_tokens + num_new <= len(request.block_ids) * 4
-        return ModelRunnerOutput(sampled_token_ids=[7] * len(scheduler_output.scheduled))
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled = []
+        for request_id in req_ids:
+            request = self.scheduler.requests[request_id]
+            # Every slot the step writes must be allocated to the request (computed counts are advanced
+            # when the step is scheduled).
+            assert request.num_computed_tokens <= len(request.block_ids) * 4
+            samples = request.num_computed_tokens + 1 == request.num_tokens_with_placeholders
+            sampled.append([7] if samples else [])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
 def make_core(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True):
-    kv = KVCacheManager(num_blocks, block_size, caching)
-    executor = FakeExecutor()
-    return EngineCore(Scheduler(kv, max_num_seqs, budget, max_model_len), executor), executor
+    scheduler = Scheduler(
+        KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len
+    )
+    executor = FakeExecutor(scheduler)
+    return EngineCore(scheduler, executor), executor
 
 
 def request(rid: str, prompt_len: int, max_tokens: int = 5, **kwargs) -> Request:
@@ -54,10 +63,10 @@ def test_token_budget_and_seq_cap_are_respected():
     assert sorted(tokens) == [str(i) for i in range(6)] and all(len(t) == 5 for t in tokens.values())
     for step in executor.steps:
         assert step.total_num_scheduled_tokens <= 10
-        assert sum(n for _, n in step.scheduled) == step.total_num_scheduled_tokens
-        assert len(step.scheduled) <= 3
+        assert sum(step.num_scheduled_tokens.values()) == step.total_num_scheduled_tokens
+        assert len(step.num_scheduled_tokens) <= 3
     # The 13-token prompts cannot fit a 10-token budget: the first step is a chunk.
-    assert [(r.request_id, n) for r, n in executor.steps[0].scheduled] == [("0", 10)]
+    assert list(executor.steps[0].num_scheduled_tokens.items()) == [("0", 10)]
 
 
 def test_running_requests_first_and_prefills_share_steps_with_decodes():
@@ -67,7 +76,7 @@ def test_running_requests_first_and_prefills_share_steps_with_decodes():
     core.add_request(request("b", prompt_len=20, max_tokens=2))
     core.step()
     step = executor.steps[1]
-    assert [(r.request_id, n) for r, n in step.scheduled] == [("a", 1), ("b", 7)]
+    assert list(step.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
 
 
 def test_blocks_freed_on_finish_and_abort():
@@ -112,7 +121,7 @@ def test_priority_orders_admission():
     core.add_request(request("low", prompt_len=4, max_tokens=1, priority=5, arrival_time=1.0))
     core.add_request(request("high", prompt_len=4, max_tokens=1, priority=0, arrival_time=2.0))
     run_to_completion(core)
-    assert [s.scheduled[0].request.request_id for s in executor.steps] == ["high", "low"]
+    assert [next(iter(s.num_scheduled_tokens)) for s in executor.steps] == ["high", "low"]
 
 
 def test_prefix_cache_hits_counted_in_tokens():

@@ -9,7 +9,6 @@ import torch
 from tests.conftest import ARCHS
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -60,13 +59,12 @@ def test_prefill_logits_match_transformers(arch, hf_model_dirs):
     llm = make_llm(path, block_size=16)
     engine = llm.engine
     prompts = random_prompts([7, 40], seed=3)
-    requests = []
     for i, prompt in enumerate(prompts):
-        request = Request(str(i), prompt, GREEDY)
-        assert engine.scheduler.kv.allocate_slots(request, len(prompt))
-        requests.append(request)
-    scheduled = SchedulerOutput([ScheduledRequest(r, r.num_tokens) for r in requests])
+        engine.core.add_request(Request(str(i), prompt, GREEDY))
+    scheduled = engine.scheduler.schedule()
+    assert list(scheduled.num_scheduled_tokens.values()) == [len(p) for p in prompts]
     runner = engine.runner
+    runner.input_batch.update_states(scheduled)
     with torch.inference_mode():
         input_ids, positions, md = runner.to_device(runner.input_batch.prepare(scheduled))
         logits = runner.model.compute_logits(runner.model(input_ids, positions, md))

@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from tokenmill.core.request import Request
-from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from types import SimpleNamespace
+
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.sampler import Sampler
 
@@ -22,20 +23,30 @@ class _Runner:
 
     def __init__(self) -> None:
         self.generators: dict = {}
+        self.input_batch = InputBatch(max_num_reqs=8, max_blocks_per_seq=1, block_size=16)
+        self._last_row_of: dict = {}
 
     _sampling_batch = ModelRunner._sampling_batch
+    _staged = ModelRunner._staged
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, prompts=None, runner=None):
     runner = runner or _Runner()
-    requests = []
+    req_ids = []
     for i, p in enumerate(params):
-        r = Request(f"r{i}", (prompts or {}).get(i, [0]), p, eos_token_ids=(1,))
-        for t in (outputs or {}).get(i, []):
-            r.append_output_token(t)
-        r.num_computed_tokens = r.num_tokens - 1
-        requests.append(r)
-    batch = runner._sampling_batch(SchedulerOutput([ScheduledRequest(r, 1) for r in requests]), VOCAB)
+        state = CachedRequestState(
+            f"r{i}",
+            list((prompts or {}).get(i, [0])),
+            p,
+            frozenset({1}),
+            block_ids=[],
+            num_computed_tokens=0,
+            output_token_ids=list((outputs or {}).get(i, [])),
+        )
+        runner.input_batch.requests[state.req_id] = state
+        req_ids.append(state.req_id)
+    inputs = SimpleNamespace(req_ids=req_ids, samples=[True] * len(req_ids), pending_src_req_ids=[])
+    batch = runner._sampling_batch(inputs, VOCAB)
     return Sampler()(logits.clone(), batch)
 
 
@@ -117,6 +128,7 @@ def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
         logits, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
     )
     expected = logits[0].log_softmax(-1)
+    logprobs = logprobs.tolist([3, None])
     entry = logprobs[0]
     assert math.isclose(entry.logprob, expected[tokens[0]].item(), rel_tol=1e-6)
     assert entry.rank == 1

@@ -74,12 +74,16 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None
-    ) -> bool:
-        """Make room for num_new_tokens more tokens after the computed ones; False if blocks run out."""
+    ) -> list[int] | None:
+        """Make room for num_new_tokens more tokens after the computed ones.
+
+        Returns the block ids newly allocated (empty when the request's blocks already hold the slots),
+        or None when blocks run out.
+        """
         if not computed_block_ids and (
             request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
         ):
-            return True  # the common decode step: its slot is in a block the request already holds
+            return []  # the common decode step: its slot is in a block the request already holds
         computed_block_ids = computed_block_ids or []
         num_tokens_after = (
             request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
@@ -90,20 +94,25 @@ class KVCacheManager:
         # Cached blocks that sit in the free queue stop being allocatable once this request takes them.
         num_reclaimed = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
-            return False
+            return None
         if computed_block_ids:
             self.pool.touch(computed_block_ids)
             request.block_ids.extend(computed_block_ids)
             request.num_cached_blocks = len(request.block_ids)
-        if num_needed > 0:
-            request.block_ids.extend(self.pool.allocate(num_needed))
-        return True
+        new_block_ids = self.pool.allocate(num_needed) if num_needed > 0 else []
+        request.block_ids.extend(new_block_ids)
+        return new_block_ids
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's blocks that are now full and computed, so later requests can share them."""
+        """Publish the request's blocks that are now full and computed, so later requests can share them.
+
+        Only tokens already known count: a placeholder for a token still being sampled has no hash yet.
+        A block whose KV a step in flight is still writing is safe to share, since every later step
+        runs after it on the device.
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         self._update_block_hashes(request, num_full * self.block_size)

@@ -17,8 +17,11 @@ class TokenLogprobs(NamedTuple):
 
 @dataclass
 class ModelRunnerOutput:
-    # One entry per scheduled request, in schedule order (prompt chunks get a throwaway token).
-    sampled_token_ids: list[int]
+    # One row per scheduled request, in the step's order.
+    req_ids: list[str]
+    # The tokens each row sampled that count: empty for a prompt chunk, one token for now (more with
+    # speculative decoding).
+    sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprobs | None] | None = None
     # request id -> (position of the first prompt token scored, one entry per prompt token from there)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None

@@ -55,7 +55,10 @@ class Request:
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # Advanced when a step is scheduled, not when it finishes: with async scheduling the next step is
+        # planned while this one runs. Tokens such a step will sample are placeholders until it returns.
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.block_ids: list[int] = []
         # Chained hashes of this request's full blocks, and how many of them are in the prefix cache.
         self.block_hashes: list[int] = []
@@ -74,6 +77,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

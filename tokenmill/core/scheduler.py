@@ -1,36 +1,18 @@
 """The scheduler: each step, how many tokens each request computes, under a token budget and a cap on
 running requests. No prefill or decode phases: a prompt chunk, a prefix hit and a decode step are all
 "compute the next k tokens of this request". Out of KV blocks, it preempts the newest request, which
-later recomputes."""
+later recomputes. A step's plan goes to the worker as plain records (sched_output.py); the next step
+can be planned before this one returns, with placeholders for the tokens it will sample."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
-
-
-class ScheduledRequest(NamedTuple):
-    request: Request
-    num_new_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    # Requests preempted or finished since the previous executed step, so the worker can drop their state.
-    preempted_req_ids: list[str] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -114,86 +96,152 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_preempted = 0
-        scheduled: dict[str, ScheduledRequest] = {}
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._reaches_limit_in_flight(request):
                 index += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            while (allocated := self.kv.allocate_slots(request, num_new)) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-                undone = scheduled.pop(victim.request_id, None)
+                undone = num_scheduled.pop(victim.request_id, None)
                 if undone is not None:
-                    budget += undone.num_new_tokens
+                    new_block_ids.pop(victim.request_id)
+                    budget += undone
                     index -= 1
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = ScheduledRequest(request, num_new)
+                num_scheduled[request.request_id] = num_new
+                new_block_ids[request.request_id] = allocated
                 budget -= num_new
                 index += 1
 
+        new_requests: list[Request] = []
+        resumed: set[str] = set()
         # New requests only when nobody had to be preempted: otherwise they would just thrash.
         while not num_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            waiting = self._peek_waiting()
-            if waiting is None:
+            request = self._peek_waiting()
+            # A preempted request whose last step is still in flight waits for that step's token.
+            if request is None or request.num_output_placeholders:
                 break
-            request = waiting
             computed_blocks: list[int] = []
             num_hit_tokens = 0
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+            if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             heapq.heappop(self._waiting)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            if request.status == RequestStatus.PREEMPTED:
+                resumed.add(request.request_id)
+            else:
+                new_requests.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = ScheduledRequest(request, num_new)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = request.block_ids
             budget -= num_new
 
-        if not scheduled:
+        if not num_scheduled:
             # An empty step is never executed: its news for the worker waits for the next real one.
             return SchedulerOutput()
         out = SchedulerOutput(
-            scheduled=list(scheduled.values()),
+            scheduled_new_reqs=[self._new_request_data(r) for r in new_requests],
+            scheduled_cached_reqs=self._cached_request_data(
+                num_scheduled, new_block_ids, resumed, {r.request_id for r in new_requests}
+            ),
+            num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
         self._preempted_since_last_step, self._finished_since_last_step = [], []
+        for request_id, num_new in num_scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _reaches_limit_in_flight(self, request: Request) -> bool:
+        """True when the tokens already being sampled take the request to max_tokens or max_model_len,
+        so another step for it would only be thrown away."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens_with_placeholders >= self.max_model_len or (
+            max_tokens is not None
+            and request.num_output_tokens + request.num_output_placeholders >= max_tokens
+        )
+
+    @staticmethod
+    def _new_request_data(request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=sorted(request.eos_token_ids),
+            block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(
+        self,
+        num_scheduled: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        resumed: set[str],
+        new_ids: set[str],
+    ) -> CachedRequestData:
+        data = CachedRequestData()
+        for request_id in num_scheduled:
+            if request_id in new_ids:
+                continue  # sent whole as a NewRequestData
+            request = self.requests[request_id]
+            data.req_ids.append(request_id)
+            data.resumed_from_preemption.append(request_id in resumed)
+            data.new_block_ids.append(list(new_block_ids[request_id]))
+            data.num_computed_tokens.append(request.num_computed_tokens)
+        return data
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
-        for i, (request, num_new) in enumerate(scheduler_output.scheduled):
-            if request.status.finished:  # aborted while the step ran
+        prompt_logprobs = runner_output.prompt_logprobs
+        for row, request_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(request_id)
+            if request is None:  # finished or aborted while the step ran
                 continue
-            if runner_output.prompt_logprobs and request.request_id in runner_output.prompt_logprobs:
-                self._add_prompt_logprobs(request, *runner_output.prompt_logprobs[request.request_id])
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prompt chunk: its sampled token is meaningless
-            token_id = runner_output.sampled_token_ids[i]
-            request.append_output_token(token_id)
+            if prompt_logprobs and request_id in prompt_logprobs:
+                self._add_prompt_logprobs(request, *prompt_logprobs[request_id])
+            new_token_ids = runner_output.sampled_token_ids[row]
+            running = request.status == RequestStatus.RUNNING
+            if not new_token_ids:  # a prompt chunk: nothing sampled that counts
+                if running:
+                    self.kv.cache_full_blocks(request)
+                continue
+            # A preempted request keeps the token: it was sampled from a complete context.
+            request.num_output_placeholders -= 1
+            request.append_output_token(new_token_ids[0])
+            if running:
+                self.kv.cache_full_blocks(request)
             status = self._check_stop(request)
-            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
+            logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
             outputs.append(
                 EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,

@@ -29,6 +29,7 @@ _HELP = {
     "seed": "seed of the engine's random state (per-request seeds are separate)",
     "skip_tokenizer_init": "do not load a tokenizer; prompts must then be token ids",
     "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
+    "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",
     "max_waiting_requests": "cap on requests waiting for their first token; the server answers 429 past it",
 }
 

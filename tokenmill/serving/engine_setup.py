@@ -83,4 +83,8 @@ def create_engine(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(kv, config.max_num_seqs, batched_tokens, max_model_len)
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
-    return EngineParts(EngineCore(scheduler, runner), runner, source, max_model_len, num_blocks)
+    async_scheduling = config.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = runner.device.type == "cuda"
+    core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
+    return EngineParts(core, runner, source, max_model_len, num_blocks)

@@ -25,7 +25,6 @@ class LLMEngine:
             self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._unprocessed: list = []  # the last step's core outputs, processed during the next step
 
     @property
     def scheduler(self):
@@ -52,17 +51,15 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or bool(self._unprocessed)
+        return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step, and meanwhile turn the previous step's tokens into outputs.
+        """Run one turn of the engine core's loop and turn the tokens it returns into outputs.
 
-        Outputs therefore trail the device by one step; a request that a stop string ended in the
-        previous step may compute one more token, which is dropped.
+        With async scheduling the next step is already on the device while this detokenizes; a request
+        that a stop string ends here may have one more token computed, which is dropped.
         """
-        launched = self.core.launch_step()
-        outputs, to_abort = self.output_processor.process(self._unprocessed)
-        self._unprocessed = self.core.finish_step(launched) if launched is not None else []
+        outputs, to_abort = self.output_processor.process(self.core.step())
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs

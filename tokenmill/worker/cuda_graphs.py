@@ -80,21 +80,18 @@ class DecodeGraphs:
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.max_query_len == 1 and len(inputs.seq_lens) <= self.sizes[-1]
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Replay the graph for this decode step; returns logits [num_seqs, vocab]."""
-        num_seqs = len(inputs.seq_lens)
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Replay the graph for this decode step (its inputs already on the device); returns logits
+        [num_seqs, vocab]."""
+        num_seqs = md.seq_lens.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
-        num_blocks = inputs.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
-        self.positions[:num_seqs].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(torch.from_numpy(inputs.slot_mapping), non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(torch.from_numpy(inputs.seq_lens), non_blocking=True)
-        self.block_tables[:num_seqs, :num_blocks].copy_(
-            torch.from_numpy(inputs.block_tables), non_blocking=True
-        )
-        self.query_start_loc[: num_seqs + 1].copy_(
-            torch.from_numpy(inputs.query_start_loc), non_blocking=True
-        )
+        num_blocks = md.block_tables.shape[1]
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.slot_mapping[:num_seqs].copy_(md.slot_mapping)
+        self.seq_lens[:num_seqs].copy_(md.seq_lens)
+        self.block_tables[:num_seqs, :num_blocks].copy_(md.block_tables)
+        self.query_start_loc[: num_seqs + 1].copy_(md.query_start_loc)
         if size > num_seqs:
             self.slot_mapping[num_seqs:size].fill_(-1)
             self.seq_lens[num_seqs:size].fill_(0)

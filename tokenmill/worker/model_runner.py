@@ -19,7 +19,7 @@ from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.input_batch import InputBatch, StepInputs
-from tokenmill.worker.sampler import Sampler, SamplingBatch, score_tokens
+from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +49,50 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 class PendingRunnerOutput:
-    """Sampled tokens still on the device; result() copies them to the host (the step's one sync)."""
+    """A launched step: sampled tokens (and logprobs) on their way to pinned host memory. result() waits
+    for them, the step's one sync, and tells the worker which tokens stopped being pending."""
 
     def __init__(
-        self, sampled: torch.Tensor, logprobs: list | None, prompt_logprobs: dict | None = None
+        self,
+        runner: ModelRunner,
+        inputs: StepInputs,
+        sampled: torch.Tensor,
+        logprobs: LogprobTensors | None,
+        logprob_ks: list[int | None],
+        prompt_logprobs: dict | None,
     ) -> None:
-        self.sampled = sampled
-        self.logprobs = logprobs
+        self.runner = runner
+        self.req_ids = inputs.req_ids
+        self.samples = inputs.samples
+        non_blocking = sampled.is_cuda
+        self.sampled = sampled.to("cpu", non_blocking=non_blocking)
+        self.logprobs = logprobs.to_host(non_blocking) if logprobs is not None else None
+        self.logprob_ks = logprob_ks
         self.prompt_logprobs = prompt_logprobs
+        self.ready = torch.cuda.Event() if non_blocking else None
+        if self.ready is not None:
+            self.ready.record()
+        self._result: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
-        return ModelRunnerOutput(
-            sampled_token_ids=self.sampled.tolist(),
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-        )
+        if self._result is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            token_ids = self.sampled.tolist()
+            self.runner.input_batch.record_sampled(self.req_ids, self.samples, token_ids)
+            prompt_logprobs = None
+            if self.prompt_logprobs:
+                prompt_logprobs = {
+                    request_id: (first, list(map(TokenLogprobs, *(t.tolist() for t in scored))))
+                    for request_id, (first, scored) in self.prompt_logprobs.items()
+                }
+            self._result = ModelRunnerOutput(
+                req_ids=self.req_ids,
+                sampled_token_ids=[[t] if keeps else [] for t, keeps in zip(token_ids, self.samples)],
+                logprobs=self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs,
+            )
+        return self._result
 
 
 class ModelRunner:
@@ -98,6 +127,9 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
+        # The last launched step's sampled tokens on the device, and each request's row in it.
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._last_row_of: dict[str, int] = {}
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and get_kernels(self.device).backend == "triton"
 
@@ -136,15 +168,36 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        def device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
+    def _staged(self, arrays: list[np.ndarray], dtype: np.dtype) -> list[torch.Tensor]:
+        """The arrays on the device in one copy: packed into pinned host memory (the caching host
+        allocator does not reuse it before the copy is done), so the copy never blocks the host."""
+        packed = np.concatenate([a.ravel() for a in arrays]).astype(dtype, copy=False)
+        host = torch.from_numpy(packed)
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        views, offset = [], 0
+        for a in arrays:
+            views.append(host[offset : offset + a.size].view(a.shape))
+            offset += a.size
+        return views
 
+    def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
+        index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
+        input_ids, positions, slot_mapping, pending_dst, pending_src = self._staged(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays], np.int64
+        )
+        query_start_loc, seq_lens, block_tables = self._staged(
+            [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables], np.int32
+        )
+        if pending_rows:
+            # Tokens the previous step sampled feed this step straight from the device.
+            input_ids.index_copy_(0, pending_dst, self._last_sampled.index_select(0, pending_src))
         md = AttentionMetadata(
-            slot_mapping=device(inputs.slot_mapping),
-            block_tables=device(inputs.block_tables),
-            seq_lens=device(inputs.seq_lens),
-            query_start_loc=device(inputs.query_start_loc),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             dense_prefill=(
@@ -153,88 +206,101 @@ class ModelRunner:
                 and inputs.max_query_len == inputs.max_seq_len
             ),
         )
-        return device(inputs.input_ids), device(inputs.positions), md
+        return input_ids, positions, md
 
-    def _sampling_batch(self, scheduler_output: SchedulerOutput, vocab_size: int) -> SamplingBatch:
-        requests = [r for r, _ in scheduler_output.scheduled]
+    def _sampling_batch(self, inputs: StepInputs, vocab_size: int) -> SamplingBatch:
+        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
         params = [r.sampling_params for r in requests]
         generators = {}
-        for row, (request, num_new) in enumerate(scheduler_output.scheduled):
+        for row, request in enumerate(requests):
             # A seeded request draws only for tokens it keeps, so chunking and batching never shift it.
-            keeps_token = request.num_computed_tokens + num_new >= request.num_tokens
             seed = request.sampling_params.seed
-            if keeps_token and seed is not None and not request.sampling_params.greedy:
-                generator = self.generators.get(request.request_id)
+            if inputs.samples[row] and seed is not None and not request.sampling_params.greedy:
+                generator = self.generators.get(request.req_id)
                 if generator is None:
                     generator = torch.Generator(device=self.device).manual_seed(seed)
-                    self.generators[request.request_id] = generator
+                    self.generators[request.req_id] = generator
                 generators[row] = generator
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        # One host-to-device copy for all four per-row knobs (top-k fits fp32 exactly: vocab < 2**24).
-        knobs = torch.tensor(
-            [[0.0 if p.greedy else p.temperature for p in params], top_k, [p.top_p for p in params],
-             [p.min_p for p in params]],
-            dtype=torch.float32,
-        ).to(self.device, non_blocking=True)  # fmt: skip
+        all_greedy = all(p.greedy for p in params)
+        needs_top_k_p = any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params)
+        needs_min_p = any(p.min_p > 0 for p in params)
+        knobs = None
+        if not all_greedy:
+            # One host-to-device copy for all four per-row knobs (top-k fits fp32 exactly: vocab < 2**24).
+            rows = [[0.0 if p.greedy else p.temperature for p in params], top_k,
+                    [p.top_p for p in params], [p.min_p for p in params]]  # fmt: skip
+            (knobs,) = self._staged([np.asarray(rows, dtype=np.float32)], np.float32)
+        needs_penalties = any(p.uses_penalties for p in params)
+        pending_tokens = {}
+        if needs_penalties:
+            row_of_pending = {r: i for i, r in enumerate(inputs.req_ids)}
+            for request_id in inputs.pending_src_req_ids:
+                row, last_row = row_of_pending[request_id], self._last_row_of[request_id]
+                pending_tokens[row] = self._last_sampled[last_row : last_row + 1]
         return SamplingBatch(
             requests=requests,
-            temperature=knobs[0],
-            top_k=knobs[1].long(),
-            top_p=knobs[2],
-            min_p=knobs[3],
-            all_greedy=all(p.greedy for p in params),
+            temperature=knobs[0] if knobs is not None else None,
+            top_k=knobs[1].long() if knobs is not None else None,
+            top_p=knobs[2] if knobs is not None else None,
+            min_p=knobs[3] if knobs is not None else None,
+            all_greedy=all_greedy,
             needs_logit_edits=any(
                 p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in zip(requests, params)
             ),
-            needs_top_k_p=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
-            needs_min_p=any(p.min_p > 0 for p in params),
-            needs_penalties=any(p.uses_penalties for p in params),
+            needs_top_k_p=needs_top_k_p,
+            needs_min_p=needs_min_p,
+            needs_penalties=needs_penalties,
             generators=generators,
             max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
+            pending_tokens=pending_tokens,
         )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """Launch one step on the device; the returned output's result() waits for the tokens."""
+        self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
-        inputs = self.input_batch.prepare(scheduler_output)
-        # Host-to-device copies from pageable memory wait for the stream, so every input goes over
-        # before the forward pass is launched; after it, nothing waits until result().
-        sampling_batch = self._sampling_batch(scheduler_output, self.hf_config.vocab_size)
+        states = self.input_batch.requests
         # Requests asking for prompt logprobs whose chunk still scores prompt tokens need every row's
-        # hidden state, which only the eager path keeps.
+        # hidden state, which only the eager path keeps (read before prepare advances the counts).
         scoring = [
-            (row, request, num_new)
-            for row, (request, num_new) in enumerate(scheduler_output.scheduled)
-            if request.sampling_params.prompt_logprobs is not None
-            and request.num_computed_tokens + 1 < request.num_prompt_tokens
+            (row, states[request_id], states[request_id].num_computed_tokens, num_new)
+            for row, (request_id, num_new) in enumerate(scheduler_output.num_scheduled_tokens.items())
+            if states[request_id].sampling_params.prompt_logprobs is not None
+            and states[request_id].num_computed_tokens + 1 < states[request_id].num_prompt_tokens
         ]
+        inputs = self.input_batch.prepare(scheduler_output)
+        sampling_batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
+        input_ids, positions, md = self.to_device(inputs)
         prompt_logprobs = None
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
-            logits = self.decode_graphs.run(inputs)
+            logits = self.decode_graphs.run(input_ids, positions, md)
         else:
-            input_ids, positions, md = self.to_device(inputs)
-            last_rows = torch.from_numpy(inputs.query_start_loc[1:].astype(np.int64) - 1).to(self.device)
+            last_rows = md.query_start_loc[1:].long() - 1
             hidden = self.model(input_ids, positions, md)
             logits = self.model.compute_logits(hidden[last_rows])
             if scoring:
                 prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
         sampled, logprobs = self.sampler(logits, sampling_batch)
-        return PendingRunnerOutput(sampled, logprobs, prompt_logprobs)
+        self._last_sampled = sampled
+        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
+        logprob_ks = [r.sampling_params.logprobs for r in sampling_batch.requests]
+        return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, prompt_logprobs)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
-    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-        """Score the prompt tokens this step's chunks predict: the row at position p scores token p + 1."""
+    ) -> dict[str, tuple[int, list]]:
+        """Score the prompt tokens this step's chunks predict: the row at position p scores token p + 1.
+        Scores stay on the device (as LogprobTensors per slice) until the step's result is read."""
         result = {}
-        for row, request, num_new in scoring:
-            start = request.num_computed_tokens
+        for row, request, start, num_new in scoring:
             num_scored = min(start + num_new, request.num_prompt_tokens - 1) - start
             first_row = int(query_start_loc[row])
             k = request.sampling_params.prompt_logprobs
-            entries: list[TokenLogprobs] = []
+            parts = []
             # Slices bound the [rows, vocab] fp32 buffer on long prompts.
             for offset in range(0, num_scored, _PROMPT_LOGPROB_ROWS):
                 count = min(_PROMPT_LOGPROB_ROWS, num_scored - offset)
@@ -242,8 +308,9 @@ class ModelRunner:
                 logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
                 targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
                 target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
-                entries += map(TokenLogprobs, *score_tokens(logprobs, target_ids, k))
-            result[request.request_id] = (start + 1, entries)
+                parts.append(score_tokens(logprobs, target_ids, k))
+            scored = LogprobTensors(*(torch.cat(column) for column in zip(*parts)))
+            result[request.req_id] = (start + 1, scored.to_host(non_blocking=self.device.type == "cuda"))
         return result
 
     @torch.inference_mode()

@@ -4,23 +4,25 @@ their output does not depend on what else is in the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from tokenmill.core.outputs import TokenLogprobs
-from tokenmill.core.request import Request
+from tokenmill.worker.input_batch import CachedRequestState
 
 
 @dataclass
 class SamplingBatch:
     """Per-row sampling state for one step, as device tensors where the math needs them."""
 
-    requests: list[Request]
-    temperature: torch.Tensor  # [B] float32; 0 means greedy
-    top_k: torch.Tensor  # [B] int64; vocab size means no top-k
-    top_p: torch.Tensor  # [B] float32
-    min_p: torch.Tensor  # [B] float32
+    requests: list[CachedRequestState]
+    # Per-row knobs, None when every row is greedy.
+    temperature: torch.Tensor | None  # [B] float32; 0 means greedy
+    top_k: torch.Tensor | None  # [B] int64; vocab size means no top-k
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
     all_greedy: bool
     needs_logit_edits: bool  # some row has a logit bias or is still under its min_tokens
     needs_top_k_p: bool
@@ -28,15 +30,19 @@ class SamplingBatch:
     needs_penalties: bool
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     max_num_logprobs: int  # -1 when no row asks for logprobs
+    # row -> its last output token, sampled by the step in flight and still only on the device
+    pending_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     vocab_size = logits.shape[1]
-    for row, request in enumerate(requests):
+    for row, request in enumerate(batch.requests):
         params = request.sampling_params
         if not params.uses_penalties:
             continue
         output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
+        if row in batch.pending_tokens:
+            output_ids = torch.cat([output_ids, batch.pending_tokens[row]])
         counts = torch.zeros(vocab_size, dtype=logits.dtype, device=logits.device)
         counts.scatter_add_(0, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
         if params.repetition_penalty != 1.0:
@@ -53,7 +59,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         )
 
 
-def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[CachedRequestState]) -> None:
     for row, request in enumerate(requests):
         params = request.sampling_params
         if params.logit_bias:
@@ -87,35 +93,38 @@ def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) 
     return probs.div(q).argmax(dim=-1)
 
 
-def score_tokens(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
-    """For rows of log-probabilities and one token per row: (the token's logprob, its rank, the top-k
-    ids, the top-k logprobs), copied to the host in one go."""
-    chosen = logprobs.gather(1, token_ids[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobTensors:
+    """For rows of log-probabilities and one token per row: the token's logprob, its rank, and the
+    top-k ids and logprobs, left on the device."""
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
-    return chosen[:, 0].tolist(), ranks.tolist(), top_ids[:, :k].tolist(), top_lp[:, :k].tolist()
+    return LogprobTensors(chosen, ranks, top_ids[:, :k], top_lp[:, :k])
 
 
-def _logprobs(
-    raw_logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch
-) -> list[TokenLogprobs | None]:
-    logprobs = raw_logits.float().log_softmax(dim=-1)
-    chosen, ranks, top_ids, top_lp = score_tokens(logprobs, sampled, batch.max_num_logprobs)
-    result: list[TokenLogprobs | None] = []
-    for row, request in enumerate(batch.requests):
-        k = request.sampling_params.logprobs
-        if k is None:
-            result.append(None)
-        else:
-            result.append(TokenLogprobs(chosen[row], ranks[row], top_ids[row][:k], top_lp[row][:k]))
-    return result
+class LogprobTensors(NamedTuple):
+    logprobs: torch.Tensor  # [rows] float32
+    ranks: torch.Tensor  # [rows] int64
+    top_token_ids: torch.Tensor  # [rows, k] int64
+    top_logprobs: torch.Tensor  # [rows, k] float32
+
+    def to_host(self, non_blocking: bool) -> LogprobTensors:
+        return LogprobTensors(*(t.to("cpu", non_blocking=non_blocking) for t in self))
+
+    def tolist(self, ks: list[int | None]) -> list[TokenLogprobs | None]:
+        """One entry per row, with that row's own number of alternatives (None: the row asked none)."""
+        chosen, ranks, top_ids, top_lp = (t.tolist() for t in self)
+        return [
+            None if k is None else TokenLogprobs(chosen[row], ranks[row], top_ids[row][:k], top_lp[row][:k])
+            for row, k in enumerate(ks)
+        ]
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
-        """Returns (sampled token ids [B] on the device, logprobs per row or None)."""
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device."""
         raw_logits = logits
         logits = logits.float()
         if batch.needs_logit_edits or batch.needs_penalties:
@@ -124,7 +133,7 @@ class Sampler:
             if batch.needs_logit_edits:
                 _apply_bias_and_min_tokens(logits, batch.requests)
             if batch.needs_penalties:
-                _apply_penalties(logits, batch.requests)
+                _apply_penalties(logits, batch)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             sampled = greedy
@@ -138,5 +147,7 @@ class Sampler:
                 max_prob = probs.max(dim=-1, keepdim=True).values
                 probs = probs.masked_fill(probs < batch.min_p[:, None] * max_prob, 0.0)
             sampled = torch.where(temperature > 0, _random_sample(probs, batch.generators), greedy)
-        logprobs = _logprobs(raw_logits, sampled, batch) if batch.max_num_logprobs >= 0 else None
+        logprobs = None
+        if batch.max_num_logprobs >= 0:
+            logprobs = score_tokens(raw_logits.float().log_softmax(dim=-1), sampled, batch.max_num_logprobs)
         return sampled, logprobs
