@@ -1,4 +1,5 @@
-"""Kernel dispatch: references on the CPU, Triton on CUDA, and the environment override."""
+"""Kernel dispatch: references on the CPU, Triton on CUDA, the environment override, and layers that keep
+the set chosen when they were built."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from tokenmill.kernels import BACKEND_ENV, Kernels, get_kernels, reference
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.norm import RMSNorm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 has_triton = importlib.util.find_spec("triton") is not None
@@ -46,6 +49,29 @@ def test_cuda_gets_triton_unless_forced_to_torch(monkeypatch: pytest.MonkeyPatch
     assert get_kernels(torch.device("cuda")).backend == "triton"
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert get_kernels(torch.device("cuda")).backend == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not has_triton, reason="needs a CUDA device and triton")
+def test_layers_built_on_cuda_get_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    with torch.device("cuda"):
+        assert get_kernels().backend == "triton"
+        assert RMSNorm(64).kernels.backend == "triton"
+    assert RMSNorm(64).kernels.backend == "torch"
+
+
+def test_layers_keep_the_kernels_they_were_built_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    with torch.device("cpu"):
+        assert get_kernels() is get_kernels("cpu")
+        norm, act = RMSNorm(6), SiluAndMul()
+    assert norm.kernels is act.kernels is get_kernels("cpu")
+    # A backend that get_kernels would refuse: the forward passes never ask for one.
+    monkeypatch.setenv(BACKEND_ENV, "flash")
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(norm(x), reference.rms_norm(x, norm.weight, norm.eps))
+    torch.testing.assert_close(act(x), reference.silu_and_mul(x))
 
 
 def test_unknown_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

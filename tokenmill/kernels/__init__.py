@@ -1,8 +1,9 @@
 """Kernel dispatch: the Triton kernels on CUDA when triton imports, the torch references elsewhere.
+A model chooses its set once, when it is built, and its layers keep it: no lookup in a forward pass.
 
 TOKENMILL_ATTENTION_BACKEND=torch|triton forces one set on every device (triton on a CPU needs
-TRITON_INTERPRET=1). The Triton modules are imported only when chosen, so this package imports
-without triton.
+TRITON_INTERPRET=1); it is read when a model is built. The Triton modules are imported only when
+chosen, so this package imports without triton.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ class Kernels(NamedTuple):
     silu_and_mul: Callable[..., torch.Tensor]
 
 
-def get_kernels(device: torch.device | str) -> Kernels:
-    """The kernels for tensors on `device`; cheap to call per layer (the choice is cached)."""
-    return _kernels_for(torch.device(device).type, os.environ.get(BACKEND_ENV, ""))
+def get_kernels(device: torch.device | str | None = None) -> Kernels:
+    """The kernels for tensors on `device`, by default the device modules are being built on
+    (torch.get_default_device(), set by `with torch.device(...)`)."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    return _kernels_for(device.type, os.environ.get(BACKEND_ENV, ""))
 
 
 def _triton_available() -> bool:

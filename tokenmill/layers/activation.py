@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import get_kernels
+from tokenmill.kernels import Kernels, get_kernels
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, kernels: Kernels | None = None) -> None:
+        super().__init__()
+        self.kernels = kernels or get_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return get_kernels(x.device).silu_and_mul(x)
+        return self.kernels.silu_and_mul(x)

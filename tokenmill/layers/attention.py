@@ -1,5 +1,5 @@
 """The attention layer: writes new K/V into its paged cache, then attends over each request's context.
-The backend (Triton on CUDA, torch reference elsewhere) is picked once per device by tokenmill.kernels."""
+The backend (Triton on CUDA, torch reference elsewhere) is chosen once, when the layer is built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.kernels import get_kernels
+from tokenmill.kernels import Kernels, get_kernels
 
 # Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
 _DENSE_BACKENDS = [
@@ -51,8 +51,11 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: Kernels | None = None
+    ) -> None:
         super().__init__()
+        self.kernels = kernels or get_kernels()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -68,13 +71,12 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        kernels = get_kernels(q.device)
-        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
         if attn_metadata.dense_prefill:
             return dense_causal_attention(q, k, v, self.scale).view(
                 num_tokens, self.num_heads * self.head_dim
             )
-        out = kernels.paged_attention(
+        out = self.kernels.paged_attention(
             q,
             self.k_cache,
             self.v_cache,

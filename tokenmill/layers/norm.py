@@ -5,19 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import get_kernels
+from tokenmill.kernels import Kernels, get_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels = kernels or get_kernels()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernels = get_kernels(x.device)
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import get_kernels
+from tokenmill.kernels import Kernels, get_kernels
 
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
@@ -42,8 +42,9 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_position: int) -> None:
+    def __init__(self, config, head_dim: int, max_position: int, kernels: Kernels | None = None) -> None:
         super().__init__()
+        self.kernels = kernels or get_kernels()
         # Computed in fp32 on the CPU whatever the default device, then moved where the model lives.
         with torch.device("cpu"):
             inv_freq, attention_scaling = inverse_frequencies(config, head_dim)
@@ -54,4 +55,4 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return get_kernels(q.device).rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)

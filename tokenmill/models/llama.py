@@ -9,10 +9,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.models.utils import load_model_weights
 
 
 class ArchFlags:
@@ -32,18 +36,20 @@ class ArchFlags:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, flags: ArchFlags, max_position: int) -> None:
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = flags.num_heads, flags.num_kv_heads, flags.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=flags.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=flags.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=flags.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=flags.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position, kernels)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -57,24 +63,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, flags: ArchFlags) -> None:
+    def __init__(self, config, flags: ArchFlags, kernels: Kernels) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=flags.mlp_bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=flags.mlp_bias)
-        self.act = SiluAndMul()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
+        self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, flags: ArchFlags, max_position: int) -> None:
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, flags, max_position)
-        self.mlp = LlamaMLP(config, flags)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, flags, max_position, kernels)
+        self.mlp = LlamaMLP(config, flags, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -93,13 +99,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, flags: ArchFlags, max_position: int) -> None:
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, flags, max_position) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, flags, max_position, kernels) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -111,25 +117,26 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# HF checkpoint names that land in a slice of one of our fused parameters: (ours, shard index).
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_position: int) -> None:
+    # Checkpoint names that land in a shard of one of our fused parameters: (ours, theirs, shard id).
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, config, max_position: int, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.config = config
         self.flags = ArchFlags(config)
-        self.model = LlamaModel(config, self.flags, max_position)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Chosen once, for the device the model is built on; every layer keeps this set.
+        self.kernels = kernels or get_kernels()
+        self.model = LlamaModel(config, self.flags, max_position, self.kernels)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.flags.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -137,56 +144,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, md)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head(hidden)[..., : self.config.vocab_size]  # drop the padded vocab's columns
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        if fused == "qkv_proj":
-            f = self.flags
-            return [f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim, f.num_kv_heads * f.head_dim]
-        inter = self.config.intermediate_size
-        return [inter, inter]
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.flags.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for hf_part, (ours, index) in _STACKED.items():
-                if f".{hf_part}." in name:
-                    target, shard = name.replace(f".{hf_part}.", f".{ours}."), index
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}.")
-            dest = param.data
-            if shard is not None:
-                sizes = self._shard_sizes(target.split(".")[-2])
-                dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
-                loaded.add(f"{target}#{shard}")
-            else:
-                loaded.add(target)
-            if dest.shape != tensor.shape:
-                got, expected = tuple(tensor.shape), tuple(dest.shape)
-                raise ValueError(f"checkpoint tensor {name!r} has shape {got}, expected {expected}.")
-            dest.copy_(tensor)
-        missing = [n for n in self._expected_names() if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}.")
-
-    def _expected_names(self) -> list[str]:
-        names = []
-        for name, _ in self.named_parameters():
-            fused = name.split(".")[-2] if name.count(".") else ""
-            if fused in ("qkv_proj", "gate_up_proj"):
-                names += [f"{name}#{i}" for i in range(len(self._shard_sizes(fused)))]
-            else:
-                names.append(name)
-        return names
+        skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.flags.tie_word_embeddings else [])
+        load_model_weights(self, weights, self.stacked_params_mapping, skip_substrs=skip)
