@@ -21,7 +21,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="default", max_model_len=1024, max_num_seqs=8)
+    # fp32: the greedy tokens and texts below are transformers' fp32 ones; bf16 may pick a near tie.
+    return LLM(model="default", max_model_len=1024, max_num_seqs=8, dtype="float32")
 
 
 def test_smollm2_gguf_greedy_matches_transformers_gguf(llm):

@@ -11,6 +11,7 @@ from typing import TextIO
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serving.llm_engine import LLMEngine
+from tokenmill.serving.prompt import render_prompt
 
 _request_ids = itertools.count()
 
@@ -133,8 +134,7 @@ def _chat(args: argparse.Namespace) -> int:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        token_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt, token_ids = render_prompt(engine.tokenizer, messages=messages)
         room = engine.max_model_len - len(token_ids)
         if room < 1:
             messages.pop()

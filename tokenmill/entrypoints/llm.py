@@ -11,8 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serving.llm_engine import LLMEngine
-
-Message = dict[str, str]
+from tokenmill.serving.prompt import Message, render_prompt
 
 
 class LLM:
@@ -61,28 +60,27 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer; it is unavailable with skip_tokenizer_init=True.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
+        rendered = [
+            render_prompt(
+                self.engine.tokenizer,
+                messages=conversation,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 chat_template=chat_template,
             )
             for conversation in conversations
         ]
-        # The template already holds any BOS token: tokenize without adding special tokens again.
-        token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate(
-            prompt_token_ids=token_ids, sampling_params=sampling_params, use_tqdm=use_tqdm
+            prompt_token_ids=[r.token_ids for r in rendered],
+            sampling_params=sampling_params,
+            use_tqdm=use_tqdm,
         )
-        for output, prompt in zip(outputs, prompts):
-            output.prompt = prompt
+        for output, prompt in zip(outputs, rendered):
+            output.prompt = prompt.text
         return outputs
 
     @staticmethod

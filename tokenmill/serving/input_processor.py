@@ -4,6 +4,7 @@ with an error that names the knob."""
 from __future__ import annotations
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.prompt import render_prompt
 
 
 class InputProcessor:
@@ -13,11 +14,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids when skip_tokenizer_init=True.")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return render_prompt(self.tokenizer, prompt).token_ids
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:

@@ -18,34 +18,13 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
 
 logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROB_ROWS = 512
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in bf16 are slower and less exact
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if config_dtype in (torch.float16, torch.bfloat16, "float16", "bfloat16"):
-        return config_dtype if isinstance(config_dtype, torch.dtype) else _DTYPES[config_dtype]
-    return torch.bfloat16
 
 
 class PendingRunnerOutput:

@@ -25,6 +25,7 @@ from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
+from tokenmill.serving.prompt import render_prompt
 
 from .common import ServerState
 from .errors import OpenAIError, bad_request, install_error_handlers, unavailable
@@ -106,10 +107,11 @@ def build_app(state: ServerState) -> FastAPI:
         if tokenizer is None:
             raise bad_request("this server runs with --skip-tokenizer-init and has no tokenizer.")
         if request.messages is not None:
-            text = render_chat(tokenizer, request.messages, request.add_generation_prompt)
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            _, token_ids = render_chat(tokenizer, request.messages, request.add_generation_prompt)
         else:
-            token_ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            _, token_ids = render_prompt(
+                tokenizer, request.prompt, add_special_tokens=request.add_special_tokens
+            )
         return {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
 
     @app.post("/detokenize")

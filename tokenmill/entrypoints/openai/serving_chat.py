@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
+from tokenmill.serving.prompt import RenderedPrompt, render_prompt
 
 from .common import (
     SSE_DONE,
@@ -29,15 +30,15 @@ from .errors import bad_request, to_openai_error
 from .protocol import ChatCompletionRequest, ChatMessage
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    if tokenizer is None:
-        raise bad_request("chat needs a tokenizer; this server runs with --skip-tokenizer-init.")
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> RenderedPrompt:
     try:
-        return tokenizer.apply_chat_template(
-            [m.template_dict() for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        return render_prompt(
+            tokenizer,
+            messages=[m.template_dict() for m in messages],
+            add_generation_prompt=add_generation_prompt,
         )
-    except Exception as exc:  # a template may raise on any conversation it does not accept
-        raise bad_request(f"the chat template rejected these messages: {exc}", param="messages") from exc
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages" if tokenizer is not None else None) from exc
 
 
 def _usage(final: RequestOutput) -> dict:
@@ -54,9 +55,9 @@ class ChatServing:
         model = state.check_model(request.model)
         state.check_accepting()
         engine = state.engine
-        prompt_text = render_chat(engine.tokenizer, request.messages, request.add_generation_prompt)
-        # The template already holds any BOS token: no special tokens are added again.
-        prompt_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+        prompt_text, prompt_ids = render_chat(
+            engine.tokenizer, request.messages, request.add_generation_prompt
+        )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"
         )

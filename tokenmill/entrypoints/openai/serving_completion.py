@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.serving.prompt import render_prompt
 
 from .common import (
     SSE_DONE,
@@ -54,17 +55,12 @@ class CompletionServing:
         engine = self.state.engine
         prompts = []
         for index, prompt in enumerate(request.prompts()):
-            if isinstance(prompt, str):
-                if engine.tokenizer is None:
-                    raise bad_request(
-                        "prompt must be token ids: this server runs with --skip-tokenizer-init."
-                    )
-                token_ids = engine.tokenizer.encode(prompt)
-            else:
-                token_ids = prompt
+            try:
+                text, token_ids = render_prompt(engine.tokenizer, prompt)
+            except ValueError as exc:
+                raise bad_request(str(exc), param="prompt") from exc
             if not token_ids:
                 raise bad_request(f"prompt {index} is empty.", param="prompt")
-            text = prompt if isinstance(prompt, str) else None
             if text is None and request.echo and engine.tokenizer is not None:
                 text = engine.tokenizer.decode(token_ids)
             prompts.append(_Prompt(token_ids, text))
