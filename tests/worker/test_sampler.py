@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
-
-from types import SimpleNamespace
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch

@@ -110,7 +110,7 @@ class ModelRunner:
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
-        self.dense_prefill_ok = self.device.type == "cuda" and get_kernels(self.device).backend == "triton"
+        self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs once the KV cache exists (the graphs bake in its addresses)."""
