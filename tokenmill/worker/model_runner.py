@@ -13,7 +13,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
-from tokenmill.kernels import get_kernels
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
