@@ -33,12 +33,19 @@ class FakeExecutor:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def make_core(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True):
-    scheduler = Scheduler(
-        KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget, max_model_len
-    )
+def make_core(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=32,
+    max_model_len=256,
+    caching=True,
+    async_scheduling=False,
+):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    scheduler = Scheduler(kv, max_num_seqs, budget, max_model_len)
     executor = FakeExecutor(scheduler)
-    return EngineCore(scheduler, executor), executor
+    return EngineCore(scheduler, executor, async_scheduling=async_scheduling), executor
 
 
 def request(rid: str, prompt_len: int, max_tokens: int = 5, **kwargs) -> Request:
@@ -55,8 +62,9 @@ def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, li
     raise AssertionError("engine did not finish")
 
 
-def test_token_budget_and_seq_cap_are_respected():
-    core, executor = make_core(budget=10, max_num_seqs=3)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_token_budget_and_seq_cap_are_respected(async_scheduling):
+    core, executor = make_core(budget=10, max_num_seqs=3, async_scheduling=async_scheduling)
     for i in range(6):
         core.add_request(request(str(i), prompt_len=13))
     tokens = run_to_completion(core)
@@ -176,10 +184,20 @@ def test_duplicate_request_id_rejected():
         core.add_request(request("x", 3))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("caching", [True, False])
-def test_no_leak_after_random_traffic(caching):
+def test_no_leak_after_random_traffic(caching, async_scheduling):
     rng = random.Random(0)
-    core, executor = make_core(num_blocks=40, block_size=4, max_num_seqs=6, budget=24, caching=caching)
+    core, executor = make_core(
+        num_blocks=40,
+        block_size=4,
+        max_num_seqs=6,
+        budget=24,
+        caching=caching,
+        async_scheduling=async_scheduling,
+    )
+    produced: dict[str, int] = {}
+    limits: dict[str, int] = {}
     kv = core.scheduler.kv
     live: list[str] = []
     prefixes = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(3)]
@@ -190,20 +208,23 @@ def test_no_leak_after_random_traffic(caching):
             prompt = rng.choice(prefixes)[: rng.randint(0, 16)] + [
                 rng.randint(0, 99) for _ in range(rng.randint(1, 30))
             ]
-            core.add_request(
-                Request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 20)), arrival_time=step)
-            )
+            limits[rid] = rng.randint(1, 20)
+            core.add_request(Request(rid, prompt, SamplingParams(max_tokens=limits[rid]), arrival_time=step))
             live.append(rid)
         elif action < 0.4 and live:
             core.abort_requests([live.pop(rng.randrange(len(live)))])
         for out in core.step():
+            produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
+            assert out.request_id in live  # nothing reaches the caller after a finish or an abort
             if out.finish_reason is not None:
                 live.remove(out.request_id)
+                assert produced[out.request_id] == limits[out.request_id]
         held = sum(len(r.block_ids) for r in core.scheduler.requests.values())
         refs = sum(b.ref_cnt for b in kv.pool.blocks)
         assert held == refs  # every reference is owned by a live request
         assert kv.pool.num_free_blocks + sum(1 for b in kv.pool.blocks if b.ref_cnt > 0) == 40
     core.abort_requests(list(core.scheduler.requests))
+    assert core.step() == []  # a step still in flight returns, and its tokens are dropped
     assert kv.pool.num_free_blocks == 40
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not core.has_unfinished_requests()
