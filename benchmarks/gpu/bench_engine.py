@@ -67,6 +67,7 @@ def make_llm(args, **overrides) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.9,
+        async_scheduling=args.async_scheduling,
     )
     options.update(overrides)
     return LLM(model=shape_dir(args.shape, **json.loads(args.config_overrides)), **options)
@@ -228,12 +229,18 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N runs (default: the engine's, on for CUDA)",
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-requests", type=int, default=16)
     parser.add_argument("--peer-timeout", type=float, default=120)
     args = parser.parse_args()
-    result = {"mode": args.mode, **globals()[args.mode](args)}
+    result = {"mode": args.mode, "async_scheduling": args.async_scheduling, **globals()[args.mode](args)}
     text = json.dumps(result, indent=2)
     print(text, flush=True)
     if args.out:

@@ -62,7 +62,7 @@ def test_throughput_hands_every_request_over_at_once(
     out = tmp_path / "t.json"
     argv = ["throughput", "--model", "m", "--tokenizer", str(tiny_tokenizer_path), "--num-prompts", "5",
             "--input-len", "12", "--output-len", "6", "--max-num-seqs", "4", "--output-json", str(out),
-            "--disable-tqdm"]  # fmt: skip
+            "--disable-tqdm", "--num-warmups", "2"]  # fmt: skip
     assert _run(argv) == 0
     (llm,) = timed_llm.instances
     assert llm.engine_args == {
@@ -72,7 +72,9 @@ def test_throughput_hands_every_request_over_at_once(
         "seed": 0,
         "max_num_seqs": 4,
     }
-    ((prompts, params),) = llm.calls
+    (warm_prompts, warm_params), (prompts, params) = llm.calls
+    # The warm-up runs the first prompts at full length, untimed; the timed call hands over all of them.
+    assert warm_prompts == prompts[:2] and all(p.max_tokens == 4 for p in warm_params)
     assert [len(p) for p in prompts] == [12] * 5
     assert all(p.ignore_eos and p.max_tokens == 6 for p in params)
     result = json.loads(out.read_text())

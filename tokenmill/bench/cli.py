@@ -104,6 +104,12 @@ def _add_throughput(commands: Any) -> None:
     _add_dataset_args(p, offline=True)
     _add_engine_args(p)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument(
+        "--num-warmups",
+        type=int,
+        default=16,
+        help="the first N prompts run once (4 tokens each) before the timed run",
+    )
     p.add_argument("--output-json")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=_run_throughput)
