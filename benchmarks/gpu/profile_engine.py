@@ -1,6 +1,7 @@
 """Where a throughput run's wall time goes: the offline workload under cProfile, top functions by
 own time. Device waits show up in the call that synchronises (the sampled tokens' .tolist()).
-Usage: python benchmarks/gpu/profile_engine.py [--shape qwen3-0.6b] [--num-requests 256]"""
+Usage: python benchmarks/gpu/profile_engine.py [--shape qwen3-0.6b] [--num-requests 256]
+                                               [--no-async-scheduling]"""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-0.6b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
     llm = LLM(
         model=shape_dir(args.shape),
@@ -32,12 +34,16 @@ def main() -> None:
         max_model_len=4096,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
+        async_scheduling=args.async_scheduling,
     )
     prompts, max_tokens = workload(0, args.num_requests)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    llm.generate(
-        prompt_token_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_tokens=8), use_tqdm=False
-    )
+    warm = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=warm, use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    steps = llm.engine.core.num_steps
+    print(f"without the profiler: {sum(max_tokens) / (time.perf_counter() - start):.0f} output tok/s")
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -46,7 +52,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     print(
         f"{sum(max_tokens)} output tokens in {seconds:.2f} s under the profiler; "
-        f"{llm.engine.core.num_steps} engine steps"
+        f"{llm.engine.core.num_steps - steps} engine steps; "
+        f"async scheduling: {llm.engine.core.async_scheduling}"
     )
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(args.top)

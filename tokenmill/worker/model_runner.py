@@ -24,6 +24,7 @@ from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, sco
 logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROB_ROWS = 512
+_TORCH_DTYPE = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32")}
 
 
 class PendingRunnerOutput:
@@ -148,16 +149,23 @@ class ModelRunner:
 
     def _staged(self, arrays: list[np.ndarray], dtype: np.dtype) -> list[torch.Tensor]:
         """The arrays on the device in one copy: packed into pinned host memory (the caching host
-        allocator does not reuse it before the copy is done), so the copy never blocks the host."""
-        packed = np.concatenate([a.ravel() for a in arrays]).astype(dtype, copy=False)
-        host = torch.from_numpy(packed)
-        if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        views, offset = [], 0
+        allocator does not reuse it before the copy is done), so the copy never blocks the host.
+
+        Each array starts on a 16-byte boundary: Triton specialises kernels on pointer alignment, so
+        views at batch-dependent offsets would compile new kernel variants in the middle of serving."""
+        align = 16 // np.dtype(dtype).itemsize
+        offsets, total = [], 0
         for a in arrays:
-            views.append(host[offset : offset + a.size].view(a.shape))
-            offset += a.size
-        return views
+            offsets.append(total)
+            total += -(-a.size // align) * align
+        cuda = self.device.type == "cuda"
+        host = torch.empty(total, dtype=_TORCH_DTYPE[np.dtype(dtype)], pin_memory=cuda)
+        packed = host.numpy()  # filled in place: no extra copy into pinned memory
+        for a, offset in zip(arrays, offsets):
+            packed[offset : offset + a.size] = a.ravel()
+        if cuda:
+            host = host.to(self.device, non_blocking=True)
+        return [host[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
 
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
