@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
-# Stages: tests kernels skinny ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
+# Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync server (default: all). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
 #         the wheels in .whl installed (README of the device tool) and a tokenizer in .gpu_assets/tokenizer.
 set -u
 out=${1:?usage: run_all.sh OUTDIR [STAGE ...]}
 shift
-stages=${*:-tests kernels skinny ceilings decode decode-sync prefill reference throughput-small throughput-small-sync throughput-8b throughput-8b-sync server}
+stages=${*:-tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync throughput-8b throughput-8b-sync server}
 mkdir -p "$out"
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -22,7 +22,6 @@ for stage in $stages; do
     tests) timeout 420 $py -m pytest -q -m gpu tests/kernels tests/models tests/layers -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
-    skinny) timeout 300 $py benchmarks/gpu/bench_skinny_gemm.py --out "$out/skinny_gemm.json" ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
     decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
     decode-sync) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --no-async-scheduling \
