@@ -9,16 +9,9 @@ from transformers import Qwen3Config
 from tokenmill.kernels import BACKEND_ENV, get_kernels
 from tokenmill.models.llama import LlamaForCausalLM
 
-CONFIG = Qwen3Config(  # Qwen3: q/k norms too
-    vocab_size=101,
-    hidden_size=24,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
-    architectures=["Qwen3ForCausalLM"],
-)
+from .test_utils import SMALL
+
+CONFIG = Qwen3Config(**{**SMALL, "architectures": ["Qwen3ForCausalLM"]})  # Qwen3: q/k norms too
 
 
 def kernel_holders(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -37,7 +37,8 @@ def test_async_equals_sync_on_every_architecture(arch, hf_model_dirs):
         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0, min_tokens=3),
     ]
-    sync = make_llm(hf_model_dirs[arch][0], block_size=4, num_kv_blocks=36, max_num_batched_tokens=20, max_model_len=96)
+    engine_args = dict(block_size=4, num_kv_blocks=36, max_num_batched_tokens=20, max_model_len=96)
+    sync = make_llm(hf_model_dirs[arch][0], **engine_args)
     expected = run(sync, prompts, params, abort_at_step=4)
     # Stop on a token each request is known to produce (its 6th), so stops land mid-stream (not under
     # min_tokens, which bans stop tokens and so changes the greedy path).
@@ -50,26 +51,17 @@ def test_async_equals_sync_on_every_architecture(arch, hf_model_dirs):
         p if i not in stops else SamplingParams(**{**p.__dict__, "stop_token_ids": [stops[i]]})
         for i, p in enumerate(params)
     ]
+    with_stops = {}
     for async_scheduling in (False, True):
-        llm = make_llm(
-            hf_model_dirs[arch][0],
-            block_size=4,
-            num_kv_blocks=36,
-            max_num_batched_tokens=20,
-            max_model_len=96,
-            async_scheduling=async_scheduling,
-        )
+        llm = make_llm(hf_model_dirs[arch][0], **engine_args, async_scheduling=async_scheduling)
         assert llm.engine.core.async_scheduling is async_scheduling
         assert run(llm, prompts, params, abort_at_step=4) == expected
         assert llm.engine.scheduler.num_preemptions > 0
-        with_stops = run(llm, prompts, stopped)
-        if async_scheduling:
-            assert with_stops == reference_stops
-        else:
-            reference_stops = with_stops
-            for i in stops:
-                tokens, reason, _ = with_stops[str(i)][0]
-                assert reason == "stop" and tokens[-1] == stops[i] and len(tokens) <= 6
+        with_stops[async_scheduling] = run(llm, prompts, stopped)
+    assert with_stops[True] == with_stops[False]
+    for i in stops:
+        tokens, reason, _ = with_stops[False][str(i)][0]
+        assert reason == "stop" and tokens[-1] == stops[i] and len(tokens) <= 6
 
 
 def test_async_equals_sync_with_stop_strings_on_smollm2():

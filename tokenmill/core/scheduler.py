@@ -127,10 +127,11 @@ class Scheduler:
         resumed: set[str] = set()
         # New requests only when nobody had to be preempted: otherwise they would just thrash.
         while not num_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._peek_waiting()
+            candidate = self._peek_waiting()
             # A preempted request whose last step is still in flight waits for that step's token.
-            if request is None or request.num_output_placeholders:
+            if candidate is None or candidate.num_output_placeholders:
                 break
+            request = candidate
             computed_blocks: list[int] = []
             num_hit_tokens = 0
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
