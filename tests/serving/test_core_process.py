@@ -99,8 +99,26 @@ def test_outputs_equal_the_in_process_engine(loop, engine, offline):
     served = [[c.token_ids for c in outputs[-1].outputs] for outputs in results]
     assert served == offline_tokens(offline, params)
     for outputs in results:
-        assert [o.finished for o in outputs] == [False] * 11 + [True]  # one output per step, streamed
+        # Streamed: an output per step, unless some queued up behind the consumer and were merged.
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        deltas = [t for o in outputs for t in o.outputs[0].delta_token_ids]
+        assert deltas == outputs[-1].outputs[0].token_ids
         assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+def test_outputs_queued_behind_a_slow_consumer_arrive_merged(loop, engine, offline):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def read_after_the_end():
+        stream = engine.add_request("late", PROMPTS[0], params)
+        while engine.num_open_requests:  # every output is queued before the first read
+            await asyncio.sleep(0.01)
+        return [output async for output in stream]
+
+    (output,) = loop.run(read_after_the_end())
+    (completion,) = output.outputs
+    assert output.finished and completion.finish_reason == "length"
+    assert completion.delta_token_ids == completion.token_ids == offline_tokens(offline, params)[0][0]
 
 
 def test_seeded_samples_fan_out_and_reproduce(loop, engine, offline):

@@ -29,8 +29,7 @@ def test_stats_set_gauges_and_advance_counters_by_the_difference():
 def test_request_metrics():
     metrics = ServerMetrics("m")
     metrics.record_first_token(0.2, num_prompt_tokens=7)
-    metrics.record_inter_token(0.05)
-    metrics.record_generation_tokens(2)
+    metrics.record_step({0.05: 1}, num_generated_tokens=2)
     metrics.record_finished("length", 0.3)
     metrics.record_finished("abort", None)
     assert value(metrics, "prompt_tokens_total") == 7 and value(metrics, "generation_tokens_total") == 2
@@ -43,3 +42,23 @@ def test_request_metrics():
     text = metrics.render().decode()
     assert 'tokenmill:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0' in text
     assert "_created" not in text
+
+
+def test_one_step_records_many_gaps_into_the_right_buckets():
+    metrics = ServerMetrics("m")
+    # 250 requests saw a 10 ms gap this step, 6 saw 0.3 s (they were just resumed), 1 a 100 s stall.
+    metrics.record_step({0.01: 250, 0.3: 6, 100.0: 1}, num_generated_tokens=257)
+    metrics.record_step({0.02: 3}, num_generated_tokens=3)
+
+    def bucket(le: str) -> float | None:
+        return value(metrics, "inter_token_latency_seconds_bucket", le=le)
+
+    assert bucket("0.01") == 250  # an upper bound holds the values equal to it
+    assert bucket("0.025") == 253 and bucket("0.2") == 253 and bucket("0.3") == 259
+    assert bucket("80.0") == 259 and bucket("+Inf") == 260
+    assert value(metrics, "inter_token_latency_seconds_count") == 260
+    assert abs(value(metrics, "inter_token_latency_seconds_sum") - (2.5 + 1.8 + 100 + 0.06)) < 1e-9
+    assert value(metrics, "generation_tokens_total") == 260
+    text = metrics.render().decode()
+    assert "# TYPE tokenmill:inter_token_latency_seconds histogram" in text
+    assert 'tokenmill:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 260.0' in text

@@ -37,7 +37,7 @@ from tokenmill.serving.core_protocol import (
 )
 from tokenmill.serving.input_processor import InputProcessor
 from tokenmill.serving.metrics import ServerMetrics
-from tokenmill.serving.output_processor import OutputProcessor
+from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -183,13 +183,23 @@ class AsyncEngineClient:
 
     async def _stream(self, request_id: str, state: _RequestState) -> AsyncIterator[RequestOutput]:
         finished = False
+        held = None  # a marker met while merging, handled on the next turn
         try:
             while True:
-                item = await state.queue.get()
+                item = held if held is not None else await state.queue.get()
+                held = None
                 if isinstance(item, BaseException):
                     raise item
                 if item is _ABORTED:
                     return
+                # Outputs that queued up while this stream's consumer was busy go out as one: a
+                # front end that falls behind sends fewer, larger chunks instead of falling further.
+                while not item.finished and not state.queue.empty():
+                    following = state.queue.get_nowait()
+                    if not isinstance(following, RequestOutput):
+                        held = following
+                        break
+                    item = merge_outputs(item, following)
                 finished = item.finished
                 yield item
                 if finished:
@@ -260,30 +270,32 @@ class AsyncEngineClient:
         request_outputs, to_abort = self.output_processor.process(message.outputs)
         if to_abort:  # a stop string matched in the text: the core cannot know, so tell it to stop
             self._send(AbortRequests(to_abort))
+        gaps: dict[float, int] = {}
+        num_tokens = 0
         for output in request_outputs:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue
-            self._record_timing(state, output, now)
+            if state.first_output_time is None:
+                state.first_output_time = now
+                self._num_not_started -= 1
+                if self.metrics is not None:
+                    self.metrics.record_first_token(now - state.arrival_time, state.num_prompt_tokens)
+            elif state.last_output_time is not None:
+                gap = now - state.last_output_time
+                gaps[gap] = gaps.get(gap, 0) + 1
+            state.last_output_time = now
+            for completion in output.outputs:
+                num_tokens += len(completion.delta_token_ids)
             if output.finished:
                 del self._requests[output.request_id]
+                if self.metrics is not None:
+                    for completion in output.outputs:
+                        reason = completion.finish_reason or "abort"
+                        self.metrics.record_finished(reason, now - state.arrival_time)
             state.queue.put_nowait(output)
-
-    def _record_timing(self, state: _RequestState, output: RequestOutput, now: float) -> None:
-        if state.first_output_time is None:
-            state.first_output_time = now
-            self._num_not_started -= 1
-            if self.metrics is not None:
-                self.metrics.record_first_token(now - state.arrival_time, state.num_prompt_tokens)
-        elif self.metrics is not None and state.last_output_time is not None:
-            self.metrics.record_inter_token(now - state.last_output_time)
-        state.last_output_time = now
-        if self.metrics is None:
-            return
-        self.metrics.record_generation_tokens(sum(len(c.delta_token_ids) for c in output.outputs))
-        if output.finished:
-            for completion in output.outputs:
-                self.metrics.record_finished(completion.finish_reason or "abort", now - state.arrival_time)
+        if self.metrics is not None:
+            self.metrics.record_step(gaps, num_tokens)
 
     def _on_core_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)

@@ -4,6 +4,10 @@ per-step stats; latencies are measured in the API process as outputs arrive."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import threading
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -12,6 +16,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from tokenmill.serving.core_protocol import SchedulerStats
 
@@ -26,6 +32,37 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 # The `_created` companion series only double the scrape size; vLLM turns them off too.
 disable_created_metrics()
+
+
+class BulkHistogram:
+    """A Prometheus histogram that takes many equal observations in one call. The outputs of one engine
+    step reach the API process together, so their inter-token gaps are a handful of distinct values;
+    prometheus_client's Histogram would take a lock and a bucket search per token."""
+
+    def __init__(
+        self, name: str, doc: str, labels: dict[str, str], buckets: tuple[float, ...], registry
+    ) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.bounds = [*buckets, float("inf")]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self._lock = threading.Lock()  # /metrics may be rendered off the event loop's thread
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        index = bisect.bisect_left(self.bounds, value)  # the first bucket whose upper bound holds it
+        with self._lock:
+            self.counts[index] += count
+            self.sum += value * count
+
+    def collect(self):
+        with self._lock:
+            cumulative = list(itertools.accumulate(self.counts))
+            total = self.sum
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=True)]
+        family.add_metric(list(self.labels.values()), buckets, total)
+        yield family
 
 
 class ServerMetrics:
@@ -73,8 +110,12 @@ class ServerMetrics:
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
         )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive outputs of a request.", _ITL_BUCKETS
+        self.inter_token_latency = BulkHistogram(
+            "tokenmill:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            labels,
+            _ITL_BUCKETS,
+            self.registry,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS
@@ -102,11 +143,12 @@ class ServerMetrics:
         self.time_to_first_token.observe(seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def record_inter_token(self, seconds: float) -> None:
-        self.inter_token_latency.observe(seconds)
-
-    def record_generation_tokens(self, count: int) -> None:
-        self.generation_tokens.inc(count)
+    def record_step(self, inter_token_gaps: dict[float, int], num_generated_tokens: int) -> None:
+        """One engine step's outputs at once: {gap in seconds: how many requests saw it}, and the
+        tokens they carried."""
+        for seconds, count in inter_token_gaps.items():
+            self.inter_token_latency.observe(seconds, count)
+        self.generation_tokens.inc(num_generated_tokens)
 
     def record_finished(self, finish_reason: str, e2e_seconds: float | None) -> None:
         self.request_success[finish_reason].inc()

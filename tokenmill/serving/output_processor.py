@@ -181,3 +181,21 @@ class OutputProcessor:
             if parent.finished:
                 del self.parents[request_id]
         return results, to_abort
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones of a request: the later state, the deltas joined."""
+    merged = []
+    for a, b in zip(earlier.outputs, later.outputs, strict=True):
+        logprobs = None
+        if a.delta_logprobs is not None or b.delta_logprobs is not None:
+            logprobs = (a.delta_logprobs or []) + (b.delta_logprobs or [])
+        merged.append(
+            dataclasses.replace(
+                b,
+                delta_text=a.delta_text + b.delta_text,
+                delta_token_ids=a.delta_token_ids + b.delta_token_ids,
+                delta_logprobs=logprobs,
+            )
+        )
+    return dataclasses.replace(later, outputs=merged)

@@ -4,10 +4,10 @@ check, usage and logprobs objects, SSE framing, and aborting a request the momen
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 from starlette.requests import Request
 
 from tokenmill.outputs import Logprob, RequestOutput
@@ -80,8 +80,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+_json_encoder = msgspec.json.Encoder()
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event; msgspec writes the JSON (UTF-8, not ASCII-escaped) several times faster
+    than the json module, and a busy server writes one of these per token per stream."""
+    return "data: " + _json_encoder.encode(payload).decode() + "\n\n"
 
 
 def error_event(exc: OpenAIError) -> str:
