@@ -45,18 +45,21 @@ class SampleState:
     def text(self) -> str:
         return self.detokenizer.output_text if self.detokenizer is not None else ""
 
-    def snapshot(self, delta_text: str = "", delta_token_ids=(), delta_logprobs=None) -> CompletionOutput:
+    def snapshot(
+        self, delta_text: str = "", delta_token_ids: list[int] | None = None, delta_logprobs=None
+    ) -> CompletionOutput:
+        """An output for this sample now; delta_token_ids is taken as given (the caller's fresh list)."""
         return CompletionOutput(
-            index=self.index,
-            text=self.text,
-            token_ids=self.token_ids,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            delta_text=delta_text,
-            delta_token_ids=list(delta_token_ids),
-            delta_logprobs=delta_logprobs,
+            self.index,
+            self.text,
+            self.token_ids,
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+            delta_text,
+            [] if delta_token_ids is None else delta_token_ids,
+            delta_logprobs,
         )
 
 
@@ -125,24 +128,28 @@ class OutputProcessor:
         return entry
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (one RequestOutput per touched request, child ids to abort after a stop string)."""
+        """Returns (one RequestOutput per touched request, child ids to abort after a stop string).
+        This runs for every token of every stream: keep it lean."""
         deltas: dict[str, dict[int, CompletionOutput]] = {}
         to_abort: list[str] = []
+        child_to_parent, parents = self.child_to_parent, self.parents
         for core_output in outputs:
-            located = self.child_to_parent.get(core_output.request_id)
+            located = child_to_parent.get(core_output.request_id)
             if located is None:
                 continue  # aborted by the caller meanwhile
-            parent = self.parents[located[0]]
+            parent = parents[located[0]]
             sample = parent.samples[located[1]]
-            parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
+            new_token_ids = core_output.new_token_ids
+            if core_output.num_cached_tokens > parent.num_cached_tokens:
+                parent.num_cached_tokens = core_output.num_cached_tokens
             if core_output.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 scored = zip(parent.prompt_token_ids[1:], core_output.prompt_logprobs)
                 parent.prompt_logprobs = [None] + [self._decode_logprobs(lp, tid) for tid, lp in scored]
-            sample.token_ids.extend(core_output.new_token_ids)
+            sample.token_ids.extend(new_token_ids)
             delta_logprobs = None
             if core_output.new_logprobs is not None and sample.logprobs is not None:
                 delta_logprobs = []
-                for token_id, lp in zip(core_output.new_token_ids, core_output.new_logprobs):
+                for token_id, lp in zip(new_token_ids, core_output.new_logprobs):
                     entry = self._decode_logprobs(lp, token_id)
                     sample.logprobs.append(entry)
                     delta_logprobs.append(entry)
@@ -151,7 +158,7 @@ class OutputProcessor:
             delta_text = ""
             if sample.detokenizer is not None:
                 past_min_tokens = len(sample.token_ids) >= sample.params.min_tokens
-                stop = sample.detokenizer.update(core_output.new_token_ids, check_stop=past_min_tokens)
+                stop = sample.detokenizer.update(new_token_ids, check_stop=past_min_tokens)
                 if stop is not None:
                     if finish_reason is None:
                         to_abort.append(core_output.request_id)
@@ -160,28 +167,34 @@ class OutputProcessor:
             if finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
                 parent.num_finished += 1
-                self.child_to_parent.pop(core_output.request_id, None)
-            deltas.setdefault(parent.request_id, {})[sample.index] = sample.snapshot(
-                delta_text, core_output.new_token_ids, delta_logprobs
-            )
+                del child_to_parent[core_output.request_id]
+            changed = deltas.get(parent.request_id)
+            if changed is None:
+                changed = deltas[parent.request_id] = {}
+            changed[sample.index] = sample.snapshot(delta_text, new_token_ids, delta_logprobs)
         results = []
         for request_id, changed in deltas.items():
-            parent = self.parents[request_id]
+            parent = parents[request_id]
+            samples = parent.samples
+            finished = parent.num_finished == len(samples)
+            if len(samples) == 1:
+                completions = list(changed.values())
+            else:
+                completions = [changed.get(s.index) or s.snapshot() for s in samples]
             results.append(
                 RequestOutput(
-                    request_id=request_id,
-                    prompt=parent.prompt,
-                    prompt_token_ids=parent.prompt_token_ids,
-                    outputs=[changed.get(s.index) or s.snapshot() for s in parent.samples],
-                    finished=parent.finished,
-                    num_cached_tokens=parent.num_cached_tokens,
-                    prompt_logprobs=parent.prompt_logprobs,
+                    request_id,
+                    parent.prompt,
+                    parent.prompt_token_ids,
+                    completions,
+                    finished,
+                    parent.num_cached_tokens,
+                    parent.prompt_logprobs,
                 )
             )
-            if parent.finished:
-                del self.parents[request_id]
+            if finished:
+                del parents[request_id]
         return results, to_abort
-
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output standing for two consecutive ones of a request: the later state, the deltas joined."""
