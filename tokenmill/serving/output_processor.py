@@ -196,6 +196,7 @@ class OutputProcessor:
                 del parents[request_id]
         return results, to_abort
 
+
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output standing for two consecutive ones of a request: the later state, the deltas joined."""
     merged = []
