@@ -170,3 +170,19 @@ def test_openai_client_raises_bad_request_for_out_of_range(client):
 def test_server_survives_bad_input(client):
     result = client.completions.create(model="default", prompt="Hi", max_tokens=1)
     assert result.choices[0].text is not None
+
+
+NULLABLE = {"n": None, "presence_penalty": None, "frequency_penalty": None, "stream": None, "top_p": None}
+
+
+def test_null_for_an_optional_field_means_its_default(server):
+    chat = {"model": "default", "messages": MESSAGES, "max_tokens": 2, "logprobs": None, **NULLABLE}
+    response = server.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1  # n: null is n = 1
+    completion = {"model": "default", "prompt": "Hi", "max_tokens": 2, "echo": None, **NULLABLE}
+    response = server.post("/v1/completions", json=completion)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] is not None
+    # A required field sent as null is still missing.
+    assert_error(server.post("/v1/completions", json={"prompt": None}), 400, "prompt")

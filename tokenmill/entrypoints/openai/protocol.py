@@ -17,6 +17,20 @@ class OpenAIModel(BaseModel):
     # OpenAI clients send fields this server does not use (user, metadata, store...): ignore them.
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        """OpenAI's schema lets a client send null for an optional field (`"n": null`, as LangChain and
+        litellm do): null means the field's default. A required field sent as null is still missing."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].default is None
+        }
+
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
