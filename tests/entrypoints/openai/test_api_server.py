@@ -186,3 +186,12 @@ def test_null_for_an_optional_field_means_its_default(server):
     assert response.json()["choices"][0]["text"] is not None
     # A required field sent as null is still missing.
     assert_error(server.post("/v1/completions", json={"prompt": None}), 400, "prompt")
+
+
+def test_models_retrieve_one_by_id(server, client):
+    model = client.models.retrieve("default")
+    assert model.id == "default" and model.object == "model" and model.owned_by == "tokenmill"
+    listed = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert httpx.get(f"{server.url}/v1/models/default").json() == listed
+    error = assert_error(httpx.get(f"{server.url}/v1/models/org/unknown-model"), 404, "model")
+    assert error["code"] == "model_not_found" and "org/unknown-model" in error["message"]

@@ -84,13 +84,24 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenmill",
+            "root": engine.config.model,
+            "max_model_len": engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"object": "model", "created": created, "owned_by": "tokenmill", "root": engine.config.model}
-        data = [
-            {"id": name, **card, "max_model_len": engine.max_model_len} for name in state.served_model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        # Served names may hold slashes (org/model): the whole rest of the path is the id.
+        return model_card(state.check_model(model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
