@@ -66,6 +66,15 @@ def test_streaming_chat_chunks(client, greedy):
     assert usage_chunk.usage.prompt_tokens == greedy.usage.prompt_tokens
 
 
+def test_raw_stream_with_include_usage_sends_null_usage_until_the_last_chunk(server):
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    lines = [line for line in server.post("/v1/chat/completions", json=body).text.split("\n\n") if line]
+    payloads = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(p["usage"] is None for p in payloads[:-1])
+    assert payloads[-1]["usage"]["completion_tokens"] == 3 and payloads[-1]["choices"] == []
+
+
 def test_raw_stream_ends_with_done_and_omits_usage_unless_asked(server):
     body = {"model": "default", "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True}
     lines = [line for line in server.post("/v1/chat/completions", json=body).text.split("\n\n") if line]

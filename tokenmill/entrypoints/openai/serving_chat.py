@@ -98,7 +98,9 @@ class ChatServing:
         k = request.num_logprobs
 
         def chunk(choices: list[dict], **extra: object) -> str:
-            return sse({**head, "object": "chat.completion.chunk", "choices": choices, **extra})
+            # With include_usage every chunk carries "usage": null until the last, as OpenAI sends it.
+            usage = {"usage": None} if request.include_usage else {}
+            return sse({**head, "object": "chat.completion.chunk", "choices": choices, **usage, **extra})
 
         def choice(
             index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None

@@ -153,7 +153,9 @@ class CompletionServing:
         watcher = DisconnectWatcher(raw_request, lambda: [engine.abort(request_id) for request_id in streams])
 
         def chunk(choices: list[dict], **extra: object) -> str:
-            return sse({**head, "object": "text_completion", "choices": choices, **extra})
+            # With include_usage every chunk carries "usage": null until the last, as OpenAI sends it.
+            usage = {"usage": None} if request.include_usage else {}
+            return sse({**head, "object": "text_completion", "choices": choices, **usage, **extra})
 
         finals: dict[int, RequestOutput] = {}
         # Characters already streamed per choice, so logprobs' text_offset continues across chunks.
