@@ -238,3 +238,18 @@ def test_empty_step_carries_finished_and_preempted_ids_to_the_next_real_step():
     core.add_request(request("b", prompt_len=3, max_tokens=1))
     run_to_completion(core)
     assert executor.steps[-1].finished_req_ids == ["a"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_stop_token_at_the_last_allowed_position_is_a_stop(async_scheduling):
+    core, _ = make_core(async_scheduling=async_scheduling)
+    # The fake executor always samples 7: as EOS, as a stop token id, and as a plain token.
+    core.add_request(Request("eos", [1, 2, 3], SamplingParams(max_tokens=1), eos_token_ids=(7,)))
+    core.add_request(Request("stop", [1, 2, 3], SamplingParams(max_tokens=1, stop_token_ids=[7])))
+    core.add_request(Request("plain", [1, 2, 3], SamplingParams(max_tokens=1), eos_token_ids=(9,)))
+    reasons = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finish_reason is not None:
+                reasons[out.request_id] = (out.finish_reason, out.stop_reason)
+    assert reasons == {"eos": ("stop", None), "stop": ("stop", 7), "plain": ("length", None)}

@@ -268,17 +268,17 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
+        # A stop token that is also the last token allowed is a stop, not a length cut (OpenAI, vLLM).
+        if request.num_output_tokens >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens
         if request.num_tokens >= self.max_model_len or (
             max_tokens is not None and request.num_output_tokens >= max_tokens
         ):
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and last in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            request.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
         return None
