@@ -99,13 +99,13 @@ CHAT_BAD = [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"top_logprobs": 2}, None),
-    ({"logit_bias": {"abc": 1}}, None),
-    ({"logit_bias": {"5": 101}}, None),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, None),
     ({"seed": "abc"}, "seed"),
-    ({"stop": [""]}, None),
-    ({"stream_options": {"include_usage": True}}, None),
+    ({"stop": [""]}, "stop"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -114,7 +114,11 @@ CHAT_BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"messages": None}, "messages"),
-    ({"response_format": {"type": "json_object"}}, None),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages.0.content",
+    ),
 ]
 
 
@@ -127,13 +131,13 @@ def test_chat_out_of_range_parameter_is_400(server, override, param):
 
 COMPLETION_BAD = [
     ({"prompt": None}, "prompt"),
-    ({"prompt": []}, None),
+    ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, None),
     ({"prompt": [10**9]}, None),
     ({"logprobs": 21}, "logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"best_of": 2}, None),
-    ({"suffix": "x"}, None),
+    ({"best_of": 2}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
     ({"n": 0}, "n"),
 ]
 
@@ -195,3 +199,10 @@ def test_models_retrieve_one_by_id(server, client):
     assert httpx.get(f"{server.url}/v1/models/default").json() == listed
     error = assert_error(httpx.get(f"{server.url}/v1/models/org/unknown-model"), 404, "model")
     assert error["code"] == "model_not_found" and "org/unknown-model" in error["message"]
+
+
+def test_an_image_part_says_images_are_not_supported(server):
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    error = assert_error(server.post("/v1/chat/completions", json=body), 400, "messages.0.content")
+    assert "'image_url' are not supported" in error["message"] and "text" in error["message"]

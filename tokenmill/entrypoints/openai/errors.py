@@ -68,6 +68,15 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
+class ParamError(ValueError):
+    """A check across fields (a model validator) that knows which request field is wrong: the 400's
+    `param` names it, as it does for a single field's own constraint."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))
 
@@ -78,6 +87,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    cause = first.get("ctx", {}).get("error")
+    if not location and isinstance(cause, ParamError):
+        location = [cause.param]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if param:

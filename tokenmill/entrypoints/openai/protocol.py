@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
+
+from .errors import ParamError
 
 _MAX_LOGPROBS = 20
 _SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
@@ -63,16 +65,18 @@ class SamplingFields(OpenAIModel):
     def _check_shared(self) -> SamplingFields:
         for token_id, bias in (self.logit_bias or {}).items():
             if not token_id.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {token_id!r}")
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {token_id!r}")
             if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+                raise ParamError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}"
+                )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+            raise ParamError("stop", "stop strings must not be empty")
         if len(stops) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+            raise ParamError("stop", f"at most 16 stop strings, got {len(stops)}")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
         return self
 
     @property
@@ -115,6 +119,19 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: object) -> object:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: the served model reads text "
+                        "only; send the content as a string or as parts of type 'text'"
+                    )
+        return content
+
     def template_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
@@ -137,11 +154,11 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported")
+            raise ParamError("response_format", "response_format other than 'text' is not supported")
         if self.tools:
-            raise ValueError("tool calling is not supported")
+            raise ParamError("tools", "tool calling is not supported")
         return self
 
     @property
@@ -164,13 +181,15 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (beam search and best-of ranking are not supported)")
+            raise ParamError(
+                "best_of", "best_of must equal n (beam search and best-of ranking are not supported)"
+            )
         if isinstance(self.prompt, list) and (
             not self.prompt or any(p == [] or p == "" for p in self.prompt)
         ):
-            raise ValueError("prompt must not be empty")
+            raise ParamError("prompt", "prompt must not be empty")
         return self
 
     def prompts(self) -> list[str | list[int]]:
