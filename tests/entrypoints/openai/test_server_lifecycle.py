@@ -61,6 +61,26 @@ def long_stream(client: openai.OpenAI, max_tokens: int = 200):
     raise AssertionError("stream ended before its first token")
 
 
+def test_api_key_is_required_everywhere_but_probes_and_metrics(servers):
+    small, _ = servers
+    for path, body in (
+        ("/tokenize", {"prompt": "a"}),
+        ("/detokenize", {"tokens": [1]}),
+        ("/reset_prefix_cache", None),
+    ):
+        response = httpx.post(f"{small.url}{path}", json=body)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    lowercase = httpx.post(
+        f"{small.url}/tokenize", json={"prompt": "a"}, headers={"Authorization": f"bearer {API_KEY}"}
+    )
+    assert lowercase.status_code == 200 and lowercase.json()["count"] >= 1
+    wrong = httpx.post(f"{small.url}/tokenize", json={"prompt": "a"}, headers={"Authorization": "Basic x"})
+    assert wrong.status_code == 401
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{small.url}{path}").status_code == 200, path
+
+
 def test_api_key_is_required_on_v1(servers):
     small, _ = servers
     with pytest.raises(openai.AuthenticationError) as caught:

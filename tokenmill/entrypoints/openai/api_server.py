@@ -41,16 +41,19 @@ _DEATH_LINGER_S = 2.0
 
 
 class _ApiKeyCheck:
-    """A plain ASGI middleware (it must not buffer streaming responses): /v1/* needs the bearer key."""
+    """A plain ASGI middleware (it must not buffer streaming responses): every path but the probes and
+    /metrics needs `Authorization: Bearer <key>` (the scheme in any case, as RFC 7235 has it)."""
+
+    OPEN_PATHS = ("/health", "/version", "/metrics")
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS:
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 error = OpenAIError(
                     401, "Invalid API key: send it as `Authorization: Bearer <key>`.", code="invalid_api_key"
                 )
