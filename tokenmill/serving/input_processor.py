@@ -30,6 +30,9 @@ class InputProcessor:
             bad = [t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         prompt_token_ids = self.tokenize(prompt)

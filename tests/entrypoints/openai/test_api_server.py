@@ -111,6 +111,7 @@ CHAT_BAD = [
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"stop_token_ids": [-1]}, None),
+    ({"stop_token_ids": [10**6]}, None),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"messages": None}, "messages"),
