@@ -139,6 +139,24 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, greedy, default_ll
     assert text == choice.text and tokens == logprobs.tokens
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(server, client):
+    prompt_ids = tokenize(server, PROMPT)
+    scoring = dict(model="default", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    result = client.completions.create(**scoring)
+    (choice,) = result.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(prompt_ids) and "".join(choice.logprobs.tokens) == PROMPT
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    assert result.usage.completion_tokens == 0 and result.usage.prompt_tokens == len(prompt_ids)
+    streamed_text, streamed_tokens = "", []
+    for chunk in client.completions.create(**scoring, stream=True):
+        for c in chunk.choices:
+            streamed_text += c.text
+            streamed_tokens += c.logprobs.tokens if c.logprobs is not None else []
+    assert streamed_text == PROMPT and streamed_tokens == choice.logprobs.tokens
+
+
 def test_streaming_completion(client, greedy):
     stream = client.completions.create(
         model="default",

@@ -172,7 +172,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
     suffix: str | None = None
@@ -182,6 +182,10 @@ class CompletionRequest(SamplingFields):
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError(
+                "max_tokens", "max_tokens=0 generates nothing; it is only allowed with echo=true (scoring)"
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError(
                 "best_of", "best_of must equal n (beam search and best-of ranking are not supported)"

@@ -3,6 +3,7 @@ one engine request and its samples are choices prompt_index * n + sample_index, 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +38,16 @@ from .protocol import CompletionRequest
 class _Prompt(NamedTuple):
     token_ids: list[int]
     text: str | None  # None for token-id prompts unless echo needs their text
+
+
+def _scored_only(output: RequestOutput) -> RequestOutput:
+    """A max_tokens=0 request runs one engine step for its prompt's scores; the token it samples is
+    dropped here, so the answer holds the echoed prompt and nothing generated."""
+    emptied = [
+        CompletionOutput(c.index, logprobs=[] if c.logprobs is not None else None, finish_reason="length")
+        for c in output.outputs
+    ]
+    return dataclasses.replace(output, outputs=emptied, finished=True)
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
@@ -78,8 +89,10 @@ class CompletionServing:
         all_params = []
         for prompt in prompts:
             max_tokens = resolve_max_tokens(
-                len(prompt.token_ids), request.max_tokens, engine.max_model_len, "prompt"
+                len(prompt.token_ids), request.max_tokens or None, engine.max_model_len, "prompt"
             )
+            if request.max_tokens == 0:
+                max_tokens = 1  # one step computes the prompt's scores; its token is dropped
             prompt_logprobs = request.logprobs if request.echo else None
             params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
             engine.input_processor.check(prompt.token_ids, params)
@@ -98,6 +111,8 @@ class CompletionServing:
                 self._stream(head, request, prompts, streams, raw_request), media_type="text/event-stream"
             )
         finals = await final_outputs(engine, streams, raw_request)
+        if request.max_tokens == 0:
+            finals = [_scored_only(f) for f in finals]
         choices = []
         for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             for c in final.outputs:
@@ -183,6 +198,8 @@ class CompletionServing:
                 )
             done: set[tuple[int, int]] = set()
             async for prompt_index, output in merge_streams(list(streams.values())):
+                if request.max_tokens == 0:
+                    output = _scored_only(output)
                 if output.finished:
                     finals[prompt_index] = output
                 for c in output.outputs:
