@@ -199,3 +199,20 @@ def test_stop_token_ids(server, client, greedy):
 
 def test_both_served_names_are_listed(client):
     assert [m.id for m in client.models.list().data] == list(MODEL_NAMES)
+
+
+def test_the_eos_token_that_ends_a_reply_has_no_logprob(client):
+    request = dict(model="default", messages=MESSAGES, max_tokens=200, temperature=0, logprobs=True)
+    result = client.chat.completions.create(**request)
+    (choice,) = result.choices
+    assert choice.finish_reason == "stop"  # the embedded instruct model ends its reply with EOS
+    content = choice.logprobs.content
+    assert len(content) == result.usage.completion_tokens - 1  # the EOS is counted, not scored
+    assert "".join(entry.token for entry in content) == choice.message.content
+    streamed = []
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                assert c.delta.content  # no chunk carries only the EOS's score
+                streamed += c.logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]

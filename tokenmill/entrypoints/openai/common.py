@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import msgspec
 from starlette.requests import Request
 
-from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
 
@@ -104,6 +104,16 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 def _token_text(token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def reported_tokens(
+    completion: CompletionOutput, token_ids: list[int], logprobs: list | None
+) -> tuple[list[int], list | None]:
+    """The tokens whose logprobs a response reports: an EOS token that ended the completion is not part
+    of its text, and OpenAI reports no logprob for it. (Offline outputs keep it, as vLLM's do.)"""
+    if logprobs and completion.finish_reason == "stop" and completion.stop_reason is None:
+        return token_ids[:-1], logprobs[:-1]
+    return token_ids, logprobs
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> dict:

@@ -22,6 +22,7 @@ from .common import (
     chat_logprobs,
     error_event,
     final_outputs,
+    reported_tokens,
     resolve_max_tokens,
     sse,
     usage,
@@ -75,7 +76,7 @@ class ChatServing:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, k)
+                "logprobs": chat_logprobs(*reported_tokens(c, c.token_ids, c.logprobs), k)
                 if k is not None and c.logprobs
                 else None,
                 "finish_reason": c.finish_reason,
@@ -116,9 +117,8 @@ class ChatServing:
                 for c in output.outputs:
                     if c.index in finished:
                         continue
-                    logprobs = (
-                        chat_logprobs(c.delta_token_ids, c.delta_logprobs, k) if c.delta_logprobs else None
-                    )
+                    token_ids, token_logprobs = reported_tokens(c, c.delta_token_ids, c.delta_logprobs)
+                    logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
                     if c.delta_text or logprobs:
                         yield chunk([choice(c.index, {"content": c.delta_text}, logprobs)])
                     if c.finish_reason is not None:

@@ -27,6 +27,7 @@ from .common import (
     final_outputs,
     join_logprobs,
     merge_streams,
+    reported_tokens,
     resolve_max_tokens,
     sse,
     usage,
@@ -144,6 +145,8 @@ class CompletionServing:
         finished: bool,
         text_offset: int = 0,
     ) -> dict:
+        if finished:
+            token_ids, logprobs = reported_tokens(completion, token_ids, logprobs)
         choice = {
             "index": prompt_index * request.n + completion.index,
             "text": text,
