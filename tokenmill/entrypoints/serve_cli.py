@@ -37,6 +37,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM, how long running requests may take to finish before they are aborted (default: 30)",
     )
     server.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=8 << 20,
+        metavar="BYTES",
+        help="larger request bodies are answered 413 before they are read (default: 8 MiB)",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
     )
     server.add_argument(
@@ -44,6 +51,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(parser)
     parser.set_defaults(func=_run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
+    return value
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -34,7 +34,17 @@ def servers(tmp_path_factory):
     """(a server with an API key, one running sequence and a waiting cap of one; a server to kill)."""
     log_dir = tmp_path_factory.mktemp("lifecycle")
     small = ServerProcess(
-        [*DUMMY_ARGS, "--max-num-seqs", "1", "--max-waiting-requests", "1", "--drain-timeout", "60"],
+        [
+            *DUMMY_ARGS,
+            "--max-num-seqs",
+            "1",
+            "--max-waiting-requests",
+            "1",
+            "--drain-timeout",
+            "60",
+            "--max-request-body-bytes",
+            "4096",
+        ],  # fmt: skip
         log_dir / "small.log",
         api_key=API_KEY,
     )
@@ -79,6 +89,29 @@ def test_api_key_is_required_everywhere_but_probes_and_metrics(servers):
     assert wrong.status_code == 401
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(f"{small.url}{path}").status_code == 200, path
+
+
+def test_bodies_over_the_cap_are_413_and_the_server_keeps_serving(servers):
+    small, _ = servers
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    big = {"model": "default", "prompt": "word " * 2000, "max_tokens": 1}
+    response = httpx.post(f"{small.url}/v1/completions", json=big, headers=auth)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and "4096 bytes" in error["message"]
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield b'{"model": "default", "prompt": "'
+        for _ in range(100):
+            yield b"word " * 20
+        yield b'"}'
+
+    response = httpx.post(
+        f"{small.url}/v1/completions", content=chunked(), headers={**auth, "content-type": "application/json"}
+    )
+    assert response.status_code == 413 and "4096 bytes" in response.json()["error"]["message"]
+    ok = httpx.post(f"{small.url}/tokenize", json={"prompt": "a few words"}, headers=auth)
+    assert ok.status_code == 200 and httpx.get(f"{small.url}/health").status_code == 200
 
 
 def test_api_key_is_required_on_v1(servers):

@@ -18,8 +18,9 @@ import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
@@ -62,11 +63,47 @@ class _ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
-def build_app(state: ServerState) -> FastAPI:
+class _BodySizeLimit:
+    """A plain ASGI middleware capping request bodies: a declared Content-Length over the cap is a 413
+    before anything is read; a chunked body is counted as it arrives and stopped at the cap."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"request body over {self.max_bytes} bytes (--max-request-body-bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = OpenAIError(413, self._too_large(), code="request_too_large")
+            await error.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI re-raises HTTPExceptions met while reading a body; the handler answers it.
+                    raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> FastAPI:
     app = FastAPI(title="tokenmill", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if state.api_key:
         app.add_middleware(_ApiKeyCheck, api_key=state.api_key)
+    app.add_middleware(_BodySizeLimit, max_bytes=max_request_body_bytes)
     chat, completion = ChatServing(state), CompletionServing(state)
     engine = state.engine
     created = int(time.time())
@@ -220,7 +257,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         state = ServerState(engine, names, metrics, api_key=args.api_key)
         uvicorn_config = uvicorn.Config(
-            build_app(state),
+            build_app(state, args.max_request_body_bytes),
             log_level=args.log_level,
             access_log=args.access_log,
             lifespan="off",
