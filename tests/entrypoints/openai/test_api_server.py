@@ -207,3 +207,30 @@ def test_an_image_part_says_images_are_not_supported(server):
     body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
     error = assert_error(server.post("/v1/chat/completions", json=body), 400, "messages.0.content")
     assert "'image_url' are not supported" in error["message"] and "text" in error["message"]
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
+    import threading
+    import time
+
+    prompt = "lorem ipsum dolor sit amet " * 150_000  # 4 MB: seconds of tokenizing on this machine
+    result = {}
+
+    def tokenize_it():
+        start = time.monotonic()
+        result["response"] = server.post("/tokenize", json={"prompt": prompt})
+        result["seconds"] = time.monotonic() - start
+
+    worker = threading.Thread(target=tokenize_it)
+    worker.start()
+    time.sleep(0.3)  # the body is in and being tokenized
+    probe_times = []
+    while worker.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        probe_times.append(time.monotonic() - start)
+        time.sleep(0.05)
+    worker.join()
+    assert result["response"].status_code == 200 and result["response"].json()["count"] > 500_000
+    assert result["seconds"] > 1.0 and probe_times  # long enough for the probes to mean something
+    assert max(probe_times) < 1.0, (max(probe_times), result["seconds"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import signal
@@ -158,11 +159,13 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
         if tokenizer is None:
             raise bad_request("this server runs with --skip-tokenizer-init and has no tokenizer.")
         if request.messages is not None:
-            _, token_ids = render_chat(tokenizer, request.messages, request.add_generation_prompt)
+            messages, add_generation_prompt = request.messages, request.add_generation_prompt
+            render = functools.partial(render_chat, tokenizer, messages, add_generation_prompt)
         else:
-            _, token_ids = render_prompt(
-                tokenizer, request.prompt, add_special_tokens=request.add_special_tokens
+            render = functools.partial(
+                render_prompt, tokenizer, request.prompt, add_special_tokens=request.add_special_tokens
             )
+        _, token_ids = await state.off_loop(render)
         return {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
 
     @app.post("/detokenize")
@@ -175,7 +178,7 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
             raise bad_request(
                 f"token ids must be in [0, {engine.vocab_size}), got {bad[:5]}.", param="tokens"
             )
-        return {"prompt": engine.tokenizer.decode(request.tokens)}
+        return {"prompt": await state.off_loop(engine.tokenizer.decode, request.tokens)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -15,6 +17,8 @@ from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
 
 from .errors import OpenAIError, bad_request, unavailable
+
+T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -26,6 +30,14 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     draining: bool = False
+    # Chat templates, tokenizing and detokenizing run on one worker thread, not on the event loop: a
+    # megabyte prompt takes seconds, and every other stream and /health would wait for it.
+    text_worker: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenmill-text")
+    )
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.text_worker, fn, *args)
 
     def check_model(self, model: str | None) -> str:
         """The name to report back; an unknown model is a 404, as OpenAI answers it."""

@@ -56,8 +56,8 @@ class ChatServing:
         model = state.check_model(request.model)
         state.check_accepting()
         engine = state.engine
-        prompt_text, prompt_ids = render_chat(
-            engine.tokenizer, request.messages, request.add_generation_prompt
+        prompt_text, prompt_ids = await state.off_loop(
+            render_chat, engine.tokenizer, request.messages, request.add_generation_prompt
         )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"

@@ -83,7 +83,7 @@ class CompletionServing:
         model = state.check_model(request.model)
         state.check_accepting()
         engine = state.engine
-        prompts = self._prepare(request)
+        prompts = await state.off_loop(self._prepare, request)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         # Check every prompt before submitting any, so a bad one leaves nothing half-submitted.
