@@ -3,6 +3,7 @@ model runs step after step while the API process does HTTP, tokenization and det
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -201,6 +202,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         )
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
+        gc.collect()
+        gc.freeze()  # the model and engine live as long as the process: keep the collector off them
         EngineCoreProc(parts.core, input_socket, output_socket, sentinel).run()
     except Exception as exc:
         logger.exception("engine core failed")
