@@ -58,19 +58,23 @@ def ceilings(args) -> dict:
     }
 
 
+def dummy_llm(shape: str, config_overrides: dict | None = None, **options) -> LLM:
+    """An engine on random weights of a named shape, ids in and ids out (no tokenizer)."""
+    defaults = dict(
+        load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, gpu_memory_utilization=0.9
+    )
+    return LLM(model=shape_dir(shape, **(config_overrides or {})), **{**defaults, **options})
+
+
 def make_llm(args, **overrides) -> LLM:
     options = dict(
-        load_format="dummy",
-        skip_tokenizer_init=True,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=0.9,
         async_scheduling=args.async_scheduling,
     )
-    options.update(overrides)
-    return LLM(model=shape_dir(args.shape, **json.loads(args.config_overrides)), **options)
+    return dummy_llm(args.shape, json.loads(args.config_overrides), **{**options, **overrides})
 
 
 def timed_generate(llm: LLM, prompts, params) -> float:

@@ -15,9 +15,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import shape_dir  # noqa: E402
+from bench_engine import dummy_llm  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -28,14 +28,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out")
     args = parser.parse_args()
-    llm = LLM(
-        model=shape_dir(args.shape),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        max_num_seqs=64,
-        gpu_memory_utilization=0.9,
-    )
+    llm = dummy_llm(args.shape, max_num_seqs=64)
     prompt = [[(7 * i) % 10000 for i in range(args.input_len)]]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for _ in range(2):

@@ -14,10 +14,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import workload  # noqa: E402
-from shapes import shape_dir  # noqa: E402
+from bench_engine import dummy_llm, workload  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -27,14 +26,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
-    llm = LLM(
-        model=shape_dir(args.shape),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        async_scheduling=args.async_scheduling,
+    llm = dummy_llm(
+        args.shape, max_num_seqs=256, max_num_batched_tokens=8192, async_scheduling=args.async_scheduling
     )
     prompts, max_tokens = workload(0, args.num_requests)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
