@@ -131,6 +131,12 @@ def _add_latency(commands: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
     _add_engine_args(p)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="off by default: every run's prompts are fresh, so caching could only add lookup cost",
+    )
     p.add_argument("--output-json")
     p.set_defaults(func=_run_latency)
 

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,36 +71,34 @@ def throughput_main(args: argparse.Namespace) -> int:
 
 
 def latency_main(args: argparse.Namespace) -> int:
-    """One batch of `--batch-size` prompts, timed to its first token and to its last, many times."""
+    """One batch of `--batch-size` prompts, stepped to its first token and to its last, many times.
+
+    Every run, warm-up included, gets fresh random prompts: repeating them would let the prefix cache
+    serve the prefill. Prefix caching is also off unless --enable-prefix-caching asks for it.
+    """
     from tokenmill import SamplingParams
 
     if min(args.batch_size, args.input_len, args.output_len) < 1 or args.num_iters < 1:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
     maker = PromptMaker(_tokenizer(args), np.random.default_rng(args.seed))
-    prompts = [maker.random_ids(args.input_len) for _ in range(args.batch_size)]
-    llm = _make_llm(args)
-    first_token = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
-    full = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
-
-    def timed(params: Any) -> float:
-        start = time.perf_counter()
-        llm.generate(sampling_params=params, prompt_token_ids=prompts, use_tqdm=False)
-        return time.perf_counter() - start
-
-    for _ in range(args.num_iters_warmup):
-        timed(full)
-    ttfts, latencies = [], []
-    for _ in range(args.num_iters):
-        ttfts.append(timed(first_token))
-        latencies.append(timed(full))
-    # The batch's decode steps are what the full run adds beyond its first token.
-    steps = [(lat - ttft) / (args.output_len - 1) for lat, ttft in zip(latencies, ttfts, strict=True)]
-    steps = steps if args.output_len > 1 else []
+    llm = _make_llm(args, enable_prefix_caching=args.enable_prefix_caching)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    runs = []
+    for run in range(args.num_iters_warmup + args.num_iters):
+        # A random KV block of B tokens repeats with odds of vocab_size**-B: no two prompts share a prefix.
+        prompts = [maker.random_ids(args.input_len) for _ in range(args.batch_size)]
+        request_ids = [f"latency-{run}-{i}" for i in range(args.batch_size)]
+        runs.append(_step_batch(llm.engine, request_ids, prompts, params))
+    timed = runs[args.num_iters_warmup :]
+    ttfts = [r.ttft for r in timed]
+    latencies = [r.latency for r in timed]
+    steps = [r.decode_step for r in timed if r.num_decode_steps > 0]
     result = {
         "model_id": args.model,
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "avg_latency": float(np.mean(latencies)),
         "latencies": latencies,
         "percentiles": {str(p): float(np.percentile(latencies, p)) for p in LATENCY_PERCENTILES},
@@ -108,11 +106,59 @@ def latency_main(args: argparse.Namespace) -> int:
         "decode_step_latencies": steps,
         "ttft_ms": _stats_ms(ttfts),
         "decode_step_ms": _stats_ms(steps),
+        "e2e_latency_ms": _stats_ms(latencies),
         "decode_tokens_per_second": args.batch_size / float(np.mean(steps)) if steps else None,
+        "num_cached_prompt_tokens": sum(r.num_cached_tokens for r in timed),
     }
     print(_format_latency(result))
     _write_json(args.output_json, result)
     return 0
+
+
+class BatchRun(NamedTuple):
+    """One batch stepped to its end; every time is from the moment its requests were added."""
+
+    ttft: float  # until every request had its first token: the batch's prefill
+    latency: float  # until the last request finished
+    num_decode_steps: int  # engine steps after the prefill, each one token for every request still running
+    num_cached_tokens: int  # prompt tokens the prefix cache served
+
+    @property
+    def decode_step(self) -> float:
+        return (self.latency - self.ttft) / self.num_decode_steps
+
+
+def _step_batch(engine: Any, request_ids: list[str], prompts: list[list[int]], params: Any) -> BatchRun:
+    """Step the engine through one batch, timing its prefill and its decode steps within the same run.
+
+    Timing a first-token run and a full run apart and subtracting lets their noise make the decode
+    step negative; two moments of one run cannot.
+    """
+    start = time.perf_counter()
+    for request_id, prompt in zip(request_ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    awaiting_first_token, unfinished = set(request_ids), set(request_ids)
+    prefilled_at: float | None = None
+    num_decode_steps = num_cached_tokens = 0
+    while unfinished:
+        outputs = engine.step()  # an output means a sampled token: prompt chunks return none
+        now = time.perf_counter()
+        if outputs and prefilled_at is not None:
+            num_decode_steps += 1
+        for output in outputs:
+            awaiting_first_token.discard(output.request_id)
+            if output.finished:
+                unfinished.discard(output.request_id)
+                num_cached_tokens += output.num_cached_tokens
+        if prefilled_at is None and not awaiting_first_token:
+            prefilled_at = now
+        if unfinished and not engine.has_unfinished_requests():
+            raise RuntimeError(f"engine stopped with {len(unfinished)} requests unfinished.")
+    # With async scheduling a step may still be in flight; let it land so the next run starts idle.
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert prefilled_at is not None
+    return BatchRun(prefilled_at - start, now - start, num_decode_steps, num_cached_tokens)
 
 
 def _stats_ms(values_s: list[float]) -> dict[str, float]:
@@ -130,7 +176,12 @@ def _format_latency(result: dict[str, Any]) -> str:
         f"tokens, {len(result['latencies'])} iterations",
         f"Avg latency: {result['avg_latency']:.4f} s",
     ]
-    for title, key in (("TTFT (batch prefill + first token)", "ttft_ms"), ("Decode step", "decode_step_ms")):
+    titles = (
+        ("TTFT (batch prefill + first token)", "ttft_ms"),
+        ("Decode step", "decode_step_ms"),
+        ("End-to-end latency", "e2e_latency_ms"),
+    )
+    for title, key in titles:
         stats = result[key]
         if stats:
             lines.append(
@@ -139,6 +190,8 @@ def _format_latency(result: dict[str, Any]) -> str:
             )
     if result["decode_tokens_per_second"]:
         lines.append(f"Decode throughput: {result['decode_tokens_per_second']:.1f} tokens/s")
+    if result["enable_prefix_caching"]:
+        lines.append(f"Prompt tokens served by the prefix cache: {result['num_cached_prompt_tokens']}")
     return "\n".join(lines)
 
 
@@ -149,7 +202,7 @@ def _tokenizer(args: argparse.Namespace) -> BenchTokenizer:
     return load_tokenizer(source)
 
 
-def _make_llm(args: argparse.Namespace) -> Any:
+def _make_llm(args: argparse.Namespace, **engine_overrides: Any) -> Any:
     from tokenmill import LLM
 
     engine_args = {
@@ -161,6 +214,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "skip_tokenizer_init": args.skip_tokenizer_init or None,
+        **engine_overrides,
     }
     return LLM(**{k: v for k, v in engine_args.items() if v is not None})
 
