@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_RUNNERS = ("auto", "generate", "pooling")
+_POOLING_TYPES = ("last", "mean")
 
 
 @dataclass
@@ -17,7 +19,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192 tokens per step
+    max_num_batched_tokens: int | None = None  # None: 8192 tokens per step on a GPU, 256 on a CPU
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes of KV cache; overrides gpu_memory_utilization
@@ -30,6 +32,12 @@ class EngineConfig:
     # leaves no idle device to hide host work behind), where it still works and is tested.
     async_scheduling: bool | None = None
     max_waiting_requests: int | None = None  # cap on the waiting queue (the server answers 429 past it)
+    # "pooling" serves embeddings (/v1/embeddings) instead of text; "auto" picks it for checkpoints of
+    # a bare model (architectures such as Qwen3Model or LlamaModel), else "generate".
+    runner: str = "auto"
+    # How a pooling runner makes one vector of a prompt's hidden states. None: the model's own
+    # sentence-transformers pooling config when it has one, else the last token.
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -57,6 +65,12 @@ class EngineConfig:
             )
         if self.max_waiting_requests is not None:
             _positive("max_waiting_requests", self.max_waiting_requests)
+        if self.runner not in _RUNNERS:
+            raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}.")
+        if self.pooling_type is not None:
+            self.pooling_type = self.pooling_type.lower()
+            if self.pooling_type not in _POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {_POOLING_TYPES}, got {self.pooling_type!r}.")
 
 
 def _positive(knob: str, value: object) -> None:

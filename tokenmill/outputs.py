@@ -43,3 +43,14 @@ class RequestOutput:
     # When asked for (SamplingParams.prompt_logprobs): one entry per prompt token, None for the first,
     # each {token_id: Logprob} holding the prompt token and the top-k alternatives at that position.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The pooling runner's embedding of the prompt: float32 little-endian bytes, L2-normalised.
+    pooled: bytes | None = None
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """The pooled vector as floats (None from a generating engine)."""
+        if self.pooled is None:
+            return None
+        import numpy as np
+
+        return np.frombuffer(self.pooled, dtype="<f4").tolist()

@@ -89,3 +89,9 @@ class SamplingParams:
         if not self.stop or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
+
+
+def pooling_request_params() -> SamplingParams:
+    """What a request of the pooling runner asks of the scheduler: its whole prompt computed, then one
+    step's token, which nobody reads (the step's product is the pooled vector)."""
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

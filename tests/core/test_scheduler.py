@@ -41,9 +41,10 @@ def make_core(
     max_model_len=256,
     caching=True,
     async_scheduling=False,
+    context_cost=0.0,
 ):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    scheduler = Scheduler(kv, max_num_seqs, budget, max_model_len)
+    scheduler = Scheduler(kv, max_num_seqs, budget, max_model_len, context_cost)
     executor = FakeExecutor(scheduler)
     return EngineCore(scheduler, executor, async_scheduling=async_scheduling), executor
 
@@ -253,3 +254,52 @@ def test_a_stop_token_at_the_last_allowed_position_is_a_stop(async_scheduling):
             if out.finish_reason is not None:
                 reasons[out.request_id] = (out.finish_reason, out.stop_reason)
     assert reasons == {"eos": ("stop", None), "stop": ("stop", 7), "plain": ("length", None)}
+
+
+def test_a_long_prompt_leaves_room_for_a_newcomer_and_takes_back_what_it_leaves():
+    core, executor = make_core(budget=16, num_blocks=128)
+    core.add_request(request("long", prompt_len=200, max_tokens=1))
+    core.step()
+    assert executor.steps[-1].num_scheduled_tokens == {"long": 16}  # alone: the whole budget
+    core.add_request(request("short", prompt_len=3, max_tokens=1))
+    core.step()
+    # The newcomer gets its whole prompt in; the long prompt gets the rest of the step, not just half.
+    assert executor.steps[-1].num_scheduled_tokens == {"long": 13, "short": 3}
+    core.add_request(request("big", prompt_len=40, max_tokens=1))
+    core.step()
+    # Two prompts in one step: the long one is held to half, the newcomer takes the other half.
+    assert executor.steps[-1].num_scheduled_tokens == {"long": 8, "big": 8}
+    core.step()  # "big" is running now and nobody waits: running chunks fill the budget in order
+    assert executor.steps[-1].num_scheduled_tokens == {"long": 16}
+    assert sorted(run_to_completion(core)) == ["big", "long"]
+
+
+def test_no_room_is_held_back_when_no_seat_is_free():
+    core, executor = make_core(budget=16, num_blocks=128, max_num_seqs=1)
+    core.add_request(request("long", prompt_len=100, max_tokens=1))
+    core.step()
+    core.add_request(request("next", prompt_len=3, max_tokens=1))
+    core.step()
+    assert executor.steps[-1].num_scheduled_tokens == {"long": 16}
+
+
+def test_chunks_deep_into_a_long_prompt_are_shorter_when_attention_is_counted():
+    # Attending to 100 earlier tokens costs as much as a token's own matmuls.
+    core, executor = make_core(budget=64, num_blocks=256, max_model_len=1024, context_cost=0.01)
+    core.add_request(request("long", prompt_len=600, max_tokens=2))
+    run_to_completion(core)
+    chunks = [step.num_scheduled_tokens["long"] for step in executor.steps]
+    assert sum(chunks[:-1]) == 600 and chunks[-1] == 1  # the prompt, then one decode step
+    assert chunks[0] > chunks[len(chunks) // 2] > chunks[-2] >= 1
+    start = 0
+    for num in chunks[:-1]:  # every chunk's cost (tokens plus attention) fits the budget
+        assert num + 0.01 * num * (start + num / 2) <= 64
+        start += num
+
+
+def test_decode_tokens_cost_one_whatever_their_context():
+    core, executor = make_core(budget=8, max_num_seqs=8, num_blocks=256, context_cost=0.5)
+    for i in range(8):
+        core.add_request(request(str(i), prompt_len=1, max_tokens=3))
+    run_to_completion(core)
+    assert max(len(step.num_scheduled_tokens) for step in executor.steps) == 8

@@ -25,6 +25,9 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None] | None = None
     # request id -> (position of the first prompt token scored, one entry per prompt token from there)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    # The pooling runner's vector per row (float32 little-endian bytes, L2-normalised): set for the rows
+    # whose prompt this step finished, None for the others.
+    pooled: list[bytes | None] | None = None
 
     def result(self) -> ModelRunnerOutput:
         """Executors may return a pending output whose result() waits for the device; this one is ready."""
@@ -41,3 +44,4 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # With the first token only, when asked for: entry i scores prompt token i + 1 given those before it.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    pooled: bytes | None = None  # the pooling runner's vector (float32 little-endian, L2-normalised)

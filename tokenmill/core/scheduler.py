@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -22,8 +23,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        context_cost: float = 0.0,
     ) -> None:
+        """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
+        token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
+        is not its arithmetic)."""
         self.kv = kv_cache_manager
+        self.context_cost = context_cost
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -97,12 +103,27 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_preempted = 0
         num_scheduled: dict[str, int] = {}
+        cost_of: dict[str, int] = {}  # each scheduled request's share of the budget
         new_block_ids: dict[str, list[int]] = {}
+
+        # While a request waits for a seat, running prompt chunks share at most half of the step, so a
+        # long prompt cannot hold every other request back for all of its chunks; what the newcomers
+        # leave unused goes back to the cut chunks at the end.
+        chunk_room = budget // 2 if self._can_admit() else None
+        cut: list[Request] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            num_wanted = request.num_tokens_with_placeholders - request.num_computed_tokens
+            room = budget if chunk_room is None or num_wanted <= 1 else min(budget, chunk_room)
+            num_new, cost = self._chunk(
+                request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
+            )
+            if num_wanted > 1 and num_new < num_wanted:
+                cut.append(request)
+            if chunk_room is not None and num_wanted > 1:
+                chunk_room -= cost
             if num_new <= 0 or self._reaches_limit_in_flight(request):
                 index += 1
                 continue
@@ -111,7 +132,7 @@ class Scheduler:
                 undone = num_scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     new_block_ids.pop(victim.request_id)
-                    budget += undone
+                    budget += cost_of.pop(victim.request_id)
                     index -= 1
                 self._preempt(victim)
                 num_preempted += 1
@@ -119,8 +140,9 @@ class Scheduler:
                     break
             else:
                 num_scheduled[request.request_id] = num_new
+                cost_of[request.request_id] = cost
                 new_block_ids[request.request_id] = allocated
-                budget -= num_new
+                budget -= cost
                 index += 1
 
         new_requests: list[Request] = []
@@ -137,8 +159,10 @@ class Scheduler:
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            num_new, cost = self._chunk(
+                num_hit_tokens, request.num_tokens - num_hit_tokens, budget, fresh=not num_scheduled
+            )
+            if num_new <= 0 or self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             heapq.heappop(self._waiting)
             request.num_computed_tokens = num_hit_tokens
@@ -151,8 +175,24 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
+            cost_of[request.request_id] = cost
             new_block_ids[request.request_id] = request.block_ids
-            budget -= num_new
+            budget -= cost
+
+        for request in cut:
+            if budget <= 0 or request.status != RequestStatus.RUNNING:
+                continue
+            num_new, cost = num_scheduled.get(request.request_id, 0), cost_of.get(request.request_id, 0)
+            num_wanted = request.num_tokens_with_placeholders - request.num_computed_tokens
+            longer, longer_cost = self._chunk(request.num_computed_tokens, num_wanted, budget + cost)
+            if longer <= num_new:
+                continue
+            allocated = self.kv.allocate_slots(request, longer)
+            if allocated is None:
+                continue
+            num_scheduled[request.request_id], cost_of[request.request_id] = longer, longer_cost
+            new_block_ids.setdefault(request.request_id, []).extend(allocated)
+            budget -= longer_cost - cost
 
         if not num_scheduled:
             # An empty step is never executed: its news for the worker waits for the next real one.
@@ -163,7 +203,7 @@ class Scheduler:
                 num_scheduled, new_block_ids, resumed, {r.request_id for r in new_requests}
             ),
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
@@ -174,6 +214,32 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _chunk(self, start: int, num_wanted: int, budget: int, fresh: bool = False) -> tuple[int, int]:
+        """(tokens, cost) of the longest run of at most num_wanted tokens from position `start` whose cost
+        fits the budget. A token costs 1, plus context_cost per earlier token it attends to when it is
+        part of a prompt chunk, so a chunk deep into a long prompt is shorter and every step takes about
+        the same time where the step's cost is its arithmetic (a CPU). A fresh step always moves."""
+        if num_wanted <= 1 or not self.context_cost:
+            num_new = min(num_wanted, budget)
+            return num_new, num_new
+        a, b = self.context_cost, 1 + self.context_cost * start
+        num_new = min(num_wanted, int((math.sqrt(b * b + 2 * a * budget) - b) / a))
+        while num_new > 0 and self._chunk_cost(start, num_new) > budget:
+            num_new -= 1
+        if num_new == 0 and fresh:
+            return 1, max(1, budget)
+        return num_new, self._chunk_cost(start, num_new)
+
+    def _chunk_cost(self, start: int, num_tokens: int) -> int:
+        return num_tokens + math.ceil(self.context_cost * num_tokens * (start + num_tokens / 2))
+
+    def _can_admit(self) -> bool:
+        """True when a waiting request could take a seat this step (blocks permitting)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        candidate = self._peek_waiting()
+        return candidate is not None and not candidate.num_output_placeholders
 
     def _reaches_limit_in_flight(self, request: Request) -> bool:
         """True when the tokens already being sampled take the request to max_tokens or max_model_len,
@@ -253,6 +319,7 @@ class Scheduler:
                         and request.sampling_params.prompt_logprobs is not None
                         else None
                     ),
+                    pooled=runner_output.pooled[row] if runner_output.pooled else None,
                 )
             )
             if status is not None:

@@ -20,7 +20,7 @@ _HELP = {
     "device": "auto | cpu | cuda | cuda:N",
     "max_model_len": "context length in tokens (default: the model's own)",
     "max_num_seqs": "most requests in one running batch",
-    "max_num_batched_tokens": "token budget of one engine step (default: 8192)",
+    "max_num_batched_tokens": "token budget of one engine step (default: 8192 on a GPU, 256 on a CPU)",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "share the KV blocks of identical prompt prefixes between requests",
     "kv_cache_memory": "bytes of KV cache, e.g. 4GiB or 512MiB (overrides --gpu-memory-utilization)",
@@ -31,6 +31,10 @@ _HELP = {
     "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
     "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",
     "max_waiting_requests": "cap on requests waiting for their first token; the server answers 429 past it",
+    "runner": "auto | generate | pooling (embeddings at /v1/embeddings; auto: pooling for bare-model "
+    "checkpoints such as Qwen3Model)",
+    "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
+    "config, else last)",
 }
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import Message, render_prompt
 
@@ -32,6 +32,23 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if self.engine.pooling_type is not None:
+            raise ValueError("this engine runs the pooling runner (runner='pooling'): use LLM.embed.")
+        return self._submit(prompts, prompt_token_ids, sampling_params, use_tqdm, priority)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One L2-normalised embedding per prompt (output.embedding), in prompt order; needs an engine
+        with runner='pooling' (the default for bare-model checkpoints such as Qwen3Model)."""
+        if self.engine.pooling_type is None:
+            raise ValueError("embed needs runner='pooling'; this engine generates text.")
+        return self._submit(prompts, prompt_token_ids, pooling_request_params(), use_tqdm, None)
+
+    def _submit(self, prompts, prompt_token_ids, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids.")
         inputs: list[str | list[int]]

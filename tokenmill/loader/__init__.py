@@ -38,6 +38,15 @@ class ModelSource:
 
         return load_hf_tokenizer(path)
 
+    def sentence_transformers_pooling(self) -> str | None:
+        """The pooling a sentence-transformers checkpoint declares (modules.json and its Pooling module's
+        config.json): "last", "mean", or None when the directory has no such config."""
+        if self.format == "gguf" or not os.path.isdir(self.path):
+            return None
+        from tokenmill.loader.hf import sentence_transformers_pooling
+
+        return sentence_transformers_pooling(self.path)
+
     def eos_token_ids(self, tokenizer=None) -> tuple[int, ...]:
         """The config's EOS ids, plus generation_config.json's (instruct models often add e.g. Llama 3's
         <|eot_id|>) and the tokenizer's own."""

@@ -67,3 +67,36 @@ def generation_eos_ids(path: str) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, list) else [eos]
+
+
+# sentence-transformers Pooling config flags, and the pooling each one means here.
+_ST_POOLING_MODES = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+}
+
+
+def sentence_transformers_pooling(path: str) -> str | None:
+    """The pooling named by a sentence-transformers checkpoint (modules.json points at its Pooling
+    module's folder, whose config.json sets one pooling_mode_* flag), or None without one."""
+    modules_file = os.path.join(path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return None
+    with open(modules_file) as f:
+        modules = json.load(f)
+    for module in modules:
+        if not str(module.get("type", "")).endswith("Pooling"):
+            continue
+        config_file = os.path.join(path, module.get("path", ""), "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        with open(config_file) as f:
+            config = json.load(f)
+        for flag, pooling in _ST_POOLING_MODES.items():
+            if config.get(flag):
+                return pooling
+    return None

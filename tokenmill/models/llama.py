@@ -24,6 +24,8 @@ class ArchFlags:
 
     def __init__(self, config) -> None:
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch.endswith("Model"):  # a bare model (an embedding checkpoint) is its family's member
+            arch = arch[: -len("Model")] + "ForCausalLM"
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_bias = attention_bias or arch == "Qwen2ForCausalLM"
         self.o_bias = attention_bias and arch != "Qwen2ForCausalLM"
@@ -127,16 +129,21 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
 
-    def __init__(self, config, max_position: int, kernels: Kernels | None = None) -> None:
+    def __init__(
+        self, config, max_position: int, kernels: Kernels | None = None, *, lm_head: bool = True
+    ) -> None:
+        """lm_head=False builds the bare model, for pooling: hidden states, no logits."""
         super().__init__()
         self.config = config
         self.flags = ArchFlags(config)
         # Chosen once, for the device the model is built on; every layer keeps this set.
         self.kernels = kernels or get_kernels()
         self.model = LlamaModel(config, self.flags, max_position, self.kernels)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.flags.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head: ParallelLMHead | None = None
+        if lm_head:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.flags.tie_word_embeddings:
+                self.lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -144,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, md)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise ValueError("this model was built without an LM head (runner=pooling); it has no logits.")
         return self.lm_head(hidden)[..., : self.config.vocab_size]  # drop the padded vocab's columns
 
     def attention_layers(self) -> list[Attention]:
@@ -151,5 +160,14 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
-        skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.flags.tie_word_embeddings else [])
-        load_model_weights(self, weights, self.stacked_params_mapping, skip_substrs=skip)
+        without_head = self.lm_head is None or self.flags.tie_word_embeddings
+        skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if without_head else [])
+        # A bare model's checkpoint (Qwen3Model, ...) names its tensors without the "model." prefix.
+        named = ((_with_model_prefix(name), tensor) for name, tensor in weights)
+        load_model_weights(self, named, self.stacked_params_mapping, skip_substrs=skip)
+
+
+def _with_model_prefix(name: str) -> str:
+    if name.startswith(("model.", "lm_head.")):
+        return name
+    return "model." + name

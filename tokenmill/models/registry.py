@@ -11,7 +11,18 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Bare models (no LM head): embedding checkpoints, served by the pooling runner.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
 }
+
+
+def is_bare_model(config) -> bool:
+    """True for a checkpoint of a bare model (Qwen3Model, LlamaModel, ...): hidden states, no LM head."""
+    architectures = getattr(config, "architectures", None) or []
+    return bool(architectures) and architectures[0].endswith("Model") and architectures[0] in MODEL_REGISTRY
 
 
 def model_class(config) -> type[nn.Module]:

@@ -78,8 +78,12 @@ class AsyncEngineClient:
         process: multiprocessing.process.BaseProcess,
         sockets: _Sockets,
         metrics: ServerMetrics | None,
+        hf_config: object = None,
     ) -> None:
         self.config = config
+        self.hf_config = hf_config
+        # None when the core generates text; "last" or "mean" when it pools (embeddings only).
+        self.pooling_type = ready.pooling_type
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks
@@ -128,7 +132,8 @@ class AsyncEngineClient:
             process.join()
             sockets.close()
             raise
-        return cls(config, ready, tokenizer, source.eos_token_ids(tokenizer), process, sockets, metrics)
+        eos = source.eos_token_ids(tokenizer)
+        return cls(config, ready, tokenizer, eos, process, sockets, metrics, source.hf_config)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (politely, then by force) and release the sockets."""

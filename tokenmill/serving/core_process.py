@@ -197,6 +197,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                     num_kv_blocks=parts.num_kv_blocks,
                     block_size=config.block_size,
                     vocab_size=hf_config.vocab_size,
+                    pooling_type=parts.pooling_type,
                 )
             )
         )

@@ -44,6 +44,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    pooling_type: str | None = None  # set when the core runs the pooling runner (embeddings)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -12,11 +12,18 @@ from tokenmill.core.engine import EngineCore
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.loader import ModelSource, resolve_model
+from tokenmill.models.registry import is_bare_model
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+# Default token budget of a step. On a CPU a step costs its tokens at full price (no idle device to
+# fill), so a small budget keeps every step short and lets a request that arrives behind a long prompt
+# in within a step or two (an 8k-token prompt on the embedded model: 256-token chunks of 0.3-2 s on two
+# cores, against one 34 s step at 8192) for little throughput (a 256-row GEMM runs ~25% slower there).
+_GPU_DEFAULT_BATCHED_TOKENS = 8192
+_CPU_DEFAULT_BATCHED_TOKENS = 256
 
 
 class EngineParts(NamedTuple):
@@ -25,6 +32,34 @@ class EngineParts(NamedTuple):
     source: ModelSource
     max_model_len: int
     num_kv_blocks: int
+    pooling_type: str | None  # None for a generating engine; "last" or "mean" for the pooling runner
+
+
+def resolve_pooling(config: EngineConfig, source: ModelSource) -> str | None:
+    """The pooling runner's pooling type, or None when the engine generates text."""
+    runner = config.runner
+    if runner == "auto":
+        runner = "pooling" if is_bare_model(source.hf_config) else "generate"
+    if runner == "generate":
+        if config.pooling_type is not None:
+            raise ValueError("pooling_type needs runner='pooling' (this engine generates text).")
+        if is_bare_model(source.hf_config):
+            raise ValueError(
+                f"{source.hf_config.architectures[0]} is a bare model with no LM head: it cannot generate "
+                "text; serve it with runner='pooling' (--runner pooling)."
+            )
+        return None
+    if config.pooling_type is not None:
+        return config.pooling_type
+    declared = source.sentence_transformers_pooling()
+    if declared is None:
+        return "last"
+    if declared not in ("last", "mean"):
+        raise ValueError(
+            f"the model's sentence-transformers config asks for {declared!r} pooling, which is not "
+            "supported; pass pooling_type='last' or 'mean' (--pooling-type)."
+        )
+    return declared
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -57,8 +92,11 @@ def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, batched_tokens: in
 def create_engine(config: EngineConfig) -> EngineParts:
     source = resolve_model(config.model, config.load_format, config.tokenizer)
     max_model_len = resolve_max_model_len(config, source.hf_config)
-    batched_tokens = config.max_num_batched_tokens or 8192
-    runner = ModelRunner(config, source, max_model_len)
+    pooling_type = resolve_pooling(config, source)
+    runner = ModelRunner(config, source, max_model_len, pooling_type)
+    batched_tokens = config.max_num_batched_tokens or (
+        _GPU_DEFAULT_BATCHED_TOKENS if runner.device.type == "cuda" else _CPU_DEFAULT_BATCHED_TOKENS
+    )
     num_blocks = _num_kv_blocks(config, runner, batched_tokens)
     capacity = num_blocks * config.block_size
     if capacity < max_model_len:
@@ -79,12 +117,17 @@ def create_engine(config: EngineConfig) -> EngineParts:
         max_model_len,
         capacity / max_model_len,
     )
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(kv, config.max_num_seqs, batched_tokens, max_model_len)
+    # Mean pooling sums the hidden state of every prompt token, so none may come from the prefix cache.
+    prefix_caching = config.enable_prefix_caching and pooling_type != "mean"
+    kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+    # On a CPU a step's time is its arithmetic: the budget counts attention too, so chunks deep into a
+    # long prompt shrink and steps stay short. A GPU step is not (decode steps are memory-bound).
+    context_cost = 0.0 if runner.device.type == "cuda" else runner.context_cost()
+    scheduler = Scheduler(kv, config.max_num_seqs, batched_tokens, max_model_len, context_cost)
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
     async_scheduling = config.async_scheduling
     if async_scheduling is None:
         async_scheduling = runner.device.type == "cuda"
     core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
-    return EngineParts(core, runner, source, max_model_len, num_blocks)
+    return EngineParts(core, runner, source, max_model_len, num_blocks, pooling_type)

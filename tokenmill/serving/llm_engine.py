@@ -19,6 +19,7 @@ class LLMEngine:
         self.core, self.runner, self.source = parts.core, parts.runner, parts.source
         self.max_model_len = parts.max_model_len
         self.num_kv_blocks = parts.num_kv_blocks
+        self.pooling_type = parts.pooling_type
         self.tokenizer = None if config.skip_tokenizer_init else self.source.load_tokenizer()
         self.eos_token_ids = self.source.eos_token_ids(self.tokenizer)
         self.input_processor = InputProcessor(

@@ -48,13 +48,14 @@ class SampleState:
     def snapshot(
         self, delta_text: str = "", delta_token_ids: list[int] | None = None, delta_logprobs=None
     ) -> CompletionOutput:
-        """An output for this sample now; delta_token_ids is taken as given (the caller's fresh list)."""
+        """An output for this sample now; delta_token_ids is taken as given (the caller's fresh list).
+        The cumulative lists are copies: an output a caller holds never changes under it."""
         return CompletionOutput(
             self.index,
             self.text,
-            self.token_ids,
+            self.token_ids.copy(),
             self.cumulative_logprob,
-            self.logprobs,
+            None if self.logprobs is None else self.logprobs.copy(),
             self.finish_reason,
             self.stop_reason,
             delta_text,
@@ -72,6 +73,7 @@ class ParentState:
     num_cached_tokens: int = 0
     num_finished: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,6 +147,8 @@ class OutputProcessor:
             if core_output.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 scored = zip(parent.prompt_token_ids[1:], core_output.prompt_logprobs)
                 parent.prompt_logprobs = [None] + [self._decode_logprobs(lp, tid) for tid, lp in scored]
+            if core_output.pooled is not None:
+                parent.pooled = core_output.pooled
             sample.token_ids.extend(new_token_ids)
             delta_logprobs = None
             if core_output.new_logprobs is not None and sample.logprobs is not None:
@@ -190,6 +194,7 @@ class OutputProcessor:
                     finished,
                     parent.num_cached_tokens,
                     parent.prompt_logprobs,
+                    parent.pooled,
                 )
             )
             if finished:

@@ -39,7 +39,9 @@ class PendingRunnerOutput:
         logprobs: LogprobTensors | None,
         logprob_ks: list[int | None],
         prompt_logprobs: dict | None,
+        pooled: tuple[list[int], torch.Tensor] | None = None,
     ) -> None:
+        """pooled: the pooling runner's (rows, one vector per row) for the prompts this step finished."""
         self.runner = runner
         self.req_ids = inputs.req_ids
         self.samples = inputs.samples
@@ -48,6 +50,9 @@ class PendingRunnerOutput:
         self.logprobs = logprobs.to_host(non_blocking) if logprobs is not None else None
         self.logprob_ks = logprob_ks
         self.prompt_logprobs = prompt_logprobs
+        self.pooled = None
+        if pooled is not None:
+            self.pooled = (pooled[0], pooled[1].to("cpu", non_blocking=non_blocking))
         self.ready = torch.cuda.Event() if non_blocking else None
         if self.ready is not None:
             self.ready.record()
@@ -65,18 +70,30 @@ class PendingRunnerOutput:
                     request_id: (first, list(map(TokenLogprobs, *(t.tolist() for t in scored))))
                     for request_id, (first, scored) in self.prompt_logprobs.items()
                 }
+            pooled = None
+            if self.pooled is not None:
+                pooled = [None] * len(self.req_ids)
+                rows, vectors = self.pooled
+                for row, vector in zip(rows, vectors.numpy()):
+                    pooled[row] = vector.astype("<f4").tobytes()
             self._result = ModelRunnerOutput(
                 req_ids=self.req_ids,
                 sampled_token_ids=[[t] if keeps else [] for t, keeps in zip(token_ids, self.samples)],
                 logprobs=self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None,
                 prompt_logprobs=prompt_logprobs,
+                pooled=pooled,
             )
         return self._result
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, source: ModelSource, max_model_len: int, pooling_type: str | None = None
+    ) -> None:
+        """pooling_type None: a generating runner; "last" or "mean": the pooling runner, whose steps
+        return one L2-normalised vector per finished prompt instead of sampled tokens."""
         self.config = config
+        self.pooling_type = pooling_type
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device)
         self.hf_config = source.hf_config
@@ -93,7 +110,9 @@ class ModelRunner:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = model_class(source.hf_config)(source.hf_config, max_model_len)
+                self.model = model_class(source.hf_config)(
+                    source.hf_config, max_model_len, lm_head=pooling_type is None
+                )
             finally:
                 torch.set_default_dtype(default_dtype)
         if source.format == "dummy":
@@ -109,13 +128,15 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
+        # Mean pooling: each request's sum of hidden states over the prompt chunks computed so far.
+        self._pooled_sums: dict[str, torch.Tensor] = {}
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs once the KV cache exists (the graphs bake in its addresses)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
+        if self.device.type != "cuda" or self.config.enforce_eager or self.pooling_type is not None:
+            return  # the pooling runner never decodes
         self.decode_graphs = DecodeGraphs(
             self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
         )
@@ -136,6 +157,17 @@ class ModelRunner:
         layers = self.model.attention_layers()
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
+
+    def context_cost(self) -> float:
+        """What attending to one earlier token costs a prompt token, as a fraction of the token's matmuls:
+        4 FLOPs per head dimension per layer (scores and weighted sum) over 2 per matmul weight."""
+        attention = sum(4 * a.num_heads * a.head_dim for a in self.model.attention_layers())
+        matmul = sum(
+            2 * p.numel()
+            for name, p in self.model.named_parameters()
+            if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
+        )
+        return attention / matmul
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         for attn in self.model.attention_layers():
@@ -249,6 +281,8 @@ class ModelRunner:
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
+        if self.pooling_type is not None:
+            return self._execute_pooling(scheduler_output)
         states = self.input_batch.requests
         # Requests asking for prompt logprobs whose chunk still scores prompt tokens need every row's
         # hidden state, which only the eager path keeps (read before prepare advances the counts).
@@ -275,6 +309,41 @@ class ModelRunner:
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         logprob_ks = [r.sampling_params.logprobs for r in sampling_batch.requests]
         return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, prompt_logprobs)
+
+    def _execute_pooling(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        """One step of the pooling runner: the forward pass, then a vector for every request whose
+        prompt this step completes (a mean pooler keeps running sums across chunks)."""
+        for request_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
+            self._pooled_sums.pop(request_id, None)  # a preempted request recomputes from its start
+        inputs = self.input_batch.prepare(scheduler_output)
+        input_ids, positions, md = self.to_device(inputs)
+        hidden = self.model(input_ids, positions, md)
+        finished_rows = [row for row, done in enumerate(inputs.samples) if done]
+        if self.pooling_type == "last":
+            ends = torch.as_tensor(inputs.query_start_loc[1:] - 1, dtype=torch.int64)
+            pooled = hidden[ends[finished_rows].to(self.device)].float()
+        else:
+            lengths = np.diff(inputs.query_start_loc)
+            row_of_token = torch.as_tensor(np.repeat(np.arange(len(lengths)), lengths)).to(self.device)
+            sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=self.device)
+            sums.index_add_(0, row_of_token, hidden[: len(row_of_token)].float())
+            for row, request_id in enumerate(inputs.req_ids):
+                earlier = self._pooled_sums.pop(request_id, None)
+                if earlier is not None:
+                    sums[row] += earlier
+                if not inputs.samples[row]:
+                    self._pooled_sums[request_id] = sums[row].clone()
+            counts = [
+                self.input_batch.requests[inputs.req_ids[row]].num_prompt_tokens for row in finished_rows
+            ]
+            pooled = (
+                sums[finished_rows] / torch.tensor(counts, dtype=torch.float32, device=self.device)[:, None]
+            )
+        pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        sampled = torch.zeros(len(inputs.req_ids), dtype=torch.int64, device=self.device)
+        self._last_sampled = sampled
+        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
+        return PendingRunnerOutput(self, inputs, sampled, None, [], None, (finished_rows, pooled))
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
@@ -319,8 +388,9 @@ class ModelRunner:
             max_seq_len=num_tokens,
         )
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, md)
-        num_rows = min(num_tokens, self.config.max_num_seqs)
-        self.model.compute_logits(hidden[-num_rows:]).float().softmax(dim=-1)
+        if self.pooling_type is None:
+            num_rows = min(num_tokens, self.config.max_num_seqs)
+            self.model.compute_logits(hidden[-num_rows:]).float().softmax(dim=-1)
         torch.cuda.synchronize()
         # Weights plus the activation peak, this engine's own share of the allocator.
         peak = torch.cuda.max_memory_allocated() - self._allocated_before - scratch_bytes

@@ -32,9 +32,16 @@ from tokenmill.serving.prompt import render_prompt
 
 from .common import ServerState
 from .errors import OpenAIError, bad_request, install_error_handlers, unavailable
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from .serving_chat import ChatServing, render_chat
 from .serving_completion import CompletionServing
+from .serving_embedding import EmbeddingServing
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -106,7 +113,7 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
     if state.api_key:
         app.add_middleware(_ApiKeyCheck, api_key=state.api_key)
     app.add_middleware(_BodySizeLimit, max_bytes=max_request_body_bytes)
-    chat, completion = ChatServing(state), CompletionServing(state)
+    chat, completion, embedding = ChatServing(state), CompletionServing(state), EmbeddingServing(state)
     engine = state.engine
     created = int(time.time())
 
@@ -152,6 +159,10 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await completion.create(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedding.create(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:

@@ -53,6 +53,15 @@ class ServerState:
             )
         return model
 
+    def check_generates(self) -> None:
+        """Text endpoints need a generating engine; a pooling one serves /v1/embeddings only."""
+        if self.engine.pooling_type is not None:
+            raise bad_request(
+                "this server runs the pooling runner (--runner pooling): it serves /v1/embeddings, not "
+                "text generation.",
+                param="model",
+            )
+
     def check_accepting(self) -> None:
         if self.engine.dead_error is not None:
             raise unavailable(self.engine.dead_error, "engine_dead")

@@ -221,3 +221,27 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's extra: keep the last k tokens
+
+    @model_validator(mode="after")
+    def _check_input(self) -> EmbeddingRequest:
+        if self.input == "" or (
+            isinstance(self.input, list) and (not self.input or any(i == [] or i == "" for i in self.input))
+        ):
+            raise ParamError("input", "input must not be empty")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return [list(self.input)]  # type: ignore[arg-type]
+        return list(self.input)  # type: ignore[arg-type]

@@ -54,6 +54,7 @@ class ChatServing:
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         state = self.state
         model = state.check_model(request.model)
+        state.check_generates()
         state.check_accepting()
         engine = state.engine
         prompt_text, prompt_ids = await state.off_loop(

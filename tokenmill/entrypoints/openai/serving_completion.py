@@ -81,6 +81,7 @@ class CompletionServing:
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         state = self.state
         model = state.check_model(request.model)
+        state.check_generates()
         state.check_accepting()
         engine = state.engine
         prompts = await state.off_loop(self._prepare, request)
