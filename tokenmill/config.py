@@ -38,6 +38,9 @@ class EngineConfig:
     # How a pooling runner makes one vector of a prompt's hidden states. None: the model's own
     # sentence-transformers pooling config when it has one, else the last token.
     pooling_type: str | None = None
+    # On a GPU, run a few requests of varied lengths and build every dense-prefill plan at start-up, so
+    # no request pays for a kernel compile or a cuDNN plan.
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.model is None:

@@ -12,7 +12,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", [(37, 6, 2, 48), (300, 32, 8, 128)])
+@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", [(37, 6, 2, 48), (300, 32, 8, 128), (256, 4, 4, 64), (4097, 4, 1, 64)])
 def test_dense_prefill_matches_paged_reference(device, num_tokens, num_heads, num_kv_heads, head_dim):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -33,4 +33,13 @@ def test_dense_prefill_matches_paged_reference(device, num_tokens, num_heads, nu
     )  # fmt: skip
     got = dense_causal_attention(q, k, v, head_dim**-0.5)
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    assert got.shape == q.shape  # padded to its bucket inside, cut back outside
     torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+def test_dense_buckets_cover_every_length_with_few_plans():
+    from tokenmill.layers.attention import dense_bucket
+
+    buckets = {dense_bucket(n) for n in range(1, 8193)}
+    assert len(buckets) == 20 and all(dense_bucket(n) >= n for n in range(1, 8193))
+    assert dense_bucket(256) == 256 and dense_bucket(257) == 512 and dense_bucket(4097) == 5120

@@ -33,6 +33,7 @@ _HELP = {
     "max_waiting_requests": "cap on requests waiting for their first token; the server answers 429 past it",
     "runner": "auto | generate | pooling (embeddings at /v1/embeddings; auto: pooling for bare-model "
     "checkpoints such as Qwen3Model)",
+    "warmup": "on a GPU, meet every kernel variant and cuDNN plan at start-up, before any request",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
     "config, else last)",
 }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import random
+import time
 from typing import NamedTuple
 
 import torch
@@ -10,9 +12,12 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine import EngineCore
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
+from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.layers.attention import dense_bucket
 from tokenmill.loader import ModelSource, resolve_model
 from tokenmill.models.registry import is_bare_model
+from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -130,4 +135,52 @@ def create_engine(config: EngineConfig) -> EngineParts:
     if async_scheduling is None:
         async_scheduling = runner.device.type == "cuda"
     core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
-    return EngineParts(core, runner, source, max_model_len, num_blocks, pooling_type)
+    parts = EngineParts(core, runner, source, max_model_len, num_blocks, pooling_type)
+    if config.warmup and runner.device.type == "cuda":
+        warm_up(parts)
+    return parts
+
+
+# Prompt lengths start-up runs: around the multiples of 16 Triton specialises integer arguments on, and
+# spread up to a full step, so every kernel variant and GEMM shape class is met before any request.
+_WARMUP_LENGTHS = (1, 2, 3, 15, 16, 17, 31, 100, 255, 256, 257, 1000, 1024, 2047, 4100, 8191)
+
+
+def warm_up(parts: EngineParts) -> None:
+    """Meet at start-up what a first request would otherwise pay for on its path: a cuDNN plan for every
+    dense-prefill bucket, and Triton compiles and cuBLAS heuristics for prompts alone and in mixed
+    batches, greedy and sampled. The requests leave no trace: the prefix cache and counters are reset."""
+    start = time.perf_counter()
+    core, runner, scheduler = parts.core, parts.runner, parts.core.scheduler
+    budget = scheduler.max_num_batched_tokens
+    longest = min(budget, parts.max_model_len - 4)
+    buckets = sorted({dense_bucket(n) for n in range(1, longest + 1)})
+    runner.warm_up_dense_prefill(buckets)
+    rng = random.Random(0)
+    vocab_size = runner.hf_config.vocab_size
+    lengths = [n for n in _WARMUP_LENGTHS if n <= longest]
+    if parts.pooling_type is not None:
+        rounds = [[pooling_request_params()]]
+    else:
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(
+            max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, logprobs=2, ignore_eos=True, seed=0
+        )
+        rounds = [[greedy], [greedy, sampled]]
+    count = 0
+    for round_params in rounds:
+        # Each length alone (the dense path), then all together (varlen prefill, then a decode batch).
+        batches = [[n] for n in lengths] if len(round_params) == 1 else [lengths]
+        for batch in batches:
+            for length in batch:
+                for params in round_params:
+                    prompt = [rng.randrange(vocab_size) for _ in range(length)]
+                    core.add_request(Request(f"warmup-{count}", prompt, params))
+                    count += 1
+            while core.has_unfinished_requests():
+                core.step()
+    scheduler.kv.reset_prefix_cache()
+    scheduler.kv.prefix_cache_queries = scheduler.kv.prefix_cache_hits = 0
+    scheduler.num_preemptions = 0
+    elapsed = time.perf_counter() - start
+    logger.info("warm-up: %d dense-prefill plans and %d requests in %.1f s", len(buckets), count, elapsed)

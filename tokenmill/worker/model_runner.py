@@ -158,6 +158,26 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
 
+    @torch.inference_mode()
+    def warm_up_dense_prefill(self, lengths: list[int]) -> None:
+        """Build the dense-prefill plan of every length (bucket) once, on scratch tensors."""
+        if not self.dense_prefill_ok:
+            return
+        from tokenmill.layers.attention import dense_causal_attention
+
+        seen = set()
+        for attn in self.model.attention_layers():
+            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            options = dict(dtype=self.dtype, device=self.device)
+            for length in lengths:
+                q = torch.zeros(length, attn.num_heads, attn.head_dim, **options)
+                kv = torch.zeros(length, attn.num_kv_heads, attn.head_dim, **options)
+                dense_causal_attention(q, kv, kv, attn.scale)
+        torch.cuda.synchronize()
+
     def context_cost(self) -> float:
         """What attending to one earlier token costs a prompt token, as a fraction of the token's matmuls:
         4 FLOPs per head dimension per layer (scores and weighted sum) over 2 per matmul weight."""
