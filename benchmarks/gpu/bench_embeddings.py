@@ -37,13 +37,15 @@ def offline(model: str, prompts: list[list[int]], warmup: list[list[int]]) -> di
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
     assert llm.engine.pooling_type == "last"
     llm.embed(prompt_token_ids=warmup, use_tqdm=False)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.embed(prompt_token_ids=prompts, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert len(outputs[0].embedding) == 1024
     del llm
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"elapsed_s": elapsed, "tokens_per_s": sum(map(len, prompts)) / elapsed}
 
 
@@ -106,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     model = shape_dir(SHAPE, architectures=["Qwen3Model"], vocab_size=49152, bos_token_id=1, eos_token_id=2)
     prompts = inputs(args.num_inputs, args.input_len, seed=0)
-    warmup = inputs(512, args.input_len, seed=1)
+    warmup = inputs(min(512, args.num_inputs), args.input_len, seed=1)
     result = {"shape": SHAPE, "num_inputs": args.num_inputs, "input_len": args.input_len,
               "batch": args.batch, "concurrency": args.concurrency}  # fmt: skip
     result["offline"] = offline(model, prompts, warmup)

@@ -168,17 +168,40 @@ def warm_up(parts: EngineParts) -> None:
         )
         rounds = [[greedy], [greedy, sampled]]
     count = 0
+
+    def add(prompt: list[int], params: SamplingParams) -> None:
+        nonlocal count
+        core.add_request(Request(f"warmup-{count}", prompt, params))
+        count += 1
+
+    def run_all() -> None:
+        while core.has_unfinished_requests():
+            core.step()
+
     for round_params in rounds:
         # Each length alone (the dense path), then all together (varlen prefill, then a decode batch).
         batches = [[n] for n in lengths] if len(round_params) == 1 else [lengths]
         for batch in batches:
             for length in batch:
                 for params in round_params:
-                    prompt = [rng.randrange(vocab_size) for _ in range(length)]
-                    core.add_request(Request(f"warmup-{count}", prompt, params))
-                    count += 1
-            while core.has_unfinished_requests():
-                core.step()
+                    add([rng.randrange(vocab_size) for _ in range(length)], params)
+            run_all()
+    # Prompts that continue a cached prefix, alone and batched, and one longer than a step: attention
+    # over a context longer than the step's queries (chunked prefill) has kernel variants of its own.
+    params = rounds[0][0]
+    for length in (n for n in (17, 100, 1000) if n + 300 <= longest):
+        base = [rng.randrange(vocab_size) for _ in range(length)]
+        add(base, params)
+        run_all()
+        for extra in (5, 300):
+            add(base + [rng.randrange(vocab_size) for _ in range(extra)], params)
+            run_all()
+        for extra in (5, 300):
+            add(base + [rng.randrange(vocab_size) for _ in range(extra)], params)
+        run_all()
+    if budget + 64 <= parts.max_model_len - 4:
+        add([rng.randrange(vocab_size) for _ in range(budget + 64)], params)
+        run_all()
     scheduler.kv.reset_prefix_cache()
     scheduler.kv.prefix_cache_queries = scheduler.kv.prefix_cache_hits = 0
     scheduler.num_preemptions = 0
