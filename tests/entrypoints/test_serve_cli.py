@@ -12,7 +12,7 @@ def test_serve_options():
         ["serve", "--port", "9000", "--served-model-name", "a", "b", "--api-key", "k", "--max-num-seqs", "4"]
     )
     assert (args.port, args.served_model_name, args.api_key, args.max_num_seqs) == (9000, ["a", "b"], "k", 4)
-    assert (args.host, args.model, args.drain_timeout, args.access_log) == (
+    assert (args.host, args.model, args.shutdown_timeout, args.access_log) == (
         "127.0.0.1",
         "default",
         30.0,

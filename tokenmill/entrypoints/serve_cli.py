@@ -30,11 +30,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="require `Authorization: Bearer KEY` on /v1/* (default: $TOKENMILL_API_KEY, else no key)",
     )
     server.add_argument(
+        "--shutdown-timeout",
         "--drain-timeout",
+        dest="shutdown_timeout",
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM, how long running requests may take to finish before they are aborted (default: 30)",
+        help="on SIGTERM, how long running requests may take to finish before they are aborted; the "
+        "server is gone at most about 2 s later (default: 30; 0 aborts them at once)",
     )
     server.add_argument(
         "--max-request-body-bytes",

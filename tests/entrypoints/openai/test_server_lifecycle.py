@@ -3,6 +3,7 @@ engine-core process dying (requests fail fast, /health 503, exit 1). Random weig
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -206,3 +207,21 @@ def test_engine_death_fails_requests_fast_and_exits_nonzero(servers):
     assert non_streaming["error"].status_code == 503
     assert non_streaming["at"] - killed_at < 3  # fails fast instead of waiting for 200 tokens
     assert doomed.proc.wait(30) == 1, doomed.log_text()[-2000:]
+
+
+def test_shutdown_timeout_bounds_the_whole_shutdown(tmp_path):
+    server = ServerProcess([*DUMMY_ARGS, "--shutdown-timeout", "1"], tmp_path / "bounded.log").wait_ready()
+    try:
+        stream = long_stream(server.client(), max_tokens=220)  # far longer than 1 s on this CPU
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log_text()[-2000:]
+        took = time.monotonic() - start
+        # One second of drain, then the open request is aborted and the rest stops within ~1.5 s.
+        assert 1.0 <= took < 4.5, took
+        with contextlib.suppress(openai.APIError, httpx.HTTPError):
+            for _ in stream:
+                pass
+        assert "drain timeout: aborting 1 open requests" in server.log_text()
+    finally:
+        server.stop()

@@ -48,6 +48,9 @@ logger = logging.getLogger("tokenmill.server")
 # After the engine dies the server answers /health with 503 this long before it exits, so whoever
 # polls it (a load balancer, a person) sees why the replica is going away.
 _DEATH_LINGER_S = 2.0
+# Past the drain, what shutting down may take: open connections to close, the engine core to stop (a
+# core in the middle of a long step is killed after this).
+_STOP_S = 1.5
 
 
 class _ApiKeyCheck:
@@ -202,10 +205,10 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
 class _Server(uvicorn.Server):
     """uvicorn with tokenmill's shutdown rules instead of its own signal handling."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.state = state
-        self.drain_timeout = drain_timeout
+        self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self._drain_task: asyncio.Task | None = None
 
@@ -227,7 +230,7 @@ class _Server(uvicorn.Server):
                 "%s: draining %d open requests (at most %.0f s)",
                 sig.name,
                 engine.num_open_requests,
-                self.drain_timeout,
+                self.shutdown_timeout,
             )
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         elif sig == signal.SIGINT:
@@ -238,7 +241,7 @@ class _Server(uvicorn.Server):
     async def _drain(self) -> None:
         self.state.draining = True
         engine = self.state.engine
-        deadline = time.monotonic() + self.drain_timeout
+        deadline = time.monotonic() + self.shutdown_timeout
         while engine.num_open_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if engine.num_open_requests:
@@ -281,8 +284,9 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             access_log=args.access_log,
             lifespan="off",
             timeout_keep_alive=5,
+            timeout_graceful_shutdown=_STOP_S,
         )
-        server = _Server(uvicorn_config, state, args.drain_timeout)
+        server = _Server(uvicorn_config, state, args.shutdown_timeout)
         engine.add_dead_callback(server.on_engine_dead)
         host, port = sock.getsockname()[:2]
         logger.info(
@@ -292,7 +296,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         await server.serve(sockets=[sock])
         return server.exit_code
     finally:
-        await engine.shutdown()
+        await engine.shutdown(timeout=_STOP_S)
 
 
 def run_server(args: argparse.Namespace) -> int:

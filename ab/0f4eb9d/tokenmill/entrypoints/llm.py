@@ -1,0 +1,109 @@
+"""The offline API: `LLM(model=...)`, then `generate` or `chat` over many prompts at once."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.llm_engine import LLMEngine
+from tokenmill.serving.prompt import Message, render_prompt
+
+
+class LLM:
+    def __init__(self, model: str | None = "default", **engine_options) -> None:
+        self.config = EngineConfig(model=model, **engine_options)
+        self.engine = LLMEngine(self.config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids.")
+        inputs: list[str | list[int]]
+        if prompts is not None:
+            inputs = [prompts] if isinstance(prompts, str) else list(prompts)
+        else:
+            inputs = [list(ids) for ids in prompt_token_ids]
+        params_list = self._per_prompt(sampling_params, len(inputs), "sampling_params")
+        priorities = list(priority) if priority is not None else [0] * len(inputs)
+        if len(priorities) != len(inputs):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(inputs)} prompts.")
+        # Tokenize and check everything first, so a bad prompt leaves nothing half-submitted.
+        token_ids = [self.engine.input_processor.process(p, params) for p, params in zip(inputs, params_list)]
+        request_ids = []
+        for prompt, ids, params, prio in zip(inputs, token_ids, params_list, priorities):
+            request_id = str(next(self._request_counter))
+            text = prompt if isinstance(prompt, str) else None
+            self.engine.add_request(request_id, ids, params, priority=prio, prompt_text=text)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        rendered = [
+            render_prompt(
+                self.engine.tokenizer,
+                messages=conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            )
+            for conversation in conversations
+        ]
+        outputs = self.generate(
+            prompt_token_ids=[r.token_ids for r in rendered],
+            sampling_params=sampling_params,
+            use_tqdm=use_tqdm,
+        )
+        for output, prompt in zip(outputs, rendered):
+            output.prompt = prompt.text
+        return outputs
+
+    @staticmethod
+    def _per_prompt(params, count: int, knob: str) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"{knob} has {len(params)} entries for {count} prompts.")
+        return params
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        bar.update(1)
+                if pending and not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished.")
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,90 @@
+"""The attention layer: writes new K/V into its paged cache, then attends over each request's context.
+The backend (Triton on CUDA, torch reference elsewhere) is chosen once, when the layer is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tokenmill.kernels import Kernels, get_kernels
+
+# Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
+_DENSE_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence, q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out[0].transpose(0, 1)
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat varlen batch description shared by every attention layer of one forward pass."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    # One request, whole prompt, no cached prefix: attention can read K/V straight from this step's
+    # tensors through cuDNN's dense causal kernel, the fastest long prefill on Hopper.
+    dense_prefill: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: Kernels | None = None
+    ) -> None:
+        super().__init__()
+        self.kernels = kernels or get_kernels()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner once the KV cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        if attn_metadata.dense_prefill:
+            return dense_causal_attention(q, k, v, self.scale).view(
+                num_tokens, self.num_heads * self.head_dim
+            )
+        out = self.kernels.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            attn_metadata.block_tables,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            self.scale,
+            max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

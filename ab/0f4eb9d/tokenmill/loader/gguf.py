@@ -1,0 +1,326 @@
+"""GGUF checkpoints (llama.cpp's format): the Hugging Face config, float32 weights under Hugging Face
+names and shapes, and the tokenizer, all rebuilt from one file's metadata and tensors."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+import torch
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+
+class GGUFFamily(NamedTuple):
+    config_class: type[PretrainedConfig]
+    architecture: str  # the Hugging Face `architectures` entry
+    config_keys: frozenset[str]  # the optional config fields this config class takes
+
+
+_FAMILIES: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily(
+        LlamaConfig, "LlamaForCausalLM", frozenset({"head_dim", "attention_bias", "mlp_bias"})
+    ),
+    "mistral": GGUFFamily(MistralConfig, "MistralForCausalLM", frozenset({"head_dim", "sliding_window"})),
+    "qwen2": GGUFFamily(Qwen2Config, "Qwen2ForCausalLM", frozenset()),
+    "qwen3": GGUFFamily(Qwen3Config, "Qwen3ForCausalLM", frozenset({"head_dim", "attention_bias"})),
+}
+
+# llama.cpp's converter permutes the q/k rows of "llama"-architecture files (Mistral included) to suit
+# its interleaved rope; Qwen files keep the rotate-half order of the original checkpoint.
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Llama 3 rope frequency factors, precomputed by the converter: folded into config.rope_parameters.
+_ROPE_FREQS = "rope_freqs.weight"
+
+_MISSING = object()
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """The Hugging Face config of the model in the GGUF file at `path`."""
+    return _build_config(_open(path))
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the file dequantized to float32, under its Hugging Face name and shape.
+
+    The file is opened, and rejected if malformed, at call time rather than at the first `next()`.
+    A tied lm_head is not yielded: the model ties it to model.embed_tokens.weight."""
+    file = _open(path)
+    return _iter_weights(file, _build_config(file))
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The fast tokenizer transformers builds from the file, with its special tokens and chat template."""
+    file = _open(path)
+    tokens = file.reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise file.error("it holds no tokenizer (no tokenizer.ggml.tokens); pass a tokenizer separately.")
+    directory, filename = os.path.split(os.path.abspath(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    except (KeyError, OSError, ValueError) as exc:
+        raise file.error(f"transformers cannot build its tokenizer ({exc!r}).") from exc
+    # transformers names the llama-family eos token after the bos id and leaves pad unset: take every
+    # special token from the id the file states.
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        token_id = file.get(f"tokenizer.ggml.{key}_token_id", None)
+        if token_id is not None and 0 <= token_id < len(tokens.data):
+            setattr(tokenizer, f"{role}_token", tokens.contents(token_id))
+    chat_template = file.get("tokenizer.chat_template", None)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _open(path: str) -> _GGUFFile:
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path!r} does not exist.")
+    stat = os.stat(path)
+    return _open_unchanged(path, stat.st_mtime_ns, stat.st_size)
+
+
+# Parsing the metadata of a 49k-token vocabulary takes seconds, and an engine start reads the config,
+# the weights and the tokenizer of the same file in turn; a rewritten file has a new mtime and size.
+@functools.lru_cache(maxsize=2)
+def _open_unchanged(path: str, mtime_ns: int, size: int) -> _GGUFFile:
+    return _GGUFFile(path)
+
+
+class _GGUFFile:
+    """An opened GGUF file: its reader and tensors, and look-ups whose errors name the file."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            self.reader = gguf.GGUFReader(path)
+        # The reader reports a truncated or foreign file through whichever numpy error it hits first.
+        except Exception as exc:
+            raise ValueError(f"{path!r} is not a readable GGUF file ({exc}).") from exc
+        self.path = path
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.architecture: str = self.get("general.architecture")
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _MISSING:
+                raise self.error(f"the metadata key {key!r} is missing.")
+            return default
+        return field.contents()
+
+    def arch_get(self, key: str, default: Any = _MISSING) -> Any:
+        """A model hyperparameter, stored under the architecture's own prefix."""
+        return self.get(f"{self.architecture}.{key}", default)
+
+    def error(self, message: str) -> ValueError:
+        return ValueError(f"GGUF file {self.path!r}: {message}")
+
+
+def _family(file: _GGUFFile) -> str:
+    if file.architecture == "llama":
+        # llama.cpp writes Mistral checkpoints as "llama"; only the model's name tells them apart.
+        names = (file.get(key, "") for key in ("general.name", "general.basename"))
+        return "mistral" if any("mistral" in name.lower() for name in names) else "llama"
+    if file.architecture not in _FAMILIES:
+        supported = "llama (Mistral included), qwen2, qwen3"
+        raise file.error(f"the {file.architecture!r} architecture is unsupported; supported: {supported}.")
+    return file.architecture
+
+
+def _build_config(file: _GGUFFile) -> PretrainedConfig:
+    family = _FAMILIES[_family(file)]
+    hidden_size = file.arch_get("embedding_length")
+    num_attention_heads = file.arch_get("attention.head_count")
+    head_dim = file.arch_get("attention.key_length", hidden_size // num_attention_heads)
+    rotary_dim = file.arch_get("rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise file.error(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are unsupported.")
+
+    tokens = file.reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = len(tokens.data) if tokens is not None else 0
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is None or int(embedding.shape[1]) != vocab_size:
+        # llama.cpp refuses such a file too: its token list is the vocabulary.
+        raise file.error(f"token_embd.weight does not match the {vocab_size}-token vocabulary.")
+
+    fields: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": file.arch_get("feed_forward_length"),
+        "num_hidden_layers": file.arch_get("block_count"),
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": file.arch_get("attention.head_count_kv", num_attention_heads),
+        "max_position_embeddings": file.arch_get("context_length"),
+        "rms_norm_eps": file.arch_get("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": _rope_parameters(file, head_dim),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "bos_token_id": file.get("tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _eos_token_ids(file),
+        "pad_token_id": file.get("tokenizer.ggml.padding_token_id", None),
+    }
+    optional = {
+        "head_dim": head_dim,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "mlp_bias": "blk.0.ffn_gate.bias" in file.tensors,
+        # llama.cpp runs Mistral without a sliding window unless the file states one.
+        "sliding_window": file.arch_get("attention.sliding_window", None),
+    }
+    fields.update({key: value for key, value in optional.items() if key in family.config_keys})
+    return family.config_class(**fields)
+
+
+def _eos_token_ids(file: _GGUFFile) -> int | list[int] | None:
+    """The eos id, widened to a list when the file names separate end-of-turn or end-of-message tokens
+    (a Llama 3 instruct model ends its turn with <|eot_id|>, not with its eos token)."""
+    ids: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        token_id = file.get(f"tokenizer.ggml.{key}_token_id", None)
+        if token_id is not None and token_id not in ids:
+            ids.append(token_id)
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def _rope_parameters(file: _GGUFFile, head_dim: int) -> dict[str, Any]:
+    rope_theta = float(file.arch_get("rope.freq_base", 10000.0))
+    rope_freqs = file.tensors.get(_ROPE_FREQS)
+    if rope_freqs is not None:
+        factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).astype(np.float64)
+        return _llama3_rope_parameters(file, factors, rope_theta, head_dim)
+    scaling_type = file.arch_get("rope.scaling.type", "none")
+    factor = file.arch_get("rope.scaling.factor", None)
+    linear_scale = file.arch_get("rope.scale_linear", None)  # the key older files use
+    if scaling_type == "none" and linear_scale is not None:
+        scaling_type, factor = "linear", linear_scale
+    if scaling_type == "none" or factor is None or factor == 1.0:
+        return {"rope_type": "default", "rope_theta": rope_theta}
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "rope_theta": rope_theta, "factor": float(factor)}
+    if scaling_type != "yarn":
+        raise file.error(f"rope scaling type {scaling_type!r} is unsupported (supported: linear, yarn).")
+    parameters: dict[str, Any] = {
+        "rope_type": "yarn",
+        "rope_theta": rope_theta,
+        "factor": float(factor),
+        "original_max_position_embeddings": file.arch_get("rope.scaling.original_context_length"),
+    }
+    # The names llama.cpp's converter writes these Hugging Face fields under.
+    for gguf_key, hf_key in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        value = file.arch_get(f"rope.scaling.{gguf_key}", None)
+        if value is not None:
+            parameters[hf_key] = float(value)
+    return parameters
+
+
+def _llama3_rope_parameters(
+    file: _GGUFFile, factors: np.ndarray, rope_theta: float, head_dim: int
+) -> dict[str, Any]:
+    """Recover Llama 3 rope scaling from the per-frequency factors llama.cpp stores in rope_freqs.
+
+    Between the high- and low-frequency cut-offs the factors follow
+    smooth = (old_context_len / wavelen - low) / (high - low), which depends only on the ratios of
+    old_context_len, low and high: fixing low_freq_factor at Meta's 1.0 loses nothing, and a line fit
+    over that band gives the other two. The result is checked against the stored factors."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor = float(factors.max())
+    band = (factors > 1.0 + 1e-6) & (factors < factor * (1.0 - 1e-6))
+    unsupported = file.error("rope_freqs.weight does not follow Llama 3 rope scaling.")
+    if factors.shape != inv_freq.shape or factor <= 1.0 or band.sum() < 2:
+        raise unsupported
+    smooth = (1.0 / factors[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(1.0 / wavelen[band], smooth, 1)  # smooth = slope / wavelen + intercept
+    high_freq_factor = float(f"{1.0 - 1.0 / intercept:.6g}")
+    parameters = {
+        "rope_type": "llama3",
+        "rope_theta": rope_theta,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high_freq_factor,
+        "original_max_position_embeddings": round(slope * (high_freq_factor - 1.0)),
+    }
+    if not np.allclose(_llama3_rope_factors(parameters, head_dim), factors, rtol=1e-5, atol=0.0):
+        raise unsupported
+    return parameters
+
+
+def _llama3_rope_factors(rope_parameters: dict[str, Any], head_dim: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for these Llama 3 rope parameters: the factor
+    each rotary frequency is divided by."""
+    inv_freq = 1.0 / rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    old_context_len = rope_parameters["original_max_position_embeddings"]
+    low, high = rope_parameters["low_freq_factor"], rope_parameters["high_freq_factor"]
+    factor = rope_parameters["factor"]
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    band_factors = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < old_context_len / high, 1.0, np.where(wavelen > old_context_len / low, factor, band_factors)
+    )
+
+
+def _iter_weights(file: _GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = file.architecture in _PERMUTED_ARCHITECTURES
+    for tensor in file.reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        name = _hf_tensor_name(file, tensor.name)
+        try:
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise file.error(f"tensor {tensor.name!r}: {exc}.") from exc
+        if permuted and ".self_attn.q_proj." in name:
+            weights = _unpermute_rows(weights, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            weights = _unpermute_rows(weights, config.num_key_value_heads)
+        # A copy: the reader's arrays are views of a read-only memory map.
+        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+
+
+def _hf_tensor_name(file: _GGUFFile, gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    block, index, kind = (stem.split(".", 2) + ["", ""])[:3]
+    if block == "blk" and index.isdigit() and kind in _LAYER_TENSORS:
+        return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
+    raise file.error(f"tensor {gguf_name!r} has no counterpart in a dense Llama-family model.")
+
+
+def _unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation. Within each head the converter interleaves the two rope
+    halves (row order 0, d/2, 1, d/2+1, ...); this restores rotate-half order (0, 1, ..., d-1)."""
+    shape = weights.shape
+    return weights.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)

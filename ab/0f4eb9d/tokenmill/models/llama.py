@@ -1,0 +1,155 @@
+"""The Llama family in one forward: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm), SmolLM; tied or untied embeddings, any GQA ratio and head_dim.
+Tokens are flat and varlen: hidden states are [num_tokens, hidden_size]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.models.utils import load_model_weights
+
+
+class ArchFlags:
+    """What differs between the family's members, read off the config once."""
+
+    def __init__(self, config) -> None:
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_bias = attention_bias or arch == "Qwen2ForCausalLM"
+        self.o_bias = attention_bias and arch != "Qwen2ForCausalLM"
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = flags.num_heads, flags.num_kv_heads, flags.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=flags.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=flags.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position, kernels)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, md))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, flags: ArchFlags, kernels: Kernels) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
+        self.act = SiluAndMul(kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, flags, max_position, kernels)
+        self.mlp = LlamaMLP(config, flags, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, flags, max_position, kernels) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, md)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names that land in a shard of one of our fused parameters: (ours, theirs, shard id).
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, config, max_position: int, kernels: Kernels | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.flags = ArchFlags(config)
+        # Chosen once, for the device the model is built on; every layer keeps this set.
+        self.kernels = kernels or get_kernels()
+        self.model = LlamaModel(config, self.flags, max_position, self.kernels)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.flags.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, md)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)[..., : self.config.vocab_size]  # drop the padded vocab's columns
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
+        skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.flags.tie_word_embeddings else [])
+        load_model_weights(self, weights, self.stacked_params_mapping, skip_substrs=skip)

@@ -1,0 +1,83 @@
+"""The messages between the API process and the engine-core process: msgspec Structs sent as msgpack,
+one ZMQ frame each. Requests flow in on one socket, step outputs and replies flow back on another."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.sampling_params import SamplingParams
+
+# ---- API process -> engine core ---------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float  # time.monotonic() in the API process (the clock is shared across processes)
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    method: str  # one of core_process.UTILITY_METHODS
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+CoreRequest = AddRequest | AbortRequests | UtilityCall | Shutdown
+
+# ---- engine core -> API process ---------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by live requests
+    num_used_blocks: int  # blocks held by live requests; cached-but-free prefix blocks are not counted
+    prefix_cache_queries: int  # cumulative tokens looked up
+    prefix_cache_hits: int  # cumulative tokens found
+    num_preemptions: int  # cumulative
+    queue_times: list[float]  # seconds waited by each request first scheduled in this step
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+class UtilityResult(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    result: Any
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    error: str
+    error_type: str  # "ValueError" for a bad configuration, else the exception's class name
+
+
+CoreMessage = EngineReady | StepOutputs | UtilityResult | EngineDead
+
+
+def request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CoreRequest)
+
+
+def message_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CoreMessage)

@@ -1,0 +1,90 @@
+"""Public model shapes (from their Hugging Face config.json files) for dummy-weight benchmarks, and the
+bytes and FLOPs their rooflines need, taken from the planner so both count the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from tokenmill.plan.memory import kv_bytes_per_token as plan_kv_bytes_per_token
+from tokenmill.plan.memory import weight_bytes
+from tokenmill.plan.model_shape import ModelShape, from_hf_config
+from tokenmill.plan.roofline import attention_flops_per_context_token, matmul_flops_per_token
+
+SHAPES = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def shape_dir(name: str, **overrides) -> str:
+    """A directory holding only config.json: enough for load_format='dummy'."""
+    path = tempfile.mkdtemp(prefix=f"tokenmill-{name}-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**SHAPES[name], **overrides}, f)
+    return path
+
+
+def _plan_shape(name: str) -> ModelShape:
+    return from_hf_config(SHAPES[name], name)
+
+
+def decode_weight_bytes(name: str) -> int:
+    """Bytes one bf16 decode step must read: the planner's figure (an untied input table is gathered
+    row by row, so it is not counted)."""
+    return weight_bytes(_plan_shape(name), "bf16").read_every_step
+
+
+def kv_bytes_per_token(name: str) -> int:
+    return plan_kv_bytes_per_token(_plan_shape(name), "bf16")
+
+
+def prefill_flops(name: str, num_tokens: int) -> int:
+    """Matmul FLOPs of a prefill with logits for the last token only, plus causal attention."""
+    shape = _plan_shape(name)
+    body = matmul_flops_per_token(shape, with_lm_head=False)
+    lm_head = matmul_flops_per_token(shape) - body
+    attention = attention_flops_per_context_token(shape, "prefill") * num_tokens * num_tokens // 2
+    return body * num_tokens + attention + lm_head

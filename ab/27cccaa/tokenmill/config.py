@@ -1,0 +1,64 @@
+"""EngineConfig: every engine knob in one place, validated once at the edge with errors that name the knob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192 tokens per step
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes of KV cache; overrides gpu_memory_utilization
+    num_kv_blocks: int | None = None  # exact block count; overrides both
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    enforce_eager: bool = False
+    # Schedule step N+1 while step N runs on the device. None: on for CUDA, off elsewhere (a CPU step
+    # leaves no idle device to hide host work behind), where it still works and is tested.
+    async_scheduling: bool | None = None
+    max_waiting_requests: int | None = None  # cap on the waiting queue (the server answers 429 past it)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = "default"
+        self.dtype = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(
+            self.dtype, self.dtype
+        )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}.")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("block_size", self.block_size)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."
+            )
+        if self.max_waiting_requests is not None:
+            _positive("max_waiting_requests", self.max_waiting_requests)
+
+
+def _positive(knob: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{knob} must be a positive integer, got {value!r}.")

@@ -1,0 +1,59 @@
+"""EngineCore: the loop schedule -> execute -> update, around a queue of steps in flight. The executor
+is injected (anything with `execute(SchedulerOutput)` returning an output whose `result()` is a
+ModelRunnerOutput), so the core itself never touches a tensor.
+
+With async scheduling the queue holds two steps: step N+1 is scheduled and launched while step N runs
+on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
+step and the loop is synchronous. The offline `LLM` and the server's core process run this same loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+
+
+class PendingOutput(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Executor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> PendingOutput: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool = False) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.async_scheduling = async_scheduling
+        self.max_steps_in_flight = 2 if async_scheduling else 1
+        self.batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Launch a step if there is room and work, then (when the queue is full or nothing new could be
+        launched) wait for the oldest step in flight and return its outputs."""
+        if len(self.batch_queue) < self.max_steps_in_flight and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                self.num_steps += 1
+                self.batch_queue.append((scheduler_output, self.executor.execute(scheduler_output)))
+                if len(self.batch_queue) < self.max_steps_in_flight:
+                    return []
+        if not self.batch_queue:
+            return []
+        scheduler_output, pending = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, pending.result())

@@ -1,0 +1,48 @@
+"""The per-step records the scheduler hands the worker: plain data only (ids, token ids, block ids,
+counts, sampling params), so the worker keeps its own per-request state and may live in another
+process. Every record encodes with msgspec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen: everything it needs to run it from now on."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int  # a prefix-cache hit: these tokens' KV is already in block_ids
+
+
+@dataclass
+class CachedRequestData:
+    """What changed for requests the worker already holds, one entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # A resumed request was preempted earlier: its block_ids replace the old ones instead of extending them.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # Tokens each request computes this step, in the order of the batch's rows.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

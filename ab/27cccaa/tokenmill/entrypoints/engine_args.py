@@ -1,0 +1,93 @@
+"""Command-line options for every EngineConfig knob (--max-model-len for max_model_len, ...), generated
+from the dataclass so the CLI never drifts from the config; shared by serve, generate, chat and bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Callable, Collection
+
+from tokenmill.config import EngineConfig
+
+_HELP = {
+    "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file",
+    "tokenizer": "tokenizer directory or .gguf file, if not the model's own",
+    "load_format": "auto | safetensors | gguf | dummy (random weights of the model's shape, for benchmarks)",
+    "dtype": "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, the model's dtype on GPU)",
+    "device": "auto | cpu | cuda | cuda:N",
+    "max_model_len": "context length in tokens (default: the model's own)",
+    "max_num_seqs": "most requests in one running batch",
+    "max_num_batched_tokens": "token budget of one engine step (default: 8192)",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "share the KV blocks of identical prompt prefixes between requests",
+    "kv_cache_memory": "bytes of KV cache, e.g. 4GiB or 512MiB (overrides --gpu-memory-utilization)",
+    "num_kv_blocks": "exact number of KV-cache blocks (overrides both memory options)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",
+    "seed": "seed of the engine's random state (per-request seeds are separate)",
+    "skip_tokenizer_init": "do not load a tokenizer; prompts must then be token ids",
+    "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
+    "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",
+    "max_waiting_requests": "cap on requests waiting for their first token; the server answers 429 past it",
+}
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '4G', '1e9' or a plain integer of bytes (binary units either way)."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4GiB or 512MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+_PARSERS: dict[str, Callable[[str], object]] = {"kv_cache_memory": parse_bytes}
+
+
+def _value_type(annotation: object) -> type:
+    """The one concrete type of a field, `int | None` giving int."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (concrete,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return concrete
+    return annotation  # type: ignore[return-value]
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    """Add one option per EngineConfig field (minus `exclude`), defaulting to the dataclass defaults."""
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in exclude:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = _value_type(hints[field.name])
+        help_text = _HELP.get(field.name, field.name)
+        if kind is bool:
+            group.add_argument(
+                flag,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=field.name,
+                type=_PARSERS.get(field.name, kind),
+                default=field.default,
+                metavar=field.name.upper(),
+                help=help_text if field.default is None else f"{help_text} (default: {field.default})",
+            )
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    """Build the EngineConfig back from parsed options; fields without an option keep their defaults."""
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)
+    }
+    values.update(overrides)
+    return EngineConfig(**values)

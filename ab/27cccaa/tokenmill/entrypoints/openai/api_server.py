@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app (routes, API-key check, errors) and its life under
+uvicorn: SIGTERM or Ctrl-C drains (health 503, new requests refused, running ones finish within a grace
+period, exit 0); if the engine-core process dies, open requests fail at once and the server exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import time
+
+import uvicorn
+import uvloop
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill import __version__
+from tokenmill.entrypoints.engine_args import engine_config_from_args
+from tokenmill.serving.async_client import AsyncEngineClient
+from tokenmill.serving.metrics import ServerMetrics
+from tokenmill.serving.prompt import render_prompt
+
+from .common import ServerState
+from .errors import OpenAIError, bad_request, install_error_handlers, unavailable
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving_chat import ChatServing, render_chat
+from .serving_completion import CompletionServing
+
+logger = logging.getLogger("tokenmill.server")
+
+# After the engine dies the server answers /health with 503 this long before it exits, so whoever
+# polls it (a load balancer, a person) sees why the replica is going away.
+_DEATH_LINGER_S = 2.0
+
+
+class _ApiKeyCheck:
+    """A plain ASGI middleware (it must not buffer streaming responses): every path but the probes and
+    /metrics needs `Authorization: Bearer <key>` (the scheme in any case, as RFC 7235 has it)."""
+
+    OPEN_PATHS = ("/health", "/version", "/metrics")
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS:
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = OpenAIError(
+                    401, "Invalid API key: send it as `Authorization: Bearer <key>`.", code="invalid_api_key"
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodySizeLimit:
+    """A plain ASGI middleware capping request bodies: a declared Content-Length over the cap is a 413
+    before anything is read; a chunked body is counted as it arrives and stopped at the cap."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"request body over {self.max_bytes} bytes (--max-request-body-bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = OpenAIError(413, self._too_large(), code="request_too_large")
+            await error.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI re-raises HTTPExceptions met while reading a body; the handler answers it.
+                    raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> FastAPI:
+    app = FastAPI(title="tokenmill", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if state.api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=state.api_key)
+    app.add_middleware(_BodySizeLimit, max_bytes=max_request_body_bytes)
+    chat, completion = ChatServing(state), CompletionServing(state)
+    engine = state.engine
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_error is not None:
+            return unavailable(engine.dead_error, "engine_dead").response()
+        if state.draining:
+            return unavailable("the server is draining before it shuts down.", "draining").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenmill",
+            "root": engine.config.model,
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        # Served names may hold slashes (org/model): the whole rest of the path is the id.
+        return model_card(state.check_model(model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        state.check_model(request.model)
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise bad_request("this server runs with --skip-tokenizer-init and has no tokenizer.")
+        if request.messages is not None:
+            _, token_ids = render_chat(tokenizer, request.messages, request.add_generation_prompt)
+        else:
+            _, token_ids = render_prompt(
+                tokenizer, request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        return {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        state.check_model(request.model)
+        if engine.tokenizer is None:
+            raise bad_request("this server runs with --skip-tokenizer-init and has no tokenizer.")
+        bad = [t for t in request.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token ids must be in [0, {engine.vocab_size}), got {bad[:5]}.", param="tokens"
+            )
+        return {"prompt": engine.tokenizer.decode(request.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        return {"reset": await engine.reset_prefix_cache()}
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with tokenmill's shutdown rules instead of its own signal handling."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        engine = self.state.engine
+        if self._drain_task is None:
+            logger.info(
+                "%s: draining %d open requests (at most %.0f s)",
+                sig.name,
+                engine.num_open_requests,
+                self.drain_timeout,
+            )
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        elif sig == signal.SIGINT:
+            logger.warning("second interrupt: aborting %d open requests", engine.num_open_requests)
+            engine.abort_all()
+            self.should_exit = True
+
+    async def _drain(self) -> None:
+        self.state.draining = True
+        engine = self.state.engine
+        deadline = time.monotonic() + self.drain_timeout
+        while engine.num_open_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_open_requests:
+            logger.warning("drain timeout: aborting %d open requests", engine.num_open_requests)
+            engine.abort_all()
+        self.should_exit = True
+
+    def on_engine_dead(self) -> None:
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(_DEATH_LINGER_S, setattr, self, "should_exit", True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port.") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    config = engine_config_from_args(args)
+    names = args.served_model_name or [args.model]
+    metrics = ServerMetrics(names[0])
+    engine = await AsyncEngineClient.start(config, metrics)
+    try:
+        state = ServerState(engine, names, metrics, api_key=args.api_key)
+        uvicorn_config = uvicorn.Config(
+            build_app(state, args.max_request_body_bytes),
+            log_level=args.log_level,
+            access_log=args.access_log,
+            lifespan="off",
+            timeout_keep_alive=5,
+        )
+        server = _Server(uvicorn_config, state, args.drain_timeout)
+        engine.add_dead_callback(server.on_engine_dead)
+        host, port = sock.getsockname()[:2]
+        logger.info(
+            "serving %s on http://%s:%d (max_model_len=%d, %d KV blocks)",
+            names[0], host, port, engine.max_model_len, engine.num_kv_blocks,
+        )  # fmt: skip
+        await server.serve(sockets=[sock])
+        return server.exit_code
+    finally:
+        await engine.shutdown()
+
+
+def run_server(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Bind first: a taken port fails in a moment, not after the model has loaded.
+    sock = _bind(args.host, args.port)
+    return uvloop.run(_serve(args, sock))

@@ -1,0 +1,375 @@
+"""AsyncEngineClient: the API process's handle on the engine-core process. It starts the core, sends it
+requests over ZMQ, and one asyncio task reads the core's outputs, detokenizes them and hands them to
+per-request queues. A request whose consumer goes away is aborted in the core at once, which frees its
+KV blocks; if the core dies, every open request fails fast."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.loader import resolve_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.core_process import run_engine_core
+from tokenmill.serving.core_protocol import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    message_decoder,
+)
+from tokenmill.serving.input_processor import InputProcessor
+from tokenmill.serving.metrics import ServerMetrics
+from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
+
+logger = logging.getLogger("tokenmill.server")
+
+_READY_POLL_MS = 200
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process has died; no request can complete."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its cap (EngineConfig.max_waiting_requests)."""
+
+
+class _Aborted:
+    """Queue marker: the request was aborted (client gone, drain timeout), so its stream just ends."""
+
+
+_ABORTED = _Aborted()
+
+
+@dataclass
+class _RequestState:
+    arrival_time: float
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_output_time: float | None = None
+    last_output_time: float | None = None
+
+
+class AsyncEngineClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ready: EngineReady,
+        tokenizer,
+        eos_token_ids: tuple[int, ...],
+        process: multiprocessing.process.BaseProcess,
+        sockets: _Sockets,
+        metrics: ServerMetrics | None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.input_processor = InputProcessor(tokenizer, ready.max_model_len, ready.vocab_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.process = process
+        self.metrics = metrics
+        self.dead_error: str | None = None
+        self._sockets = sockets
+        self._requests: dict[str, _RequestState] = {}
+        self._num_not_started = 0  # admitted requests that have produced no output yet
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._on_dead: list[Callable[[], None]] = []
+        self._closing = False
+        self._decoder = message_decoder()
+        self._encoder = msgspec.msgpack.Encoder()
+        loop = asyncio.get_running_loop()
+        self._output_task = loop.create_task(self._output_loop())
+        loop.add_reader(process.sentinel, self._on_core_exit)
+
+    # ---- start and stop ----------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None) -> AsyncEngineClient:
+        """Start the engine-core process and wait until its model is loaded."""
+        sockets = _Sockets.bind()
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(config, sockets.input_address, sockets.output_address),
+            name="tokenmill-engine-core",
+            daemon=True,
+        )
+        process.start()
+        logger.info("engine core process started (pid %d)", process.pid)
+        try:
+            # The tokenizer loads here while the core loads the model; a bad model path fails here first.
+            model, load_format = config.model, config.load_format
+            source = await asyncio.to_thread(resolve_model, model, load_format, config.tokenizer)
+            tokenizer = None if config.skip_tokenizer_init else await asyncio.to_thread(source.load_tokenizer)
+            ready = await _wait_ready(sockets.output, process)
+        except BaseException:
+            process.kill()
+            process.join()
+            sockets.close()
+            raise
+        return cls(config, ready, tokenizer, source.eos_token_ids(tokenizer), process, sockets, metrics)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core (politely, then by force) and release the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        if self.process.is_alive():
+            self._send(Shutdown())
+            await asyncio.to_thread(self.process.join, timeout)
+            if self.process.is_alive():
+                logger.warning("engine core did not stop in %.0f s; killing it", timeout)
+                self.process.kill()
+                await asyncio.to_thread(self.process.join)
+        self._output_task.cancel()
+        await asyncio.gather(self._output_task, return_exceptions=True)
+        self._sockets.close()
+
+    def add_dead_callback(self, callback: Callable[[], None]) -> None:
+        self._on_dead.append(callback)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._requests)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_text: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Check and submit a request now (errors raise here, before any response starts); returns the
+        stream of its outputs. Closing the stream before the request finishes aborts it."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        cap = self.config.max_waiting_requests
+        if cap is not None and self._num_not_started >= cap:
+            raise EngineOverloadedError(f"the server's waiting queue is full ({cap} requests); retry later.")
+        self.input_processor.check(prompt_token_ids, params)
+        children = self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+        state = _RequestState(time.monotonic(), len(prompt_token_ids))
+        self._requests[request_id] = state
+        self._num_not_started += 1
+        for child_id, child_params in children:
+            self._send(
+                AddRequest(child_id, prompt_token_ids, child_params, self.eos_token_ids, state.arrival_time)
+            )
+        return self._stream(request_id, state)
+
+    async def _stream(self, request_id: str, state: _RequestState) -> AsyncIterator[RequestOutput]:
+        finished = False
+        held = None  # a marker met while merging, handled on the next turn
+        try:
+            while True:
+                item = held if held is not None else await state.queue.get()
+                held = None
+                if isinstance(item, BaseException):
+                    raise item
+                if item is _ABORTED:
+                    return
+                # Outputs that queued up while this stream's consumer was busy go out as one: a
+                # front end that falls behind sends fewer, larger chunks instead of falling further.
+                while not item.finished and not state.queue.empty():
+                    following = state.queue.get_nowait()
+                    if not isinstance(following, RequestOutput):
+                        held = following
+                        break
+                    item = merge_outputs(item, following)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the core now (freeing its blocks) and end its stream; idempotent."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        if state.first_output_time is None:
+            self._num_not_started -= 1
+        child_ids = self.output_processor.abort_request(request_id)
+        if child_ids and self.dead_error is None:
+            self._send(AbortRequests(child_ids))
+        if self.metrics is not None:
+            for _ in child_ids:
+                self.metrics.record_finished("abort", None)
+        state.queue.put_nowait(_ABORTED)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._call("reset_prefix_cache"))
+
+    async def num_unfinished_in_core(self) -> int:
+        return int(await self._call("num_unfinished_requests"))
+
+    async def _call(self, method: str) -> object:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self._send(UtilityCall(call_id, method))
+        return await future
+
+    # ---- the output side ---------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                message = self._decoder.decode(await self._sockets.output.recv())
+                if isinstance(message, StepOutputs):
+                    self._process_step(message)
+                elif isinstance(message, UtilityResult):
+                    future = self._utility_calls.pop(message.call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(message.result)
+                elif isinstance(message, EngineDead):
+                    self._fail(f"engine core failed: {message.error_type}: {message.error}")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("output processing failed")
+            self._fail(f"output processing failed: {type(exc).__name__}: {exc}")
+
+    def _process_step(self, message: StepOutputs) -> None:
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.record_stats(message.stats)
+        request_outputs, to_abort = self.output_processor.process(message.outputs)
+        if to_abort:  # a stop string matched in the text: the core cannot know, so tell it to stop
+            self._send(AbortRequests(to_abort))
+        gaps: dict[float, int] = {}
+        num_tokens = 0
+        for output in request_outputs:
+            state = self._requests.get(output.request_id)
+            if state is None:
+                continue
+            if state.first_output_time is None:
+                state.first_output_time = now
+                self._num_not_started -= 1
+                if self.metrics is not None:
+                    self.metrics.record_first_token(now - state.arrival_time, state.num_prompt_tokens)
+            elif state.last_output_time is not None:
+                gap = now - state.last_output_time
+                gaps[gap] = gaps.get(gap, 0) + 1
+            state.last_output_time = now
+            for completion in output.outputs:
+                num_tokens += len(completion.delta_token_ids)
+            if output.finished:
+                del self._requests[output.request_id]
+                if self.metrics is not None:
+                    for completion in output.outputs:
+                        reason = completion.finish_reason or "abort"
+                        self.metrics.record_finished(reason, now - state.arrival_time)
+            state.queue.put_nowait(output)
+        if self.metrics is not None:
+            self.metrics.record_step(gaps, num_tokens)
+
+    def _on_core_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        # The sentinel fires as the process ends, a moment before it can be reaped for its exit code.
+        self.process.join(timeout=0.5)
+        if not self._closing:
+            self._fail(f"engine core process died unexpectedly (exit code {self.process.exitcode}).")
+
+    def _fail(self, error: str) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        logger.error("%s Failing %d open requests.", error, len(self._requests))
+        for state in self._requests.values():
+            state.queue.put_nowait(EngineDeadError(error))
+        self._requests.clear()
+        self._num_not_started = 0
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(error))
+        self._utility_calls.clear()
+        for callback in self._on_dead:
+            callback()
+
+    def _send(self, message: object) -> None:
+        try:
+            # Never block the event loop: with the core gone a PUSH socket would wait forever.
+            self._sockets.input.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            if not self._closing:
+                self._fail("engine core is not reading its input socket.")
+
+
+class _Sockets:
+    """The API side's two ZMQ sockets on ipc:// paths in a private temporary directory."""
+
+    def __init__(self, directory: str, sync_context: zmq.Context, async_context: zmq.asyncio.Context) -> None:
+        self.directory = directory
+        self.input_address = f"ipc://{directory}/input"
+        self.output_address = f"ipc://{directory}/output"
+        self._sync_context = sync_context
+        self._async_context = async_context
+        self.input = sync_context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # requests are small; never drop or stall on a burst
+        self.input.bind(self.input_address)
+        self.output = async_context.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.bind(self.output_address)
+
+    @classmethod
+    def bind(cls) -> _Sockets:
+        return cls(tempfile.mkdtemp(prefix="tokenmill-"), zmq.Context(), zmq.asyncio.Context())
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+async def _wait_ready(
+    output: zmq.asyncio.Socket, process: multiprocessing.process.BaseProcess
+) -> EngineReady:
+    decoder = message_decoder()
+    while True:
+        if await output.poll(_READY_POLL_MS):
+            message = decoder.decode(await output.recv())
+            if isinstance(message, EngineReady):
+                return message
+            if isinstance(message, EngineDead):
+                error_class = ValueError if message.error_type == "ValueError" else RuntimeError
+                raise error_class(message.error)
+        elif not process.is_alive():
+            raise RuntimeError(
+                f"engine core process exited with code {process.exitcode} before it was ready."
+            )

@@ -1,0 +1,100 @@
+"""CUDA graphs for decode steps: one graph per batch size of a ladder, captured after warm-up over
+static input buffers. A step of B decodes replays the smallest graph of size >= B; its padding rows
+have no query tokens (attention skips them) and slot -1 (their K/V are never written)."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+from torch import nn
+
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.worker.input_batch import StepInputs
+
+logger = logging.getLogger("tokenmill")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            max_query_len=1,
+            # Fixes the split-KV grid for the graph; each split's length adapts to the real seq_len.
+            max_seq_len=self.max_model_len,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self._metadata(size))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        # Warm-up inputs: every row decodes one token at position 0 into no slot.
+        self.query_start_loc.copy_(torch.arange(self.query_start_loc.numel(), dtype=torch.int32))
+        self.seq_lens.fill_(1)
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            for _ in range(2):
+                self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[size] = self._forward(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs), self.sizes)
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.max_query_len == 1 and len(inputs.seq_lens) <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Replay the graph for this decode step (its inputs already on the device); returns logits
+        [num_seqs, vocab]."""
+        num_seqs = md.seq_lens.shape[0]
+        size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        num_blocks = md.block_tables.shape[1]
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.slot_mapping[:num_seqs].copy_(md.slot_mapping)
+        self.seq_lens[:num_seqs].copy_(md.seq_lens)
+        self.block_tables[:num_seqs, :num_blocks].copy_(md.block_tables)
+        self.query_start_loc[: num_seqs + 1].copy_(md.query_start_loc)
+        if size > num_seqs:
+            self.slot_mapping[num_seqs:size].fill_(-1)
+            self.seq_lens[num_seqs:size].fill_(0)
+            self.query_start_loc[num_seqs + 1 : size + 1].fill_(num_seqs)
+        self.graphs[size].replay()
+        return self.logits[size][:num_seqs]

@@ -1,0 +1,332 @@
+"""The model runner: owns the model and the KV cache tensors, turns a scheduler decision into flat
+batch tensors (input ids, positions, slot mapping, block tables, sequence lengths), runs the forward
+pass and samples on the device."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache import cdiv
+from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
+from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.loader import ModelSource
+from tokenmill.models.registry import model_class
+from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.device import resolve_device, resolve_dtype
+from tokenmill.worker.input_batch import InputBatch, StepInputs
+from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
+
+logger = logging.getLogger(__name__)
+
+_PROMPT_LOGPROB_ROWS = 512
+_TORCH_DTYPE = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32")}
+
+
+class PendingRunnerOutput:
+    """A launched step: sampled tokens (and logprobs) on their way to pinned host memory. result() waits
+    for them, the step's one sync, and tells the worker which tokens stopped being pending."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        inputs: StepInputs,
+        sampled: torch.Tensor,
+        logprobs: LogprobTensors | None,
+        logprob_ks: list[int | None],
+        prompt_logprobs: dict | None,
+    ) -> None:
+        self.runner = runner
+        self.req_ids = inputs.req_ids
+        self.samples = inputs.samples
+        non_blocking = sampled.is_cuda
+        self.sampled = sampled.to("cpu", non_blocking=non_blocking)
+        self.logprobs = logprobs.to_host(non_blocking) if logprobs is not None else None
+        self.logprob_ks = logprob_ks
+        self.prompt_logprobs = prompt_logprobs
+        self.ready = torch.cuda.Event() if non_blocking else None
+        if self.ready is not None:
+            self.ready.record()
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            token_ids = self.sampled.tolist()
+            self.runner.input_batch.record_sampled(self.req_ids, self.samples, token_ids)
+            prompt_logprobs = None
+            if self.prompt_logprobs:
+                prompt_logprobs = {
+                    request_id: (first, list(map(TokenLogprobs, *(t.tolist() for t in scored))))
+                    for request_id, (first, scored) in self.prompt_logprobs.items()
+                }
+            self._result = ModelRunnerOutput(
+                req_ids=self.req_ids,
+                sampled_token_ids=[[t] if keeps else [] for t, keeps in zip(token_ids, self.samples)],
+                logprobs=self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs,
+            )
+        return self._result
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device)
+        self.hf_config = source.hf_config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # Memory that others (other processes, earlier engines in this one) hold before we start.
+            free, total = torch.cuda.mem_get_info()
+            self._memory_used_before = total - free
+            self._allocated_before = torch.cuda.memory_allocated()
+        with torch.device(self.device):
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = model_class(source.hf_config)(source.hf_config, max_model_len)
+            finally:
+                torch.set_default_dtype(default_dtype)
+        if source.format == "dummy":
+            self._init_dummy_weights()
+        else:
+            self.model.load_weights(source.iter_weights())
+        self.model.eval()
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
+        self.decode_graphs: DecodeGraphs | None = None
+        # The last launched step's sampled tokens on the device, and each request's row in it.
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._last_row_of: dict[str, int] = {}
+        # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
+        self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs once the KV cache exists (the graphs bake in its addresses)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
+        )
+        self.decode_graphs.capture()
+
+    def _init_dummy_weights(self) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+
+    # ---- KV cache ---------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            # Left uninitialised: attention uses only slots a request has written and masks (or zeroes)
+            # the rest of its blocks, so zeroing gigabytes would buy nothing.
+            attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def _staged(self, arrays: list[np.ndarray], dtype: np.dtype) -> list[torch.Tensor]:
+        """The arrays on the device in one copy: packed into pinned host memory (the caching host
+        allocator does not reuse it before the copy is done), so the copy never blocks the host.
+
+        Each array starts on a 16-byte boundary: Triton specialises kernels on pointer alignment, so
+        views at batch-dependent offsets would compile new kernel variants in the middle of serving."""
+        align = 16 // np.dtype(dtype).itemsize
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.size // align) * align
+        cuda = self.device.type == "cuda"
+        host = torch.empty(total, dtype=_TORCH_DTYPE[np.dtype(dtype)], pin_memory=cuda)
+        packed = host.numpy()  # filled in place: no extra copy into pinned memory
+        for a, offset in zip(arrays, offsets):
+            packed[offset : offset + a.size] = a.ravel()
+        if cuda:
+            host = host.to(self.device, non_blocking=True)
+        return [host[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
+
+    def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
+        index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
+        input_ids, positions, slot_mapping, pending_dst, pending_src = self._staged(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays], np.int64
+        )
+        query_start_loc, seq_lens, block_tables = self._staged(
+            [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables], np.int32
+        )
+        if pending_rows:
+            # Tokens the previous step sampled feed this step straight from the device.
+            input_ids.index_copy_(0, pending_dst, self._last_sampled.index_select(0, pending_src))
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            dense_prefill=(
+                self.dense_prefill_ok
+                and len(inputs.seq_lens) == 1
+                and inputs.max_query_len == inputs.max_seq_len
+            ),
+        )
+        return input_ids, positions, md
+
+    def _sampling_batch(self, inputs: StepInputs, vocab_size: int) -> SamplingBatch:
+        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
+        params = [r.sampling_params for r in requests]
+        generators = {}
+        for row, request in enumerate(requests):
+            # A seeded request draws only for tokens it keeps, so chunking and batching never shift it.
+            seed = request.sampling_params.seed
+            if inputs.samples[row] and seed is not None and not request.sampling_params.greedy:
+                generator = self.generators.get(request.req_id)
+                if generator is None:
+                    generator = torch.Generator(device=self.device).manual_seed(seed)
+                    self.generators[request.req_id] = generator
+                generators[row] = generator
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.greedy for p in params)
+        needs_top_k_p = any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params)
+        needs_min_p = any(p.min_p > 0 for p in params)
+        knobs = None
+        if not all_greedy:
+            # One host-to-device copy for all four per-row knobs (top-k fits fp32 exactly: vocab < 2**24).
+            rows = [[0.0 if p.greedy else p.temperature for p in params], top_k,
+                    [p.top_p for p in params], [p.min_p for p in params]]  # fmt: skip
+            (knobs,) = self._staged([np.asarray(rows, dtype=np.float32)], np.float32)
+        needs_penalties = any(p.uses_penalties for p in params)
+        pending_tokens = {}
+        if needs_penalties:
+            row_of_pending = {r: i for i, r in enumerate(inputs.req_ids)}
+            for request_id in inputs.pending_src_req_ids:
+                row, last_row = row_of_pending[request_id], self._last_row_of[request_id]
+                pending_tokens[row] = self._last_sampled[last_row : last_row + 1]
+        return SamplingBatch(
+            requests=requests,
+            temperature=knobs[0] if knobs is not None else None,
+            top_k=knobs[1].long() if knobs is not None else None,
+            top_p=knobs[2] if knobs is not None else None,
+            min_p=knobs[3] if knobs is not None else None,
+            all_greedy=all_greedy,
+            needs_logit_edits=any(
+                p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in zip(requests, params)
+            ),
+            needs_top_k_p=needs_top_k_p,
+            needs_min_p=needs_min_p,
+            needs_penalties=needs_penalties,
+            generators=generators,
+            max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
+            pending_tokens=pending_tokens,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+        """Launch one step on the device; the returned output's result() waits for the tokens."""
+        self.input_batch.update_states(scheduler_output)
+        for request_id in scheduler_output.finished_req_ids:
+            self.generators.pop(request_id, None)
+        states = self.input_batch.requests
+        # Requests asking for prompt logprobs whose chunk still scores prompt tokens need every row's
+        # hidden state, which only the eager path keeps (read before prepare advances the counts).
+        scoring = [
+            (row, states[request_id], states[request_id].num_computed_tokens, num_new)
+            for row, (request_id, num_new) in enumerate(scheduler_output.num_scheduled_tokens.items())
+            if states[request_id].sampling_params.prompt_logprobs is not None
+            and states[request_id].num_computed_tokens + 1 < states[request_id].num_prompt_tokens
+        ]
+        inputs = self.input_batch.prepare(scheduler_output)
+        sampling_batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
+        input_ids, positions, md = self.to_device(inputs)
+        prompt_logprobs = None
+        if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
+            logits = self.decode_graphs.run(input_ids, positions, md)
+        else:
+            last_rows = md.query_start_loc[1:].long() - 1
+            hidden = self.model(input_ids, positions, md)
+            logits = self.model.compute_logits(hidden[last_rows])
+            if scoring:
+                prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
+        sampled, logprobs = self.sampler(logits, sampling_batch)
+        self._last_sampled = sampled
+        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
+        logprob_ks = [r.sampling_params.logprobs for r in sampling_batch.requests]
+        return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
+    ) -> dict[str, tuple[int, list]]:
+        """Score the prompt tokens this step's chunks predict: the row at position p scores token p + 1.
+        Scores stay on the device (as LogprobTensors per slice) until the step's result is read."""
+        result = {}
+        for row, request, start, num_new in scoring:
+            num_scored = min(start + num_new, request.num_prompt_tokens - 1) - start
+            first_row = int(query_start_loc[row])
+            k = request.sampling_params.prompt_logprobs
+            parts = []
+            # Slices bound the [rows, vocab] fp32 buffer on long prompts.
+            for offset in range(0, num_scored, _PROMPT_LOGPROB_ROWS):
+                count = min(_PROMPT_LOGPROB_ROWS, num_scored - offset)
+                rows = hidden[first_row + offset : first_row + offset + count]
+                logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
+                target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+                parts.append(score_tokens(logprobs, target_ids, k))
+            scored = LogprobTensors(*(torch.cat(column) for column in zip(*parts)))
+            result[request.req_id] = (start + 1, scored.to_host(non_blocking=self.device.type == "cuda"))
+        return result
+
+    @torch.inference_mode()
+    def profile_free_memory(self, num_tokens: int) -> int:
+        """Bytes left for the KV cache under gpu_memory_utilization, after a forward pass of the
+        largest batch (num_tokens as one prefill) has shown the activations' peak."""
+        num_blocks = cdiv(num_tokens, self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        scratch_bytes = num_blocks * self.kv_bytes_per_block()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        # The budget may exceed max_model_len (many requests per step); keep positions inside the rope table.
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        md = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None, :],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, md)
+        num_rows = min(num_tokens, self.config.max_num_seqs)
+        self.model.compute_logits(hidden[-num_rows:]).float().softmax(dim=-1)
+        torch.cuda.synchronize()
+        # Weights plus the activation peak, this engine's own share of the allocator.
+        peak = torch.cuda.max_memory_allocated() - self._allocated_before - scratch_bytes
+        _, total = torch.cuda.mem_get_info()
+        self.allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        # Headroom for the CUDA graphs' private pool and allocator fragmentation.
+        reserve = 512 << 20
+        return int(total * self.config.gpu_memory_utilization - self._memory_used_before - peak - reserve)

@@ -1,0 +1,129 @@
+"""KV cache manager: which blocks each request holds, prefix-cache lookups, and when full blocks become
+shareable. Pure accounting over block ids; the tensors live in the worker."""
+
+from __future__ import annotations
+
+import hashlib
+
+from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent hash of a request's first block; a salt isolates one tenant's cache from another's."""
+    if not cache_salt:
+        return 0
+    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
+
+
+def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    # Tuples of ints hash the same in every process (no string hash randomisation involved).
+    return hash((parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of a new request: (block ids, number of tokens they hold).
+
+        At least the last token is always left to compute, since its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        self._update_block_hashes(request, max_hit_tokens)
+        block_ids: list[int] = []
+        for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        num_hit_tokens = len(block_ids) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return block_ids, num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None
+    ) -> list[int] | None:
+        """Make room for num_new_tokens more tokens after the computed ones.
+
+        Returns the block ids newly allocated (empty when the request's blocks already hold the slots),
+        or None when blocks run out.
+        """
+        if not computed_block_ids and (
+            request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+        ):
+            return []  # the common decode step: its slot is in a block the request already holds
+        computed_block_ids = computed_block_ids or []
+        num_tokens_after = (
+            request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+        )
+        num_needed = (
+            cdiv(num_tokens_after, self.block_size) - len(request.block_ids) - len(computed_block_ids)
+        )
+        # Cached blocks that sit in the free queue stop being allocatable once this request takes them.
+        num_reclaimed = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+            return None
+        if computed_block_ids:
+            self.pool.touch(computed_block_ids)
+            request.block_ids.extend(computed_block_ids)
+            request.num_cached_blocks = len(request.block_ids)
+        new_block_ids = self.pool.allocate(num_needed) if num_needed > 0 else []
+        request.block_ids.extend(new_block_ids)
+        return new_block_ids
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's blocks that are now full and computed, so later requests can share them.
+
+        Only tokens already known count: a placeholder for a token still being sampled has no hash yet.
+        A block whose KV a step in flight is still writing is safe to share, since every later step
+        runs after it on the device.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

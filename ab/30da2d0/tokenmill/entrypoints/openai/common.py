@@ -1,0 +1,264 @@
+"""What the chat and completion handlers share: the server's state and admission checks, the context-length
+check, usage and logprobs objects, SSE framing, and aborting a request the moment its client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.serving.async_client import AsyncEngineClient
+from tokenmill.serving.metrics import ServerMetrics
+
+from .errors import OpenAIError, bad_request, unavailable
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngineClient
+    served_model_names: list[str]
+    metrics: ServerMetrics
+    api_key: str | None = None
+    draining: bool = False
+    # Chat templates, tokenizing and detokenizing run on one worker thread, not on the event loop: a
+    # megabyte prompt takes seconds, and every other stream and /health would wait for it.
+    text_worker: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenmill-text")
+    )
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.text_worker, fn, *args)
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report back; an unknown model is a 404, as OpenAI answers it."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist.",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def check_accepting(self) -> None:
+        if self.engine.dead_error is not None:
+            raise unavailable(self.engine.dead_error, "engine_dead")
+        if self.draining:
+            raise unavailable("the server is shutting down and accepts no new requests.", "draining")
+
+
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, what: str) -> int:
+    """max_tokens as given (or all the room left); a prompt plus completion over the context is a 400."""
+    if requested is None:
+        if num_prompt_tokens < max_model_len:
+            return max_model_len - num_prompt_tokens
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+            f"{'is' if what == 'prompt' else 'are'} {num_prompt_tokens} tokens, which leaves no room for "
+            f"the completion. Please reduce the length of the {what}.",
+            param=what,
+            code="context_length_exceeded",
+        )
+    if num_prompt_tokens + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {what}, {requested} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            param=what,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event; msgspec writes the JSON (UTF-8, not ASCII-escaped) several times faster
+    than the json module, and a busy server writes one of these per token per stream."""
+    return "data: " + _json_encoder.encode(payload).decode() + "\n\n"
+
+
+def error_event(exc: OpenAIError) -> str:
+    """An error after the stream began: the status line is long gone, so it travels as an event."""
+    return sse(exc.body())
+
+
+def aborted_error() -> OpenAIError:
+    return unavailable("the request was aborted before it finished (the server is shutting down).", "aborted")
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda item: item[1].rank)[:k]
+
+
+def _token_text(token_id: int, logprob: Logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def reported_tokens(
+    completion: CompletionOutput, token_ids: list[int], logprobs: list | None
+) -> tuple[list[int], list | None]:
+    """The tokens whose logprobs a response reports: an EOS token that ended the completion is not part
+    of its text, and OpenAI reports no logprob for it. (Offline outputs keep it, as vLLM's do.)"""
+    if logprobs and completion.finish_reason == "stop" and completion.stop_reason is None:
+        return token_ids[:-1], logprobs[:-1]
+    return token_ids, logprobs
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> dict:
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        sampled = entry[token_id]
+        text = _token_text(token_id, sampled)
+        content.append(
+            {
+                "token": text,
+                "logprob": sampled.logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := _token_text(tid, lp)), "logprob": lp.logprob, "bytes": list(t.encode())}
+                    for tid, lp in _top(entry, k)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int) -> dict:
+    """The legacy completions shape: parallel lists, top alternatives as {token text: logprob}."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        text = _token_text(token_id, entry[token_id])
+        tokens.append(text)
+        token_logprobs.append(entry[token_id].logprob)
+        top_logprobs.append({_token_text(tid, lp): lp.logprob for tid, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def echo_logprobs(
+    prompt_token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None], first_token_text: str
+) -> dict:
+    """The prompt's part of an echoed completion's logprobs: the first token has no logprob (nothing
+    precedes it), every later one is scored given the tokens before it."""
+    scored = completion_logprobs(prompt_token_ids[1:], prompt_logprobs[1:], len(first_token_text))
+    return {
+        "tokens": [first_token_text] + scored["tokens"],
+        "token_logprobs": [None] + scored["token_logprobs"],
+        "top_logprobs": [None] + scored["top_logprobs"],
+        "text_offset": [0] + scored["text_offset"],
+    }
+
+
+def join_logprobs(head: dict, tail: dict | None) -> dict:
+    if tail is None:
+        return head
+    return {key: head[key] + tail[key] for key in head}
+
+
+class DisconnectWatcher:
+    """Aborts requests the moment their client disconnects, rather than when the next token fails to
+    send: a client that leaves before its first token frees its KV blocks at once."""
+
+    def __init__(self, raw_request: Request, on_disconnect: Callable[[], None]) -> None:
+        self.disconnected = False
+        self._on_disconnect = on_disconnect
+        self._task = asyncio.create_task(self._listen(raw_request))
+
+    async def _listen(self, raw_request: Request) -> None:
+        # The body has been read already, so the next ASGI message is the disconnect.
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._on_disconnect()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def final_outputs(
+    engine: AsyncEngineClient, streams: dict[str, AsyncIterator[RequestOutput]], raw_request: Request
+) -> list[RequestOutput]:
+    """Run requests to the end (non-streaming), aborting all of them if the client goes away."""
+    watcher = DisconnectWatcher(raw_request, lambda: [engine.abort(request_id) for request_id in streams])
+
+    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    try:
+        results = await asyncio.gather(*(last(stream) for stream in streams.values()))
+    finally:
+        watcher.stop()
+        for request_id in streams:
+            engine.abort(request_id)
+    if any(result is None or not result.finished for result in results):
+        raise aborted_error()
+    return results  # type: ignore[return-value]
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with the request's position."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

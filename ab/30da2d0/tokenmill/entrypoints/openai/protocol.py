@@ -1,0 +1,223 @@
+"""The OpenAI request bodies as pydantic models whose field constraints turn every out-of-range parameter
+into a 400 naming the parameter, plus the conversion to SamplingParams. Responses are plain dicts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tokenmill.sampling_params import SamplingParams
+
+from .errors import ParamError
+
+_MAX_LOGPROBS = 20
+_SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
+
+
+class OpenAIModel(BaseModel):
+    # OpenAI clients send fields this server does not use (user, metadata, store...): ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        """OpenAI's schema lets a client send null for an optional field (`"n": null`, as LangChain and
+        litellm do): null means the field's default. A required field sent as null is still missing."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].default is None
+        }
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling knobs shared by chat and completions, with vLLM's extras (top_k ... stop_token_ids)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None (or null): 1.0
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, **_SEED_RANGE)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> SamplingFields:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not token_id.lstrip("-").isdigit():
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {token_id!r}")
+            if not -100 <= bias <= 100:
+                raise ParamError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}"
+                )
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(not s for s in stops):
+            raise ParamError("stop", "stop strings must not be empty")
+        if len(stops) > 16:
+            raise ParamError("stop", f"at most 16 stop strings, got {len(stops)}")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: object) -> object:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: the served model reads text "
+                        "only; send the content as a string or as parts of type 'text'"
+                    )
+        return content
+
+    def template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # Templates written before the "developer" role know it as "system".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    response_format: dict | None = None
+    tools: list | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ParamError("response_format", "response_format other than 'text' is not supported")
+        if self.tools:
+            raise ParamError("tools", "tool calling is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.suffix:
+            raise ParamError("suffix", "suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError(
+                "max_tokens", "max_tokens=0 generates nothing; it is only allowed with echo=true (scoring)"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError(
+                "best_of", "best_of must equal n (beam search and best-of ranking are not supported)"
+            )
+        if isinstance(self.prompt, list) and (
+            not self.prompt or any(p == [] or p == "" for p in self.prompt)
+        ):
+            raise ParamError("prompt", "prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("pass exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

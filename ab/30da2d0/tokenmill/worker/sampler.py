@@ -1,0 +1,153 @@
+"""Sampling on the device: logit processors (bias, min_tokens, penalties), then greedy or random
+sampling with temperature, top-k, top-p and min-p. Seeded requests draw from their own generator, so
+their output does not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from tokenmill.core.outputs import TokenLogprobs
+from tokenmill.worker.input_batch import CachedRequestState
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for one step, as device tensors where the math needs them."""
+
+    requests: list[CachedRequestState]
+    # Per-row knobs, None when every row is greedy.
+    temperature: torch.Tensor | None  # [B] float32; 0 means greedy
+    top_k: torch.Tensor | None  # [B] int64; vocab size means no top-k
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    all_greedy: bool
+    needs_logit_edits: bool  # some row has a logit bias or is still under its min_tokens
+    needs_top_k_p: bool
+    needs_min_p: bool
+    needs_penalties: bool
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    max_num_logprobs: int  # -1 when no row asks for logprobs
+    # row -> its last output token, sampled by the step in flight and still only on the device
+    pending_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    vocab_size = logits.shape[1]
+    for row, request in enumerate(batch.requests):
+        params = request.sampling_params
+        if not params.uses_penalties:
+            continue
+        output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
+        if row in batch.pending_tokens:
+            output_ids = torch.cat([output_ids, batch.pending_tokens[row]])
+        counts = torch.zeros(vocab_size, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+        if params.repetition_penalty != 1.0:
+            # Prompt and output tokens both count for the repetition penalty (the CTRL/HF definition).
+            seen = counts > 0
+            seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
+            row_logits = logits[row]
+            penalised = torch.where(
+                row_logits > 0, row_logits / params.repetition_penalty, row_logits * params.repetition_penalty
+            )
+            logits[row] = torch.where(seen, penalised, row_logits)
+        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+            logits.dtype
+        )
+
+
+def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[CachedRequestState]) -> None:
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64, device=logits.device)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, bias)
+        if request.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned |= request.eos_token_ids
+            if banned:
+                logits[row, list(banned)] = float("-inf")
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab_ranks = torch.arange(logits.shape[1], device=logits.device)
+    mask = vocab_ranks[None, :] >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the mass strictly before it already reaches top_p; the first token always stays.
+    mask |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    # Exponential race (Gumbel-max in disguise): argmax(p / q), q ~ Exp(1), samples from p with no sync.
+    q = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div(q).argmax(dim=-1)
+
+
+def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobTensors:
+    """For rows of log-probabilities and one token per row: the token's logprob, its rank, and the
+    top-k ids and logprobs, left on the device."""
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
+    return LogprobTensors(chosen, ranks, top_ids[:, :k], top_lp[:, :k])
+
+
+class LogprobTensors(NamedTuple):
+    logprobs: torch.Tensor  # [rows] float32
+    ranks: torch.Tensor  # [rows] int64
+    top_token_ids: torch.Tensor  # [rows, k] int64
+    top_logprobs: torch.Tensor  # [rows, k] float32
+
+    def to_host(self, non_blocking: bool) -> LogprobTensors:
+        return LogprobTensors(*(t.to("cpu", non_blocking=non_blocking) for t in self))
+
+    def tolist(self, ks: list[int | None]) -> list[TokenLogprobs | None]:
+        """One entry per row, with that row's own number of alternatives (None: the row asked none)."""
+        chosen, ranks, top_ids, top_lp = (t.tolist() for t in self)
+        return [
+            None if k is None else TokenLogprobs(chosen[row], ranks[row], top_ids[row][:k], top_lp[row][:k])
+            for row, k in enumerate(ks)
+        ]
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device."""
+        raw_logits = logits
+        logits = logits.float()
+        if batch.needs_logit_edits or batch.needs_penalties:
+            if logits is raw_logits:  # fp32 logits: edit a copy, logprobs are of the raw ones
+                logits = logits.clone()
+            if batch.needs_logit_edits:
+                _apply_bias_and_min_tokens(logits, batch.requests)
+            if batch.needs_penalties:
+                _apply_penalties(logits, batch)
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy
+        else:
+            temperature = batch.temperature
+            scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+            if batch.needs_top_k_p:
+                scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
+            probs = scaled.softmax(dim=-1)
+            if batch.needs_min_p:
+                max_prob = probs.max(dim=-1, keepdim=True).values
+                probs = probs.masked_fill(probs < batch.min_p[:, None] * max_prob, 0.0)
+            sampled = torch.where(temperature > 0, _random_sample(probs, batch.generators), greedy)
+        logprobs = None
+        if batch.max_num_logprobs >= 0:
+            logprobs = score_tokens(raw_logits.float().log_softmax(dim=-1), sampled, batch.max_num_logprobs)
+        return sampled, logprobs

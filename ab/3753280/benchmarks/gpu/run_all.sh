@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
+# Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
+# Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
+#         throughput-8b throughput-8b-sync server (default: all). The -sync stages rerun with
+#         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
+#         the wheels in .whl installed (README of the device tool) and a tokenizer in .gpu_assets/tokenizer.
+set -u
+out=${1:?usage: run_all.sh OUTDIR [STAGE ...]}
+shift
+stages=${*:-tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync throughput-8b throughput-8b-sync server}
+mkdir -p "$out"
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+bench="$py benchmarks/gpu/bench_engine.py"
+log() { echo "=== $(date +%T) $*"; }
+
+for stage in $stages; do
+  log "$stage"
+  case $stage in
+    tests) timeout 420 $py -m pytest -q -m gpu tests/kernels tests/models tests/layers -p no:cacheprovider \
+             --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
+    kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
+    ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
+    decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
+    decode-sync) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --no-async-scheduling \
+                   --out "$out/decode_8b_sync.json" ;;
+    prefill) timeout 300 $bench prefill --shape llama-3.1-8b --input-len 8192 --max-model-len 8448 \
+               --max-num-seqs 16 --out "$out/prefill_8b.json" ;;
+    reference)
+      TOKENMILL_ATTENTION_BACKEND=torch timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 4 \
+        --enforce-eager --output-len 64 --out "$out/decode_8b_torch.json"
+      TOKENMILL_ATTENTION_BACKEND=torch timeout 300 $bench prefill --shape llama-3.1-8b --input-len 8192 \
+        --max-model-len 8448 --max-num-seqs 4 --enforce-eager --out "$out/prefill_8b_torch.json" ;;
+    throughput-small) timeout 420 $bench throughput --shape qwen3-0.6b --peer-requests 16 \
+                        --out "$out/throughput_qwen3_0.6b.json" ;;
+    throughput-small-sync) timeout 300 $bench throughput --shape qwen3-0.6b --peer-requests 0 \
+                             --no-async-scheduling --out "$out/throughput_qwen3_0.6b_sync.json" ;;
+    throughput-8b) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 16 \
+                     --out "$out/throughput_llama_8b.json" ;;
+    throughput-8b-sync) timeout 300 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
+                          --no-async-scheduling --out "$out/throughput_llama_8b_sync.json" ;;
+    server) timeout 420 benchmarks/gpu/serve_vs_offline.sh "$out" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+log done

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The server against the offline engine on the same requests, in one call: Qwen3-0.6B shape on dummy
+# weights with SmolLM2's tokenizer (vocab 49,152), random prompts of 512 tokens, 256 output tokens,
+# EOS ignored, greedy. `tokenmill serve` is loaded with CONCURRENCY streams at a time, then
+# `tokenmill bench throughput` runs the same prompts offline; both JSON files land in OUTDIR and the
+# ratio is printed and written to OUTDIR/serve_vs_offline.json.
+# Usage: benchmarks/gpu/serve_vs_offline.sh OUTDIR
+#   env: CONCURRENCY=256 NUM_PROMPTS=1024 INPUT_LEN=512 OUTPUT_LEN=256 PORT=8321 (a CPU smoke run: small ones)
+#   PROFILE=cpu: the CPU use of the API process, the engine core and the client is sampled each second
+#   of the load (OUTDIR/cpu.txt), and the offline run is skipped. PROFILE=1: that, and the API process
+#   and the client run under cProfile (OUTDIR/api.prof, client.prof; top functions printed).
+# Needs on the device machine: the server's wheels installed (.whl, see the device README) and the
+# tokenizer saved beside the script's config in .gpu_assets/tokenizer (save_pretrained of the embedded
+# GGUF's tokenizer).
+set -u
+out=${1:?usage: serve_vs_offline.sh OUTDIR}
+concurrency=${CONCURRENCY:-256}
+num_prompts=${NUM_PROMPTS:-1024}
+port=${PORT:-8321}
+input_len=${INPUT_LEN:-512}
+output_len=${OUTPUT_LEN:-256}
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/../.."
+tm="$py -m tokenmill.entrypoints.cli"
+model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
+print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
+cp .gpu_assets/tokenizer/* "$model/"
+dataset="--dataset-name random --random-input-len $input_len --random-output-len $output_len \
+  --num-prompts $num_prompts \
+  --seed 0 --temperature 0"
+engine="--load-format dummy --max-model-len 4096 --max-num-seqs 256"
+
+profile=${PROFILE:-0}
+prof() { [ "$profile" = 1 ] && echo "-m cProfile -o $out/$1.prof"; }
+$py $(prof api) -m tokenmill.entrypoints.cli serve --model "$model" $engine --port "$port" \
+  >"$out/server.log" 2>&1 &
+server=$!
+for _ in $(seq 180); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  sleep 1
+done
+if [ "$profile" != 0 ]; then
+  # One line a second while the load runs: CPU % of the API process, the engine core and the client.
+  $py - $server >"$out/cpu.txt" <<'EOF' &
+import sys, time, psutil
+api = psutil.Process(int(sys.argv[1]))
+procs = {"api": api, "core": api.children()[-1]}
+print("  s    api   core client")
+for second in range(600):
+    if "client" not in procs:
+        me = psutil.Process()
+        client = [p for p in me.parent().children() if p.pid not in (me.pid, api.pid)]
+        if client:
+            procs["client"] = client[0]
+            for p in procs.values():
+                p.cpu_percent()
+    time.sleep(1)
+    try:
+        if "client" in procs:
+            print(f"{second:3d} " + " ".join(f"{p.cpu_percent():6.1f}" for p in procs.values()), flush=True)
+    except psutil.Error:
+        break
+EOF
+fi
+$py $(prof client) -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$model" $dataset --ignore-eos \
+  --max-concurrency "$concurrency" --num-warmups $((concurrency < 32 ? concurrency : 32)) --disable-tqdm --output-json "$out/serve.json"
+kill -INT $server
+wait $server
+if [ "$profile" != 0 ]; then
+  cat "$out/cpu.txt"
+  for name in $([ "$profile" = 1 ] && echo api client); do
+    $py -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" \
+      "$out/$name.prof" | grep -v "^$" | cut -c1-150
+  done
+  exit 0
+fi
+$tm bench throughput --model "$model" $engine $dataset --disable-tqdm --output-json "$out/offline.json"
+$py - "$out" "$concurrency" <<'EOF'
+import json, sys
+out, concurrency = sys.argv[1], int(sys.argv[2])
+serve = json.load(open(f"{out}/serve.json"))
+offline = json.load(open(f"{out}/offline.json"))
+summary = serve.get("summary", serve)
+result = {
+    "concurrency": concurrency,
+    "serve_output_tok_s": summary["output_throughput"],
+    "offline_output_tok_s": offline["output_tokens_per_second"],
+}
+result["ratio"] = result["serve_output_tok_s"] / result["offline_output_tok_s"]
+for key in ("median_tpot_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "p99_ttft_ms", "completed"):
+    if key in summary:
+        result[key] = summary[key]
+print(json.dumps(result, indent=2))
+json.dump(result, open(f"{out}/serve_vs_offline.json", "w"), indent=2)
+EOF

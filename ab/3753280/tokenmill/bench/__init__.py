@@ -1,0 +1,1 @@
+"""Benchmark client: load generation over HTTP and latency accounting (docs/bench.md)."""

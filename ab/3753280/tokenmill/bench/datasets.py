@@ -1,0 +1,330 @@
+"""Benchmark workloads: random, prefix-repetition, ShareGPT-like synthetic chats, and JSONL files/traces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.bench.tokenizer import BenchTokenizer
+
+DATASET_NAMES = ("random", "prefix-repetition", "sharegpt-like", "file")
+
+# ShareGPT means reported in the vLLM paper (Kwon et al., SOSP 2023, Fig. 11): 161.31 input and
+# 337.99 output tokens. Both distributions are long-tailed; lognormals with these means and the
+# sigmas below reproduce the shape, clipped as vLLM's ShareGPT loader prunes (prompt <= 1024,
+# prompt + output <= 2048, each >= 4).
+SHAREGPT_MEAN_INPUT_LEN = 161.31
+SHAREGPT_MEAN_OUTPUT_LEN = 337.99
+SHAREGPT_INPUT_SIGMA = 1.0
+SHAREGPT_OUTPUT_SIGMA = 0.8
+SHAREGPT_MAX_INPUT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+# Mooncake-style traces name each 512-token block of a prompt by a hash id.
+TRACE_BLOCK_TOKENS = 512
+
+# Everyday English words for the synthetic conversations.
+_WORD_LIST = (
+    "the of and to in is it you that he was for on are with as his they be at one have this from or had "
+    "by not word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long make thing "
+    "see him two has look more day could go come did number sound no most people my over know water "
+    "than call first who may down side been now find any new work part take get place made live where "
+    "after back little only round man year came show every good me give our under name very through "
+    "just form sentence great think say help low line differ turn cause much mean before move right boy "
+    "old too same tell does set three want air well also play small end put home read hand port large "
+    "spell add even land here must big high such follow act why ask men change went light"
+)
+_WORDS = _WORD_LIST.split()
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One benchmark request: text or token ids, its length in tokens, and how many tokens to ask for."""
+
+    prompt: str | list[int]
+    prompt_len: int
+    expected_output_len: int
+    timestamp_ms: float | None = None
+
+
+class PromptMaker:
+    """Random token ids (special tokens excluded) and text that re-encodes to an exact length."""
+
+    def __init__(self, tokenizer: BenchTokenizer, rng: np.random.Generator) -> None:
+        self.tokenizer = tokenizer
+        self.rng = rng
+        # Only ids that decode to clean text alone: partial UTF-8 byte tokens decode to U+FFFD,
+        # which re-encodes to other tokens and keeps a prompt from ever reaching its exact length.
+        special = tokenizer.special_token_ids
+        self._ids = np.asarray(
+            [
+                token_id
+                for token_id in range(tokenizer.vocab_size)
+                if token_id not in special and _is_clean(tokenizer.decode([token_id]))
+            ],
+            dtype=np.int64,
+        )
+
+    def random_ids(self, num_tokens: int) -> list[int]:
+        return self.rng.choice(self._ids, size=num_tokens).tolist()
+
+    def fit_text(self, token_ids: list[int], target_len: int) -> tuple[str, int]:
+        """Decode, then re-encode (as vLLM does), trimming or topping up until the length is exact.
+
+        Decoded ids can merge or split on re-encoding; a few rounds settle it. Returns the text and
+        its true token count, which is `target_len` unless the rounds ran out.
+        """
+        ids = token_ids[:target_len]
+        text = self.tokenizer.decode(ids)
+        for _ in range(8):
+            reencoded = self.tokenizer.encode(text)
+            if len(reencoded) == target_len:
+                return text, target_len
+            if len(reencoded) > target_len:
+                ids = reencoded[:target_len]
+            else:
+                ids = reencoded + self.random_ids(target_len - len(reencoded))
+            text = self.tokenizer.decode(ids)
+        return text, len(self.tokenizer.encode(text))
+
+    def prompt(self, token_ids: list[int], as_token_ids: bool) -> tuple[str | list[int], int]:
+        if as_token_ids:
+            return token_ids, len(token_ids)
+        return self.fit_text(token_ids, len(token_ids))
+
+
+def random_requests(
+    tokenizer: BenchTokenizer,
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+    as_token_ids: bool = False,
+) -> list[SampleRequest]:
+    """Random tokens; input and output lengths uniform in [L*(1-r), L*(1+r)], after a shared prefix."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, rng)
+    input_lens = _uniform_lengths(rng, input_len, range_ratio, num_prompts)
+    output_lens = _uniform_lengths(rng, output_len, range_ratio, num_prompts)
+    prefix = maker.random_ids(prefix_len)
+    requests = []
+    for num_input, num_output in zip(input_lens, output_lens, strict=True):
+        prompt, prompt_len = maker.prompt(prefix + maker.random_ids(num_input), as_token_ids)
+        requests.append(SampleRequest(prompt, prompt_len, max(num_output, 1)))
+    return requests
+
+
+def prefix_repetition_requests(
+    tokenizer: BenchTokenizer,
+    *,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int = 0,
+    as_token_ids: bool = False,
+) -> list[SampleRequest]:
+    """`num_prefixes` shared prefixes, each followed by distinct suffixes; shuffled so reuse interleaves."""
+    if num_prefixes < 1:
+        raise ValueError(f"--prefix-repetition-num-prefixes must be >= 1, got {num_prefixes}")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, rng)
+    prefixes = [maker.random_ids(prefix_len) for _ in range(num_prefixes)]
+    requests = []
+    for index in range(num_prompts):
+        ids = prefixes[index % num_prefixes] + maker.random_ids(suffix_len)
+        prompt, prompt_len = maker.prompt(ids, as_token_ids)
+        requests.append(SampleRequest(prompt, prompt_len, output_len))
+    order = rng.permutation(num_prompts)
+    return [requests[i] for i in order]
+
+
+def sharegpt_like_requests(
+    tokenizer: BenchTokenizer,
+    *,
+    num_prompts: int,
+    output_len: int | None = None,
+    seed: int = 0,
+    as_token_ids: bool = False,
+) -> list[SampleRequest]:
+    """Synthetic user/assistant conversations whose token lengths follow ShareGPT's published shape."""
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, rng)
+    input_lens = _lognormal_lengths(rng, SHAREGPT_MEAN_INPUT_LEN, SHAREGPT_INPUT_SIGMA, num_prompts)
+    input_lens = np.clip(input_lens, 4, SHAREGPT_MAX_INPUT_LEN)
+    output_lens = _lognormal_lengths(rng, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_OUTPUT_SIGMA, num_prompts)
+    output_lens = np.clip(output_lens, 4, SHAREGPT_MAX_TOTAL_LEN - input_lens)
+    requests = []
+    for num_input, num_output in zip(input_lens.tolist(), output_lens.tolist(), strict=True):
+        ids = tokenizer.encode(_conversation(rng, num_input))[:num_input]
+        prompt, prompt_len = maker.prompt(ids, as_token_ids)
+        requests.append(SampleRequest(prompt, prompt_len, output_len or num_output))
+    return requests
+
+
+def file_requests(
+    path: str | Path,
+    tokenizer: BenchTokenizer | None,
+    *,
+    num_prompts: int | None = None,
+    default_output_len: int = 128,
+    seed: int = 0,
+    as_token_ids: bool = False,
+) -> list[SampleRequest]:
+    """A JSONL file, one request per line, in file order (a trace is sorted by its timestamps).
+
+    Keys: `prompt` (text or token ids) or `input_length` (random tokens, shared per `hash_ids`
+    block as in Mooncake traces); `output_length`/`max_tokens` (else `default_output_len`);
+    `timestamp` in milliseconds to replay the trace's pacing.
+    """
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--dataset-path {path} holds no requests")
+    records = [_parse_line(line, path, number) for number, line in enumerate(lines, start=1)]
+    records = records[:num_prompts] if num_prompts else records
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, rng) if tokenizer is not None else None
+    blocks: dict[object, list[int]] = {}
+    requests = []
+    for record in records:
+        output_len = int(record.get("output_length", record.get("max_tokens", default_output_len)))
+        prompt, prompt_len = _record_prompt(record, tokenizer, maker, blocks, as_token_ids, path)
+        timestamp = record.get("timestamp")
+        requests.append(SampleRequest(prompt, prompt_len, output_len, _float_or_none(timestamp)))
+    if any(r.timestamp_ms is not None for r in requests):
+        if any(r.timestamp_ms is None for r in requests):
+            raise ValueError(f"--dataset-path {path}: either every line has a timestamp or none does")
+        requests.sort(key=lambda r: r.timestamp_ms)
+    return requests
+
+
+def _record_prompt(
+    record: dict,
+    tokenizer: BenchTokenizer | None,
+    maker: PromptMaker | None,
+    blocks: dict[object, list[int]],
+    as_token_ids: bool,
+    path: str | Path,
+) -> tuple[str | list[int], int]:
+    if "prompt" in record:
+        prompt = record["prompt"]
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt], len(prompt)
+        if as_token_ids and tokenizer is not None:
+            ids = tokenizer.encode(prompt)
+            return ids, len(ids)
+        return prompt, len(tokenizer.encode(prompt)) if tokenizer is not None else 0
+    if maker is None:
+        raise ValueError(f"--dataset-path {path} gives input_length without prompts; pass --tokenizer")
+    input_len = int(record["input_length"])
+    ids: list[int] = []
+    for hash_id in record.get("hash_ids", []):
+        if hash_id not in blocks:
+            blocks[hash_id] = maker.random_ids(TRACE_BLOCK_TOKENS)
+        ids += blocks[hash_id]
+    ids = ids[:input_len] + maker.random_ids(max(0, input_len - len(ids)))
+    return maker.prompt(ids, as_token_ids)
+
+
+def _parse_line(line: str, path: str | Path, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset-path {path}, line {number}: not JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or not ("prompt" in record or "input_length" in record):
+        raise ValueError(f"--dataset-path {path}, line {number}: needs a 'prompt' or an 'input_length'")
+    return record
+
+
+def _is_clean(text: str) -> bool:
+    return bool(text) and "\ufffd" not in text
+
+
+def _float_or_none(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def _uniform_lengths(rng: np.random.Generator, length: int, range_ratio: float, count: int) -> list[int]:
+    low = max(int(math.floor(length * (1 - range_ratio))), 1)
+    high = max(int(math.ceil(length * (1 + range_ratio))), low)
+    return rng.integers(low, high + 1, size=count).tolist()
+
+
+def _lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, count: int) -> np.ndarray:
+    mu = math.log(mean) - sigma**2 / 2  # a lognormal's mean is exp(mu + sigma^2 / 2)
+    return np.maximum(np.rint(rng.lognormal(mu, sigma, size=count)), 1).astype(np.int64)
+
+
+def _conversation(rng: np.random.Generator, num_tokens: int) -> str:
+    """User/assistant turns of plain sentences, long enough to cover `num_tokens` tokens."""
+    num_turns = int(rng.choice([1, 3, 5], p=[0.6, 0.3, 0.1]))
+    words_per_turn = max(2, num_tokens // num_turns + 2)
+    turns = []
+    for turn in range(num_turns):
+        words = [str(w) for w in rng.choice(_WORDS, size=words_per_turn)]
+        sentences = [" ".join(words[i : i + 9]).capitalize() + "." for i in range(0, len(words), 9)]
+        speaker = "User" if turn % 2 == 0 else "Assistant"
+        turns.append(f"{speaker}: {' '.join(sentences)}")
+    return "\n".join(turns)
+
+
+def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None) -> list[SampleRequest]:
+    """Build the `--dataset-name` workload from the parsed command line."""
+    name = args.dataset_name
+    if name not in DATASET_NAMES:
+        raise ValueError(f"--dataset-name must be one of {', '.join(DATASET_NAMES)}, got {name!r}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if name == "file":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name file needs --dataset-path FILE.jsonl")
+        if args.prompts_as_token_ids and tokenizer is None:
+            raise ValueError("--prompts-as-token-ids needs a tokenizer; pass --tokenizer")
+        return file_requests(
+            args.dataset_path,
+            tokenizer,
+            num_prompts=args.num_prompts,
+            default_output_len=args.file_output_len,
+            seed=args.seed,
+            as_token_ids=args.prompts_as_token_ids,
+        )
+    if tokenizer is None:
+        raise ValueError(
+            f"--dataset-name {name} makes prompts of exact token lengths and needs a tokenizer: "
+            "pass --tokenizer DIR|FILE.gguf (or --model as a local path, or 'default')"
+        )
+    common = {
+        "num_prompts": args.num_prompts or 1000,
+        "seed": args.seed,
+        "as_token_ids": args.prompts_as_token_ids,
+    }
+    if name == "random":
+        return random_requests(
+            tokenizer,
+            input_len=args.random_input_len,
+            output_len=args.random_output_len,
+            range_ratio=args.random_range_ratio,
+            prefix_len=args.random_prefix_len,
+            **common,
+        )
+    if name == "prefix-repetition":
+        return prefix_repetition_requests(
+            tokenizer,
+            prefix_len=args.prefix_repetition_prefix_len,
+            suffix_len=args.prefix_repetition_suffix_len,
+            num_prefixes=args.prefix_repetition_num_prefixes,
+            output_len=args.prefix_repetition_output_len,
+            **common,
+        )
+    return sharegpt_like_requests(tokenizer, output_len=args.sharegpt_output_len, **common)

@@ -1,0 +1,284 @@
+"""The scheduler: each step, how many tokens each request computes, under a token budget and a cap on
+running requests. No prefill or decode phases: a prompt chunk, a prefix hit and a decode step are all
+"compute the next k tokens of this request". Out of KV blocks, it preempts the newest request, which
+later recomputes. A step's plan goes to the worker as plain records (sched_output.py); the next step
+can be planned before this one returns, with placeholders for the tokens it will sample."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        # Heap of (priority, arrival_time, tiebreak, request); aborted entries are skipped lazily.
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+        self._finished_since_last_step: list[str] = []
+        self._preempted_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine.")
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        key = (request.priority, request.arrival_time, next(self._tiebreak), request)
+        heapq.heappush(self._waiting, key)
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting and self._waiting[0][3].status.finished:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][3] if self._waiting else None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for entry in self._waiting if not entry[3].status.finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        self._preempted_since_last_step.append(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_preempted = 0
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._reaches_limit_in_flight(request):
+                index += 1
+                continue
+            while (allocated := self.kv.allocate_slots(request, num_new)) is None:
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                undone = num_scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    new_block_ids.pop(victim.request_id)
+                    budget += undone
+                    index -= 1
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                num_scheduled[request.request_id] = num_new
+                new_block_ids[request.request_id] = allocated
+                budget -= num_new
+                index += 1
+
+        new_requests: list[Request] = []
+        resumed: set[str] = set()
+        # New requests only when nobody had to be preempted: otherwise they would just thrash.
+        while not num_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            candidate = self._peek_waiting()
+            # A preempted request whose last step is still in flight waits for that step's token.
+            if candidate is None or candidate.num_output_placeholders:
+                break
+            request = candidate
+            computed_blocks: list[int] = []
+            num_hit_tokens = 0
+            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            heapq.heappop(self._waiting)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.status == RequestStatus.PREEMPTED:
+                resumed.add(request.request_id)
+            else:
+                new_requests.append(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = request.block_ids
+            budget -= num_new
+
+        if not num_scheduled:
+            # An empty step is never executed: its news for the worker waits for the next real one.
+            return SchedulerOutput()
+        out = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in new_requests],
+            scheduled_cached_reqs=self._cached_request_data(
+                num_scheduled, new_block_ids, resumed, {r.request_id for r in new_requests}
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_req_ids=self._preempted_since_last_step,
+            finished_req_ids=self._finished_since_last_step,
+        )
+        self._preempted_since_last_step, self._finished_since_last_step = [], []
+        for request_id, num_new in num_scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples the request's next token
+        return out
+
+    def _reaches_limit_in_flight(self, request: Request) -> bool:
+        """True when the tokens already being sampled take the request to max_tokens or max_model_len,
+        so another step for it would only be thrown away."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens_with_placeholders >= self.max_model_len or (
+            max_tokens is not None
+            and request.num_output_tokens + request.num_output_placeholders >= max_tokens
+        )
+
+    @staticmethod
+    def _new_request_data(request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=sorted(request.eos_token_ids),
+            block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(
+        self,
+        num_scheduled: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        resumed: set[str],
+        new_ids: set[str],
+    ) -> CachedRequestData:
+        data = CachedRequestData()
+        for request_id in num_scheduled:
+            if request_id in new_ids:
+                continue  # sent whole as a NewRequestData
+            request = self.requests[request_id]
+            data.req_ids.append(request_id)
+            data.resumed_from_preemption.append(request_id in resumed)
+            data.new_block_ids.append(list(new_block_ids[request_id]))
+            data.num_computed_tokens.append(request.num_computed_tokens)
+        return data
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        prompt_logprobs = runner_output.prompt_logprobs
+        for row, request_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(request_id)
+            if request is None:  # finished or aborted while the step ran
+                continue
+            if prompt_logprobs and request_id in prompt_logprobs:
+                self._add_prompt_logprobs(request, *prompt_logprobs[request_id])
+            new_token_ids = runner_output.sampled_token_ids[row]
+            running = request.status == RequestStatus.RUNNING
+            if not new_token_ids:  # a prompt chunk: nothing sampled that counts
+                if running:
+                    self.kv.cache_full_blocks(request)
+                continue
+            # A preempted request keeps the token: it was sampled from a complete context.
+            request.num_output_placeholders -= 1
+            request.append_output_token(new_token_ids[0])
+            if running:
+                self.kv.cache_full_blocks(request)
+            status = self._check_stop(request)
+            logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finish_reason=status.finish_reason if status is not None else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=(
+                        request.prompt_logprobs
+                        if request.num_output_tokens == 1
+                        and request.sampling_params.prompt_logprobs is not None
+                        else None
+                    ),
+                )
+            )
+            if status is not None:
+                self._finish(request, status)
+        return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:
+        # A recomputed (preempted) prompt scores positions again: keep only the ones not yet seen.
+        skip = len(request.prompt_logprobs) + 1 - first_position
+        if 0 <= skip < len(entries):
+            request.prompt_logprobs.extend(entries[skip:])
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        # A stop token that is also the last token allowed is a stop, not a length cut (OpenAI, vLLM).
+        if request.num_output_tokens >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,120 @@
+"""OpenAI-style errors: every failure is `{"error": {"message", "type", "param", "code"}}` with the status
+code an OpenAI client expects (400 bad input, 401 key, 404 model, 429 queue full, 503 unavailable)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from tokenmill.serving.async_client import EngineDeadError, EngineOverloadedError
+
+logger = logging.getLogger("tokenmill.server")
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str) -> OpenAIError:
+    return OpenAIError(503, message, "service_unavailable", code=code)
+
+
+def to_openai_error(exc: BaseException) -> OpenAIError:
+    """Map what the engine client and the validators raise onto the HTTP status a client expects."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return unavailable(str(exc), "engine_dead")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    logger.error("internal error", exc_info=exc)
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+class ParamError(ValueError):
+    """A check across fields (a model validator) that knows which request field is wrong: the 400's
+    `param` names it, as it does for a single field's own constraint."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0]
+    # Drop "body" and pydantic's union-member tags ("str", "list[int]") from the location.
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    cause = first.get("ctx", {}).get("error")
+    if not location and isinstance(cause, ParamError):
+        location = [cause.param]
+    param = ".".join(location) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param:
+        message = f"{param}: {message}"
+        if "input" in first and first["type"] != "missing":
+            message += f" (got {json.dumps(first['input'], default=str)[:200]})"
+    return bad_request(message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def openai_error(_: Request, exc: Exception) -> JSONResponse:
+        return to_openai_error(exc).response()
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_error(exc).response()
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(exc.status_code, str(exc.detail), error_type).response()
+
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    # Known failures go through the exception middleware; anything else reaches the server-error
+    # middleware, which answers with the same shape and still logs the traceback.
+    for error_class in (OpenAIError, ValueError, EngineOverloadedError, EngineDeadError, Exception):
+        app.add_exception_handler(error_class, openai_error)

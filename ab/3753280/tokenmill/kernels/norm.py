@@ -1,0 +1,85 @@
+"""Triton RMSNorm, alone and fused with the residual add; rounds exactly where the reference does."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    residual,
+    weight,
+    out,
+    residual_out,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
+    then normalise in fp32, round to the input dtype, and multiply by the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    hidden = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        res = tl.load(residual + row * stride_residual + cols, mask=mask, other=0.0)
+        hidden = (hidden.to(tl.float32) + res.to(tl.float32)).to(residual_out.dtype.element_ty)
+        tl.store(residual_out + row * stride_residual_out + cols, hidden, mask=mask)
+    hidden32 = hidden.to(tl.float32)
+    mean_square = tl.sum(hidden32 * hidden32, 0) / HIDDEN
+    normed = (hidden32 * tl.rsqrt(mean_square + eps)).to(hidden.dtype)
+    w = tl.load(weight + cols, mask=mask, other=0.0)
+    result = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out + row * stride_out + cols, result.to(out.dtype.element_ty), mask=mask)
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden_size = x.shape[-1]
+    rows = x.reshape(-1, hidden_size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    residual_rows = residual_out = None
+    normed_dtype = x.dtype
+    if residual is not None:
+        residual_rows = residual.reshape(-1, hidden_size).contiguous()
+        normed_dtype = torch.promote_types(x.dtype, residual.dtype)
+        residual_out = torch.empty(rows.shape, dtype=normed_dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, normed_dtype), device=x.device)
+    if rows.shape[0] > 0:
+        block = triton.next_power_of_2(hidden_size)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, residual_rows if residual is not None else rows, weight, out,
+            residual_out if residual_out is not None else out,
+            rows.stride(0), residual_rows.stride(0) if residual_rows is not None else 0,
+            out.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps,
+            HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 512, 1), 16),
+        )  # fmt: skip
+    out = out.view(*x.shape[:-1], hidden_size)
+    if residual_out is not None:
+        residual_out = residual_out.view(*x.shape[:-1], hidden_size)
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in fp32 and cast back, as transformers does."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual + x, then RMSNorm of the sum, in one pass; returns (normed, new residual).
+    Writes fresh tensors: neither input is modified."""
+    out, residual_out = _launch(x, residual, weight, eps)
+    return out, residual_out

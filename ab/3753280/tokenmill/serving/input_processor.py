@@ -1,0 +1,40 @@
+"""Checks and tokenizes a request before it reaches the engine core, so bad input fails alone, early,
+with an error that names the knob."""
+
+from __future__ import annotations
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.prompt import render_prompt
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return render_prompt(self.tokenizer, prompt).token_ids
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty.")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}.")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len={self.max_model_len}."
+            )
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        prompt_token_ids = self.tokenize(prompt)
+        self.check(prompt_token_ids, params)
+        return prompt_token_ids

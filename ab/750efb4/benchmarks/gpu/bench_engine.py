@@ -1,0 +1,252 @@
+"""GPU benchmarks of the whole engine on dummy weights, each printed and written as JSON:
+  ceilings    measured copy bandwidth and bf16 matmul rate (the roofline)
+  decode      batch-1 decode, Llama-3.1-8B shape, 128-token prompt, 256 new tokens
+  prefill     TTFT of one 8,192-token prompt, Llama-3.1-8B shape
+  throughput  256 requests, lengths uniform in 100..1024 (nano-vllm's workload), ours and the peer
+Usage: python benchmarks/gpu/bench_engine.py MODE [--shape NAME] [--out FILE] [options]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import decode_weight_bytes, kv_bytes_per_token, prefill_flops, shape_dir  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def cuda_time(fn, repeats: int) -> float:
+    """Median seconds of fn() over repeats, by CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings(args) -> dict:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = cuda_time(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_s = cuda_time(lambda: a @ b, 20)
+    return {
+        "copy_bandwidth_Bps": 2 * n / copy_s,
+        "bf16_matmul_flops": 2 * 8192**3 / mm_s,
+        "device": torch.cuda.get_device_name(),
+    }
+
+
+def make_llm(args, **overrides) -> LLM:
+    options = dict(
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=0.9,
+        async_scheduling=args.async_scheduling,
+    )
+    options.update(overrides)
+    return LLM(model=shape_dir(args.shape, **json.loads(args.config_overrides)), **options)
+
+
+def timed_generate(llm: LLM, prompts, params) -> float:
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - start
+
+
+def decode(args) -> dict:
+    llm = make_llm(args)
+    rng = random.Random(0)
+    prompt = [[rng.randint(0, 10000) for _ in range(args.input_len)]]
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    timed_generate(llm, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
+    ttft = statistics.median(timed_generate(llm, prompt, first) for _ in range(5))
+    total = statistics.median(timed_generate(llm, prompt, full) for _ in range(3))
+    tok_s = (args.output_len - 1) / (total - ttft)
+    mean_context = args.input_len + args.output_len / 2
+    bytes_per_step = decode_weight_bytes(args.shape) + kv_bytes_per_token(args.shape) * mean_context
+    return {
+        "shape": args.shape,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "ttft_s": ttft,
+        "total_s": total,
+        "decode_tok_s": tok_s,
+        "bytes_per_step": bytes_per_step,
+        "cuda_graphs": llm.engine.runner.decode_graphs is not None,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "attention_backend": os.environ.get("TOKENMILL_ATTENTION_BACKEND", "default"),
+    }
+
+
+def prefill(args) -> dict:
+    llm = make_llm(args)
+    rng = random.Random(0)
+    prompt = [[rng.randint(0, 10000) for _ in range(args.input_len)]]
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    timed_generate(llm, prompt, first)  # warm-up (and Triton compilation)
+    times = []
+    for _ in range(5):
+        llm.engine.scheduler.kv.reset_prefix_cache()
+        times.append(timed_generate(llm, prompt, first))
+    ttft = statistics.median(times)
+    flops = prefill_flops(args.shape, args.input_len)
+    return {
+        "shape": args.shape,
+        "input_len": args.input_len,
+        "ttft_s": ttft,
+        "flops": flops,
+        "achieved_flops": flops / ttft,
+        "attention_backend": os.environ.get("TOKENMILL_ATTENTION_BACKEND", "default"),
+    }
+
+
+def workload(seed: int, count: int):
+    """nano-vllm's benchmark requests: random ids below 10000, lengths uniform in 100..1024."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    return prompts[:count], max_tokens[:count]
+
+
+def run_ours(args, prompts, max_tokens) -> dict:
+    llm = make_llm(args)
+    # Warm-up at full length: every prompt once with a few tokens, so kernel variants are compiled.
+    warm = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=warm, use_tqdm=False)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    results = {}
+    for label, count in (("subset", args.peer_requests), ("all", len(prompts))):
+        seconds = timed_generate(llm, prompts[:count], params[:count])
+        results[label] = {
+            "requests": count,
+            "output_tokens": sum(max_tokens[:count]),
+            "seconds": seconds,
+            "output_tok_s": sum(max_tokens[:count]) / seconds,
+        }
+    del llm
+    return results
+
+
+def run_peer(args, prompts, max_tokens) -> dict:
+    """Hugging Face transformers' continuous batching on the same requests (paged|sdpa attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(shape_dir(args.shape))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
+        )
+    model.eval()
+    generation_config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max(max_tokens),
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    manager = model.init_continuous_batching(generation_config=generation_config)
+    manager.start()
+    try:
+        sync()
+        start = time.perf_counter()
+        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=limit)
+        done, produced = 0, 0
+        while done < len(prompts) and time.perf_counter() - start < args.peer_timeout:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                produced += len(result.generated_tokens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=10)
+    return {
+        "requests": len(prompts),
+        "finished": done,
+        "output_tokens": produced,
+        "seconds": seconds,
+        "output_tok_s": produced / seconds,
+    }
+
+
+def throughput(args) -> dict:
+    prompts, max_tokens = workload(args.seed, args.num_requests)
+    result = {"shape": args.shape, "seed": args.seed, "ours": run_ours(args, prompts, max_tokens)}
+    torch.cuda.empty_cache()
+    if args.peer_requests > 0:
+        try:
+            result["peer"] = run_peer(args, prompts[: args.peer_requests], max_tokens[: args.peer_requests])
+            result["ratio_to_peer"] = (
+                result["ours"]["subset"]["output_tok_s"] / result["peer"]["output_tok_s"]
+            )
+        except Exception as exc:  # the peer failing must not lose our own numbers
+            result["peer_error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("mode", choices=["ceilings", "decode", "prefill", "throughput"])
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--config-overrides", default="{}", help="JSON merged into the shape's config")
+    parser.add_argument("--out")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N runs (default: the engine's, on for CUDA)",
+    )
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer-requests", type=int, default=16)
+    parser.add_argument("--peer-timeout", type=float, default=120)
+    args = parser.parse_args()
+    result = {"mode": args.mode, "async_scheduling": args.async_scheduling, **globals()[args.mode](args)}
+    text = json.dumps(result, indent=2)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

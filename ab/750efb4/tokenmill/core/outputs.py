@@ -1,0 +1,43 @@
+"""What crosses between the engine core, the worker and the output processor, as small typed records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    """The sampled token's logprob, its rank, and the top-k alternatives (ids and logprobs)."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One row per scheduled request, in the step's order.
+    req_ids: list[str]
+    # The tokens each row sampled that count: empty for a prompt chunk, one token for now (more with
+    # speculative decoding).
+    sampled_token_ids: list[list[int]]
+    logprobs: list[TokenLogprobs | None] | None = None
+    # request id -> (position of the first prompt token scored, one entry per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Executors may return a pending output whose result() waits for the device; this one is ready."""
+        return self
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # With the first token only, when asked for: entry i scores prompt token i + 1 given those before it.
+    prompt_logprobs: list[TokenLogprobs] | None = None

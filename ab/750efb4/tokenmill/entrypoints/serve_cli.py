@@ -1,0 +1,53 @@
+"""`tokenmill serve`: the OpenAI-compatible server on one model, engine core in its own process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tokenmill.entrypoints.engine_args import add_engine_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), "
+        "with /health, /metrics (Prometheus), /tokenize and /detokenize.",
+    )
+    server = parser.add_argument_group("server options")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model name(s) clients pass as `model` (default: the --model argument)",
+    )
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $TOKENMILL_API_KEY, else no key)",
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may take to finish before they are aborted (default: 30)",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
+    )
+    server.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request"
+    )
+    add_engine_args(parser)
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Imported here so that `tokenmill --help` and the other subcommands start without FastAPI and torch.
+    from tokenmill.entrypoints.openai.api_server import run_server
+
+    return run_server(args)

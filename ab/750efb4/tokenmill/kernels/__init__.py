@@ -1,0 +1,82 @@
+"""Kernel dispatch: the Triton kernels on CUDA when triton imports, the torch references elsewhere.
+A model chooses its set once, when it is built, and its layers keep it: no lookup in a forward pass.
+
+TOKENMILL_ATTENTION_BACKEND=torch|triton forces one set on every device (triton on a CPU needs
+TRITON_INTERPRET=1); it is read when a model is built. The Triton modules are imported only when
+chosen, so this package imports without triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from tokenmill.kernels import reference
+
+BACKEND_ENV = "TOKENMILL_ATTENTION_BACKEND"
+_BACKENDS = ("torch", "triton")
+
+
+class Kernels(NamedTuple):
+    """One backend's kernels; each has the signature of its namesake in tokenmill.kernels.reference."""
+
+    backend: str
+    write_kv_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+
+
+def get_kernels(device: torch.device | str | None = None) -> Kernels:
+    """The kernels for tensors on `device`, by default the device modules are being built on
+    (torch.get_default_device(), set by `with torch.device(...)`)."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    return _kernels_for(device.type, os.environ.get(BACKEND_ENV, ""))
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def _kernels_for(device_type: str, forced: str) -> Kernels:
+    if forced and forced not in _BACKENDS:
+        raise ValueError(
+            f"{BACKEND_ENV}={forced!r} is not a backend; set it to 'torch' or 'triton', or unset it."
+        )
+    if forced == "triton" and not _triton_available():
+        raise ValueError(
+            f"{BACKEND_ENV}=triton but triton is not installed; pip install triton, or unset it."
+        )
+    backend = forced or ("triton" if device_type == "cuda" and _triton_available() else "torch")
+    if backend == "torch":
+        return Kernels(
+            backend="torch",
+            write_kv_cache=reference.write_kv_cache,
+            paged_attention=reference.paged_attention,
+            rms_norm=reference.rms_norm,
+            fused_add_rms_norm=reference.fused_add_rms_norm,
+            rotary_embedding=reference.rotary_embedding,
+            silu_and_mul=reference.silu_and_mul,
+        )
+    from tokenmill.kernels import activation, attention, kv_cache, norm, rotary
+
+    return Kernels(
+        backend="triton",
+        write_kv_cache=kv_cache.write_kv_cache,
+        paged_attention=attention.paged_attention,
+        rms_norm=norm.rms_norm,
+        fused_add_rms_norm=norm.fused_add_rms_norm,
+        rotary_embedding=rotary.rotary_embedding,
+        silu_and_mul=activation.silu_and_mul,
+    )

@@ -1,0 +1,366 @@
+"""Triton paged attention over the paged KV cache: prefill, chunked prefill and decode in one kernel,
+with query heads of a KV group packed into one tensor-core tile and split-KV for long decodes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
+_LOG2_E = 1.4426950408889634
+# A split shorter than this spends more on the reduce than it gains in parallelism.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_KV_SPLITS = 32
+
+
+class TileConfig(NamedTuple):
+    """Tile shape and launch options of one attention kernel launch."""
+
+    block_m: int  # rows of the query tile: query tokens x heads of one KV group
+    block_n: int  # keys per step of the KV loop
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """The request owning query tile `tile_id`. Request b's tiles are numbered from
+    query_start_loc[b] // BLOCK_Q + b: no prefix sum over tile counts is needed, at the price of at most
+    one unused number per request, whose program finds no query rows and exits."""
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= tile_id:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _attend_kv_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_cache,
+    v_cache,
+    block_table,
+    kv_head_offset,
+    kv_lo,
+    kv_hi,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_slot,
+    dims,
+    dim_ok,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    PAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) with keys kv_lo..kv_hi read through the block table.
+    Without CAUSAL_MASK every key of the range is visible to every row and in bounds."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = start + offs_n
+        if CAUSAL_MASK:
+            key_ok = k_pos < kv_hi
+            page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
+            kv_mask = key_ok[:, None]
+            if PAD_DIM:
+                kv_mask = kv_mask & dim_ok[None, :]
+            kv_other = 0.0
+        else:
+            page = tl.load(block_table + k_pos // KV_BLOCK_SIZE)
+            kv_mask = None
+            kv_other = None
+            if PAD_DIM:
+                kv_mask = dim_ok[None, :]
+                kv_other = 0.0
+        slot_offset = (
+            page.to(tl.int64) * stride_cache_block
+            + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot
+            + kv_head_offset
+        )
+        kv_offsets = slot_offset[:, None] + dims[None, :]
+        k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if CAUSAL_MASK:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query,
+    k_cache,
+    v_cache,
+    out,
+    partial_out,
+    partial_lse,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    num_seqs,
+    qk_scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
+    against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = tl.program_id(0)
+        q_tile = 0
+    else:
+        # Last tiles first: a request's later query tiles see the most keys, so starting them early
+        # shortens the tail of the launch.
+        tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q)
+        q_tile = tile_id - (tl.load(query_start_loc + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc + seq)
+    query_len = tl.load(query_start_loc + seq + 1) - q_start
+    # Padded requests (query_len 0) and the gaps of the tile numbering stop here, before any load.
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < query_len)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_offsets = (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(query + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    # Rows past the request's last token sit past seq_len, see every key and so stay finite.
+    q_pos = context_len + tok
+
+    first_pos = context_len + q_tile * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    if NUM_SPLITS > 1:
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    # Keys before first_pos + 1 are visible to every row: whole tiles of them skip the causal mask,
+    # and tiles past the tile's last query position are never visited.
+    unmasked_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, first_pos + 1) // BLOCK_N * BLOCK_N)
+
+    block_table = block_tables + seq.to(tl.int64) * stride_block_table
+    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_kv_range(
+        acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, unmasked_hi,
+        qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+        KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_kv_range(
+        acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, unmasked_hi, kv_hi,
+        qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+        KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+    )  # fmt: skip
+
+    # An empty split (short request, many splits) has l_i == 0: it reports lse -inf and a zero output.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_offsets = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=store_mask)
+    else:
+        num_heads = GROUP * tl.num_programs(1)
+        partial_row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_out + partial_row[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(partial_lse + partial_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    partial_out,
+    partial_lse,
+    out,
+    query_start_loc,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Merge the splits of one (request, head) of a decode by their log-sum-exp weights."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) == q_start:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
+    # An empty split wrote lse -inf and a zero output, so it weighs nothing here.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+    part = tl.load(partial_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_mask, other=0.0)
+    result = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    o_offsets = q_start * stride_o_tok + head * stride_o_head + dims
+    tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The CPU interpreter has no multiprocessors; a nominal count keeps the split path exercised.
+    return 8
+
+
+def default_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
+) -> int:
+    """KV splits for a decode: enough programs for two per multiprocessor, never a split under
+    _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. A power of two, so a server compiles at most
+    six variants. Any count is correct for any lengths (the kernel splits by the seq_lens it reads), so a
+    CUDA graph captured with one count stays valid when the lengths change."""
+    splits = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
+    if max_seq_len is not None:
+        splits = min(splits, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
+    splits = max(1, min(splits, _MAX_KV_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_config(group: int, element_size: int) -> TileConfig:
+    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile."""
+    block_n = 64 if element_size <= 2 else 32
+    return TileConfig(
+        block_m=max(16, triton.next_power_of_2(group)), block_n=block_n, num_warps=4, num_stages=3
+    )
+
+
+def prefill_config(max_query_len: int, group: int, head_dim: int, element_size: int) -> TileConfig:
+    """Short query chunks (a decode in a mixed batch, a speculative verify) get a small tile; fp32
+    (tests only) gets smaller tiles so its doubled operand size still fits in registers."""
+    rows = max_query_len * group
+    block_m = 16 if rows <= 16 else 64 if rows <= 64 or element_size > 2 else 128
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 64 if element_size <= 2 else 32
+    num_warps = 8 if block_m == 128 and head_dim > 64 else 4
+    return TileConfig(
+        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=3 if block_m < 128 else 2
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over each request's paged context; see the reference.
+
+    max_query_len (1 selects the decode kernel) saves a device sync when given, and must be given under
+    CUDA graph capture. max_seq_len and num_kv_splits only shape the split-KV decode: pass a fixed
+    num_kv_splits when capturing a graph. Rows of `out` that no request owns are left untouched.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    kv_block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    if num_tokens == 0 or max_query_len == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    decode = max_query_len == 1
+    if decode:
+        config = decode_config(group, query.element_size())
+        block_q = 1
+        if num_kv_splits is None:
+            num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+        grid = (num_seqs, num_kv_heads, num_kv_splits)
+    else:
+        config = prefill_config(max_query_len, group, head_dim, query.element_size())
+        block_q = config.block_m // group
+        num_kv_splits = 1
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, 1)
+    if num_kv_splits > 1:
+        partial_out = torch.empty(
+            num_seqs * num_heads * num_kv_splits * head_dim, dtype=torch.float32, device=query.device
+        )
+        partial_lse = torch.empty(
+            num_seqs * num_heads * num_kv_splits, dtype=torch.float32, device=query.device
+        )
+    else:
+        partial_out = partial_lse = out
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out, partial_out, partial_lse,
+        block_tables, seq_lens, query_start_loc, num_seqs, scale * _LOG2_E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
+        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
+        NUM_SPLITS=num_kv_splits, DECODE=decode,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_kv_splits, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,312 @@
+"""Linear layers that own their weights (vLLM's names and sharding): each module holds one tensor-parallel
+rank's shard and cuts it from the full checkpoint tensor in its weight_loader. There is no
+torch.distributed yet: a module computes its own rank's part; gathering or all-reducing is the caller's."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ShardId = str | int | None
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+def divide(numerator: int, tp_size: int, what: str) -> int:
+    if numerator % tp_size:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tp_size ({tp_size}); pick a tp_size that divides it."
+        )
+    return numerator // tp_size
+
+
+def load_shard(
+    dest: torch.Tensor, loaded: torch.Tensor, dim: int | None, shard_rank: int, num_shards: int
+) -> None:
+    """Copy slice `shard_rank` of `loaded` cut into `num_shards` equal slices along `dim` (all of it when
+    dim is None) into `dest`, once `loaded` has proved to be exactly the full tensor."""
+    expected = list(dest.shape)
+    if dim is not None:
+        expected[dim] *= num_shards
+    if list(loaded.shape) != expected:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(expected)}")
+    if dim is not None:
+        loaded = loaded.narrow(dim, shard_rank * dest.shape[dim], dest.shape[dim])
+    dest.copy_(loaded)
+
+
+class LinearMethodBase(ABC):
+    """How a linear layer stores and applies its weight: the seam a quantized method (fp8, int4) plugs
+    into. create_weights registers the layer's parameters, each carrying `weight_loader` and the dims it
+    is sharded along (`output_dim`, `input_dim`; None where every rank holds that dim whole)."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None: ...
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """One dense weight [output_size_per_partition, input_size_per_partition] in params_dtype."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        shape = (sum(output_partition_sizes), input_size_per_partition)
+        weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+        weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    """What the four layers share: the rank, the quant method, and the creation of weight and bias."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp_size: int,
+        tp_rank: int,
+        params_dtype: torch.dtype | None,
+        quant_method: LinearMethodBase | None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1} (tp_size {tp_size}).")
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.params_dtype = params_dtype
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+
+    def _create_weights(
+        self, input_size_per_partition: int, output_partition_sizes: list[int], bias: bool, bias_sharded: bool
+    ) -> None:
+        self.input_size_per_partition = input_size_per_partition
+        self.output_partition_sizes = output_partition_sizes
+        self.output_size_per_partition = sum(output_partition_sizes)
+        self.quant_method.create_weights(
+            self,
+            input_size_per_partition,
+            output_partition_sizes,
+            self.input_size,
+            self.output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        size = self.output_size_per_partition if bias_sharded else self.output_size
+        self.bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
+        self.bias.output_dim = 0 if bias_sharded else None
+        self.bias.input_dim, self.bias.weight_loader = None, self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T + b with W's rows (the output features) split: rank r holds output features
+    [r * output_size / tp_size, (r + 1) * output_size / tp_size) of W and b and returns that slice of y.
+    `output_sizes` names the logical outputs a fused layer concatenates; each is split on its own."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        *,
+        output_sizes: list[int] | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
+        super().__init__(input_size, output_size, tp_size, tp_rank, params_dtype, quant_method)
+        self.output_sizes = output_sizes or [output_size]
+        partition_sizes = [divide(size, tp_size, "an output size") for size in self.output_sizes]
+        self._create_weights(input_size, partition_sizes, bias, bias_sharded=True)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        load_shard(param.data, loaded_weight, param.output_dim, self.tp_rank, self.tp_size)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers of one input in one matmul (the MLP's gate and up): rank r's weight
+    is [gate_r; up_r], its slice of each output in order. Checkpoint shard ids are output indices."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias,
+            output_sizes=list(output_sizes),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            params_dtype=params_dtype,
+            quant_method=quant_method,
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if shard_id is None:  # a checkpoint that stores the outputs already fused
+            for index, chunk in enumerate(split_fused(loaded_weight, param.output_dim, self.output_sizes)):
+                self.weight_loader(param, chunk, index)
+            return
+        if shard_id not in range(len(self.output_sizes)):
+            raise ValueError(f"shard id {shard_id!r} is not an output index below {len(self.output_sizes)}")
+        offset = sum(self.output_partition_sizes[:shard_id])
+        dest = param.data.narrow(param.output_dim, offset, self.output_partition_sizes[shard_id])
+        load_shard(dest, loaded_weight, param.output_dim, self.tp_rank, self.tp_size)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The attention's q, k and v projections in one matmul: rank r's weight is [q_r; k_r; v_r]. Query
+    heads split evenly across ranks; KV heads split too, or, when there are fewer KV heads than ranks,
+    each is replicated on tp_size / num_kv_heads consecutive ranks. Checkpoint shard ids: "q", "k", "v"."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        num_heads = divide(total_num_heads, tp_size, "num_heads")
+        if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"tp_size ({tp_size}) is not a multiple of num_kv_heads ({total_num_kv_heads}), so KV "
+                    "heads cannot be replicated evenly; pick a tp_size that is."
+                )
+            num_kv_heads, num_kv_head_replicas = 1, tp_size // total_num_kv_heads
+        else:
+            num_kv_heads, num_kv_head_replicas = divide(total_num_kv_heads, tp_size, "num_kv_heads"), 1
+        # Per-rank sizes times tp_size, so that a replicated KV head counts once per rank holding it.
+        q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+        output_sizes = [q_size * tp_size, kv_size * tp_size, kv_size * tp_size]
+        super().__init__(
+            hidden_size,
+            sum(output_sizes),
+            bias,
+            output_sizes=output_sizes,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            params_dtype=params_dtype,
+            quant_method=quant_method,
+        )
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_kv_head_replicas = num_kv_head_replicas
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        if shard_id is None:  # a checkpoint that stores q, k and v already fused
+            kv_size = self.total_num_kv_heads * self.head_size
+            full_sizes = [self.total_num_heads * self.head_size, kv_size, kv_size]
+            for name, chunk in zip("qkv", split_fused(loaded_weight, param.output_dim, full_sizes)):
+                self.weight_loader(param, chunk, name)
+            return
+        q_size, kv_size = self.output_partition_sizes[:2]
+        # Ranks holding the same KV heads load the same slice: the KV tensor has one slice per group.
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        num_kv_shards = self.tp_size // self.num_kv_head_replicas
+        shards = {
+            "q": (0, q_size, self.tp_rank, self.tp_size),
+            "k": (q_size, kv_size, kv_rank, num_kv_shards),
+            "v": (q_size + kv_size, kv_size, kv_rank, num_kv_shards),
+        }
+        if shard_id not in shards:
+            raise ValueError(f"shard id {shard_id!r} is not 'q', 'k' or 'v'")
+        offset, size, shard_rank, num_shards = shards[shard_id]
+        dest = param.data.narrow(param.output_dim, offset, size)
+        load_shard(dest, loaded_weight, param.output_dim, shard_rank, num_shards)
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T + b with W's columns (the input features) split: rank r takes its slice of x's features
+    (a column-parallel layer's output) and returns a partial y; the ranks' partials sum to y (an
+    all-reduce, once there is torch.distributed). Every rank holds the whole bias but only rank 0 adds
+    it, so the sum adds it once."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
+        super().__init__(input_size, output_size, tp_size, tp_rank, params_dtype, quant_method)
+        input_size_per_partition = divide(input_size, tp_size, "input_size")
+        self._create_weights(input_size_per_partition, [output_size], bias, bias_sharded=False)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        load_shard(param.data, loaded_weight, param.input_dim, self.tp_rank, self.tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+
+
+def split_fused(loaded_weight: torch.Tensor, dim: int, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """A fused checkpoint tensor cut into its logical outputs along `dim`."""
+    if loaded_weight.shape[dim] != sum(sizes):
+        raise ValueError(
+            f"fused size {loaded_weight.shape[dim]} along dim {dim} is not the expected {sum(sizes)}"
+        )
+    return loaded_weight.split(sizes, dim=dim)

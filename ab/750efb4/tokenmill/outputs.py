@@ -1,0 +1,45 @@
+"""What a caller gets back per request: the prompt, and one CompletionOutput per sample (n of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    # Per generated token: {token_id: Logprob} holding the sampled token and the top-k alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # Streaming deltas since the previous output of this request.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    # When asked for (SamplingParams.prompt_logprobs): one entry per prompt token, None for the first,
+    # each {token_id: Logprob} holding the prompt token and the top-k alternatives at that position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

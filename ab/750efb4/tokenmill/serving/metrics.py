@@ -1,0 +1,159 @@
+"""Prometheus metrics of one server, under vLLM's metric names with a `tokenmill:` prefix, so dashboards
+and autoscalers written for vLLM read them unchanged. Scheduler gauges come from the engine core's
+per-step stats; latencies are measured in the API process as outputs arrive."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from tokenmill.serving.core_protocol import SchedulerStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# The `_created` companion series only double the scrape size; vLLM turns them off too.
+disable_created_metrics()
+
+
+class BulkHistogram:
+    """A Prometheus histogram that takes many equal observations in one call. The outputs of one engine
+    step reach the API process together, so their inter-token gaps are a handful of distinct values;
+    prometheus_client's Histogram would take a lock and a bucket search per token."""
+
+    def __init__(
+        self, name: str, doc: str, labels: dict[str, str], buckets: tuple[float, ...], registry
+    ) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.bounds = [*buckets, float("inf")]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self._lock = threading.Lock()  # /metrics may be rendered off the event loop's thread
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        index = bisect.bisect_left(self.bounds, value)  # the first bucket whose upper bound holds it
+        with self._lock:
+            self.counts[index] += count
+            self.sum += value * count
+
+    def collect(self):
+        with self._lock:
+            cumulative = list(itertools.accumulate(self.counts))
+            total = self.sum
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=True)]
+        family.add_metric(list(self.labels.values()), buckets, total)
+        yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+
+        def gauge(name: str, doc: str):
+            return Gauge(f"tokenmill:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str):
+            return Counter(f"tokenmill:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"tokenmill:{name}", doc, names, buckets=buckets, registry=self.registry).labels(
+                **labels
+            )
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV blocks held by live requests."
+        )
+        self.kv_cache_used_blocks = gauge(
+            "kv_cache_used_blocks",
+            "KV blocks held by live requests (cached-but-free prefix blocks excluded).",
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        success = Counter(
+            "tokenmill:request_success",
+            "Finished requests, by finish reason.",
+            [*names, "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_success = {
+            reason: success.labels(**labels, finished_reason=reason) for reason in FINISH_REASONS
+        }
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = BulkHistogram(
+            "tokenmill:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            labels,
+            _ITL_BUCKETS,
+            self.registry,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time from arrival to first being scheduled.", _REQUEST_BUCKETS
+        )
+        self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, [])
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.kv_cache_used_blocks.set(stats.num_used_blocks)
+        # The core reports running totals; the counters advance by the difference.
+        last = self._last_stats
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        for seconds in stats.queue_times:
+            self.request_queue_time.observe(seconds)
+        self._last_stats = stats
+
+    def record_first_token(self, seconds: float, num_prompt_tokens: int) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_step(self, inter_token_gaps: dict[float, int], num_generated_tokens: int) -> None:
+        """One engine step's outputs at once: {gap in seconds: how many requests saw it}, and the
+        tokens they carried."""
+        for seconds, count in inter_token_gaps.items():
+            self.inter_token_latency.observe(seconds, count)
+        self.generation_tokens.inc(num_generated_tokens)
+
+    def record_finished(self, finish_reason: str, e2e_seconds: float | None) -> None:
+        self.request_success[finish_reason].inc()
+        if e2e_seconds is not None:
+            self.e2e_request_latency.observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
