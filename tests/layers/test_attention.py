@@ -12,7 +12,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", [(37, 6, 2, 48), (300, 32, 8, 128), (256, 4, 4, 64), (4097, 4, 1, 64)])
+@pytest.mark.parametrize(
+    "num_tokens, num_heads, num_kv_heads, head_dim",
+    [(37, 6, 2, 48), (300, 32, 8, 128), (256, 4, 4, 64), (4097, 4, 1, 64)],
+)
 def test_dense_prefill_matches_paged_reference(device, num_tokens, num_heads, num_kv_heads, head_dim):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -18,3 +18,30 @@ def test_an_output_held_by_the_caller_does_not_change_with_later_tokens():
     assert [o.outputs[0].token_ids for o in held] == [[7], [7, 8], [7, 8, 9]]
     assert [o.outputs[0].delta_token_ids for o in held] == [[7], [8], [9]]
     assert held[-1].finished and not held[0].finished
+
+
+def test_logprobs_of_a_cut_stop_string_are_not_reported():
+    from tokenmill.core.outputs import TokenLogprobs
+    from tokenmill.loader.default_model import default_model_path
+    from tokenmill.loader.gguf import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    tokens = tokenizer.encode(" The answer is four. STOP and more text", add_special_tokens=False)
+    for streamed in (True, False):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(max_tokens=len(tokens), logprobs=0, stop=[". STOP"])
+        processor.add_request("r", None, [1], params)
+        deltas, final = [], None
+        for token in tokens if streamed else [tokens]:
+            batch = [token] if streamed else token
+            lps = [TokenLogprobs(-0.5, 1, [t], [-0.5]) for t in batch]
+            outputs, _ = processor.process([EngineCoreOutput("r", batch, lps)])
+            if outputs:
+                final = outputs[0].outputs[0]
+                deltas.extend(final.delta_logprobs or [])
+            if final is not None and final.finished:
+                break
+        assert final.text == " The answer is four" and final.finish_reason == "stop"
+        reported = [next(iter(entry)) for entry in final.logprobs]
+        assert tokenizer.decode(reported) == " The answer is four"  # nothing of ". STOP" or after it
+        assert [next(iter(entry)) for entry in deltas] == reported  # streamed deltas agree

@@ -21,13 +21,18 @@ class IncrementalDetokenizer:
         )
         self._params = params
         self.output_text = ""
-        self._num_emitted = 0  # characters of output_text already handed out
+        self.num_emitted = 0  # characters of output_text already handed out
+        # With stop strings: where each token's text starts in output_text, so the tokens of a stop
+        # string cut from the text can be told apart (their logprobs are not reported).
+        self.token_starts: list[int] | None = [] if params.stop else None
 
     def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Add tokens; returns the stop string that matched (text is then cut before it), else None.
         check_stop is False while the request is still under its min_tokens."""
         for token_id in new_token_ids:
             start = len(self.output_text)
+            if self.token_starts is not None:
+                self.token_starts.append(start)
             chunk = self._stream.step(self._backend, token_id)
             if chunk:
                 self.output_text += chunk
@@ -51,7 +56,7 @@ class IncrementalDetokenizer:
         """Text not yet emitted, minus the withheld tail unless the request has finished."""
         end = len(self.output_text)
         if not finished:
-            end = max(self._num_emitted, end - self._params.stop_buffer_length)
-        delta = self.output_text[self._num_emitted : end]
-        self._num_emitted = end
+            end = max(self.num_emitted, end - self._params.stop_buffer_length)
+        delta = self.output_text[self.num_emitted : end]
+        self.num_emitted = end
         return delta

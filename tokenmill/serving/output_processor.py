@@ -36,6 +36,9 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With stop strings, logprob entries wait here with their token's text offset until that text is
+    # emitted; the entries of tokens inside a stop string cut from the text are never reported.
+    held_logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -129,6 +132,27 @@ class OutputProcessor:
                 entry[tid] = Logprob(lp, rank, text(tid))
         return entry
 
+    @staticmethod
+    def _release_logprobs(
+        sample: SampleState, entries: list[dict[int, Logprob]], finish_reason: str | None, stop: str | None
+    ) -> list[dict[int, Logprob]]:
+        """The held entries whose token's text has been emitted; at a stop string, those whose text
+        starts before the cut (the rest belonged to the stop string and are dropped)."""
+        detokenizer = sample.detokenizer
+        assert detokenizer is not None and detokenizer.token_starts is not None
+        starts = detokenizer.token_starts[len(sample.token_ids) - len(entries) :]
+        sample.held_logprobs.extend(zip(starts, entries))
+        if finish_reason is not None and stop is None:
+            limit = None  # a stop token or a length cut: every token counts
+        else:
+            limit = len(detokenizer.output_text) if finish_reason is not None else detokenizer.num_emitted
+        released = []
+        while sample.held_logprobs and (limit is None or sample.held_logprobs[0][0] < limit):
+            released.append(sample.held_logprobs.pop(0)[1])
+        if finish_reason is not None:
+            sample.held_logprobs.clear()
+        return released
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (one RequestOutput per touched request, child ids to abort after a stop string).
         This runs for every token of every stream: keep it lean."""
@@ -154,20 +178,24 @@ class OutputProcessor:
             if core_output.new_logprobs is not None and sample.logprobs is not None:
                 delta_logprobs = []
                 for token_id, lp in zip(new_token_ids, core_output.new_logprobs):
-                    entry = self._decode_logprobs(lp, token_id)
-                    sample.logprobs.append(entry)
-                    delta_logprobs.append(entry)
+                    delta_logprobs.append(self._decode_logprobs(lp, token_id))
                     sample.cumulative_logprob += lp.logprob
             finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
             delta_text = ""
-            if sample.detokenizer is not None:
+            detokenizer = sample.detokenizer
+            stop = None
+            if detokenizer is not None:
                 past_min_tokens = len(sample.token_ids) >= sample.params.min_tokens
-                stop = sample.detokenizer.update(new_token_ids, check_stop=past_min_tokens)
+                stop = detokenizer.update(new_token_ids, check_stop=past_min_tokens)
                 if stop is not None:
                     if finish_reason is None:
                         to_abort.append(core_output.request_id)
                     finish_reason, stop_reason = "stop", stop
-                delta_text = sample.detokenizer.take_delta(finished=finish_reason is not None)
+                delta_text = detokenizer.take_delta(finished=finish_reason is not None)
+            if delta_logprobs is not None:
+                if detokenizer is not None and detokenizer.token_starts is not None:
+                    delta_logprobs = self._release_logprobs(sample, delta_logprobs, finish_reason, stop)
+                sample.logprobs.extend(delta_logprobs)  # type: ignore[union-attr]
             if finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
                 parent.num_finished += 1
