@@ -50,3 +50,27 @@ def test_greedy_tokens_match_transformers_in_bf16(arch, enforce_eager, hf_model_
         tolerance = NEAR_TIE * logits.abs().max(dim=-1).values
         assert (gap <= tolerance).all(), f"{arch}: gaps {gap.tolist()} tolerance {tolerance.tolist()}"
         assert (gap == 0).float().mean() >= 0.75  # the rest are the near ties bounded above
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_pooled_embeddings_match_transformers_in_bf16(pooling, hf_model_dirs):
+    path, hf_model = hf_model_dirs["qwen3"]
+    llm = LLM(
+        model=path,
+        runner="pooling",
+        pooling_type=pooling,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_batched_tokens=64,  # the longer prompts are pooled over several chunks
+        kv_cache_memory=256 << 20,
+    )
+    outputs = llm.embed(prompt_token_ids=PROMPTS, use_tqdm=False)
+    outputs += llm.embed(prompt_token_ids=PROMPTS[2:3], use_tqdm=False)  # alone: the dense prefill path
+    base = copy.deepcopy(hf_model.model).to("cuda")
+    for prompt, output in zip(PROMPTS + PROMPTS[2:3], outputs):
+        with torch.no_grad():
+            hidden = base(torch.tensor([prompt], device="cuda")).last_hidden_state[0].float()
+        want = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=-1)
+        got = torch.tensor(output.embedding, device="cuda")
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999

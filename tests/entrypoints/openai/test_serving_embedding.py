@@ -73,6 +73,13 @@ def test_what_a_pooling_server_refuses(pooling_server):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="default", prompt="hi", max_tokens=2)
     assert "/v1/embeddings" in error.value.body["message"]
+    for bad in (
+        {"input": [[10**7]]},
+        {"input": "hi", "encoding_format": "bits"},
+        {"input": "hi", "dimensions": 0},
+    ):
+        response = pooling_server.post("/v1/embeddings", json=bad)
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     # It keeps serving.
     assert len(client.embeddings.create(model="default", input="hi").data) == 1
 
