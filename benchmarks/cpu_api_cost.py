@@ -48,8 +48,8 @@ def main() -> None:
     profiler = ["-m", "cProfile", "-o", args.cprofile] if args.cprofile else []
     server = subprocess.Popen(
         [sys.executable, *profiler, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model,
-         "--load-format", "dummy", "--tokenizer", tokenizer, "--port", str(args.port), "--no-access-log", "--max-model-len", "1024",
-         "--num-kv-blocks", "20000", "--max-num-batched-tokens", "2048"],
+         "--load-format", "dummy", "--tokenizer", tokenizer, "--port", str(args.port), "--no-access-log",
+         "--max-model-len", "1024", "--num-kv-blocks", "20000", "--max-num-batched-tokens", "2048"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
