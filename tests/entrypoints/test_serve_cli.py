@@ -32,3 +32,20 @@ def test_taken_port_fails_before_the_model_loads(capsys):
 def test_missing_model_is_a_clean_error(capsys):
     assert main(["serve", "--port", "0", "--model", "/no/such/model"]) == 2
     assert "model '/no/such/model' not found" in capsys.readouterr().err
+
+
+def test_unsupported_architecture_is_one_clean_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    config = {"architectures": ["FooForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 100, "intermediate_size": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", str(tmp_path),
+               "--load-format", "dummy", "--skip-tokenizer-init", "--port", "0"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "FooForCausalLM" in output and "is not supported" in output
+    assert "Traceback" not in output
