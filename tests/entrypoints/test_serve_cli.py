@@ -39,8 +39,8 @@ def test_unsupported_architecture_is_one_clean_line(tmp_path):
     import subprocess
     import sys
 
-    config = {"architectures": ["FooForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 100, "intermediate_size": 64}  # fmt: skip
+    config = {"architectures": ["FooForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 100,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", str(tmp_path),
                "--load-format", "dummy", "--skip-tokenizer-init", "--port", "0"]  # fmt: skip
