@@ -39,7 +39,7 @@ def test_unsupported_architecture_is_one_clean_line(tmp_path):
     import subprocess
     import sys
 
-    config = {"architectures": ["FooForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 100,
+    config = {"architectures": ["FooForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 9,
               "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", str(tmp_path),
