@@ -2,13 +2,13 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync server embeddings (default: all). The -sync stages rerun with
+#         throughput-8b throughput-8b-sync server embeddings poisson (default: all). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
 #         the wheels in .whl installed (README of the device tool) and a tokenizer in .gpu_assets/tokenizer.
 set -u
 out=${1:?usage: run_all.sh OUTDIR [STAGE ...]}
 shift
-stages=${*:-tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync throughput-8b throughput-8b-sync server embeddings}
+stages=${*:-tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync throughput-8b throughput-8b-sync server embeddings poisson}
 mkdir -p "$out"
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -43,6 +43,7 @@ for stage in $stages; do
                           --no-async-scheduling --out "$out/throughput_llama_8b_sync.json" ;;
     server) timeout 420 benchmarks/gpu/serve_vs_offline.sh "$out" ;;
     embeddings) timeout 420 $py benchmarks/gpu/bench_embeddings.py --out "$out/embeddings.json" ;;
+    poisson) TRITON_CACHE_DIR=$(mktemp -d) timeout 300 benchmarks/gpu/serve_poisson.sh "$out" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
