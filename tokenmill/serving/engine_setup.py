@@ -186,6 +186,12 @@ def warm_up(parts: EngineParts) -> None:
                 for params in round_params:
                     add([rng.randrange(vocab_size) for _ in range(length)], params)
             run_all()
+    # Short prompts beside another request (the paged path, not the dense one): the paged kernel's tile
+    # grows with the step's longest query, and serving meets every size class of it next to decodes.
+    for length in (n for n in (2, 3, 4, 5, 8, 11, 16, 17, 40, 64, 65) if n <= longest):
+        add([rng.randrange(vocab_size)], rounds[0][0])
+        add([rng.randrange(vocab_size) for _ in range(length)], rounds[0][0])
+        run_all()
     # Prompts that continue a cached prefix, alone and batched, and one longer than a step: attention
     # over a context longer than the step's queries (chunked prefill) has kernel variants of its own.
     params = rounds[0][0]
