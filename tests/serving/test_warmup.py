@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from tokenmill.config import EngineConfig
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.serving.engine_setup import create_engine, warm_up
+from tokenmill.serving.engine_setup import create_engine
 from tokenmill.serving.llm_engine import LLMEngine
+from tokenmill.serving.warmup import warm_up
 
 
 def greedy(engine: LLMEngine, prompt: list[int]) -> list[int]:

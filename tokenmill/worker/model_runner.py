@@ -19,6 +19,7 @@ from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.input_batch import InputBatch, StepInputs
+from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,7 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
-        # Mean pooling: each request's sum of hidden states over the prompt chunks computed so far.
-        self._pooled_sums: dict[str, torch.Tensor] = {}
+        self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
@@ -332,38 +332,18 @@ class ModelRunner:
 
     def _execute_pooling(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """One step of the pooling runner: the forward pass, then a vector for every request whose
-        prompt this step completes (a mean pooler keeps running sums across chunks)."""
-        for request_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
-            self._pooled_sums.pop(request_id, None)  # a preempted request recomputes from its start
+        prompt this step completes; the step's "sampled" tokens are placeholders nobody reads."""
+        assert self.pooler is not None
+        self.pooler.forget([*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids])
         inputs = self.input_batch.prepare(scheduler_output)
         input_ids, positions, md = self.to_device(inputs)
         hidden = self.model(input_ids, positions, md)
-        finished_rows = [row for row, done in enumerate(inputs.samples) if done]
-        if self.pooling_type == "last":
-            ends = torch.as_tensor(inputs.query_start_loc[1:] - 1, dtype=torch.int64)
-            pooled = hidden[ends[finished_rows].to(self.device)].float()
-        else:
-            lengths = np.diff(inputs.query_start_loc)
-            row_of_token = torch.as_tensor(np.repeat(np.arange(len(lengths)), lengths)).to(self.device)
-            sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=self.device)
-            sums.index_add_(0, row_of_token, hidden[: len(row_of_token)].float())
-            for row, request_id in enumerate(inputs.req_ids):
-                earlier = self._pooled_sums.pop(request_id, None)
-                if earlier is not None:
-                    sums[row] += earlier
-                if not inputs.samples[row]:
-                    self._pooled_sums[request_id] = sums[row].clone()
-            counts = [
-                self.input_batch.requests[inputs.req_ids[row]].num_prompt_tokens for row in finished_rows
-            ]
-            pooled = (
-                sums[finished_rows] / torch.tensor(counts, dtype=torch.float32, device=self.device)[:, None]
-            )
-        pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        num_prompt_tokens = {r: self.input_batch.requests[r].num_prompt_tokens for r in inputs.req_ids}
+        pooled = self.pooler.pool(hidden, inputs, num_prompt_tokens)
         sampled = torch.zeros(len(inputs.req_ids), dtype=torch.int64, device=self.device)
         self._last_sampled = sampled
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
-        return PendingRunnerOutput(self, inputs, sampled, None, [], None, (finished_rows, pooled))
+        return PendingRunnerOutput(self, inputs, sampled, None, [], None, pooled)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
