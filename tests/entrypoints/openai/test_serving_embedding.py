@@ -77,6 +77,7 @@ def test_what_a_pooling_server_refuses(pooling_server):
         {"input": [[10**7]]},
         {"input": "hi", "encoding_format": "bits"},
         {"input": "hi", "dimensions": 0},
+        {"input": ["hi"] * 2049},
     ):
         response = pooling_server.post("/v1/embeddings", json=bad)
         assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"

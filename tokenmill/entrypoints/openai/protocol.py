@@ -12,6 +12,7 @@ from tokenmill.sampling_params import SamplingParams
 from .errors import ParamError
 
 _MAX_LOGPROBS = 20
+_MAX_EMBEDDING_INPUTS = 2048  # OpenAI's cap on the items of one embeddings request
 _SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
 
 
@@ -237,6 +238,11 @@ class EmbeddingRequest(OpenAIModel):
             isinstance(self.input, list) and (not self.input or any(i == [] or i == "" for i in self.input))
         ):
             raise ParamError("input", "input must not be empty")
+        many = isinstance(self.input, list) and self.input and not isinstance(self.input[0], int)
+        if many and len(self.input) > _MAX_EMBEDDING_INPUTS:
+            raise ParamError(
+                "input", f"input has {len(self.input)} items; at most {_MAX_EMBEDDING_INPUTS} per request"
+            )
         return self
 
     def inputs(self) -> list[str | list[int]]:
