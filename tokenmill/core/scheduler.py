@@ -129,12 +129,13 @@ class Scheduler:
                 continue
             while (allocated := self.kv.allocate_slots(request, num_new)) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-                undone = num_scheduled.pop(victim.request_id, None)
-                if undone is not None:
+                position = self.running.index(victim)
+                if num_scheduled.pop(victim.request_id, None) is not None:
                     new_block_ids.pop(victim.request_id)
                     budget += cost_of.pop(victim.request_id)
-                    index -= 1
                 self._preempt(victim)
+                if position < index:  # the list shifts under the cursor, scheduled or passed over
+                    index -= 1
                 num_preempted += 1
                 if victim is request:
                     break
