@@ -89,3 +89,17 @@ def test_a_generating_server_refuses_embeddings(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.embeddings.create(model="default", input="hi")
     assert "--runner pooling" in error.value.body["message"]
+
+
+def test_metrics_count_embeddings_as_requests_not_generated_tokens(pooling_server):
+    before = pooling_server.metrics()
+    pooling_server.client().embeddings.create(model="default", input=["a", "b", "c"])
+    after = pooling_server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    stop = next(k for k in after if k.startswith("tokenmill:request_success_total") and "stop" in k)
+    assert delta(stop) == 3
+    assert delta("tokenmill:generation_tokens_total") == 0
+    assert delta("tokenmill:prompt_tokens_total") > 0
