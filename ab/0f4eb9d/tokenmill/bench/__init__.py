@@ -1,1 +1,0 @@
-"""Benchmark client: load generation over HTTP and latency accounting (docs/bench.md)."""
