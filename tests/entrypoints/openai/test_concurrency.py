@@ -5,6 +5,7 @@ held beyond the prefix cache."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -114,3 +115,25 @@ def test_disconnect_during_a_non_streaming_request_aborts_it(server):
         )
 
     assert wait_for(aborted_and_freed, timeout=10), server.metrics()
+
+
+def test_a_long_prompt_counts_as_running_from_its_first_chunk(server):
+    # ~1,000 tokens: several CPU steps of chunked prefill (256-token budget) before the first token.
+    prompt = [1000 + (i * 7) % 5000 for i in range(1000)]
+    body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    tokens_before = server.metrics().get("tokenmill:generation_tokens_total", 0.0)
+
+    def prefilling() -> bool:
+        metrics = server.metrics()
+        running = metrics.get("tokenmill:num_requests_running") == 1
+        return running and metrics.get("tokenmill:generation_tokens_total", 0.0) == tokens_before
+
+    sender = threading.Thread(
+        target=lambda: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).raise_for_status()
+    )
+    sender.start()
+    try:
+        assert wait_for(prefilling, timeout=30, interval=0.05), "the prefilling request was not counted"
+    finally:
+        sender.join()
+    assert server.metrics()["tokenmill:generation_tokens_total"] == tokens_before + 1
