@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -137,3 +138,27 @@ def test_a_long_prompt_counts_as_running_from_its_first_chunk(server):
     finally:
         sender.join()
     assert server.metrics()["tokenmill:generation_tokens_total"] == tokens_before + 1
+
+
+def test_a_short_request_is_answered_while_a_long_prompt_prefills(server):
+    prompt = [1000 + (i * 11) % 5000 for i in range(1000)]
+    long_body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    finished: dict[str, float] = {}
+
+    def send_long() -> None:
+        httpx.post(f"{server.url}/v1/completions", json=long_body, timeout=120).raise_for_status()
+        finished["long"] = time.monotonic()
+
+    sender = threading.Thread(target=send_long)
+    sender.start()
+    try:
+        assert wait_for(lambda: server.metrics().get("tokenmill:num_requests_running") == 1, interval=0.05)
+        start = time.monotonic()
+        short = {"model": "default", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        httpx.post(f"{server.url}/v1/completions", json=short, timeout=60).raise_for_status()
+        answered = time.monotonic()
+    finally:
+        sender.join()
+    # Answered within a couple of CPU steps, not after the whole prompt: the long one ends later.
+    assert answered - start < 3.0
+    assert finished["long"] > answered
