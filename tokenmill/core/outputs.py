@@ -44,4 +44,6 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # With the first token only, when asked for: entry i scores prompt token i + 1 given those before it.
     prompt_logprobs: list[TokenLogprobs] | None = None
-    pooled: bytes | None = None  # the pooling runner's vector (float32 little-endian, L2-normalised)
+    # The pooling runner's vector (float32 little-endian, L2-normalised), with finish reason "stop" and no
+    # tokens: an embedding request ends when its prompt has been computed.
+    pooled: bytes | None = None

@@ -301,6 +301,18 @@ class Scheduler:
                 continue
             # A preempted request keeps the token: it was sampled from a complete context.
             request.num_output_placeholders -= 1
+            pooled = runner_output.pooled[row] if runner_output.pooled else None
+            if pooled is not None:  # a pooling request is done with its prompt; its token was a placeholder
+                if running:
+                    self.kv.cache_full_blocks(request)
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id, [], finish_reason="stop", num_cached_tokens=request.num_cached_tokens,
+                        pooled=pooled,
+                    )
+                )  # fmt: skip
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                continue
             request.append_output_token(new_token_ids[0])
             if running:
                 self.kv.cache_full_blocks(request)
@@ -320,7 +332,6 @@ class Scheduler:
                         and request.sampling_params.prompt_logprobs is not None
                         else None
                     ),
-                    pooled=runner_output.pooled[row] if runner_output.pooled else None,
                 )
             )
             if status is not None:

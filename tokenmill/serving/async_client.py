@@ -290,15 +290,13 @@ class AsyncEngineClient:
                 gap = now - state.last_output_time
                 gaps[gap] = gaps.get(gap, 0) + 1
             state.last_output_time = now
-            pooled = output.pooled is not None  # an embedding: its one step's token is no output
-            if not pooled:
-                for completion in output.outputs:
-                    num_tokens += len(completion.delta_token_ids)
+            for completion in output.outputs:
+                num_tokens += len(completion.delta_token_ids)
             if output.finished:
                 del self._requests[output.request_id]
                 if self.metrics is not None:
                     for completion in output.outputs:
-                        reason = "stop" if pooled else completion.finish_reason or "abort"
+                        reason = completion.finish_reason or "abort"
                         self.metrics.record_finished(reason, now - state.arrival_time)
             state.queue.put_nowait(output)
         if self.metrics is not None:
