@@ -4,7 +4,7 @@ tokenizer) whose engine core steps 100+ streams in a few ms, so the API process 
 `tokenmill bench serve` streams random 512-in / 256-out requests. Prints the API process's CPU
 microseconds per output token (user + system, from /proc), and the server's output tokens/s.
 
-    python benchmarks/cpu_api_cost.py [--concurrency 128] [--num-prompts 256] [--profile OUT.svg]
+    python benchmarks/cpu_api_cost.py [--concurrency 128] [--num-prompts 256] [--cprofile OUT.prof]
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
 import psutil
+from local_server import local_server
 
 from tokenmill.loader.default_model import default_model_path
 
@@ -35,9 +34,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--port", type=int, default=8021)
-    parser.add_argument(
-        "--profile", help="py-spy profile of the API process: a flame graph (.svg) or collapsed stacks (.txt)"
-    )
     parser.add_argument("--cprofile", help="run the API process under cProfile, stats to this file")
     args = parser.parse_args()
     model = tempfile.mkdtemp(prefix="tokenmill-tiny-")
@@ -46,19 +42,10 @@ def main() -> None:
     tokenizer = default_model_path()
     base = f"http://127.0.0.1:{args.port}"
     profiler = ["-m", "cProfile", "-o", args.cprofile] if args.cprofile else []
-    server = subprocess.Popen(
-        [sys.executable, *profiler, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model,
-         "--load-format", "dummy", "--tokenizer", tokenizer, "--port", str(args.port), "--no-access-log",
-         "--max-model-len", "1024", "--num-kv-blocks", "20000", "--max-num-batched-tokens", "2048"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    flags = ["--model", model, "--load-format", "dummy", "--tokenizer", tokenizer, "--no-access-log",
+             "--max-model-len", "1024", "--num-kv-blocks", "20000",
+             "--max-num-batched-tokens", "2048"]  # fmt: skip
+    with local_server(flags, args.port, python_flags=profiler) as server:
         api = psutil.Process(server.pid)
         out = os.path.join(model, "serve.json")
         client = [sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--base-url", base,
@@ -66,21 +53,11 @@ def main() -> None:
                   "--random-output-len", "256", "--ignore-eos", "--num-prompts", str(args.num_prompts),
                   "--max-concurrency", str(args.concurrency), "--seed", "0", "--disable-tqdm",
                   "--output-json", out]  # fmt: skip
-        spy = None
-        if args.profile:
-            raw = ["--format", "raw"] if args.profile.endswith(".txt") else []  # collapsed stacks
-            spy = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-o", args.profile, *raw])
         before = api.cpu_times()
         subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
         after = api.cpu_times()
-        if spy is not None:
-            spy.terminate()
-            spy.wait()
         with open(out) as f:
             result = json.load(f)
-    finally:
-        server.terminate()
-        server.wait(60)
     cpu_s = (after.user - before.user) + (after.system - before.system)
     tokens = result["total_output_tokens"]
     print(json.dumps({

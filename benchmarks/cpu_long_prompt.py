@@ -11,28 +11,13 @@ import argparse
 import contextlib
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+from local_server import local_server
 
 SHORT = {"prompt": [1000], "max_tokens": 1, "temperature": 0}
-
-
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited during start-up")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server not ready")
 
 
 def timed_short(base: str) -> float:
@@ -50,12 +35,8 @@ def main() -> None:
     args, serve_flags = parser.parse_known_args()
     base = f"http://127.0.0.1:{args.port}"
     rng = random.Random(0)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(args.port), *serve_flags]
-    )
     result: dict[str, float] = {}
-    try:
-        wait_ready(base, server)
+    with local_server(serve_flags, args.port):
         timed_short(base)  # warm-up
 
         def long_prompt(key: str) -> None:
@@ -79,9 +60,6 @@ def main() -> None:
             httpx.post(f"{base}/v1/completions", json=body, timeout=args.delay)
         result["short_after_abort_s"] = timed_short(base)
         result["short_idle_s"] = timed_short(base)
-    finally:
-        server.terminate()
-        server.wait(60)
     result["prompt_tokens"] = args.prompt_tokens
     print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 

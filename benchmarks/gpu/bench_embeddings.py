@@ -14,11 +14,12 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from local_server import local_server  # noqa: E402
 from shapes import prefill_flops, shape_dir  # noqa: E402
 
 SHAPE = "qwen3-0.6b"
@@ -72,27 +73,12 @@ async def _load(base: str, prompts: list[list[int]], batch: int, concurrency: in
 
 
 def served(model: str, prompts, warmup, batch: int, concurrency: int, port: int, log: str) -> dict:
-    import httpx
-
-    command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", model,
-               "--served-model-name", "m", "--load-format", "dummy", "--skip-tokenizer-init",
-               "--max-model-len", "4096", "--port", str(port), "--no-access-log"]  # fmt: skip
-    with open(log, "w") as log_file:
-        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    flags = ["--model", model, "--served-model-name", "m", "--load-format", "dummy", "--skip-tokenizer-init",
+             "--max-model-len", "4096", "--no-access-log"]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with local_server(flags, port, log):
         asyncio.run(_load(base, warmup, batch, concurrency))
         elapsed = asyncio.run(_load(base, prompts, batch, concurrency))
-    finally:
-        server.terminate()
-        server.wait(60)
     return {"elapsed_s": elapsed, "tokens_per_s": sum(map(len, prompts)) / elapsed}
 
 

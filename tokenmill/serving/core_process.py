@@ -206,14 +206,13 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         gc.collect()
         gc.freeze()  # the model and engine live as long as the process: keep the collector off them
         EngineCoreProc(parts.core, input_socket, output_socket, sentinel).run()
-    except ValueError as exc:
-        # A bad configuration (an unsupported architecture, a KV cache too small): the API process
-        # prints the message as one clean line; the traceback is for --log-level debug only.
-        logger.debug("engine core failed", exc_info=True)
-        output_socket.send(encoder.encode(EngineDead(str(exc), type(exc).__name__)))
-        exit_code = 1
     except Exception as exc:
-        logger.exception("engine core failed")
+        # A ValueError is a bad configuration (an unsupported architecture, a KV cache too small): the
+        # API process prints its message as one clean line, the traceback is for --log-level debug.
+        if isinstance(exc, ValueError):
+            logger.debug("engine core failed", exc_info=True)
+        else:
+            logger.exception("engine core failed")
         output_socket.send(encoder.encode(EngineDead(str(exc), type(exc).__name__)))
         exit_code = 1
     finally:

@@ -9,12 +9,15 @@ import random
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from tokenmill.core.request import Request
-from tokenmill.layers.attention import dense_bucket
+from tokenmill.layers.attention import dense_bucket, dense_causal_attention
 from tokenmill.sampling_params import SamplingParams, pooling_request_params
 
 if TYPE_CHECKING:
     from tokenmill.serving.engine_setup import EngineParts
+    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
 
@@ -32,61 +35,72 @@ def warm_up(parts: EngineParts) -> None:
     budget = scheduler.max_num_batched_tokens
     longest = min(budget, parts.max_model_len - 4)
     buckets = sorted({dense_bucket(n) for n in range(1, longest + 1)})
-    runner.warm_up_dense_prefill(buckets)
+    _build_dense_plans(runner, buckets)
     rng = random.Random(0)
     vocab_size = runner.hf_config.vocab_size
-    lengths = [n for n in _WARMUP_LENGTHS if n <= longest]
     if parts.pooling_type is not None:
-        rounds = [[pooling_request_params()]]
+        plain = pooling_request_params()
+        variants = [plain]
     else:
-        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(
             max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, logprobs=2, ignore_eos=True, seed=0
         )
-        rounds = [[greedy], [greedy, sampled]]
+        variants = [plain, sampled]
     count = 0
 
-    def add(prompt: list[int], params: SamplingParams) -> None:
-        nonlocal count
-        core.add_request(Request(f"warmup-{count}", prompt, params))
-        count += 1
+    def tokens(length: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(length)]
 
-    def run_all() -> None:
+    def run(*prompts: list[int], params: list[SamplingParams] | None = None) -> None:
+        """The prompts (each with each of params, default the plain ones) as one batch, to the end."""
+        nonlocal count
+        for prompt in prompts:
+            for request_params in params or [plain]:
+                core.add_request(Request(f"warmup-{count}", prompt, request_params))
+                count += 1
         while core.has_unfinished_requests():
             core.step()
 
-    for round_params in rounds:
-        # Each length alone (the dense path), then all together (varlen prefill, then a decode batch).
-        batches = [[n] for n in lengths] if len(round_params) == 1 else [lengths]
-        for batch in batches:
-            for length in batch:
-                for params in round_params:
-                    add([rng.randrange(vocab_size) for _ in range(length)], params)
-            run_all()
+    lengths = [n for n in _WARMUP_LENGTHS if n <= longest]
+    for length in lengths:  # alone: the dense path
+        run(tokens(length))
+    run(*map(tokens, lengths), params=variants)  # together: varlen prefill, then a decode batch
     # Short prompts beside another request (the paged path, not the dense one): the paged kernel's tile
     # grows with the step's longest query, and serving meets every size class of it next to decodes.
     for length in (n for n in (2, 3, 4, 5, 8, 11, 16, 17, 40, 64, 65) if n <= longest):
-        add([rng.randrange(vocab_size)], rounds[0][0])
-        add([rng.randrange(vocab_size) for _ in range(length)], rounds[0][0])
-        run_all()
+        run(tokens(1), tokens(length))
     # Prompts that continue a cached prefix, alone and batched, and one longer than a step: attention
     # over a context longer than the step's queries (chunked prefill) has kernel variants of its own.
-    params = rounds[0][0]
     for length in (n for n in (17, 100, 1000) if n + 300 <= longest):
-        base = [rng.randrange(vocab_size) for _ in range(length)]
-        add(base, params)
-        run_all()
-        for extra in (5, 300):
-            add(base + [rng.randrange(vocab_size) for _ in range(extra)], params)
-            run_all()
-        for extra in (5, 300):
-            add(base + [rng.randrange(vocab_size) for _ in range(extra)], params)
-        run_all()
+        base = tokens(length)
+        run(base)
+        run(base + tokens(5))
+        run(base + tokens(300))
+        run(base + tokens(5), base + tokens(300))
     if budget + 64 <= parts.max_model_len - 4:
-        add([rng.randrange(vocab_size) for _ in range(budget + 64)], params)
-        run_all()
+        run(tokens(budget + 64))
     scheduler.kv.reset_prefix_cache()
     scheduler.kv.prefix_cache_queries = scheduler.kv.prefix_cache_hits = 0
     scheduler.num_preemptions = 0
     elapsed = time.perf_counter() - start
     logger.info("warm-up: %d dense-prefill plans and %d requests in %.1f s", len(buckets), count, elapsed)
+
+
+@torch.inference_mode()
+def _build_dense_plans(runner: ModelRunner, lengths: list[int]) -> None:
+    """The dense-prefill plan of every length (bucket), built once on scratch tensors."""
+    if not runner.dense_prefill_ok:
+        return
+    seen = set()
+    options = dict(dtype=runner.dtype, device=runner.device)
+    for attn in runner.model.attention_layers():
+        shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        for length in lengths:
+            q = torch.zeros(length, attn.num_heads, attn.head_dim, **options)
+            kv = torch.zeros(length, attn.num_kv_heads, attn.head_dim, **options)
+            dense_causal_attention(q, kv, kv, attn.scale)
+    torch.cuda.synchronize()

@@ -76,7 +76,7 @@ class PendingRunnerOutput:
                 pooled = [None] * len(self.req_ids)
                 rows, vectors = self.pooled
                 for row, vector in zip(rows, vectors.numpy()):
-                    pooled[row] = vector.astype("<f4").tobytes()
+                    pooled[row] = vector.tobytes()  # fp32 from the pooler; little-endian hosts only
             self._result = ModelRunnerOutput(
                 req_ids=self.req_ids,
                 sampled_token_ids=[[t] if keeps else [] for t, keeps in zip(token_ids, self.samples)],
@@ -157,26 +157,6 @@ class ModelRunner:
         layers = self.model.attention_layers()
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
-
-    @torch.inference_mode()
-    def warm_up_dense_prefill(self, lengths: list[int]) -> None:
-        """Build the dense-prefill plan of every length (bucket) once, on scratch tensors."""
-        if not self.dense_prefill_ok:
-            return
-        from tokenmill.layers.attention import dense_causal_attention
-
-        seen = set()
-        for attn in self.model.attention_layers():
-            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            if shape in seen:
-                continue
-            seen.add(shape)
-            options = dict(dtype=self.dtype, device=self.device)
-            for length in lengths:
-                q = torch.zeros(length, attn.num_heads, attn.head_dim, **options)
-                kv = torch.zeros(length, attn.num_kv_heads, attn.head_dim, **options)
-                dense_causal_attention(q, kv, kv, attn.scale)
-        torch.cuda.synchronize()
 
     def context_cost(self) -> float:
         """What attending to one earlier token costs a prompt token, as a fraction of the token's matmuls:

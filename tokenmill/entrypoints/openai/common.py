@@ -15,6 +15,7 @@ from starlette.requests import Request
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
+from tokenmill.serving.prompt import RenderedPrompt, render_prompt
 
 from .errors import OpenAIError, bad_request, unavailable
 
@@ -67,6 +68,18 @@ class ServerState:
             raise unavailable(self.engine.dead_error, "engine_dead")
         if self.draining:
             raise unavailable("the server is shutting down and accepts no new requests.", "draining")
+
+
+def render_input(tokenizer, prompt: str | list[int], index: int, param: str) -> RenderedPrompt:
+    """One prompt (text or token ids) of a request's list, tokenized; a bad or empty one is a 400 naming
+    `param` and its position."""
+    try:
+        rendered = render_prompt(tokenizer, prompt)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from exc
+    if not rendered.token_ids:
+        raise bad_request(f"{param} {index} is empty.", param=param)
+    return rendered
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, what: str) -> int:

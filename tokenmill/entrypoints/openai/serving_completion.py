@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.serving.prompt import render_prompt
 
 from .common import (
     SSE_DONE,
@@ -27,12 +26,13 @@ from .common import (
     final_outputs,
     join_logprobs,
     merge_streams,
+    render_input,
     reported_tokens,
     resolve_max_tokens,
     sse,
     usage,
 )
-from .errors import bad_request, to_openai_error
+from .errors import to_openai_error
 from .protocol import CompletionRequest
 
 
@@ -67,12 +67,7 @@ class CompletionServing:
         engine = self.state.engine
         prompts = []
         for index, prompt in enumerate(request.prompts()):
-            try:
-                text, token_ids = render_prompt(engine.tokenizer, prompt)
-            except ValueError as exc:
-                raise bad_request(str(exc), param="prompt") from exc
-            if not token_ids:
-                raise bad_request(f"prompt {index} is empty.", param="prompt")
+            text, token_ids = render_input(engine.tokenizer, prompt, index, "prompt")
             if text is None and request.echo and engine.tokenizer is not None:
                 text = engine.tokenizer.decode(token_ids)
             prompts.append(_Prompt(token_ids, text))

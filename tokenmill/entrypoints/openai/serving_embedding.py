@@ -15,9 +15,8 @@ from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import pooling_request_params
-from tokenmill.serving.prompt import render_prompt
 
-from .common import ServerState, final_outputs
+from .common import ServerState, final_outputs, render_input
 from .errors import bad_request
 from .protocol import EmbeddingRequest
 
@@ -57,14 +56,9 @@ class EmbeddingServing:
         engine = self.state.engine
         all_ids = []
         for index, item in enumerate(request.inputs()):
-            try:
-                _, token_ids = render_prompt(engine.tokenizer, item)
-            except ValueError as exc:
-                raise bad_request(str(exc), param="input") from exc
+            token_ids = render_input(engine.tokenizer, item, index, "input").token_ids
             if request.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-request.truncate_prompt_tokens :]
-            if not token_ids:
-                raise bad_request(f"input {index} is empty.", param="input")
             if len(token_ids) > engine.max_model_len:
                 raise bad_request(
                     f"This model's maximum context length is {engine.max_model_len} tokens. However, input "
