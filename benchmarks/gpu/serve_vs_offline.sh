@@ -6,9 +6,12 @@
 # ratio is printed and written to OUTDIR/serve_vs_offline.json.
 # Usage: benchmarks/gpu/serve_vs_offline.sh OUTDIR
 #   env: CONCURRENCY=256 NUM_PROMPTS=1024 INPUT_LEN=512 OUTPUT_LEN=256 PORT=8321 (a CPU smoke run: small ones)
-#   PROFILE=cpu: the CPU use of the API process, the engine core and the client is sampled each second
-#   of the load (OUTDIR/cpu.txt), and the offline run is skipped. PROFILE=1: that, and the API process
-#   and the client run under cProfile (OUTDIR/api.prof, client.prof; top functions printed).
+#   API_SERVERS="1 2 4": one server run per --api-server-count, in this order (default: 1), each against
+#   the same offline run (OUTDIR/serve_asc$N.json, server_asc$N.log; summary in serve_vs_offline.json).
+#   PROFILE=cpu: the CPU use of each server process and the client is sampled each second of the load
+#   (OUTDIR/cpu_asc$N.txt), and the offline run is skipped. PROFILE=1: that, and with one API process
+#   the API process and the client run under cProfile (OUTDIR/api.prof, client.prof; top functions
+#   printed).
 # Needs on the device machine: the server's wheels installed (.whl, see the device README) and the
 # tokenizer saved beside the script's config in .gpu_assets/tokenizer (save_pretrained of the embedded
 # GGUF's tokenizer).
@@ -31,65 +34,80 @@ dataset="--dataset-name random --random-input-len $input_len --random-output-len
 engine="--load-format dummy --max-model-len 4096 --max-num-seqs 256"
 
 profile=${PROFILE:-0}
+api_servers=${API_SERVERS:-1}
 prof() { [ "$profile" = 1 ] && echo "-m cProfile -o $out/$1.prof"; }
-$py $(prof api) -m tokenmill.entrypoints.cli serve --model "$model" $engine --port "$port" \
-  >"$out/server.log" 2>&1 &
-server=$!
-for _ in $(seq 180); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-  sleep 1
-done
-if [ "$profile" != 0 ]; then
-  # One line a second while the load runs: CPU % of the API process, the engine core and the client.
-  $py - $server >"$out/cpu.txt" <<'EOF' &
+for count in $api_servers; do
+  $py $([ "$count" = 1 ] && prof api) -m tokenmill.entrypoints.cli serve --model "$model" $engine \
+    --port "$port" --api-server-count "$count" >"$out/server_asc$count.log" 2>&1 &
+  server=$!
+  for _ in $(seq 180); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+    sleep 1
+  done
+  sleep 2  # with several API processes, /health answers once the first of them listens
+  if [ "$profile" != 0 ]; then
+    # One line a second while the load runs: CPU % of each server process and of the client.
+    $py - $server >"$out/cpu_asc$count.txt" <<'EOF' &
 import sys, time, psutil
-api = psutil.Process(int(sys.argv[1]))
-procs = {"api": api, "core": api.children()[-1]}
-print("  s    api   core client")
+server = psutil.Process(int(sys.argv[1]))
+procs = {"main": server}
+spawned = [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())]
+procs.update({f"child{i}": p for i, p in enumerate(spawned)})
 for second in range(600):
     if "client" not in procs:
         me = psutil.Process()
-        client = [p for p in me.parent().children() if p.pid not in (me.pid, api.pid)]
+        client = [p for p in me.parent().children() if p.pid not in (me.pid, server.pid)]
         if client:
             procs["client"] = client[0]
             for p in procs.values():
                 p.cpu_percent()
+            print("  s " + " ".join(f"{name:>7}" for name in procs))
     time.sleep(1)
     try:
         if "client" in procs:
-            print(f"{second:3d} " + " ".join(f"{p.cpu_percent():6.1f}" for p in procs.values()), flush=True)
+            print(f"{second:3d} " + " ".join(f"{p.cpu_percent():7.1f}" for p in procs.values()), flush=True)
     except psutil.Error:
         break
 EOF
-fi
-$py $(prof client) -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$model" $dataset --ignore-eos \
-  --max-concurrency "$concurrency" --num-warmups $((concurrency < 32 ? concurrency : 32)) --disable-tqdm --output-json "$out/serve.json"
-kill -INT $server
-wait $server
+  fi
+  $py $([ "$count" = 1 ] && prof client) -m tokenmill.entrypoints.cli bench serve \
+    --base-url "http://127.0.0.1:$port" --tokenizer "$model" $dataset --ignore-eos \
+    --max-concurrency "$concurrency" --num-warmups $((concurrency < 32 ? concurrency : 32)) --disable-tqdm \
+    --output-json "$out/serve_asc$count.json"
+  kill -INT $server
+  wait $server
+  [ "$profile" != 0 ] && cat "$out/cpu_asc$count.txt"
+done
 if [ "$profile" != 0 ]; then
-  cat "$out/cpu.txt"
   for name in $([ "$profile" = 1 ] && echo api client); do
+    [ -f "$out/$name.prof" ] || continue
     $py -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" \
       "$out/$name.prof" | grep -v "^$" | cut -c1-150
   done
   exit 0
 fi
 $tm bench throughput --model "$model" $engine $dataset --disable-tqdm --output-json "$out/offline.json"
-$py - "$out" "$concurrency" <<'EOF'
+$py - "$out" "$concurrency" $api_servers <<'EOF'
 import json, sys
-out, concurrency = sys.argv[1], int(sys.argv[2])
-serve = json.load(open(f"{out}/serve.json"))
-offline = json.load(open(f"{out}/offline.json"))
-summary = serve.get("summary", serve)
-result = {
-    "concurrency": concurrency,
-    "serve_output_tok_s": summary["output_throughput"],
-    "offline_output_tok_s": offline["output_tokens_per_second"],
-}
-result["ratio"] = result["serve_output_tok_s"] / result["offline_output_tok_s"]
-for key in ("median_tpot_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "p99_ttft_ms", "completed"):
-    if key in summary:
-        result[key] = summary[key]
-print(json.dumps(result, indent=2))
-json.dump(result, open(f"{out}/serve_vs_offline.json", "w"), indent=2)
+out, concurrency, counts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+offline = json.load(open(f"{out}/offline.json"))["output_tokens_per_second"]
+results = []
+for count in counts:
+    serve = json.load(open(f"{out}/serve_asc{count}.json"))
+    summary = serve.get("summary", serve)
+    result = {
+        "api_server_count": int(count),
+        "concurrency": concurrency,
+        "serve_output_tok_s": summary["output_throughput"],
+        "offline_output_tok_s": offline,
+        "ratio": summary["output_throughput"] / offline,
+    }
+    for key in ("median_tpot_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "p99_ttft_ms", "completed"):
+        if key in summary:
+            result[key] = summary[key]
+    # The issue's burst count: gaps between a stream's chunks over 100 ms.
+    result["itl_gaps_over_100ms"] = sum(gap > 0.1 for gaps in serve.get("itls", []) for gap in gaps)
+    results.append(result)
+print(json.dumps(results, indent=2))
+json.dump(results, open(f"{out}/serve_vs_offline.json", "w"), indent=2)
 EOF

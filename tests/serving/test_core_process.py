@@ -215,3 +215,61 @@ def test_core_death_fails_open_requests_fast(loop, model_path):
     with pytest.raises(EngineDeadError):
         client.add_request("d2", PROMPTS[0], SamplingParams())
     loop.run(client.shutdown())
+
+
+def test_two_api_clients_share_one_core(loop, model_path, offline, tmp_path):
+    """`--api-server-count 2` underneath: one core, two attached clients. Each gets its own requests'
+    outputs and its own utility answers; only client 0 gets (and records) every step's stats; the core
+    outlives the clients, and its death reaches the one that did not start it."""
+    import multiprocessing
+
+    from tokenmill.serving.core_process import run_engine_core
+
+    inputs = [f"ipc://{tmp_path}/in{i}" for i in range(2)]
+    outputs = [f"ipc://{tmp_path}/out{i}" for i in range(2)]
+    config = tiny_config(model_path)
+    spawn = multiprocessing.get_context("spawn")
+    core = spawn.Process(target=run_engine_core, args=(config, inputs, outputs))
+    core.start()
+    metrics = [ServerMetrics("tiny"), ServerMetrics("tiny")]
+    try:
+        clients = [
+            loop.run(AsyncEngineClient.attach(config, metrics[i], inputs[i], outputs[i], i, core.pid))
+            for i in range(2)
+        ]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+        async def all_at_once():
+            streams = [collect(clients[i % 2], f"two-{i}", p, params) for i, p in enumerate(PROMPTS)]
+            return await asyncio.gather(*streams)
+
+        results = loop.run(all_at_once())
+        assert [[c.token_ids for c in out[-1].outputs] for out in results] == offline_tokens(offline, params)
+        assert all(not c.num_open_requests for c in clients)
+        assert loop.run(clients[1].num_unfinished_in_core()) == 0  # answered to client 1, not 0
+
+        def count(index: int, name: str) -> float:
+            sample = f"tokenmill:{name}"
+            return metrics[index].registry.get_sample_value(sample, {"model_name": "tiny", "engine": "0"})
+
+        # Queue times come with the core's stats: client 0 saw all three requests, client 1 none.
+        assert count(0, "request_queue_time_seconds_count") == 3
+        assert count(1, "request_queue_time_seconds_count") == 0
+        assert count(0, "generation_tokens_total") == 24 and count(1, "generation_tokens_total") == 12
+
+        loop.run(clients[0].shutdown())  # an attached client leaves the core running
+        assert core.is_alive() and not clients[1].dead_error
+        core.kill()
+        assert wait_until(lambda: clients[1].dead_error is not None)
+        assert "died unexpectedly" in clients[1].dead_error
+        loop.run(clients[1].shutdown())
+    finally:
+        core.kill()
+        core.join()
+
+
+def wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(condition())

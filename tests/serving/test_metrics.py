@@ -62,3 +62,51 @@ def test_one_step_records_many_gaps_into_the_right_buckets():
     text = metrics.render().decode()
     assert "# TYPE tokenmill:inter_token_latency_seconds histogram" in text
     assert 'tokenmill:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 260.0' in text
+
+
+RECORD = """
+import sys
+from tokenmill.serving.core_protocol import SchedulerStats
+from tokenmill.serving.metrics import ServerMetrics
+metrics = ServerMetrics("m")
+if sys.argv[1] == "0":  # API process 0 records the core's stats
+    metrics.record_stats(SchedulerStats(3, 1, 0.5, 7, 100, 40, 2, [0.2]))
+metrics.record_first_token(0.02, num_prompt_tokens=10)
+metrics.record_step({0.01: 5, 0.3: 1}, num_generated_tokens=6)
+metrics.record_finished("length", 1.0)
+if sys.argv[1] == "render":
+    sys.stdout.write(metrics.render().decode())
+"""
+
+
+def test_several_api_processes_add_up_in_one_scrape(tmp_path):
+    """With PROMETHEUS_MULTIPROC_DIR set (the launcher of --api-server-count N does it), each process's
+    counters and histograms, the bulk inter-token one included, add up in whichever process renders;
+    the core's gauges and counters, recorded by process 0 alone, are counted once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for role in ("0", "1"):
+        subprocess.run([sys.executable, "-c", RECORD, role], env=env, check=True)
+    text = subprocess.run(
+        [sys.executable, "-c", RECORD, "render"], env=env, check=True, capture_output=True, text=True
+    ).stdout
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def scraped(name: str, **labels: str) -> float:
+        wanted = {**LABELS, **labels}
+        (found,) = [s.value for s in samples if s.name == f"tokenmill:{name}" and s.labels == wanted]
+        return found
+
+    assert scraped("num_requests_running") == 3 and scraped("kv_cache_used_blocks") == 7
+    assert scraped("prefix_cache_hits_total") == 40 and scraped("request_queue_time_seconds_count") == 1
+    assert scraped("prompt_tokens_total") == 30  # three processes recorded 10 each
+    assert scraped("generation_tokens_total") == 18
+    assert scraped("inter_token_latency_seconds_bucket", le="0.01") == 15
+    assert scraped("inter_token_latency_seconds_bucket", le="+Inf") == 18
+    assert scraped("inter_token_latency_seconds_count") == 18
+    assert scraped("request_success_total", finished_reason="length") == 3

@@ -47,6 +47,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="larger request bodies are answered 413 before they are read (default: 8 MiB)",
     )
     server.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=_positive_count,
+        default=1,
+        metavar="N",
+        help="API processes in front of the one engine core; at hundreds of streams one process's core "
+        "is spent on HTTP and detokenizing (default: 1)",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
     )
     server.add_argument(
@@ -54,6 +63,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(parser)
     parser.set_defaults(func=_run)
+
+
+def _positive_count(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -1,7 +1,8 @@
-"""AsyncEngineClient: the API process's handle on the engine-core process. It starts the core, sends it
-requests over ZMQ, and one asyncio task reads the core's outputs, detokenizes them and hands them to
-per-request queues. A request whose consumer goes away is aborted in the core at once, which frees its
-KV blocks; if the core dies, every open request fails fast."""
+"""AsyncEngineClient: an API process's handle on the engine-core process. It starts the core (or, one of
+several API processes, attaches to the core its launcher started), sends it requests over ZMQ, and one
+asyncio task reads the core's outputs, detokenizes them and hands them to per-request queues. A request
+whose consumer goes away is aborted in the core at once, which frees its KV blocks; if the core dies,
+every open request fails fast."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
+import select
 import shutil
 import tempfile
 import time
@@ -75,10 +78,11 @@ class AsyncEngineClient:
         ready: EngineReady,
         tokenizer,
         eos_token_ids: tuple[int, ...],
-        process: multiprocessing.process.BaseProcess,
+        process: multiprocessing.process.BaseProcess | CoreWatch,
         sockets: _Sockets,
         metrics: ServerMetrics | None,
         hf_config: object = None,
+        client_index: int = 0,
     ) -> None:
         self.config = config
         self.hf_config = hf_config
@@ -92,6 +96,9 @@ class AsyncEngineClient:
         self.input_processor = InputProcessor(tokenizer, ready.max_model_len, ready.vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.process = process
+        # Only the API process that started the core stops it; one attached to a launcher's core does not.
+        self.owns_core = isinstance(process, multiprocessing.process.BaseProcess)
+        self.client_index = client_index
         self.metrics = metrics
         self.dead_error: str | None = None
         self._sockets = sockets
@@ -115,25 +122,61 @@ class AsyncEngineClient:
         sockets = _Sockets.bind()
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, sockets.input_address, sockets.output_address),
+            args=(config, [sockets.input_address], [sockets.output_address]),
             name="tokenmill-engine-core",
             daemon=True,
         )
         process.start()
         logger.info("engine core process started (pid %d)", process.pid)
         try:
+            return await cls._connect(config, metrics, sockets, process)
+        except BaseException:
+            process.kill()
+            process.join()
+            raise
+
+    @classmethod
+    async def attach(
+        cls,
+        config: EngineConfig,
+        metrics: ServerMetrics | None,
+        input_address: str,
+        output_address: str,
+        client_index: int,
+        core_pid: int,
+    ) -> AsyncEngineClient:
+        """Join the engine core a launcher started (`--api-server-count`): bind this API process's pair of
+        sockets, which the core connects to, and wait for its model like `start` does."""
+        sockets = _Sockets(input_address, output_address)
+        return await cls._connect(config, metrics, sockets, CoreWatch(core_pid), client_index)
+
+    @classmethod
+    async def _connect(
+        cls,
+        config: EngineConfig,
+        metrics: ServerMetrics | None,
+        sockets: _Sockets,
+        process: multiprocessing.process.BaseProcess | CoreWatch,
+        client_index: int = 0,
+    ) -> AsyncEngineClient:
+        try:
             # The tokenizer loads here while the core loads the model; a bad model path fails here first.
             model, load_format = config.model, config.load_format
             source = await asyncio.to_thread(resolve_model, model, load_format, config.tokenizer)
             tokenizer = None if config.skip_tokenizer_init else await asyncio.to_thread(source.load_tokenizer)
             ready = await _wait_ready(sockets.output, process)
+            # The core connected to this process's sockets when it started, and retries every 100 ms
+            # if a socket was not bound yet: its outputs reach us now, but wait until the input side is
+            # connected too, or the first request would find no peer.
+            while not sockets.input.poll(0, zmq.POLLOUT):
+                if not process.is_alive():
+                    raise RuntimeError("engine core process exited before it connected.")
+                await asyncio.sleep(0.01)
         except BaseException:
-            process.kill()
-            process.join()
             sockets.close()
             raise
         eos = source.eos_token_ids(tokenizer)
-        return cls(config, ready, tokenizer, eos, process, sockets, metrics, source.hf_config)
+        return cls(config, ready, tokenizer, eos, process, sockets, metrics, source.hf_config, client_index)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (politely, then by force) and release the sockets."""
@@ -141,7 +184,7 @@ class AsyncEngineClient:
             return
         self._closing = True
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        if self.process.is_alive():
+        if self.owns_core and self.process.is_alive():
             self._send(Shutdown())
             await asyncio.to_thread(self.process.join, timeout)
             if self.process.is_alive():
@@ -151,6 +194,8 @@ class AsyncEngineClient:
         self._output_task.cancel()
         await asyncio.gather(self._output_task, return_exceptions=True)
         self._sockets.close()
+        if not self.owns_core:
+            self.process.close()
 
     def add_dead_callback(self, callback: Callable[[], None]) -> None:
         self._on_dead.append(callback)
@@ -182,7 +227,14 @@ class AsyncEngineClient:
         self._num_not_started += 1
         for child_id, child_params in children:
             self._send(
-                AddRequest(child_id, prompt_token_ids, child_params, self.eos_token_ids, state.arrival_time)
+                AddRequest(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    state.arrival_time,
+                    self.client_index,
+                )
             )
         return self._stream(request_id, state)
 
@@ -244,7 +296,7 @@ class AsyncEngineClient:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
-        self._send(UtilityCall(call_id, method))
+        self._send(UtilityCall(call_id, method, self.client_index))
         return await future
 
     # ---- the output side ---------------------------------------------------------------------
@@ -270,7 +322,7 @@ class AsyncEngineClient:
 
     def _process_step(self, message: StepOutputs) -> None:
         now = time.monotonic()
-        if self.metrics is not None:
+        if self.metrics is not None and self.client_index == 0:
             self.metrics.record_stats(message.stats)
         request_outputs, to_abort = self.output_processor.process(message.outputs)
         if to_abort:  # a stop string matched in the text: the core cannot know, so tell it to stop
@@ -307,7 +359,8 @@ class AsyncEngineClient:
         # The sentinel fires as the process ends, a moment before it can be reaped for its exit code.
         self.process.join(timeout=0.5)
         if not self._closing:
-            self._fail(f"engine core process died unexpectedly (exit code {self.process.exitcode}).")
+            code = "unknown" if self.process.exitcode is None else self.process.exitcode
+            self._fail(f"engine core process died unexpectedly (exit code {code}).")
 
     def _fail(self, error: str) -> None:
         if self.dead_error is not None:
@@ -335,35 +388,57 @@ class AsyncEngineClient:
 
 
 class _Sockets:
-    """The API side's two ZMQ sockets on ipc:// paths in a private temporary directory."""
+    """An API process's two ZMQ sockets, bound on ipc:// paths: requests out, outputs in."""
 
-    def __init__(self, directory: str, sync_context: zmq.Context, async_context: zmq.asyncio.Context) -> None:
-        self.directory = directory
-        self.input_address = f"ipc://{directory}/input"
-        self.output_address = f"ipc://{directory}/output"
-        self._sync_context = sync_context
-        self._async_context = async_context
-        self.input = sync_context.socket(zmq.PUSH)
+    def __init__(self, input_address: str, output_address: str, directory: str | None = None) -> None:
+        self.directory = directory  # removed on close: the private directory `bind` made
+        self.input_address = input_address
+        self.output_address = output_address
+        self._sync_context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self.input = self._sync_context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)  # requests are small; never drop or stall on a burst
-        self.input.bind(self.input_address)
-        self.output = async_context.socket(zmq.PULL)
+        self.input.bind(input_address)
+        self.output = self._async_context.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.bind(self.output_address)
+        self.output.bind(output_address)
 
     @classmethod
     def bind(cls) -> _Sockets:
-        return cls(tempfile.mkdtemp(prefix="tokenmill-"), zmq.Context(), zmq.asyncio.Context())
+        directory = tempfile.mkdtemp(prefix="tokenmill-")
+        return cls(f"ipc://{directory}/input", f"ipc://{directory}/output", directory)
 
     def close(self) -> None:
         self.input.close(linger=0)
         self.output.close(linger=0)
         self._sync_context.term()
         self._async_context.term()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class CoreWatch:
+    """The engine core seen from an API process that did not start it: a pidfd (readable once the process
+    has exited) stands in for multiprocessing's sentinel. The exit code belongs to its parent."""
+
+    exitcode = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def close(self) -> None:
+        os.close(self.sentinel)
 
 
 async def _wait_ready(
-    output: zmq.asyncio.Socket, process: multiprocessing.process.BaseProcess
+    output: zmq.asyncio.Socket, process: multiprocessing.process.BaseProcess | CoreWatch
 ) -> EngineReady:
     decoder = message_decoder()
     while True:

@@ -50,13 +50,15 @@ class EngineCoreProc:
         self,
         core: EngineCore,
         input_socket: zmq.Socket,
-        output_socket: zmq.Socket,
+        output_sockets: list[zmq.Socket],
         parent_sentinel: int | None = None,
     ) -> None:
         self.core = core
         self.input_socket = input_socket
-        self.output_socket = output_socket
+        # One per API process; index i answers the requests sent with client_index i.
+        self.output_sockets = output_sockets
         self.parent_sentinel = parent_sentinel
+        self.client_of: dict[str, int] = {}  # request id -> API process, with several of them
         self.decoder = request_decoder()
         self.encoder = msgspec.msgpack.Encoder()
         self.shutdown_requested = False
@@ -88,8 +90,24 @@ class EngineCoreProc:
             outputs = self.core.step()
         # Idle steps are not reported; a change of state (an abort, a new request) always is, so the
         # API process's gauges never keep a stale count of running requests or used blocks.
-        if outputs or changed or self.core.num_steps != steps_before:
-            self._send(StepOutputs(outputs, self._stats(self._queue_times(start))))
+        if not (outputs or changed or self.core.num_steps != steps_before):
+            return
+        stats = self._stats(self._queue_times(start))
+        if len(self.output_sockets) == 1:
+            self._send(StepOutputs(outputs, stats))
+            return
+        # Each API process gets its own requests' outputs; process 0, which records the core's
+        # metrics, gets every step's stats.
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.output_sockets]
+        client_of = self.client_of
+        for output in outputs:
+            if output.finish_reason is None:
+                per_client[client_of.get(output.request_id, 0)].append(output)
+            else:
+                per_client[client_of.pop(output.request_id, 0)].append(output)
+        for index, client_outputs in enumerate(per_client):
+            if client_outputs or index == 0:
+                self._send(StepOutputs(client_outputs, stats), index)
 
     def _drain_requests(self) -> bool:
         handled = False
@@ -116,20 +134,21 @@ class EngineCoreProc:
             except ValueError as exc:
                 # A duplicate id is the API process's bug, not a reason to stop serving everyone else.
                 logger.error("rejected request %s: %s", message.request_id, exc)
-                self._send(
-                    StepOutputs(
-                        [EngineCoreOutput(message.request_id, [], finish_reason="abort")], self._stats([])
-                    )
-                )
+                rejected = EngineCoreOutput(message.request_id, [], finish_reason="abort")
+                self._send(StepOutputs([rejected], self._stats([])), message.client_index)
                 return
             self.unscheduled[request.request_id] = request
+            if message.client_index:
+                self.client_of[request.request_id] = message.client_index
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
             for request_id in message.request_ids:
                 self.unscheduled.pop(request_id, None)
+                self.client_of.pop(request_id, None)
         elif isinstance(message, UtilityCall):
             method = UTILITY_METHODS.get(message.method)
-            self._send(UtilityResult(message.call_id, None if method is None else method(self.core)))
+            result = None if method is None else method(self.core)
+            self._send(UtilityResult(message.call_id, result), message.client_index)
         elif isinstance(message, Shutdown):
             self.shutdown_requested = True
 
@@ -157,8 +176,8 @@ class EngineCoreProc:
             queue_times=queue_times,
         )
 
-    def _send(self, message: object) -> None:
-        self.output_socket.send(self.encoder.encode(message))
+    def _send(self, message: object, client_index: int = 0) -> None:
+        self.output_sockets[client_index].send(self.encoder.encode(message))
 
 
 def _limit_cpu_threads(config: EngineConfig) -> None:
@@ -172,40 +191,50 @@ def _limit_cpu_threads(config: EngineConfig) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Entry point of the engine-core process (started with the multiprocessing spawn context)."""
-    # The API process decides when the core stops (after draining); Ctrl-C reaches the whole process
+def run_engine_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str]) -> None:
+    """Entry point of the engine-core process (started with the multiprocessing spawn context). It reads
+    requests from every input address (one per API process, plus the launcher's with several) and
+    answers API process i on output_addresses[i]."""
+    # Whoever started the core decides when it stops (after draining); Ctrl-C reaches the whole process
     # group, so the core ignores it and waits for a Shutdown message or its parent's death.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     context = zmq.Context()
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.connect(output_address)
+    output_sockets = []
+    for address in output_addresses:
+        output_sockets.append(context.socket(zmq.PUSH))
+        output_sockets[-1].setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped or held back
+        output_sockets[-1].connect(address)
     input_socket = context.socket(zmq.PULL)
-    input_socket.connect(input_address)
+    for address in input_addresses:
+        input_socket.connect(address)
     encoder = msgspec.msgpack.Encoder()
+
+    def send_all(message: object) -> None:
+        frame = encoder.encode(message)
+        for socket in output_sockets:
+            socket.send(frame)
+
     exit_code = 0
     try:
         _limit_cpu_threads(config)
         parts = create_engine(config)
         hf_config = parts.source.hf_config
-        output_socket.send(
-            encoder.encode(
-                EngineReady(
-                    max_model_len=parts.max_model_len,
-                    num_kv_blocks=parts.num_kv_blocks,
-                    block_size=config.block_size,
-                    vocab_size=hf_config.vocab_size,
-                    pooling_type=parts.pooling_type,
-                )
+        send_all(
+            EngineReady(
+                max_model_len=parts.max_model_len,
+                num_kv_blocks=parts.num_kv_blocks,
+                block_size=config.block_size,
+                vocab_size=hf_config.vocab_size,
+                pooling_type=parts.pooling_type,
             )
         )
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
         gc.collect()
         gc.freeze()  # the model and engine live as long as the process: keep the collector off them
-        EngineCoreProc(parts.core, input_socket, output_socket, sentinel).run()
+        EngineCoreProc(parts.core, input_socket, output_sockets, sentinel).run()
     except Exception as exc:
         # A ValueError is a bad configuration (an unsupported architecture, a KV cache too small): the
         # API process prints its message as one clean line, the traceback is for --log-level debug.
@@ -213,10 +242,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             logger.debug("engine core failed", exc_info=True)
         else:
             logger.exception("engine core failed")
-        output_socket.send(encoder.encode(EngineDead(str(exc), type(exc).__name__)))
+        send_all(EngineDead(str(exc), type(exc).__name__))
         exit_code = 1
     finally:
         input_socket.close(linger=0)
-        output_socket.close(linger=2000)  # let the last message (outputs or the error) reach the API
+        for socket in output_sockets:
+            socket.close(linger=2000)  # let the last message (outputs or the error) reach the API
         context.term()
     sys.exit(exit_code)

@@ -1,5 +1,7 @@
-"""The messages between the API process and the engine-core process: msgspec Structs sent as msgpack,
-one ZMQ frame each. Requests flow in on one socket, step outputs and replies flow back on another."""
+"""The messages between the API processes and the engine-core process: msgspec Structs sent as msgpack,
+one ZMQ frame each. Requests flow in on one socket per API process, step outputs and replies flow back on
+another; with several API processes (`--api-server-count`) each message in names its sender's index, and
+the core answers each on that sender's own output socket."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float  # time.monotonic() in the API process (the clock is shared across processes)
+    client_index: int = 0  # which API process sent it and gets its outputs
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -28,6 +31,7 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
     call_id: int
     method: str  # one of core_process.UTILITY_METHODS
+    client_index: int = 0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -48,6 +52,9 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
+    """The core's state after a step. Every API process gets its own requests' outputs; only API process 0
+    gets every step's stats (the others get them with their outputs), and only it records them."""
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # fraction of blocks held by live requests

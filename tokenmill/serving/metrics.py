@@ -1,12 +1,16 @@
 """Prometheus metrics of one server, under vLLM's metric names with a `tokenmill:` prefix, so dashboards
 and autoscalers written for vLLM read them unchanged. Scheduler gauges come from the engine core's
-per-step stats; latencies are measured in the API process as outputs arrive."""
+per-step stats; latencies are measured in the API process as outputs arrive.
+
+With several API processes (`--api-server-count`) the launcher sets PROMETHEUS_MULTIPROC_DIR before it
+starts them: each process writes its values to files there, and /metrics, whichever process answers it,
+adds them up (prometheus_client's multiprocess mode). The core's stats are recorded by API process 0
+alone, so they are counted once."""
 
 from __future__ import annotations
 
 import bisect
-import itertools
-import threading
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -15,9 +19,8 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    multiprocess,
 )
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from tokenmill.serving.core_protocol import SchedulerStats
 
@@ -37,42 +40,34 @@ disable_created_metrics()
 class BulkHistogram:
     """A Prometheus histogram that takes many equal observations in one call. The outputs of one engine
     step reach the API process together, so their inter-token gaps are a handful of distinct values;
-    prometheus_client's Histogram would take a lock and a bucket search per token."""
+    Histogram.observe would take a lock and a bucket search per token. It adds to the buckets of a real
+    Histogram (which keeps them per bucket, not cumulative), so the multiprocess mode works unchanged."""
 
-    def __init__(
-        self, name: str, doc: str, labels: dict[str, str], buckets: tuple[float, ...], registry
-    ) -> None:
-        self.name, self.doc, self.labels = name, doc, labels
+    def __init__(self, histogram: Histogram, buckets: tuple[float, ...]) -> None:
         self.bounds = [*buckets, float("inf")]
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
-        self._lock = threading.Lock()  # /metrics may be rendered off the event loop's thread
-        registry.register(self)
+        self._buckets = histogram._buckets  # noqa: SLF001 (one ValueClass per bucket; see the docstring)
+        self._sum = histogram._sum  # noqa: SLF001
+        assert len(self._buckets) == len(self.bounds)
 
     def observe(self, value: float, count: int = 1) -> None:
         index = bisect.bisect_left(self.bounds, value)  # the first bucket whose upper bound holds it
-        with self._lock:
-            self.counts[index] += count
-            self.sum += value * count
-
-    def collect(self):
-        with self._lock:
-            cumulative = list(itertools.accumulate(self.counts))
-            total = self.sum
-        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
-        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=True)]
-        family.add_metric(list(self.labels.values()), buckets, total)
-        yield family
+        self._buckets[index].inc(count)
+        self._sum.inc(value * count)
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        # Set by the launcher of several API processes before any of them imported prometheus_client.
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
 
         def gauge(name: str, doc: str):
-            return Gauge(f"tokenmill:{name}", doc, names, registry=self.registry).labels(**labels)
+            # Only API process 0 sets the core's gauges: the most recent value written is the answer.
+            return Gauge(
+                f"tokenmill:{name}", doc, names, registry=self.registry, multiprocess_mode="mostrecent"
+            ).labels(**labels)
 
         def counter(name: str, doc: str):
             return Counter(f"tokenmill:{name}", doc, names, registry=self.registry).labels(**labels)
@@ -111,11 +106,10 @@ class ServerMetrics:
             "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
         )
         self.inter_token_latency = BulkHistogram(
-            "tokenmill:inter_token_latency_seconds",
-            "Time between consecutive outputs of a request.",
-            labels,
+            histogram(
+                "inter_token_latency_seconds", "Time between consecutive outputs of a request.", _ITL_BUCKETS
+            ),
             _ITL_BUCKETS,
-            self.registry,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS
@@ -156,4 +150,8 @@ class ServerMetrics:
             self.e2e_request_latency.observe(e2e_seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self.multiprocess_dir)
+        return generate_latest(registry)

@@ -85,6 +85,27 @@ def warm_up(parts: EngineParts) -> None:
     scheduler.num_preemptions = 0
     elapsed = time.perf_counter() - start
     logger.info("warm-up: %d dense-prefill plans and %d requests in %.1f s", len(buckets), count, elapsed)
+    report_late_compiles()
+
+
+def report_late_compiles() -> None:
+    """From now on, log every Triton kernel variant met for the first time: its request paid the compile
+    (or the load from Triton's disk cache), and the line names the specialization warm-up missed."""
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton: no hooks to watch with
+        return
+    started: dict[str, float] = {}
+
+    def before(*, key, **_: object) -> None:
+        started[str(key)] = time.perf_counter()
+
+    def after(*, key, repr, **_: object) -> None:  # noqa: A002 (Triton's keyword)
+        took = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        logger.warning("kernel variant met after warm-up, %.0f ms on a request's path: %s", took * 1e3, repr)
+
+    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = after
 
 
 @torch.inference_mode()

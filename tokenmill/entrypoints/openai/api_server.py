@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import hmac
 import logging
 import signal
 import socket
+import sys
 import time
 
 import uvicorn
@@ -254,10 +256,14 @@ class _Server(uvicorn.Server):
         asyncio.get_running_loop().call_later(_DEATH_LINGER_S, setattr, self, "should_exit", True)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The server's socket, bound (uvicorn makes it listen). With several API processes each binds its own
+    with SO_REUSEPORT, and the kernel spreads new connections evenly over those that listen."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -267,11 +273,30 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+@dataclasses.dataclass(frozen=True)
+class AttachTo:
+    """What one of several API processes needs to join the engine core its launcher started."""
+
+    index: int
+    count: int
+    input_address: str
+    output_address: str
+    core_pid: int
+
+
+async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo | None = None) -> int:
     config = engine_config_from_args(args)
     names = args.served_model_name or [args.model]
     metrics = ServerMetrics(names[0])
-    engine = await AsyncEngineClient.start(config, metrics)
+    if attach is None:
+        engine = await AsyncEngineClient.start(config, metrics)
+    else:
+        if config.max_waiting_requests is not None:  # the cap is the server's: each process takes its share
+            share = -(-config.max_waiting_requests // attach.count)
+            config = dataclasses.replace(config, max_waiting_requests=share)
+        engine = await AsyncEngineClient.attach(
+            config, metrics, attach.input_address, attach.output_address, attach.index, attach.core_pid
+        )
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     gc.collect()
@@ -289,20 +314,46 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         server = _Server(uvicorn_config, state, args.shutdown_timeout)
         engine.add_dead_callback(server.on_engine_dead)
         host, port = sock.getsockname()[:2]
-        logger.info(
-            "serving %s on http://%s:%d (max_model_len=%d, %d KV blocks)",
-            names[0], host, port, engine.max_model_len, engine.num_kv_blocks,
-        )  # fmt: skip
+        if attach is None or attach.index == 0:
+            logger.info(
+                "serving %s on http://%s:%d (max_model_len=%d, %d KV blocks%s)",
+                names[0], host, port, engine.max_model_len, engine.num_kv_blocks,
+                "" if attach is None else f", {attach.count} API processes",
+            )  # fmt: skip
         await server.serve(sockets=[sock])
         return server.exit_code
     finally:
         await engine.shutdown(timeout=_STOP_S)
 
 
-def run_server(args: argparse.Namespace) -> int:
+def _configure_logging(level: str, process_name: str = "") -> None:
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{process_name}: %(message)s"
     )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    _configure_logging(args.log_level)
     # Bind first: a taken port fails in a moment, not after the model has loaded.
-    sock = _bind(args.host, args.port)
+    sock = _bind(args.host, args.port, reuse_port=args.api_server_count > 1)
+    if args.api_server_count > 1:
+        from .launcher import run_api_servers
+
+        return run_api_servers(args, sock)
     return uvloop.run(_serve(args, sock))
+
+
+def run_api_process(args: argparse.Namespace, port: int, attach: AttachTo) -> None:
+    """Entry point of one of several API processes, spawned by the launcher. Each listens on its own
+    SO_REUSEPORT socket: one shared listening socket would let whichever process wakes first accept a
+    whole burst of connections."""
+    _configure_logging(args.log_level, f"[api{attach.index}]")
+    try:
+        sock = _bind(args.host, port, reuse_port=True)
+        code = uvloop.run(_serve(args, sock, attach))
+    except ValueError as exc:
+        # A bad configuration reaches every API process alike; one of them says so.
+        if attach.index == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
