@@ -24,7 +24,7 @@ for _ in $(seq 300); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
   sleep 0.5
 done
-echo "$label: ready after $(echo "$(date +%s.%N) - $start" | bc) s"
+echo "$label: ready after $(python3 -c "import sys, time; print(f\"{time.time() - float(sys.argv[1]):.1f}\")" "$start") s"
 grep -h "warm-up" "$out/server_poisson_$label.log"
 $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$model" \
   --dataset-name sharegpt-like --num-prompts "$num_prompts" --request-rate "$rate" --seed 0 \
