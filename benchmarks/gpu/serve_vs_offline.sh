@@ -6,6 +6,7 @@
 # ratio is printed and written to OUTDIR/serve_vs_offline.json.
 # Usage: benchmarks/gpu/serve_vs_offline.sh OUTDIR
 #   env: CONCURRENCY=256 NUM_PROMPTS=1024 INPUT_LEN=512 OUTPUT_LEN=256 PORT=8321 (a CPU smoke run: small ones)
+#   ENGINE_EXTRA="--max-num-batched-tokens 2048": more engine flags, for the server and the offline run.
 #   API_SERVERS="1 2 4": one server run per --api-server-count, in this order (default: 1), each against
 #   the same offline run (OUTDIR/serve_asc$N.json, server_asc$N.log; summary in serve_vs_offline.json).
 #   PROFILE=cpu: the CPU use of each server process and the client is sampled each second of the load
@@ -31,7 +32,7 @@ cp .gpu_assets/tokenizer/* "$model/"
 dataset="--dataset-name random --random-input-len $input_len --random-output-len $output_len \
   --num-prompts $num_prompts \
   --seed 0 --temperature 0"
-engine="--load-format dummy --max-model-len 4096 --max-num-seqs 256"
+engine="--load-format dummy --max-model-len 4096 --max-num-seqs 256 ${ENGINE_EXTRA:-}"
 
 profile=${PROFILE:-0}
 api_servers=${API_SERVERS:-1}

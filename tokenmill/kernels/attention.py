@@ -107,9 +107,10 @@ def _attend_kv_range(
     return acc, m_i, l_i
 
 
-# num_seqs changes every step: left to Triton's default, it would specialise on num_seqs == 1 and
-# num_seqs % 16 == 0 and compile new variants while serving (an 8B server measured 0.7-0.9 s stalls).
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
+# left to Triton's default, each would specialise on == 1 and % 16 == 0 and compile new variants while
+# serving (an 8B server measured 0.7-0.9 s stalls for num_seqs, a 0.6B one 1.4 s for the stride).
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def _paged_attention_kernel(
     query,
     k_cache,

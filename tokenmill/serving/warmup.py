@@ -100,9 +100,15 @@ def report_late_compiles() -> None:
     def before(*, key, **_: object) -> None:
         started[str(key)] = time.perf_counter()
 
-    def after(*, key, repr, **_: object) -> None:  # noqa: A002 (Triton's keyword)
+    def after(*, key, fn, compile, **_: object) -> None:  # noqa: A002 (Triton's keyword)
         took = time.perf_counter() - started.pop(str(key), time.perf_counter())
-        logger.warning("kernel variant met after warm-up, %.0f ms on a request's path: %s", took * 1e3, repr)
+        # The key is the specialization itself: each argument's type and what Triton assumed of it
+        # (a 16-byte aligned pointer, an integer == 1 or divisible by 16), then the constexprs and options.
+        logger.warning(
+            "kernel variant met after warm-up, %.0f ms on a request's path: %s, %d warps, %d stages, "
+            "specialization %s",
+            took * 1e3, fn.name, compile["num_warps"], compile["num_stages"], key,
+        )  # fmt: skip
 
     knobs.runtime.jit_cache_hook = before
     knobs.runtime.jit_post_compile_hook = after
