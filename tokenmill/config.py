@@ -20,6 +20,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192 tokens per step on a GPU, 256 on a CPU
+    # Prompt tokens a step may carry while requests are decoding: a wave of new prompts then stretches
+    # the running streams' inter-token gaps less. None: up to max_num_batched_tokens.
+    max_prefill_tokens_with_decodes: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes of KV cache; overrides gpu_memory_utilization
@@ -58,6 +61,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens is not None:
             _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_prefill_tokens_with_decodes is not None:
+            _positive("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes)
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
         if self.num_kv_blocks is not None:

@@ -42,9 +42,10 @@ def make_core(
     caching=True,
     async_scheduling=False,
     context_cost=0.0,
+    prefill_cap=None,
 ):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    scheduler = Scheduler(kv, max_num_seqs, budget, max_model_len, context_cost)
+    scheduler = Scheduler(kv, max_num_seqs, budget, max_model_len, context_cost, prefill_cap)
     executor = FakeExecutor(scheduler)
     return EngineCore(scheduler, executor, async_scheduling=async_scheduling), executor
 
@@ -186,8 +187,9 @@ def test_duplicate_request_id_rejected():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("prefill_cap", [None, 5])
 @pytest.mark.parametrize("caching", [True, False])
-def test_no_leak_after_random_traffic(caching, async_scheduling):
+def test_no_leak_after_random_traffic(caching, prefill_cap, async_scheduling):
     rng = random.Random(0)
     core, executor = make_core(
         num_blocks=40,
@@ -196,6 +198,7 @@ def test_no_leak_after_random_traffic(caching, async_scheduling):
         budget=24,
         caching=caching,
         async_scheduling=async_scheduling,
+        prefill_cap=prefill_cap,
     )
     produced: dict[str, int] = {}
     limits: dict[str, int] = {}
@@ -303,3 +306,25 @@ def test_decode_tokens_cost_one_whatever_their_context():
         core.add_request(request(str(i), prompt_len=1, max_tokens=3))
     run_to_completion(core)
     assert max(len(step.num_scheduled_tokens) for step in executor.steps) == 8
+
+
+def test_prompts_beside_decodes_take_at_most_the_prefill_cap():
+    core, executor = make_core(budget=32, num_blocks=128, max_num_seqs=8, prefill_cap=6, caching=False)
+    for rid in ("a", "b", "c"):  # alone, prompts take the whole budget: all three in one step
+        core.add_request(request(rid, prompt_len=10, max_tokens=20))
+    core.step()
+    assert executor.steps[-1].num_scheduled_tokens == {"a": 10, "b": 10, "c": 10}
+    core.add_request(request("d", prompt_len=9, max_tokens=3))
+    core.add_request(request("e", prompt_len=4, max_tokens=3))
+    core.step()
+    # Three decodes run: the newcomers' prompts share 6 tokens, in arrival order.
+    assert executor.steps[-1].num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 6}
+    core.step()
+    assert executor.steps[-1].num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 3, "e": 3}
+    core.step()
+    assert executor.steps[-1].num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}
+    assert sorted(run_to_completion(core)) == ["a", "b", "c", "d", "e"]
+    for step in executor.steps:
+        decoding = [n for n in step.num_scheduled_tokens.values() if n == 1]
+        prompt_tokens = sum(n for n in step.num_scheduled_tokens.values() if n > 1)
+        assert not decoding or prompt_tokens <= 6

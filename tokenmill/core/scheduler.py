@@ -24,12 +24,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         context_cost: float = 0.0,
+        max_prefill_tokens_with_decodes: int | None = None,
     ) -> None:
         """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
-        is not its arithmetic)."""
+        is not its arithmetic). max_prefill_tokens_with_decodes: the share of a step prompt chunks may
+        take while requests are decoding (None: the whole budget), which bounds the inter-token gap a
+        wave of new prompts inflicts on running streams."""
         self.kv = kv_cache_manager
         self.context_cost = context_cost
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -111,12 +115,21 @@ class Scheduler:
         # leave unused goes back to the cut chunks at the end.
         chunk_room = budget // 2 if self._can_admit() else None
         cut: list[Request] = []
+        # Prompt tokens a step may carry beside decodes (prefills alone, as at start-up or for
+        # embeddings, take the whole budget).
+        prefill_room = budget
+        if self.max_prefill_tokens_with_decodes is not None and any(
+            r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in self.running
+        ):
+            prefill_room = self.max_prefill_tokens_with_decodes
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_wanted = request.num_tokens_with_placeholders - request.num_computed_tokens
-            room = budget if chunk_room is None or num_wanted <= 1 else min(budget, chunk_room)
+            room = budget
+            if num_wanted > 1:
+                room = min(room, prefill_room if chunk_room is None else min(chunk_room, prefill_room))
             num_new, cost = self._chunk(
                 request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
             )
@@ -132,7 +145,10 @@ class Scheduler:
                 position = self.running.index(victim)
                 if num_scheduled.pop(victim.request_id, None) is not None:
                     new_block_ids.pop(victim.request_id)
-                    budget += cost_of.pop(victim.request_id)
+                    freed = cost_of.pop(victim.request_id)
+                    budget += freed
+                    if victim.num_tokens_with_placeholders - victim.num_computed_tokens > 1:
+                        prefill_room += freed
                 self._preempt(victim)
                 if position < index:  # the list shifts under the cursor, scheduled or passed over
                     index -= 1
@@ -144,12 +160,14 @@ class Scheduler:
                 cost_of[request.request_id] = cost
                 new_block_ids[request.request_id] = allocated
                 budget -= cost
+                if num_wanted > 1:
+                    prefill_room -= cost
                 index += 1
 
         new_requests: list[Request] = []
         resumed: set[str] = set()
         # New requests only when nobody had to be preempted: otherwise they would just thrash.
-        while not num_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not num_preempted and min(budget, prefill_room) > 0 and len(self.running) < self.max_num_seqs:
             candidate = self._peek_waiting()
             # A preempted request whose last step is still in flight waits for that step's token.
             if candidate is None or candidate.num_output_placeholders:
@@ -161,7 +179,10 @@ class Scheduler:
             if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new, cost = self._chunk(
-                num_hit_tokens, request.num_tokens - num_hit_tokens, budget, fresh=not num_scheduled
+                num_hit_tokens,
+                request.num_tokens - num_hit_tokens,
+                min(budget, prefill_room),
+                fresh=not num_scheduled,
             )
             if num_new <= 0 or self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
@@ -179,13 +200,15 @@ class Scheduler:
             cost_of[request.request_id] = cost
             new_block_ids[request.request_id] = request.block_ids
             budget -= cost
+            prefill_room -= cost
 
         for request in cut:
-            if budget <= 0 or request.status != RequestStatus.RUNNING:
+            room = min(budget, prefill_room)
+            if room <= 0 or request.status != RequestStatus.RUNNING:
                 continue
             num_new, cost = num_scheduled.get(request.request_id, 0), cost_of.get(request.request_id, 0)
             num_wanted = request.num_tokens_with_placeholders - request.num_computed_tokens
-            longer, longer_cost = self._chunk(request.num_computed_tokens, num_wanted, budget + cost)
+            longer, longer_cost = self._chunk(request.num_computed_tokens, num_wanted, room + cost)
             if longer <= num_new:
                 continue
             allocated = self.kv.allocate_slots(request, longer)
@@ -194,6 +217,7 @@ class Scheduler:
             num_scheduled[request.request_id], cost_of[request.request_id] = longer, longer_cost
             new_block_ids.setdefault(request.request_id, []).extend(allocated)
             budget -= longer_cost - cost
+            prefill_room -= longer_cost - cost
 
         if not num_scheduled:
             # An empty step is never executed: its news for the worker waits for the next real one.

@@ -21,6 +21,8 @@ _HELP = {
     "max_model_len": "context length in tokens (default: the model's own)",
     "max_num_seqs": "most requests in one running batch",
     "max_num_batched_tokens": "token budget of one engine step (default: 8192 on a GPU, 256 on a CPU)",
+    "max_prefill_tokens_with_decodes": "prompt tokens a step may carry while requests are decoding, which "
+    "bounds the pause a wave of new prompts puts in running streams (default: the whole step budget)",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "share the KV blocks of identical prompt prefixes between requests",
     "kv_cache_memory": "bytes of KV cache, e.g. 4GiB or 512MiB (overrides --gpu-memory-utilization)",

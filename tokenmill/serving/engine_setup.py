@@ -123,7 +123,14 @@ def create_engine(config: EngineConfig) -> EngineParts:
     # On a CPU a step's time is its arithmetic: the budget counts attention too, so chunks deep into a
     # long prompt shrink and steps stay short. A GPU step is not (decode steps are memory-bound).
     context_cost = 0.0 if runner.device.type == "cuda" else runner.context_cost()
-    scheduler = Scheduler(kv, config.max_num_seqs, batched_tokens, max_model_len, context_cost)
+    scheduler = Scheduler(
+        kv,
+        config.max_num_seqs,
+        batched_tokens,
+        max_model_len,
+        context_cost,
+        config.max_prefill_tokens_with_decodes,
+    )
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
     async_scheduling = config.async_scheduling
