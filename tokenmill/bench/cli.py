@@ -188,6 +188,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int)
     engine.add_argument("--max-num-seqs", type=int)
     engine.add_argument("--max-num-batched-tokens", type=int)
+    engine.add_argument("--max-prefill-tokens-with-decodes", type=int)
     engine.add_argument(
         "--skip-tokenizer-init", action="store_true", help="engine works on token ids only (no detokenizing)"
     )

@@ -213,6 +213,7 @@ def _make_llm(args: argparse.Namespace, **engine_overrides: Any) -> Any:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_prefill_tokens_with_decodes": args.max_prefill_tokens_with_decodes,
         "skip_tokenizer_init": args.skip_tokenizer_init or None,
         **engine_overrides,
     }
