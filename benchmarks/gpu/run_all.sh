@@ -43,7 +43,7 @@ for stage in $stages; do
                      --out "$out/throughput_llama_8b.json" ;;
     throughput-8b-sync) timeout 300 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
                           --no-async-scheduling --out "$out/throughput_llama_8b_sync.json" ;;
-    server) timeout 420 benchmarks/gpu/serve_vs_offline.sh "$out" ;;
+    server) API_SERVERS="1 4" timeout 480 benchmarks/gpu/serve_vs_offline.sh "$out" ;;
     server-scale) mkdir -p "$out/scale"; API_SERVERS="1 2 4" timeout 560 benchmarks/gpu/serve_vs_offline.sh "$out/scale" ;;
     server-burst) mkdir -p "$out/burst"; CONCURRENCY=1000 NUM_PROMPTS=1000 API_SERVERS="1 4" timeout 560 \
                     benchmarks/gpu/serve_vs_offline.sh "$out/burst" ;;
