@@ -98,6 +98,27 @@ def test_mixed_prefill_chunks_and_decode_match_reference(
     torch.testing.assert_close(got, want, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads", "dtype"),
+    [(48, 4, 4, torch.float32), (64, 6, 2, torch.float32), (64, 6, 2, torch.bfloat16)],
+)
+def test_mixed_batch_split_into_decode_and_prompt_launches(
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    # Decodes (and a one-token prompt) between prompt chunks long enough for the large tile: with the
+    # num_decodes hint they run in a launch of their own, the prompt chunks in another.
+    seq_lens, query_lens = [1, 70, 33, 100, 129, 45], [1, 70, 1, 1, 60, 1]
+    batch = make_batch(
+        seq_lens, query_lens, num_heads, num_kv_heads, head_dim, dtype=dtype, extra_query_rows=3
+    )
+    out = torch.full_like(batch.query, 7.0)
+    got = attention.paged_attention(*batch, out=out, max_query_len=70, num_decodes=4)
+    want = reference.paged_attention(*batch)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(got[: sum(query_lens)], want[: sum(query_lens)], **tol)
+    assert bool((got[sum(query_lens) :] == 7.0).all())  # rows nobody owns are left alone
+
+
 @pytest.mark.parametrize(("seq_lens", "query_lens"), [([70], [70]), ([129, 140], [129, 100])])
 def test_long_prefill_spans_several_query_tiles(seq_lens: list[int], query_lens: list[int]) -> None:
     # With 3 heads per KV head these fill many query tiles; [140, 100] has a 40-token cached prefix.
@@ -186,8 +207,12 @@ def test_half_precision_on_gpu(max_query_len: int, group: int, dtype: torch.dtyp
     seq_lens = [1, 17, 33, 100, 129, 1000, 2050]
     query_lens = [1] * 7 if max_query_len == 1 else [1, 17, 5, 1, 60, 100, 1]
     batch = make_batch(seq_lens, query_lens, 4 * group, 4, 128, dtype=dtype)
+    want = reference.paged_attention(*batch)
     got = attention.paged_attention(*batch, max_query_len=max_query_len)
-    torch.testing.assert_close(got, reference.paged_attention(*batch), **BF16_TOL)
+    torch.testing.assert_close(got, want, **BF16_TOL)
+    # The mixed batch again, its decodes in a launch of their own.
+    split = attention.paged_attention(*batch, max_query_len=max_query_len, num_decodes=query_lens.count(1))
+    torch.testing.assert_close(split, want, **BF16_TOL)
 
 
 @needs_cuda

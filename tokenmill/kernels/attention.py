@@ -141,9 +141,12 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SEQ_FILTER: tl.constexpr = 0,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
-    against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request."""
+    against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
+    SEQ_FILTER 1 takes only the requests with one query token, 2 only the others (0: every request): a
+    batch that mixes prompt chunks and decodes runs as two launches, each with its own tile size."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
@@ -160,6 +163,12 @@ def _paged_attention_kernel(
     # Padded requests (query_len 0) and the gaps of the tile numbering stop here, before any load.
     if q_tile * BLOCK_Q >= query_len:
         return
+    if SEQ_FILTER == 1:  # noqa: SIM102 (a constexpr test first: Triton compiles the branch away)
+        if query_len != 1:
+            return
+    if SEQ_FILTER == 2:  # noqa: SIM102
+        if query_len == 1:
+            return
     seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - query_len
 
@@ -306,12 +315,16 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context; see the reference.
 
     max_query_len (1 selects the decode kernel) saves a device sync when given, and must be given under
     CUDA graph capture. max_seq_len and num_kv_splits only shape the split-KV decode: pass a fixed
-    num_kv_splits when capturing a graph. Rows of `out` that no request owns are left untouched.
+    num_kv_splits when capturing a graph. num_decodes, the requests with one query token, lets a batch
+    that mixes them with longer queries give them the decode kernel's small tile: in one launch each
+    would fill a prompt-sized tile (128 rows for a GQA group of 2) and pay for all of it. Rows of `out`
+    that no request owns are left untouched.
     """
     num_tokens, num_heads, head_dim = query.shape
     kv_block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -340,6 +353,21 @@ def paged_attention(
         block_q = config.block_m // group
         num_kv_splits = 1
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, 1)
+    small = decode_config(group, query.element_size())
+    split_mixed = not decode and num_decodes > 0 and config.block_m > small.block_m
+    if split_mixed:
+        # The decodes first, one program per request and KV head, no KV splits (the prompt chunks'
+        # launch below keeps the device busy); then the prompt chunks, whose launch skips them.
+        _paged_attention_kernel[(num_seqs, num_kv_heads, 1)](
+            query, k_cache, v_cache, out, out, out,
+            block_tables, seq_lens, query_start_loc, num_seqs, scale * _LOG2_E,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
+            BLOCK_M=small.block_m, BLOCK_Q=1, BLOCK_N=small.block_n, NUM_SPLITS=1, DECODE=True,
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SEQ_FILTER=1,
+            num_warps=small.num_warps, num_stages=small.num_stages,
+        )  # fmt: skip
     if num_kv_splits > 1:
         partial_out = torch.empty(
             num_seqs * num_heads * num_kv_splits * head_dim, dtype=torch.float32, device=query.device
@@ -357,7 +385,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         NUM_SPLITS=num_kv_splits, DECODE=decode,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SEQ_FILTER=2 if split_mixed else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_kv_splits > 1:

@@ -40,6 +40,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
@@ -47,9 +48,9 @@ def paged_attention(
     (request b owns rows query_start_loc[b]:query_start_loc[b+1]). Request b's context is seq_lens[b]
     tokens, the last of which are its new tokens, so a prefill, a chunk of a prefill over a cached
     prefix and a decode step are the same call. The KV of the new tokens must already be written.
-    max_query_len, max_seq_len and num_kv_splits are host-side hints for kernels that size their grid
-    by them; this reference needs none. Padded requests (seq_len 0, query_len 0) are skipped, and rows
-    of `out` that no request owns are left untouched.
+    max_query_len, max_seq_len, num_kv_splits and num_decodes are host-side hints for kernels that size
+    their grid by them; this reference needs none. Padded requests (seq_len 0, query_len 0) are skipped,
+    and rows of `out` that no request owns are left untouched.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

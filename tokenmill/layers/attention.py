@@ -57,6 +57,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0  # requests with one query token (a decode, or a one-token prompt)
     # One request, whole prompt, no cached prefix: attention can read K/V straight from this step's
     # tensors through cuDNN's dense causal kernel, the fastest long prefill on Hopper.
     dense_prefill: bool = False
@@ -98,5 +99,6 @@ class Attention(nn.Module):
             self.scale,
             max_query_len=attn_metadata.max_query_len,
             max_seq_len=attn_metadata.max_seq_len,
+            num_decodes=attn_metadata.num_decodes,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -58,6 +58,7 @@ class StepInputs(NamedTuple):
     seq_lens: np.ndarray  # [num_seqs] int32
     block_tables: np.ndarray  # [num_seqs, max_blocks] int32
     max_query_len: int
+    num_decodes: int  # requests with one query token this step
     max_seq_len: int
     samples: list[bool]  # per row: does the token sampled this step count (False for a prompt chunk)
     # Input tokens sampled by the previous step, still on the device: (flat index here, row there).
@@ -184,6 +185,7 @@ class InputBatch:
             seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[rows, :max_blocks],
             max_query_len=max_query_len,
+            num_decodes=int(np.count_nonzero(num_new == 1)),
             max_seq_len=int(seq_lens.max()),
             samples=samples,
             pending_dst=pending_dst,

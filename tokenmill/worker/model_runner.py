@@ -218,6 +218,7 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
+            num_decodes=inputs.num_decodes,
             dense_prefill=(
                 self.dense_prefill_ok
                 and len(inputs.seq_lens) == 1
