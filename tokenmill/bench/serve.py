@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import math
 import sys
@@ -91,29 +90,19 @@ async def run_load(
         warmup_results = await asyncio.gather(*(one(s) for s in warmups))
 
         progress = _progress_bar(len(samples), show_progress)
-        # The client measures gaps of a few milliseconds: keep the collector's pauses out of them (the
-        # prompts and the session are frozen; young collections every 50,000 allocations, not 700).
-        gc.collect()
-        gc.freeze()
-        thresholds = gc.get_threshold()
-        gc.set_threshold(50_000, *thresholds[1:])
-        try:
-            start = time.perf_counter()
-            tasks = []
-            for sample, offset in zip(samples, offsets, strict=True):
-                # Sleep to an absolute send time, so scheduling jitter never accumulates.
-                delay = start + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.create_task(one(sample))
-                if progress is not None:
-                    task.add_done_callback(lambda _: progress.update(1))
-                tasks.append(task)
-            results = list(await asyncio.gather(*tasks))
-            duration_s = time.perf_counter() - start
-        finally:
-            gc.set_threshold(*thresholds)
-            gc.unfreeze()
+        start = time.perf_counter()
+        tasks = []
+        for sample, offset in zip(samples, offsets, strict=True):
+            # Sleep to an absolute send time, so scheduling jitter never accumulates.
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(sample))
+            if progress is not None:
+                task.add_done_callback(lambda _: progress.update(1))
+            tasks.append(task)
+        results = list(await asyncio.gather(*tasks))
+        duration_s = time.perf_counter() - start
         if progress is not None:
             progress.close()
     return LoadRun(results, duration_s, [r.error for r in warmup_results if not r.success])

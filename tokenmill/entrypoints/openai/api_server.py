@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import hmac
 import logging
 import signal
@@ -28,7 +29,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.serving.async_client import AsyncEngineClient
-from tokenmill.serving.gc_policy import settle_after_start_up
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import render_prompt
 
@@ -299,7 +299,8 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         )
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
-    settle_after_start_up()
+    gc.collect()
+    gc.freeze()
     try:
         state = ServerState(engine, names, metrics, api_key=args.api_key)
         uvicorn_config = uvicorn.Config(
