@@ -128,8 +128,8 @@ class Scheduler:
             request = self.running[index]
             num_wanted = request.num_tokens_with_placeholders - request.num_computed_tokens
             room = budget
-            if num_wanted > 1:
-                room = min(room, prefill_room if chunk_room is None else min(chunk_room, prefill_room))
+            if num_wanted > 1:  # a prompt chunk: within the prefill cap and the half-step room
+                room = min(budget, prefill_room, budget if chunk_room is None else chunk_room)
             num_new, cost = self._chunk(
                 request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
             )

@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--api-server-count",
         "-asc",
-        type=_positive_count,
+        type=_positive_int,
         default=1,
         metavar="N",
         help="API processes in front of the one engine core; at hundreds of streams one process's core "
@@ -65,17 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
-def _positive_count(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value
 
 

@@ -353,21 +353,27 @@ def paged_attention(
         block_q = config.block_m // group
         num_kv_splits = 1
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, 1)
-    small = decode_config(group, query.element_size())
-    split_mixed = not decode and num_decodes > 0 and config.block_m > small.block_m
-    if split_mixed:
-        # The decodes first, one program per request and KV head, no KV splits (the prompt chunks'
-        # launch below keeps the device busy); then the prompt chunks, whose launch skips them.
-        _paged_attention_kernel[(num_seqs, num_kv_heads, 1)](
-            query, k_cache, v_cache, out, out, out,
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+
+    def launch(grid, partial_out, partial_lse, tile: TileConfig, block_q: int, num_splits: int, decode: bool,
+               seq_filter: int) -> None:  # fmt: skip
+        _paged_attention_kernel[grid](
+            query, k_cache, v_cache, out, partial_out, partial_lse,
             block_tables, seq_lens, query_start_loc, num_seqs, scale * _LOG2_E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
-            BLOCK_M=small.block_m, BLOCK_Q=1, BLOCK_N=small.block_n, NUM_SPLITS=1, DECODE=True,
-            PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SEQ_FILTER=1,
-            num_warps=small.num_warps, num_stages=small.num_stages,
+            BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
+            DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
+
+    small = config if decode else decode_config(group, query.element_size())
+    split_mixed = not decode and num_decodes > 0 and config.block_m > small.block_m
+    if split_mixed:
+        # The decodes first, one program per request and KV head, no KV splits (the prompt chunks'
+        # launch below keeps the device busy); then the prompt chunks, whose launch skips them.
+        launch((num_seqs, num_kv_heads, 1), out, out, small, 1, 1, True, seq_filter=1)
     if num_kv_splits > 1:
         partial_out = torch.empty(
             num_seqs * num_heads * num_kv_splits * head_dim, dtype=torch.float32, device=query.device
@@ -377,17 +383,7 @@ def paged_attention(
         )
     else:
         partial_out = partial_lse = out
-    _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, partial_out, partial_lse,
-        block_tables, seq_lens, query_start_loc, num_seqs, scale * _LOG2_E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
-        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
-        NUM_SPLITS=num_kv_splits, DECODE=decode,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SEQ_FILTER=2 if split_mixed else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+    launch(grid, partial_out, partial_lse, config, block_q, num_kv_splits, decode, 2 if split_mixed else 0)
     if num_kv_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),

@@ -10,22 +10,18 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
-import select
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.loader import resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.core_link import CoreSockets, CoreWatch, wait_ready
 from tokenmill.serving.core_process import run_engine_core
 from tokenmill.serving.core_protocol import (
     AbortRequests,
@@ -43,8 +39,6 @@ from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
 
 logger = logging.getLogger("tokenmill.server")
-
-_READY_POLL_MS = 200
 
 
 class EngineDeadError(RuntimeError):
@@ -79,7 +73,7 @@ class AsyncEngineClient:
         tokenizer,
         eos_token_ids: tuple[int, ...],
         process: multiprocessing.process.BaseProcess | CoreWatch,
-        sockets: _Sockets,
+        sockets: CoreSockets,
         metrics: ServerMetrics | None,
         hf_config: object = None,
         client_index: int = 0,
@@ -119,7 +113,7 @@ class AsyncEngineClient:
     @classmethod
     async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None) -> AsyncEngineClient:
         """Start the engine-core process and wait until its model is loaded."""
-        sockets = _Sockets.bind()
+        sockets = CoreSockets.bind()
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
             args=(config, [sockets.input_address], [sockets.output_address]),
@@ -147,7 +141,7 @@ class AsyncEngineClient:
     ) -> AsyncEngineClient:
         """Join the engine core a launcher started (`--api-server-count`): bind this API process's pair of
         sockets, which the core connects to, and wait for its model like `start` does."""
-        sockets = _Sockets(input_address, output_address)
+        sockets = CoreSockets(input_address, output_address)
         return await cls._connect(config, metrics, sockets, CoreWatch(core_pid), client_index)
 
     @classmethod
@@ -155,7 +149,7 @@ class AsyncEngineClient:
         cls,
         config: EngineConfig,
         metrics: ServerMetrics | None,
-        sockets: _Sockets,
+        sockets: CoreSockets,
         process: multiprocessing.process.BaseProcess | CoreWatch,
         client_index: int = 0,
     ) -> AsyncEngineClient:
@@ -164,14 +158,7 @@ class AsyncEngineClient:
             model, load_format = config.model, config.load_format
             source = await asyncio.to_thread(resolve_model, model, load_format, config.tokenizer)
             tokenizer = None if config.skip_tokenizer_init else await asyncio.to_thread(source.load_tokenizer)
-            ready = await _wait_ready(sockets.output, process)
-            # The core connected to this process's sockets when it started, and retries every 100 ms
-            # if a socket was not bound yet: its outputs reach us now, but wait until the input side is
-            # connected too, or the first request would find no peer.
-            while not sockets.input.poll(0, zmq.POLLOUT):
-                if not process.is_alive():
-                    raise RuntimeError("engine core process exited before it connected.")
-                await asyncio.sleep(0.01)
+            ready = await wait_ready(sockets, process)
         except BaseException:
             sockets.close()
             raise
@@ -385,71 +372,3 @@ class AsyncEngineClient:
         except zmq.Again:
             if not self._closing:
                 self._fail("engine core is not reading its input socket.")
-
-
-class _Sockets:
-    """An API process's two ZMQ sockets, bound on ipc:// paths: requests out, outputs in."""
-
-    def __init__(self, input_address: str, output_address: str, directory: str | None = None) -> None:
-        self.directory = directory  # removed on close: the private directory `bind` made
-        self.input_address = input_address
-        self.output_address = output_address
-        self._sync_context = zmq.Context()
-        self._async_context = zmq.asyncio.Context()
-        self.input = self._sync_context.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)  # requests are small; never drop or stall on a burst
-        self.input.bind(input_address)
-        self.output = self._async_context.socket(zmq.PULL)
-        self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.bind(output_address)
-
-    @classmethod
-    def bind(cls) -> _Sockets:
-        directory = tempfile.mkdtemp(prefix="tokenmill-")
-        return cls(f"ipc://{directory}/input", f"ipc://{directory}/output", directory)
-
-    def close(self) -> None:
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self._sync_context.term()
-        self._async_context.term()
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-
-class CoreWatch:
-    """The engine core seen from an API process that did not start it: a pidfd (readable once the process
-    has exited) stands in for multiprocessing's sentinel. The exit code belongs to its parent."""
-
-    exitcode = None
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.sentinel = os.pidfd_open(pid)
-
-    def is_alive(self) -> bool:
-        return not select.select([self.sentinel], [], [], 0)[0]
-
-    def join(self, timeout: float | None = None) -> None:
-        select.select([self.sentinel], [], [], timeout)
-
-    def close(self) -> None:
-        os.close(self.sentinel)
-
-
-async def _wait_ready(
-    output: zmq.asyncio.Socket, process: multiprocessing.process.BaseProcess | CoreWatch
-) -> EngineReady:
-    decoder = message_decoder()
-    while True:
-        if await output.poll(_READY_POLL_MS):
-            message = decoder.decode(await output.recv())
-            if isinstance(message, EngineReady):
-                return message
-            if isinstance(message, EngineDead):
-                error_class = ValueError if message.error_type == "ValueError" else RuntimeError
-                raise error_class(message.error)
-        elif not process.is_alive():
-            raise RuntimeError(
-                f"engine core process exited with code {process.exitcode} before it was ready."
-            )

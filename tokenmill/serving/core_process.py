@@ -3,7 +3,6 @@ model runs step after step while the API process does HTTP, tokenization and det
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import os
@@ -232,8 +231,6 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
         )
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
-        gc.collect()
-        gc.freeze()  # the model and engine live as long as the process: keep the collector off them
         EngineCoreProc(parts.core, input_socket, output_sockets, sentinel).run()
     except Exception as exc:
         # A ValueError is a bad configuration (an unsupported architecture, a KV cache too small): the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import NamedTuple
 
@@ -142,4 +143,8 @@ def create_engine(config: EngineConfig) -> EngineParts:
         from tokenmill.serving.warmup import warm_up
 
         warm_up(parts)
+    # The model and the engine live as long as their process: frozen, the collector never walks them
+    # again (unfrozen, each full collection did: 4 ms of a 256-request step's host time on a CPU).
+    gc.collect()
+    gc.freeze()
     return parts

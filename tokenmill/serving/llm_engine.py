@@ -3,8 +3,6 @@ caller. The offline `LLM` uses it directly; the server runs the core in its own 
 
 from __future__ import annotations
 
-import gc
-
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.outputs import RequestOutput
@@ -28,11 +26,6 @@ class LLMEngine:
             self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        # As in the server's core process: what start-up built (the model, the engine, the tokenizer)
-        # lives as long as the engine, so the collector stops walking it. Unfrozen, each full collection
-        # walked it all: 4 ms of a 256-request step's host time on this project's CPU VM.
-        gc.collect()
-        gc.freeze()
 
     @property
     def scheduler(self):

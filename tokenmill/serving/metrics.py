@@ -43,11 +43,11 @@ class BulkHistogram:
     Histogram.observe would take a lock and a bucket search per token. It adds to the buckets of a real
     Histogram (which keeps them per bucket, not cumulative), so the multiprocess mode works unchanged."""
 
-    def __init__(self, histogram: Histogram, buckets: tuple[float, ...]) -> None:
-        self.bounds = [*buckets, float("inf")]
-        self._buckets = histogram._buckets  # noqa: SLF001 (one ValueClass per bucket; see the docstring)
+    def __init__(self, histogram: Histogram) -> None:
+        # The histogram's own upper bounds (+Inf last) and one value per bucket; see the docstring.
+        self.bounds = histogram._upper_bounds  # noqa: SLF001
+        self._buckets = histogram._buckets  # noqa: SLF001
         self._sum = histogram._sum  # noqa: SLF001
-        assert len(self._buckets) == len(self.bounds)
 
     def observe(self, value: float, count: int = 1) -> None:
         index = bisect.bisect_left(self.bounds, value)  # the first bucket whose upper bound holds it
@@ -108,8 +108,7 @@ class ServerMetrics:
         self.inter_token_latency = BulkHistogram(
             histogram(
                 "inter_token_latency_seconds", "Time between consecutive outputs of a request.", _ITL_BUCKETS
-            ),
-            _ITL_BUCKETS,
+            )
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS

@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import time
 
 import msgspec
 import zmq
@@ -133,8 +132,7 @@ def _stop_core(core: multiprocessing.process.BaseProcess, control: zmq.Socket) -
     if core.is_alive():
         with contextlib.suppress(zmq.Again):  # no peer yet: the core was still starting
             control.send(msgspec.msgpack.encode(Shutdown()), zmq.NOBLOCK)
-        deadline = time.monotonic() + _STOP_S
-        core.join(max(0.0, deadline - time.monotonic()))
+        core.join(_STOP_S)
         if core.is_alive():
             logger.warning("engine core did not stop in %.1f s; killing it", _STOP_S)
             core.kill()
