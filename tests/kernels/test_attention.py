@@ -86,10 +86,14 @@ def both(batch: Batch, **hints: int | None) -> tuple[torch.Tensor, torch.Tensor]
     return got, want
 
 
-@pytest.mark.parametrize(
+# Head shapes of the mixed-batch tests: no GQA, a group of 3, and the same in bf16.
+MIXED_SHAPES = pytest.mark.parametrize(
     ("head_dim", "num_heads", "num_kv_heads", "dtype"),
     [(48, 4, 4, torch.float32), (64, 6, 2, torch.float32), (64, 6, 2, torch.bfloat16)],
 )
+
+
+@MIXED_SHAPES
 def test_mixed_prefill_chunks_and_decode_match_reference(
     head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
@@ -98,10 +102,7 @@ def test_mixed_prefill_chunks_and_decode_match_reference(
     torch.testing.assert_close(got, want, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
-@pytest.mark.parametrize(
-    ("head_dim", "num_heads", "num_kv_heads", "dtype"),
-    [(48, 4, 4, torch.float32), (64, 6, 2, torch.float32), (64, 6, 2, torch.bfloat16)],
-)
+@MIXED_SHAPES
 def test_mixed_batch_split_into_decode_and_prompt_launches(
     head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
