@@ -7,6 +7,8 @@
 # Usage: benchmarks/gpu/serve_vs_offline.sh OUTDIR
 #   env: CONCURRENCY=256 NUM_PROMPTS=1024 INPUT_LEN=512 OUTPUT_LEN=256 PORT=8321 (a CPU smoke run: small ones)
 #   ENGINE_EXTRA="--max-num-batched-tokens 2048": more engine flags, for the server and the offline run.
+#   CLIENT_PROCS=4: bench serve --num-client-processes (one client event loop cannot time 256 streams
+#   without adding its own delays to the inter-token latencies).
 #   API_SERVERS="1 2 4": one server run per --api-server-count, in this order (default: 1), each against
 #   the same offline run (OUTDIR/serve_asc$N.json, server_asc$N.log; summary in serve_vs_offline.json).
 #   PROFILE=cpu: the CPU use of each server process and the client is sampled each second of the load
@@ -54,6 +56,7 @@ server = psutil.Process(int(sys.argv[1]))
 procs = {"main": server}
 spawned = [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())]
 procs.update({f"child{i}": p for i, p in enumerate(spawned)})
+helpers = {}  # the bench client's own processes (--num-client-processes), summed into its column
 for second in range(600):
     if "client" not in procs:
         me = psutil.Process()
@@ -66,7 +69,13 @@ for second in range(600):
     time.sleep(1)
     try:
         if "client" in procs:
-            print(f"{second:3d} " + " ".join(f"{p.cpu_percent():7.1f}" for p in procs.values()), flush=True)
+            shares = {name: p.cpu_percent() for name, p in procs.items()}
+            shares["client"] += sum(p.cpu_percent() for p in helpers.values())
+            for p in procs["client"].children(recursive=True):
+                if p.pid not in helpers:
+                    helpers[p.pid] = p
+                    p.cpu_percent()
+            print(f"{second:3d} " + " ".join(f"{v:7.1f}" for v in shares.values()), flush=True)
     except psutil.Error:
         break
 EOF
@@ -74,6 +83,7 @@ EOF
   $py $([ "$count" = 1 ] && prof client) -m tokenmill.entrypoints.cli bench serve \
     --base-url "http://127.0.0.1:$port" --tokenizer "$model" $dataset --ignore-eos \
     --max-concurrency "$concurrency" --num-warmups $((concurrency < 32 ? concurrency : 32)) --disable-tqdm \
+    --num-client-processes "${CLIENT_PROCS:-4}" \
     --output-json "$out/serve_asc$count.json"
   kill -INT $server
   wait $server
@@ -88,8 +98,8 @@ if [ "$profile" != 0 ]; then
   exit 0
 fi
 $tm bench throughput --model "$model" $engine $dataset --disable-tqdm --output-json "$out/offline.json"
-$py - "$out" "$concurrency" $api_servers <<'EOF'
-import json, sys
+CLIENT_PROCS=${CLIENT_PROCS:-4} $py - "$out" "$concurrency" $api_servers <<'EOF'
+import json, os, sys
 out, concurrency, counts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 offline = json.load(open(f"{out}/offline.json"))["output_tokens_per_second"]
 results = []
@@ -99,6 +109,7 @@ for count in counts:
     result = {
         "api_server_count": int(count),
         "concurrency": concurrency,
+        "client_processes": int(os.environ["CLIENT_PROCS"]),
         "serve_output_tok_s": summary["output_throughput"],
         "offline_output_tok_s": offline,
         "ratio": summary["output_throughput"] / offline,

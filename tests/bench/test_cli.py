@@ -98,7 +98,8 @@ def test_serve_sweep_writes_json_and_plots(
     assert "Request Rate Sweep" in out and "1 x HTTP 500: no capacity" in out
 
 
-def test_serve_replays_a_trace_at_its_own_pace(fake_server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_serve_replays_a_trace_at_its_own_pace(fake_server, tmp_path: Path, processes: str) -> None:
     server = fake_server(lambda payload: Script(ttft_s=0.0, itl_s=0.0, num_tokens=1))
     path = tmp_path / "trace.jsonl"
     path.write_text(
@@ -106,7 +107,8 @@ def test_serve_replays_a_trace_at_its_own_pace(fake_server, tmp_path: Path) -> N
     )
     args = _parse(
         ["serve", "--base-url", server.base_url, "--model", "m", "--dataset-name", "file", "--dataset-path",
-         str(path), "--trace-speedup", "2", "--output-json", str(tmp_path / "r.json"), "--disable-tqdm"]
+         str(path), "--trace-speedup", "2", "--output-json", str(tmp_path / "r.json"), "--disable-tqdm",
+         "--num-client-processes", processes]
     )  # fmt: skip
     assert args.func(args) == 0
     result = json.loads((tmp_path / "r.json").read_text())
@@ -129,6 +131,7 @@ def test_serve_with_no_successful_request_exits_nonzero(tmp_path: Path) -> None:
         (["--goodput", "ttft"], "--goodput"),
         (["--burstiness", "0.5", "--arrival-process", "constant"], "--burstiness"),
         (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--num-client-processes", "0"], "--num-client-processes"),
         (["--endpoint", "/v1/chat/completions", "--prompts-as-token-ids"], "--prompts-as-token-ids"),
         (["--metric-percentiles", "200"], "--metric-percentiles"),
     ],

@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.metrics import summarize
-from tokenmill.bench.serve import LoadRun, ServeTarget, run_load
+from tokenmill.bench.serve import LoadRun, ServeTarget, run_load, run_load_processes
 
 from .fake_openai_server import FakeOpenAIServer, Script
 
@@ -147,3 +147,34 @@ def test_warmup_requests_are_sent_but_not_counted(fake_server) -> None:
     assert len(server.payloads) == 5
     assert len(run.results) == 3 and run.warmup_errors == []
     assert summarize(run.results, run.duration_s)["completed"] == 3
+
+
+def test_client_processes_split_the_load_and_keep_one_clock(fake_server) -> None:
+    # Request i answers after (10 + 10 * (i % 3)) ms, so a result returned in the wrong place shows.
+    server = fake_server(
+        lambda payload: Script(ttft_s=0.01 * (1 + _index(payload) % 3), itl_s=0.01, num_tokens=4)
+    )
+    target = ServeTarget(api_url=server.base_url + "/v1/completions", model="fake-model")
+    samples = _samples(9)
+    offsets = [0.02 * i for i in range(9)]
+    run = run_load_processes(target, samples, offsets, processes=3, max_concurrency=6, num_warmups=4)
+
+    assert len(server.payloads) == 9 + 4
+    assert [r.ttft for r in run.results] == pytest.approx(
+        [0.01 * (1 + i % 3) for i in range(9)], abs=TOLERANCE_MS / 1e3
+    )
+    # Send times from three processes line up on the schedule: one clock, one start.
+    sent = [r.start_time - run.start_time for r in run.results]
+    assert sent == pytest.approx(offsets, abs=2 * TOLERANCE_MS / 1e3)
+    summary = summarize(run.results, run.duration_s)
+    assert summary["completed"] == 9 and summary["total_output_tokens"] == 36
+    assert run.duration_s == pytest.approx(0.16 + 0.03 + 0.03, abs=0.05)
+
+
+def test_client_processes_check_their_count_and_count_failed_requests(fake_server) -> None:
+    target = ServeTarget(api_url="not a url", model="fake-model")
+    with pytest.raises(ValueError, match="--num-client-processes"):
+        run_load_processes(target, _samples(2), [0.0, 0.0], processes=0)
+    # Bad URLs are request failures (counted), not process failures.
+    run = run_load_processes(target, _samples(4), [0.0] * 4, processes=2)
+    assert [r.success for r in run.results] == [False] * 4 and all(r.error for r in run.results)

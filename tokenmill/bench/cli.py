@@ -75,6 +75,13 @@ def _add_serve(commands: Any) -> None:
         "--ignore-eos", action="store_true", help="ask the server to generate every requested token"
     )
     load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument(
+        "--num-client-processes",
+        type=int,
+        default=1,
+        help="spread the requests over this many client processes (hundreds of streams need more "
+        "than one event loop to time them); --max-concurrency and warm-ups are divided between them",
+    )
 
     out = p.add_argument_group("results")
     out.add_argument(
