@@ -40,7 +40,8 @@ profile=${PROFILE:-0}
 api_servers=${API_SERVERS:-1}
 prof() { [ "$profile" = 1 ] && echo "-m cProfile -o $out/$1.prof"; }
 for count in $api_servers; do
-  $py $([ "$count" = 1 ] && prof api) -m tokenmill.entrypoints.cli serve --model "$model" $engine \
+  TOKENMILL_STEP_TRACE="$out/steps_asc$count.json" \
+    $py $([ "$count" = 1 ] && prof api) -m tokenmill.entrypoints.cli serve --model "$model" $engine \
     --port "$port" --api-server-count "$count" >"$out/server_asc$count.log" 2>&1 &
   server=$!
   for _ in $(seq 180); do
@@ -119,6 +120,25 @@ for count in counts:
             result[key] = summary[key]
     # The issue's burst count: gaps between a stream's chunks over 100 ms.
     result["itl_gaps_over_100ms"] = sum(gap > 0.1 for gaps in serve.get("itls", []) for gap in gaps)
+    # The core's side (TOKENMILL_STEP_TRACE): time between steps' outputs leaving the core, over the
+    # timed run's span, and the slowest steps by kind. ITL tails the core does not show come later.
+    try:
+        trace = json.load(open(f"{out}/steps_asc{count}.json"))
+    except OSError:
+        trace = None
+    if trace:
+        cols = trace["columns"]
+        rows = [dict(zip(cols, row)) for row in trace["rows"]]
+        rows = rows[-max(1, int(len(rows) * 0.95)):]  # skip the warm-up's steps at the start
+        gaps = sorted((b["sent_s"] - a["sent_s"]) * 1e3 for a, b in zip(rows, rows[1:]))
+        pct = lambda xs, q: xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else None
+        prefill = sorted(r["step_call_ms"] for r in rows if r["tokens"] > r["requests"])
+        decode = sorted(r["step_call_ms"] for r in rows if r["tokens"] == r["requests"])
+        result["core_send_gap_ms"] = {f"p{q}": pct(gaps, q) for q in (50, 90, 99, 99.9)}
+        result["core_send_gaps_over_100ms"] = sum(g > 100 for g in gaps)
+        result["core_steps"] = {"decode_only": len(decode), "with_prompt_tokens": len(prefill),
+                                "decode_p99_ms": pct(decode, 99), "prompt_p50_ms": pct(prefill, 50),
+                                "prompt_p99_ms": pct(prefill, 99)}
     results.append(result)
 print(json.dumps(results, indent=2))
 json.dump(results, open(f"{out}/serve_vs_offline.json", "w"), indent=2)

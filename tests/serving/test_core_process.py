@@ -4,6 +4,7 @@ the in-process engine, aborts that free KV blocks at once, the waiting cap, star
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -273,3 +274,24 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.02)
     return bool(condition())
+
+
+def test_step_trace_records_each_step_that_returned_outputs(loop, model_path, tmp_path, monkeypatch):
+    path = tmp_path / "steps.json"
+    monkeypatch.setenv("TOKENMILL_STEP_TRACE", str(path))
+    client = loop.run(AsyncEngineClient.start(tiny_config(model_path)))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def all_at_once():
+        return await asyncio.gather(*(collect(client, f"t{i}", p, params) for i, p in enumerate(PROMPTS)))
+
+    loop.run(all_at_once())
+    loop.run(client.shutdown())
+    trace = json.loads(path.read_text())
+    rows = [dict(zip(trace["columns"], row, strict=True)) for row in trace["rows"]]
+    # Each step that returned outputs is one row: every token of every request shows up once.
+    assert sum(row["outputs"] for row in rows) == len(PROMPTS) * 6
+    assert sum(row["new_requests"] for row in rows) == len(PROMPTS)
+    assert sum(row["tokens"] for row in rows) == sum(len(p) for p in PROMPTS) + len(PROMPTS) * 5
+    assert all(row["step_call_ms"] >= 0 for row in rows)
+    assert [row["sent_s"] for row in rows] == sorted(row["sent_s"] for row in rows)

@@ -33,6 +33,7 @@ class EngineCore:
         self.max_steps_in_flight = 2 if async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_steps = 0
+        self.last_finished: SchedulerOutput | None = None  # the step whose outputs step() returned last
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -56,4 +57,5 @@ class EngineCore:
         if not self.batch_queue:
             return []
         scheduler_output, pending = self.batch_queue.popleft()
+        self.last_finished = scheduler_output
         return self.scheduler.update_from_output(scheduler_output, pending.result())

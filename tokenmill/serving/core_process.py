@@ -3,6 +3,7 @@ model runs step after step while the API process does HTTP, tokenization and det
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine import EngineCore
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.serving.core_protocol import (
     AbortRequests,
     AddRequest,
@@ -51,8 +53,10 @@ class EngineCoreProc:
         input_socket: zmq.Socket,
         output_sockets: list[zmq.Socket],
         parent_sentinel: int | None = None,
+        step_trace: StepTrace | None = None,
     ) -> None:
         self.core = core
+        self.step_trace = step_trace
         self.input_socket = input_socket
         # One per API process; index i answers the requests sent with client_index i.
         self.output_sockets = output_sockets
@@ -91,6 +95,8 @@ class EngineCoreProc:
         # API process's gauges never keep a stale count of running requests or used blocks.
         if not (outputs or changed or self.core.num_steps != steps_before):
             return
+        if self.step_trace is not None and outputs:
+            self.step_trace.record(start, self.core.last_finished, len(outputs))
         stats = self._stats(self._queue_times(start))
         if len(self.output_sockets) == 1:
             self._send(StepOutputs(outputs, stats))
@@ -179,6 +185,30 @@ class EngineCoreProc:
         self.output_sockets[client_index].send(self.encoder.encode(message))
 
 
+class StepTrace:
+    """One row per step that returned outputs, written as JSON when the core stops: when the outputs
+    left, how long the core's step() call took, and what the finished step computed. Turned on with
+    TOKENMILL_STEP_TRACE=FILE; for finding where inter-token gaps come from under load."""
+
+    COLUMNS = ("sent_s", "step_call_ms", "tokens", "requests", "new_requests", "outputs")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.rows: list[tuple[float, float, int, int, int, int]] = []
+
+    def record(self, start: float, finished: SchedulerOutput | None, num_outputs: int) -> None:
+        now = time.monotonic()
+        tokens = finished.total_num_scheduled_tokens if finished is not None else 0
+        requests = len(finished.num_scheduled_tokens) if finished is not None else 0
+        new = len(finished.scheduled_new_reqs) if finished is not None else 0
+        self.rows.append((now, (now - start) * 1e3, tokens, requests, new, num_outputs))
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"columns": self.COLUMNS, "rows": self.rows}, f)
+        logger.info("wrote the step trace (%d steps) to %s", len(self.rows), self.path)
+
+
 def _limit_cpu_threads(config: EngineConfig) -> None:
     """On CPU, leave one core to the API process. OpenMP threads spin while they wait, so a core process
     using every core fights the API process (and anything else on the box): on a loaded 2-core machine a
@@ -231,7 +261,11 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
         )
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
-        EngineCoreProc(parts.core, input_socket, output_sockets, sentinel).run()
+        trace_path = os.environ.get("TOKENMILL_STEP_TRACE")
+        trace = StepTrace(trace_path) if trace_path else None
+        EngineCoreProc(parts.core, input_socket, output_sockets, sentinel, trace).run()
+        if trace is not None:
+            trace.write()
     except Exception as exc:
         # A ValueError is a bad configuration (an unsupported architecture, a KV cache too small): the
         # API process prints its message as one clean line, the traceback is for --log-level debug.
