@@ -7,6 +7,8 @@
 # Usage: benchmarks/gpu/serve_vs_offline.sh OUTDIR
 #   env: CONCURRENCY=256 NUM_PROMPTS=1024 INPUT_LEN=512 OUTPUT_LEN=256 PORT=8321 (a CPU smoke run: small ones)
 #   ENGINE_EXTRA="--max-num-batched-tokens 2048": more engine flags, for the server and the offline run.
+#   SERVER_EXTRA="--max-prefill-tokens-with-decodes 2048": flags for the server only (the offline run
+#   keeps the defaults). OFFLINE_JSON=path: take the offline figure from an earlier run in this call.
 #   CLIENT_PROCS=4: bench serve --num-client-processes (one client event loop cannot time 256 streams
 #   without adding its own delays to the inter-token latencies).
 #   API_SERVERS="1 2 4": one server run per --api-server-count, in this order (default: 1), each against
@@ -42,7 +44,7 @@ prof() { [ "$profile" = 1 ] && echo "-m cProfile -o $out/$1.prof"; }
 for count in $api_servers; do
   TOKENMILL_STEP_TRACE="$out/steps_asc$count.json" \
     $py $([ "$count" = 1 ] && prof api) -m tokenmill.entrypoints.cli serve --model "$model" $engine \
-    --port "$port" --api-server-count "$count" >"$out/server_asc$count.log" 2>&1 &
+    ${SERVER_EXTRA:-} --port "$port" --api-server-count "$count" >"$out/server_asc$count.log" 2>&1 &
   server=$!
   for _ in $(seq 180); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
@@ -98,8 +100,12 @@ if [ "$profile" != 0 ]; then
   done
   exit 0
 fi
-$tm bench throughput --model "$model" $engine $dataset --disable-tqdm --output-json "$out/offline.json"
-CLIENT_PROCS=${CLIENT_PROCS:-4} $py - "$out" "$concurrency" $api_servers <<'EOF'
+if [ -n "${OFFLINE_JSON:-}" ]; then
+  cp "$OFFLINE_JSON" "$out/offline.json"
+else
+  $tm bench throughput --model "$model" $engine $dataset --disable-tqdm --output-json "$out/offline.json"
+fi
+CLIENT_PROCS=${CLIENT_PROCS:-4} SERVER_EXTRA=${SERVER_EXTRA:-} $py - "$out" "$concurrency" $api_servers <<'EOF'
 import json, os, sys
 out, concurrency, counts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 offline = json.load(open(f"{out}/offline.json"))["output_tokens_per_second"]
@@ -111,6 +117,7 @@ for count in counts:
         "api_server_count": int(count),
         "concurrency": concurrency,
         "client_processes": int(os.environ["CLIENT_PROCS"]),
+        "server_extra": os.environ.get("SERVER_EXTRA", ""),
         "serve_output_tok_s": summary["output_throughput"],
         "offline_output_tok_s": offline,
         "ratio": summary["output_throughput"] / offline,
