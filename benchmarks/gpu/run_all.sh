@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync server server-scale server-burst embeddings poisson (default:
+#         throughput-8b throughput-8b-sync server server-scale server-burst mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
@@ -47,6 +47,8 @@ for stage in $stages; do
     server-scale) mkdir -p "$out/scale"; API_SERVERS="1 2 4" timeout 560 benchmarks/gpu/serve_vs_offline.sh "$out/scale" ;;
     server-burst) mkdir -p "$out/burst"; CONCURRENCY=1000 NUM_PROMPTS=1000 API_SERVERS="1 4" timeout 560 \
                     benchmarks/gpu/serve_vs_offline.sh "$out/burst" ;;
+    mixed-step) timeout 240 $py benchmarks/gpu/profile_mixed_step.py --out "$out/mixed_step.json"
+                timeout 240 $py benchmarks/gpu/profile_mixed_step.py --new-per-wave 16 --out "$out/mixed_step_16.json" ;;
     embeddings) timeout 420 $py benchmarks/gpu/bench_embeddings.py --out "$out/embeddings.json" ;;
     poisson) TRITON_CACHE_DIR=$(mktemp -d) timeout 300 benchmarks/gpu/serve_poisson.sh "$out" ;;
     *) echo "unknown stage $stage" ;;

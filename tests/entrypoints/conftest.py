@@ -25,4 +25,4 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def default_llm() -> LLM:
     with one_thread():
-        return LLM("default", max_model_len=1024, num_kv_blocks=64)
+        return LLM("default", max_model_len=1024, num_kv_blocks=64, dtype="float32")  # as the test server

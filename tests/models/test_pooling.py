@@ -49,7 +49,12 @@ def test_matches_transformers_through_chunks_and_batches(bare_models, arch, pool
     assert config["architectures"][0].endswith("Model")
     # 16-token steps: the longer prompts are pooled over several chunks, next to other requests.
     llm = LLM(
-        path, skip_tokenizer_init=True, pooling_type=pooling, max_num_batched_tokens=16, num_kv_blocks=64
+        path,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        pooling_type=pooling,
+        max_num_batched_tokens=16,
+        num_kv_blocks=64,
     )
     assert llm.engine.pooling_type == pooling
     for prompt, got in zip(PROMPTS, embeddings(llm), strict=True):
@@ -66,6 +71,7 @@ def test_mean_pooling_survives_preemption(bare_models):
     llm = LLM(
         path,
         skip_tokenizer_init=True,
+        dtype="float32",
         pooling_type="mean",
         max_num_batched_tokens=16,
         num_kv_blocks=5,
@@ -93,7 +99,7 @@ def test_sentence_transformers_config_sets_the_default_pooling(bare_models, tmp_
     (tmp_path / "1_Pooling" / "config.json").write_text(
         json.dumps({"word_embedding_dimension": 96, "pooling_mode_mean_tokens": True})
     )
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32")
     assert llm.engine.pooling_type == "mean"
     (got,) = embeddings(llm, PROMPTS[2:3])
     assert torch.allclose(got, reference(base, PROMPTS[2], "mean"), atol=1e-5)
@@ -101,7 +107,7 @@ def test_sentence_transformers_config_sets_the_default_pooling(bare_models, tmp_
 
 def test_a_causal_lm_checkpoint_pools_with_runner_pooling(hf_model_dirs):
     path, model = hf_model_dirs["qwen2"]
-    llm = LLM(path, skip_tokenizer_init=True, runner="pooling")
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", runner="pooling")
     assert llm.engine.pooling_type == "last"
     (got,) = embeddings(llm, PROMPTS[1:2])
     assert torch.allclose(got, reference(model.model, PROMPTS[1], "last"), atol=1e-5)
