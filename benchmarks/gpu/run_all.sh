@@ -21,7 +21,7 @@ log() { echo "=== $(date +%T) $*"; }
 for stage in $stages; do
   log "$stage"
   case $stage in
-    tests) timeout 420 $py -m pytest -q -m gpu tests/kernels tests/models tests/layers -p no:cacheprovider \
+    tests) timeout 420 $py -m pytest -q -m gpu tests/kernels tests/models tests/layers tests/worker -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;

@@ -34,6 +34,7 @@ def test_greedy_tokens_match_transformers_in_bf16(arch, enforce_eager, hf_model_
     )
     if not enforce_eager:
         assert llm.engine.runner.decode_graphs is not None
+        assert llm.engine.runner.piecewise_graphs is not None  # the batched prefill replays them
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
     # One prompt alone takes the dense (cuDNN) prefill path: judged the same way below.

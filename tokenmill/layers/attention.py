@@ -3,6 +3,7 @@ The backend (Triton on CUDA, torch reference elsewhere) is chosen once, when the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,20 +77,40 @@ class Attention(nn.Module):
         # Bound by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Set only while piecewise CUDA graphs are captured (worker/piecewise_graphs.py): the call
+        # ends the graph piece being captured instead of attending.
+        self.split: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
+            None
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
+        if self.split is not None:
+            return self.split(self, q, k, v)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
         if attn_metadata.dense_prefill:
+            self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
             return dense_causal_attention(q, k, v, self.scale).view(
                 num_tokens, self.num_heads * self.head_dim
             )
-        out = self.kernels.paged_attention(
+        return self.attend(q, k, v, attn_metadata).view(num_tokens, self.num_heads * self.head_dim)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then paged attention of q [T, H, D] over each request's
+        context; into `out` when given. Returns [T, H, D]."""
+        self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        return self.kernels.paged_attention(
             q,
             self.k_cache,
             self.v_cache,
@@ -97,8 +118,8 @@ class Attention(nn.Module):
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             self.scale,
+            out,
             max_query_len=attn_metadata.max_query_len,
             max_seq_len=attn_metadata.max_seq_len,
             num_decodes=attn_metadata.num_decodes,
         )
-        return out.view(num_tokens, self.num_heads * self.head_dim)

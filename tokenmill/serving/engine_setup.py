@@ -108,7 +108,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
             "(gpu_memory_utilization, kv_cache_memory or num_kv_blocks)."
         )
     runner.allocate_kv_cache(num_blocks)
-    runner.capture_cuda_graphs()
+    runner.capture_cuda_graphs(batched_tokens)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: %.1fx",
         num_blocks,

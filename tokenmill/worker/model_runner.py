@@ -19,6 +19,7 @@ from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.input_batch import InputBatch, StepInputs
+from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
 
@@ -87,6 +88,10 @@ class PendingRunnerOutput:
         return self._result
 
 
+# The largest step the piecewise graphs cover, in tokens.
+PIECEWISE_MAX_TOKENS = 8192
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, source: ModelSource, max_model_len: int, pooling_type: str | None = None
@@ -126,6 +131,7 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
@@ -133,14 +139,20 @@ class ModelRunner:
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
-    def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs once the KV cache exists (the graphs bake in its addresses)."""
+    def capture_cuda_graphs(self, max_num_batched_tokens: int) -> None:
+        """Capture decode graphs once the KV cache exists (the graphs bake in its addresses), and the
+        piecewise graphs that steps with prompt tokens replay around their eager attention."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.pooling_type is not None:
             return  # the pooling runner never decodes
         self.decode_graphs = DecodeGraphs(
             self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
         )
         self.decode_graphs.capture()
+        if self.model.kernels.backend == "triton":
+            # Larger steps are device-bound: their launches hide behind the arithmetic.
+            max_tokens = min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+            self.piecewise_graphs = PiecewiseGraphs(self.model, max_tokens, self.device)
+            self.piecewise_graphs.capture()
 
     def _init_dummy_weights(self) -> None:
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
@@ -301,7 +313,11 @@ class ModelRunner:
             logits = self.decode_graphs.run(input_ids, positions, md)
         else:
             last_rows = md.query_start_loc[1:].long() - 1
-            hidden = self.model(input_ids, positions, md)
+            piecewise = self.piecewise_graphs
+            if piecewise is not None and not scoring and piecewise.can_run(input_ids.shape[0], md):
+                hidden = piecewise.run(input_ids, positions, md)
+            else:
+                hidden = self.model(input_ids, positions, md)
             logits = self.model.compute_logits(hidden[last_rows])
             if scoring:
                 prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
