@@ -74,6 +74,8 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
+        for graph in self.graphs.values():
+            graph.replay()  # the first launch uploads the graph: not on a request's path
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs), self.sizes)
 

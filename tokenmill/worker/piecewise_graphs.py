@@ -100,6 +100,12 @@ class PiecewiseGraphs:
                     self.pieces[size] = self._capture.finish()
                     self._capture = None
             torch.cuda.current_stream().wait_stream(stream)
+            # A graph's first launch uploads it to the device (milliseconds for a piece of a large
+            # model): pay that here, not on the first request of each size. The pieces compute on the
+            # static buffers' stale contents, which nothing reads.
+            for pieces in self.pieces.values():
+                for piece in pieces:
+                    piece.replay()
             torch.cuda.synchronize()
         finally:
             self._capture = None
