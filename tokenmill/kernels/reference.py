@@ -122,28 +122,50 @@ def _batched_decode(
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
-    out[rows] = attn[:, :, 0, :].to(out.dtype)[rows]
+    if rows is None:
+        out.copy_(attn[:, :, 0, :])
+    else:
+        out[rows] = attn[:, :, 0, :].to(out.dtype)[rows]
     return out
 
 
 def _decode_gather_index(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Per request and context position, the cache slot to read, whether it is real, and which requests
-    are. None when no request has a context."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Per request and context position, the cache slot to read and whether it is real, and which
+    requests have a context (None when all do). None when no request has a context. Every layer of a
+    step asks with equal tables and lengths: the last answer is kept and reused while they compare
+    equal (two small comparisons instead of rebuilding the index in each of 30 layers)."""
+    cached = _last_decode_index.get((block_size, num_blocks))
+    if (
+        cached is not None
+        and cached[0].shape == block_tables.shape
+        and cached[1].shape == seq_lens.shape
+        and torch.equal(cached[0], block_tables)
+        and torch.equal(cached[1], seq_lens)
+    ):
+        return cached[2]
     length = int(seq_lens.max()) if seq_lens.numel() else 0
-    if length == 0:
-        return None
-    positions = torch.arange(length, device=seq_lens.device)
-    valid = positions[None, :] < seq_lens[:, None]
-    # Padding positions read the request's own first token: a written slot, so a finite value, which the
-    # mask then drops. (Slots past a request's length may hold anything, NaN and inf included, and a
-    # masked NaN would still poison the weighted sum as 0 * NaN.) Padded requests (seq_len 0) read
-    # block 0 and are dropped by the caller.
-    positions = torch.where(valid, positions[None, :], 0)
-    blocks = block_tables.long().clamp(0, num_blocks - 1)
-    slots = blocks.gather(1, positions // block_size) * block_size + positions % block_size
-    return slots, valid, seq_lens > 0
+    index = None
+    if length:
+        positions = torch.arange(length, device=seq_lens.device)
+        valid = positions[None, :] < seq_lens[:, None]
+        # Padding positions read the request's own first token: a written slot, so a finite value,
+        # which the mask then drops. (Slots past a request's length may hold anything, NaN and inf
+        # included, and a masked NaN would still poison the weighted sum as 0 * NaN.) Padded requests
+        # (seq_len 0) read block 0 and are dropped by the caller.
+        positions = torch.where(valid, positions[None, :], 0)
+        blocks = block_tables.long().clamp(0, num_blocks - 1)
+        slots = blocks.gather(1, positions // block_size) * block_size + positions % block_size
+        rows = seq_lens > 0
+        index = (slots, valid, None if bool(rows.all()) else rows)
+    _last_decode_index.clear()
+    _last_decode_index[(block_size, num_blocks)] = (block_tables.clone(), seq_lens.clone(), index)
+    return index
+
+
+# The batched decode's last gather index, with the tables and lengths it was built from.
+_last_decode_index: dict[tuple[int, int], tuple] = {}
 
 
 def _attention_dtype(dtype: torch.dtype) -> torch.dtype:
