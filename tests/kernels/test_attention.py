@@ -260,3 +260,15 @@ def test_reference_batched_decode_ignores_nan_in_unwritten_slots() -> None:
     batched = reference.paged_attention(*poisoned, max_query_len=1)
     assert torch.isfinite(batched).all()
     torch.testing.assert_close(batched, per_request, **FP32_TOL)
+
+
+def test_reference_batched_decode_rebuilds_its_index_when_tables_change_in_place() -> None:
+    # Layers of one step share the gather index; tensors edited in place between calls must not reuse it.
+    batch = make_batch([5, 17, 33], [1, 1, 1], 6, 2, 48)
+    first = reference.paged_attention(*batch, max_query_len=1)
+    torch.testing.assert_close(first, reference.paged_attention(*batch), **FP32_TOL)
+    batch.seq_lens[1] = 9  # a shorter context for request 1, same tensor object
+    batch.block_tables[2, :3] = batch.block_tables[2, :3].flip(0).clone()  # its blocks in another order
+    second = reference.paged_attention(*batch, max_query_len=1)
+    torch.testing.assert_close(second, reference.paged_attention(*batch), **FP32_TOL)
+    assert not torch.allclose(second[1], first[1]) and not torch.allclose(second[2], first[2])
