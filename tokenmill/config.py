@@ -8,6 +8,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
 _POOLING_TYPES = ("last", "mean")
+QUANTIZATION_METHODS = ("fp8",)
 
 
 @dataclass
@@ -44,6 +45,9 @@ class EngineConfig:
     # On a GPU, run a few requests of varied lengths and build every dense-prefill plan at start-up, so
     # no request pays for a kernel compile or a cuDNN plan.
     warmup: bool = True
+    # Weight quantization of every linear layer: "fp8" quantizes a bf16/fp32 checkpoint at load
+    # (e4m3 weights, per-channel scales; activations per token at run time). None: as the checkpoint is.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -73,6 +77,12 @@ class EngineConfig:
             )
         if self.max_waiting_requests is not None:
             _positive("max_waiting_requests", self.max_waiting_requests)
+        if self.quantization is not None:
+            self.quantization = self.quantization.lower()
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}."
+                )
         if self.runner not in _RUNNERS:
             raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}.")
         if self.pooling_type is not None:

@@ -16,7 +16,8 @@ _HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file",
     "tokenizer": "tokenizer directory or .gguf file, if not the model's own",
     "load_format": "auto | safetensors | gguf | dummy (random weights of the model's shape, for benchmarks)",
-    "dtype": "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, the model's dtype on GPU)",
+    "dtype": "auto | float32 | float16 | bfloat16 (auto: the model's dtype on GPU; on a CPU bf16 where it "
+    "multiplies bf16 natively (AMX, AVX512-BF16), else float32)",
     "device": "auto | cpu | cuda | cuda:N",
     "max_model_len": "context length in tokens (default: the model's own)",
     "max_num_seqs": "most requests in one running batch",
@@ -36,6 +37,8 @@ _HELP = {
     "runner": "auto | generate | pooling (embeddings at /v1/embeddings; auto: pooling for bare-model "
     "checkpoints such as Qwen3Model)",
     "warmup": "on a GPU, meet every kernel variant and cuDNN plan at start-up, before any request",
+    "quantization": "fp8: quantize the checkpoint's linear weights to FP8 at load (per-channel scales, "
+    "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU)",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
     "config, else last)",
 }

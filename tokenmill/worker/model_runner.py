@@ -14,6 +14,7 @@ from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.quantization import quantize_model
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
@@ -125,6 +126,9 @@ class ModelRunner:
             self._init_dummy_weights()
         else:
             self.model.load_weights(source.iter_weights())
+        if config.quantization is not None:
+            count = quantize_model(self.model, config.quantization)
+            logger.info("quantized %d linear layers to %s", count, config.quantization)
         self.model.eval()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}

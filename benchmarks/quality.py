@@ -1,0 +1,52 @@
+"""Quantization quality on the embedded SmolLM2-135M: perplexity of tests/data/perplexity.txt (~1,900
+tokens of plain prose written for this project) under each scheme and dtype, and the change against the
+unquantized model in the same dtype. Prints JSON.
+Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tokenmill import LLM
+from tokenmill.bench.perplexity import perplexity
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--schemes", default="none,fp8")
+    args = parser.parse_args()
+    rows = []
+    token_ids = None
+    for dtype in args.dtypes.split(","):
+        baseline = None
+        for scheme in args.schemes.split(","):
+            quantization = None if scheme == "none" else scheme
+            llm = LLM(
+                "default", max_model_len=4096, num_kv_blocks=300, dtype=dtype, quantization=quantization
+            )
+            if token_ids is None:
+                token_ids = llm.engine.input_processor.tokenizer.encode(TEXT.read_text())
+            start = time.perf_counter()
+            value = perplexity(llm, token_ids)
+            baseline = value if quantization is None else baseline
+            row = {
+                "dtype": dtype,
+                "scheme": scheme,
+                "perplexity": round(value, 4),
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+            if baseline is not None:
+                row["change_vs_unquantized"] = f"{(value / baseline - 1) * 100:+.2f}%"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"tokens": len(token_ids or []), "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

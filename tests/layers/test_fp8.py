@@ -1,0 +1,160 @@
+"""FP8 W8A8 linears: per-row quantization, the GEMM against its dequantize-then-matmul reference on
+awkward shapes, online quantization of every linear of a model, and the errors users can hit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM
+from tokenmill.config import EngineConfig
+from tokenmill.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from tokenmill.layers.quantization import quantize_model
+from tokenmill.layers.quantization.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8LinearMethod,
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_per_row,
+)
+
+SHAPES = [(1, 40, 24), (7, 100, 77), (33, 64, 48), (130, 96, 200)]  # (M, K, N)
+
+
+def dequantize_then_matmul(x, w, bias):
+    """The scheme written out: per-token and per-channel e4m3, dequantized, multiplied in fp64."""
+    xq, xs = quantize_per_row(x)
+    wq, ws = quantize_per_row(w)
+    y = (xq.double() * xs.double()) @ (wq.double() * ws.double()).t()
+    return y if bias is None else y + bias.double()
+
+
+def test_rows_are_scaled_to_the_fp8_range_and_round_trip() -> None:
+    x = torch.randn(9, 50) * torch.logspace(-3, 3, 9)[:, None]
+    x[4] = 0.0  # an all-zero row stays zero
+    q, scale = quantize_per_row(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (9, 1) and scale.dtype == torch.float32
+    amax = q.float().abs().amax(dim=1)
+    assert torch.allclose(amax[[0, 1, 2, 3, 5, 6, 7, 8]], torch.full((8,), FP8_MAX))
+    assert (q[4].float() == 0).all()
+    # e4m3 keeps 3 mantissa bits: each element within half a unit in the last place, 1/16 relative.
+    error = (q.float() * scale - x).abs()
+    assert (error <= x.abs() / 16 + scale * 2**-9).all()
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_matches_dequantize_then_matmul(m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    wq, ws = quantize_per_row(w)
+    got = fp8_linear(x, wq, ws, bias)
+    want = dequantize_then_matmul(x, w, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    # And close to the unquantized product, within what two e4m3 roundings allow.
+    exact = x.double() @ w.double().t() + bias.double()
+    assert (got.double() - exact).abs().max() < 0.15 * exact.abs().max()
+
+
+def test_leading_dims_are_kept() -> None:
+    x = torch.randn(2, 3, 32)
+    wq, ws = quantize_per_row(torch.randn(16, 32))
+    assert fp8_linear(x, wq, ws, None).shape == (2, 3, 16)
+    torch.testing.assert_close(
+        fp8_linear(x, wq, ws, None).reshape(6, 16), fp8_linear(x.reshape(6, 32), wq, ws, None)
+    )
+
+
+def test_fused_layers_scale_each_output_row_on_its_own() -> None:
+    qkv = QKVParallelLinear(32, 8, 4, 2, bias=False, params_dtype=torch.float32)
+    mlp = MergedColumnParallelLinear(32, [40, 40], bias=False, params_dtype=torch.float32)
+    for layer in (qkv, mlp):
+        torch.nn.init.normal_(layer.weight)
+        layer.weight.data[:8] *= 1000  # a loud first block must not crush the others' precision
+        weight = layer.weight.data.clone()
+        x = torch.randn(5, 32)
+        layer.quant_method = Fp8LinearMethod()
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (weight.shape[0], 1)
+        torch.testing.assert_close(
+            layer(x).double(), dequantize_then_matmul(x, weight, None), rtol=1e-5, atol=1e-3
+        )
+        quiet = (layer.weight.float() * layer.weight_scale)[8:]
+        assert ((quiet - weight[8:]).abs() <= weight[8:].abs() / 16 + 1e-6).all()
+
+
+def test_every_linear_of_a_model_is_quantized(hf_model_dirs) -> None:
+    path, _ = hf_model_dirs["llama"]
+    prompts = [[1, 5, 7, 9, 11], [1, 20, 30]]
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    fp8 = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization="fp8")
+    linears = [m for m in fp8.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == FP8_DTYPE for m in linears)
+    assert all(isinstance(m.quant_method, Fp8LinearMethod) for m in linears)
+    # The LM head and the embedding keep the model dtype.
+    model = fp8.engine.runner.model
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    # (A random model's logits are nearly flat, so its greedy tokens say little about FP8's error: the
+    # embedded model's perplexity test in tests/models/test_quantization_quality.py does.)
+    b = fp8.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert all(len(x.outputs[0].token_ids) == 8 for x in b)
+
+
+def test_unknown_scheme_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantize_model(torch.nn.Linear(2, 2), "awq-but-typo")
+    assert EngineConfig(quantization="FP8").quantization == "fp8"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (1, 4096, 4096), (64, 512, 1024), (3, 4096, 14336)])
+def test_scaled_mm_matches_the_reference_on_gpu(m: int, k: int, n: int) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    wq, ws = quantize_per_row(torch.randn(n, k, generator=gen, device="cuda").bfloat16())
+    bias = torch.randn(n, generator=gen, device="cuda").bfloat16()
+    got = fp8_linear(x, wq, ws, bias)
+    xq, xs = quantize_per_row(x)
+    want = fp8_linear_reference(xq, xs, wq, ws, bias, torch.float32)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+def test_the_planner_and_the_engine_agree_on_weight_bytes(weight_dtype: str, tmp_path) -> None:
+    import json
+
+    from tokenmill.plan.memory import weight_bytes
+    from tokenmill.plan.model_shape import from_hf_config
+
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 4096, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        num_kv_blocks=16,
+        quantization="fp8" if weight_dtype == "fp8" else None,
+    )
+    engine = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    planned = weight_bytes(from_hf_config(config, "test"), weight_dtype).total
+    # The planner leaves out FP8's per-channel fp32 scales: 4 bytes per 1,024-wide row here, 0.4%.
+    assert engine == pytest.approx(planned, rel=0.005 if weight_dtype == "fp8" else 1e-9)

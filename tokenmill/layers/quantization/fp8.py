@@ -1,0 +1,110 @@
+"""FP8 (e4m3) weights with per-output-channel scales and per-token dynamic activation scales (W8A8).
+
+On GPUs with FP8 tensor cores (compute capability 8.9+: Ada, Hopper) the matmul is `torch._scaled_mm`
+with row-wise scales; elsewhere (the CPU, and shapes cuBLAS's FP8 path does not take) the same numbers
+go through the reference: both operands quantized exactly as on the GPU, then dequantized and multiplied
+in fp32, so quality measured on a CPU is the quality of the FP8 scheme, not of a different one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# Scales never reach zero: an all-zero row (or token) divides by this instead and stays zero.
+_MIN_SCALE = 1e-12
+
+
+def check_fp8_support(device: torch.device) -> None:
+    """FP8 weights need FP8 tensor cores on a GPU; the CPU runs the reference (slow, exact)."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"quantization='fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+            f"{name} is {major}.{minor}. Drop --quantization or use another GPU."
+        )
+
+
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at FP8_MAX."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_linear_reference(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(x_q * x_scale) @ (w_q * w_scale)^T + bias in fp32: x_q [M, K], x_scale [M, 1], w_q [N, K],
+    w_scale [N, 1]."""
+    y = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """y = x W^T + b with W stored as (w_q, w_scale) and x quantized per token; x is [..., K]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x_q, x_scale = quantize_per_row(x2)
+    if _scaled_mm_fits(x2, w_q):
+        y = torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
+        ).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+    return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def _scaled_mm_fits(x: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """cuBLAS's FP8 GEMM: CUDA tensors, and K and N multiples of 16."""
+    return x.is_cuda and x.shape[-1] % 16 == 0 and w_q.shape[0] % 16 == 0 and x.shape[0] > 0
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """Online FP8: the layer is built and loaded as an unquantized one (`weight` in the model dtype);
+    process_weights_after_loading replaces it with `weight` in e4m3 and `weight_scale` [N, 1] in fp32.
+    Scales are per output channel (row), so each logical output of a merged QKV or gate/up layer is
+    scaled on its own."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        UnquantizedLinearMethod().create_weights(
+            layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
+            weight_loader,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.data
+        w_q, w_scale = quantize_per_row(weight)
+        del layer.weight
+        layer.register_parameter("weight", nn.Parameter(w_q, requires_grad=False))
+        layer.register_parameter("weight_scale", nn.Parameter(w_scale, requires_grad=False))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
