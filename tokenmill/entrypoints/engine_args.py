@@ -38,7 +38,8 @@ _HELP = {
     "checkpoints such as Qwen3Model)",
     "warmup": "on a GPU, meet every kernel variant and cuDNN plan at start-up, before any request",
     "quantization": "fp8: quantize the checkpoint's linear weights to FP8 at load (per-channel scales, "
-    "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU)",
+    "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU). A quantized "
+    "checkpoint (compressed-tensors FP8) is detected from its config.json and needs no flag",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
     "config, else last)",
 }

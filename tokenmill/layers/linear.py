@@ -5,7 +5,9 @@ torch.distributed yet: a module computes its own rank's part; gathering or all-r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,39 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
 
+# While a model is built for a quantized checkpoint: makes the method each linear layer gets by default.
+_linear_method_factory: ContextVar[Callable[[], LinearMethodBase] | None] = ContextVar(
+    "linear_method_factory", default=None
+)
+
+
+@contextmanager
+def default_linear_method(factory: Callable[[], LinearMethodBase] | None) -> Iterator[None]:
+    """Linear layers built inside get factory() as their method (None: unquantized), so a model builds
+    its quantized parameters in their stored shapes without knowing the scheme."""
+    token = _linear_method_factory.set(factory)
+    try:
+        yield
+    finally:
+        _linear_method_factory.reset(token)
+
+
+def reset_to_unquantized(layer: LinearBase) -> None:
+    """Rebuild a layer's weight in the model dtype (a layer the checkpoint's ignore list names)."""
+    for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
+        delattr(layer, name)
+    layer.quant_method = UnquantizedLinearMethod()
+    layer.quant_method.create_weights(
+        layer,
+        layer.input_size_per_partition,
+        layer.output_partition_sizes,
+        layer.input_size,
+        layer.output_size,
+        layer.params_dtype,
+        weight_loader=layer.weight_loader,
+    )
+
+
 class LinearBase(nn.Module):
     """What the four layers share: the rank, the quant method, and the creation of weight and bias."""
 
@@ -99,7 +134,8 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.params_dtype = params_dtype
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        factory = _linear_method_factory.get()
+        self.quant_method = quant_method or (factory() if factory is not None else UnquantizedLinearMethod())
 
     def _create_weights(
         self, input_size_per_partition: int, output_partition_sizes: list[int], bias: bool, bias_sharded: bool

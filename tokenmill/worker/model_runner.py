@@ -14,7 +14,8 @@ from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.quantization import quantize_model
+from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
+from tokenmill.layers.quantization import check_fp8_support, checkpoint_quantization, quantize_model
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
@@ -113,13 +114,19 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info()
             self._memory_used_before = total - free
             self._allocated_before = torch.cuda.memory_allocated()
-        with torch.device(self.device):
+        stored = checkpoint_quantization(source.hf_config, config.quantization)
+        if stored is not None:
+            check_fp8_support(self.device)
+        with torch.device(self.device), default_linear_method(stored.linear_method if stored else None):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
                 self.model = model_class(source.hf_config)(
                     source.hf_config, max_model_len, lm_head=pooling_type is None
                 )
+                for name, module in self.model.named_modules():
+                    if stored is not None and isinstance(module, LinearBase) and stored.is_ignored(name):
+                        reset_to_unquantized(module)
             finally:
                 torch.set_default_dtype(default_dtype)
         if source.format == "dummy":

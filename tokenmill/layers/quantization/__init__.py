@@ -1,5 +1,9 @@
 """Quantized linear layers: a method object per layer (layers/linear.py's LinearMethodBase) that owns the
-layer's stored weights and its matmul. `--quantization` picks one for every linear of the model.
+layer's stored weights and its matmul.
+
+A checkpoint that says how it was quantized (`quantization_config` in config.json) is built with its
+scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
+list names are rebuilt unquantized. Supported: compressed-tensors FP8 (compressed_tensors.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
 weights are in (per output channel, e4m3); activations are quantized per token at run time. The
@@ -11,13 +15,44 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
+from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8Config
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, check_fp8_support
+
+CHECKPOINT_METHODS = ("compressed-tensors",)
+
+
+def checkpoint_quantization(hf_config, requested: str | None) -> CompressedTensorsFp8Config | None:
+    """The scheme a checkpoint was saved in, from its config's quantization_config (None when it has
+    none). `requested` (--quantization) must agree with it: online fp8 of a quantized checkpoint, or a
+    checkpoint scheme named for an unquantized checkpoint, is an error."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if raw is not None and not isinstance(raw, dict):
+        raw = raw.to_dict()
+    if raw is None:
+        if requested in CHECKPOINT_METHODS:
+            raise ValueError(
+                f"quantization={requested!r} names a checkpoint format, but the checkpoint's config.json "
+                "has no quantization_config."
+            )
+        return None
+    method = raw.get("quant_method")
+    if requested is not None and requested != method:
+        raise ValueError(
+            f"quantization={requested!r} does not match the checkpoint, which is quantized with "
+            f"quantization_config.quant_method {method!r}; drop --quantization."
+        )
+    if method == "compressed-tensors":
+        return CompressedTensorsFp8Config(raw)
+    raise ValueError(
+        f"quantization_config.quant_method {method!r} is not supported (supported: "
+        f"{', '.join(CHECKPOINT_METHODS)} with FP8 weights)."
+    )
 
 
 def quantize_model(model: nn.Module, method: str | None) -> int:
     """Put every linear layer of `model` on the `method` scheme once its weights are loaded; returns how
     many layers were converted. `method` None leaves the model as it is."""
-    if method is None:
+    if method is None or method in CHECKPOINT_METHODS:
         return 0
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}.")

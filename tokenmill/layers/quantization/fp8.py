@@ -73,6 +73,29 @@ def fp8_linear(
     return y.reshape(*shape[:-1], w_q.shape[0])
 
 
+def fp8_linear_static(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """y = x W^T + b with x quantized by a calibrated per-tensor scale (a checkpoint's input_scale)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x_q = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    if _scaled_mm_fits(x2, w_q):
+        y = torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
+        ).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+    return y.reshape(*shape[:-1], w_q.shape[0])
+
+
 def _scaled_mm_fits(x: torch.Tensor, w_q: torch.Tensor) -> bool:
     """cuBLAS's FP8 GEMM: CUDA tensors, and K and N multiples of 16."""
     return x.is_cuda and x.shape[-1] % 16 == 0 and w_q.shape[0] % 16 == 0 and x.shape[0] > 0

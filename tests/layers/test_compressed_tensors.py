@@ -1,0 +1,158 @@
+"""compressed-tensors FP8 checkpoints, made by the compressed-tensors library itself from random models
+(weight scales from its own qparams, static input scales calibrated on a sample), loaded by tokenmill and
+compared with the library's own fake-quantized forward: the same scheme, computed two ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.linear import LinearBase
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+CONFIGS = {
+    "llama": transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
+    ),
+    "qwen3": transformers.Qwen3Config(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+SCHEMES = {
+    # weights strategy, input activations (None: weight-only)
+    "channel-dynamic": ("channel", ("token", True)),
+    "tensor-static": ("tensor", ("tensor", False)),
+    "channel-weight-only": ("channel", None),
+}
+PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
+
+
+def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) -> torch.Tensor:
+    """Quantize a random model with compressed-tensors, save it compressed; return the library's
+    fake-quantized logits for PROMPT."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    weight_strategy, activations = SCHEMES[scheme]
+    input_args = None
+    if activations is not None:
+        strategy, dynamic = activations
+        input_args = QuantizationArgs(
+            num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic
+        )
+    weights = QuantizationArgs(
+        num_bits=8, type="float", strategy=weight_strategy, symmetric=True, dynamic=False
+    )
+    config = QuantizationConfig(
+        config_groups={
+            "group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_args)
+        },
+        ignore=["lm_head", *ignore],
+        quantization_status=QuantizationStatus.INITIALIZED,
+        format="float-quantized",
+    )
+    ids = torch.tensor([PROMPT])
+    amax: dict[str, float] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda mod, args, name=name: amax.__setitem__(
+                name, max(amax.get(name, 0.0), args[0].abs().max().item())
+            )
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    with torch.no_grad():
+        model(ids)  # calibration pass for the static input scales
+    for hook in hooks:
+        hook.remove()
+    apply_quantization_config(model, config)
+    for name, module in model.named_modules():
+        scheme_of = getattr(module, "quantization_scheme", None)
+        if scheme_of is None:
+            continue
+        w = module.weight.data
+        dims = dict(dim=1, keepdim=True) if weight_strategy == "channel" else {}
+        scale, zero = calculate_qparams(
+            w.amin(**dims).reshape(-1), w.amax(**dims).reshape(-1), scheme_of.weights
+        )
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+        if activations == ("tensor", False):
+            bound = torch.tensor([amax[name]])
+            scale, zero = calculate_qparams(-bound, bound, scheme_of.input_activations)
+            module.input_scale.data.copy_(scale.reshape(module.input_scale.shape))
+            module.input_zero_point.data.copy_(zero.reshape(module.input_zero_point.shape))
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    ModelCompressor(quantization_config=config).compress_model(model)
+    model.save_pretrained(path)
+    ModelCompressor(quantization_config=config).update_config(str(path))
+    return logits
+
+
+def prompt_logprobs_match(llm: LLM, logits: torch.Tensor) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
+    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
+    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_logprobs_match_the_librarys_fake_quantized_forward(arch: str, scheme: str, tmp_path) -> None:
+    logits = make_checkpoint(arch, scheme, tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert stored["quant_method"] == "compressed-tensors" and stored["format"] == "float-quantized"
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    prompt_logprobs_match(llm, logits)
+
+
+def test_unsupported_schemes_name_the_field(tmp_path) -> None:
+    make_checkpoint("llama", "channel-dynamic", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for path, value, message in [
+        (("weights", "strategy"), "block", "weights.strategy 'block' is not supported"),
+        (("weights", "num_bits"), 4, "weights.num_bits 4 is not supported"),
+        (("input_activations", "dynamic"), False, "strategy 'token' with dynamic False"),
+    ]:
+        broken = json.loads(json.dumps(config))
+        broken["quantization_config"]["config_groups"]["group_0"][path[0]][path[1]] = value
+        (tmp_path / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, quantization="fp8", num_kv_blocks=16, max_model_len=64)
+
+
+def test_ignored_layers_stay_unquantized(tmp_path) -> None:
+    # Fused layers are ignored through their parts' names, exact or `re:` patterns.
+    ignore = ("model.layers.1.mlp.down_proj", "re:.*layers.0.self_attn.[qkv]_proj")
+    logits = make_checkpoint("llama", "channel-dynamic", tmp_path, ignore)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    dtypes = {
+        n: m.weight.dtype for n, m in llm.engine.runner.model.named_modules() if isinstance(m, LinearBase)
+    }
+    assert dtypes.pop("model.layers.1.mlp.down_proj") == torch.float32
+    assert dtypes.pop("model.layers.0.self_attn.qkv_proj") == torch.float32
+    assert set(dtypes.values()) == {torch.float8_e4m3fn}
+    prompt_logprobs_match(llm, logits)

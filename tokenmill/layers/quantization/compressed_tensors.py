@@ -1,0 +1,170 @@
+"""Checkpoints quantized by llm-compressor (`quant_method: compressed-tensors` in config.json), FP8
+schemes: `float-quantized` weights in e4m3 with a per-channel ([N, 1]) or per-tensor scale, activations
+dynamic per token, static per tensor (`input_scale`), or none (weight-only, W8A16).
+
+Every layer keeps one scale per output row at run time: a per-tensor scale, which a fused layer has one
+of for each part (q, k, v; gate, up), is spread over that part's rows as it loads, so the fused matmul
+needs no requantization. A static input scale of a fused layer is the largest of its parts' scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import (
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+    WeightLoader,
+)
+from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_linear, fp8_linear_static
+
+FORMATS = ("float-quantized", "naive-quantized")
+
+
+class CompressedTensorsFp8Config:
+    """The parsed quantization_config of a compressed-tensors FP8 checkpoint."""
+
+    def __init__(self, config: dict) -> None:
+        where = "quantization_config"
+        fmt = config.get("format")
+        if fmt not in FORMATS:
+            raise ValueError(
+                f"{where}.format {fmt!r} is not supported for compressed-tensors (supported: "
+                f"{', '.join(FORMATS)}: FP8 weights)."
+            )
+        groups = config.get("config_groups") or {}
+        if len(groups) != 1:
+            raise ValueError(f"{where}.config_groups: one group is supported, got {len(groups)}.")
+        ((name, group),) = groups.items()
+        where = f"{where}.config_groups.{name}"
+        targets = group.get("targets") or []
+        if targets != ["Linear"]:
+            raise ValueError(f"{where}.targets {targets!r} is not supported (supported: ['Linear']).")
+        weights = group.get("weights") or {}
+        _expect(weights, f"{where}.weights", type="float", num_bits=8, symmetric=True, dynamic=False)
+        self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("channel", "tensor"))
+        activations = group.get("input_activations")
+        self.input_scheme: str | None = None  # None: weight-only; "token": dynamic; "tensor": static
+        if activations is not None:
+            _expect(activations, f"{where}.input_activations", type="float", num_bits=8, symmetric=True)
+            strategy = _one_of(activations, f"{where}.input_activations", "strategy", ("token", "tensor"))
+            dynamic = activations.get("dynamic")
+            if (strategy, dynamic) not in (("token", True), ("tensor", False)):
+                raise ValueError(
+                    f"{where}.input_activations: strategy {strategy!r} with dynamic {dynamic!r} is not "
+                    "supported (supported: token and dynamic, tensor and static)."
+                )
+            self.input_scheme = strategy
+        if group.get("output_activations") is not None:
+            raise ValueError(f"{where}.output_activations is not supported.")
+        self.ignore = list(config.get("ignore") or [])
+        if config.get("kv_cache_scheme") is not None:
+            raise ValueError(f"{where.split('.')[0]}.kv_cache_scheme is not supported yet (FP8 KV cache).")
+
+    def linear_method(self) -> CompressedTensorsFp8LinearMethod:
+        return CompressedTensorsFp8LinearMethod(self.input_scheme)
+
+    def is_ignored(self, prefix: str) -> bool:
+        """Whether the layer named `prefix` stays unquantized: an exact name or a `re:` pattern of the
+        ignore list, checked against the checkpoint's names of a fused layer's parts."""
+        import re
+
+        names = _checkpoint_names(prefix)
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if any(re.fullmatch(entry[3:], n) or re.match(entry[3:], n) for n in names):
+                    return True
+            elif entry in names:
+                return True
+        return False
+
+
+def _checkpoint_names(prefix: str) -> list[str]:
+    for fused, parts in (
+        (".qkv_proj", (".q_proj", ".k_proj", ".v_proj")),
+        (".gate_up_proj", (".gate_proj", ".up_proj")),
+    ):
+        if prefix.endswith(fused):
+            return [prefix[: -len(fused)] + part for part in parts]
+    return [prefix]
+
+
+def _expect(args: dict, where: str, **wanted: object) -> None:
+    for key, value in wanted.items():
+        if args.get(key) != value:
+            raise ValueError(f"{where}.{key} {args.get(key)!r} is not supported (supported: {value!r}).")
+
+
+def _one_of(args: dict, where: str, key: str, allowed: tuple[str, ...]) -> str:
+    value = args.get(key)
+    if value not in allowed:
+        raise ValueError(f"{where}.{key} {value!r} is not supported (supported: {', '.join(allowed)}).")
+    return value
+
+
+class CompressedTensorsFp8LinearMethod(LinearMethodBase):
+    def __init__(self, input_scheme: str | None) -> None:
+        self.input_scheme = input_scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        rows = sum(output_partition_sizes)
+        weight = nn.Parameter(
+            torch.empty(rows, input_size_per_partition, dtype=FP8_DTYPE), requires_grad=False
+        )
+        weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
+        layer.register_parameter("weight", weight)
+        # One scale per output row; row-parallel layers hold every row (their input is what is split).
+        scale = nn.Parameter(torch.empty(rows, 1, dtype=torch.float32), requires_grad=False)
+        scale.output_dim = None if isinstance(layer, RowParallelLinear) else 0
+        scale.input_dim = None
+
+        def load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if loaded.numel() == 1:  # per-tensor: spread over the rows of this part
+                loaded = loaded.reshape(1, 1).float().expand(_part_rows(layer, shard_id), 1)
+            weight_loader(param, loaded.reshape(-1, 1).float(), shard_id)
+
+        scale.weight_loader = load_scale
+        layer.register_parameter("weight_scale", scale)
+        if self.input_scheme == "tensor":
+            input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+            input_scale.output_dim = input_scale.input_dim = None
+
+            def load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+                if loaded.numel() != 1:
+                    raise ValueError(f"input_scale has {loaded.numel()} values; a per-tensor scale has 1")
+                param.data.copy_(torch.maximum(param.data, loaded.reshape(1).float()))
+
+            input_scale.weight_loader = load_input_scale
+            layer.register_parameter("input_scale", input_scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.input_scheme == "token":
+            return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        if self.input_scheme == "tensor":
+            return fp8_linear_static(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+        # Weight-only: dequantize to the activations' dtype and multiply there.
+        weight = (layer.weight.to(torch.float32) * layer.weight_scale).to(x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
+
+
+def _part_rows(layer: nn.Module, shard_id: ShardId) -> int:
+    """Rows of the whole checkpoint tensor that shard_id names (before tensor-parallel splitting)."""
+    if isinstance(layer, QKVParallelLinear) and shard_id in ("q", "k", "v"):
+        heads = layer.total_num_heads if shard_id == "q" else layer.total_num_kv_heads
+        return heads * layer.head_size
+    if isinstance(layer, MergedColumnParallelLinear) and shard_id is not None:
+        return layer.output_sizes[int(shard_id)]
+    return layer.output_size
