@@ -73,6 +73,7 @@ def make_llm(args, **overrides) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
     )
     return dummy_llm(args.shape, json.loads(args.config_overrides), **{**options, **overrides})
 
@@ -233,6 +234,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", help="fp8: the engine's online FP8 (W8A8) on the dummy weights")
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

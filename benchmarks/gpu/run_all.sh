@@ -2,7 +2,8 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync server server-scale server-burst mixed-step embeddings poisson (default:
+#         throughput-8b throughput-8b-sync decode-fp8 throughput-8b-fp8 server server-scale server-burst
+#         mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
@@ -26,6 +27,10 @@ for stage in $stages; do
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
     decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
+    decode-fp8) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization fp8 \
+                  --out "$out/decode_8b_fp8.json" ;;
+    throughput-8b-fp8) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
+                         --quantization fp8 --out "$out/throughput_llama_8b_fp8.json" ;;
     decode-sync) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --no-async-scheduling \
                    --out "$out/decode_8b_sync.json" ;;
     prefill) timeout 300 $bench prefill --shape llama-3.1-8b --input-len 8192 --max-model-len 8448 \
