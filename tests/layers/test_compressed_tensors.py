@@ -1,6 +1,6 @@
-"""compressed-tensors FP8 checkpoints, made by the compressed-tensors library itself from random models
-(weight scales from its own qparams, static input scales calibrated on a sample), loaded by tokenmill and
-compared with the library's own fake-quantized forward: the same scheme, computed two ways."""
+"""compressed-tensors FP8 and W4A16 checkpoints, made by the compressed-tensors library itself from
+random models (weight scales from its own qparams, static input scales calibrated on a sample), loaded by
+tokenmill and compared with the library's own fake-quantized forward: the same scheme, computed two ways."""
 
 from __future__ import annotations
 
@@ -34,11 +34,24 @@ CONFIGS = {
         num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
     ),
 }  # fmt: skip
+FP8 = dict(num_bits=8, type="float", symmetric=True)
+INT4 = dict(num_bits=4, type="int")
 SCHEMES = {
-    # weights strategy, input activations (None: weight-only)
-    "channel-dynamic": ("channel", ("token", True)),
-    "tensor-static": ("tensor", ("tensor", False)),
-    "channel-weight-only": ("channel", None),
+    # format, weight args, input activations (None: weight-only)
+    "fp8-channel-dynamic": ("float-quantized", dict(FP8, strategy="channel"), ("token", True)),
+    "fp8-tensor-static": ("float-quantized", dict(FP8, strategy="tensor"), ("tensor", False)),
+    "fp8-channel-weight-only": ("float-quantized", dict(FP8, strategy="channel"), None),
+    "int4-group-symmetric": (
+        "pack-quantized",
+        dict(INT4, strategy="group", group_size=32, symmetric=True),
+        None,
+    ),
+    "int4-group-zero-points": (
+        "pack-quantized",
+        dict(INT4, strategy="group", group_size=32, symmetric=False),
+        None,
+    ),
+    "int4-channel": ("pack-quantized", dict(INT4, strategy="channel", symmetric=True), None),
 }
 PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
 
@@ -48,23 +61,21 @@ def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) 
     fake-quantized logits for PROMPT."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
-    weight_strategy, activations = SCHEMES[scheme]
+    fmt, weight_args, activations = SCHEMES[scheme]
     input_args = None
     if activations is not None:
         strategy, dynamic = activations
         input_args = QuantizationArgs(
             num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic
         )
-    weights = QuantizationArgs(
-        num_bits=8, type="float", strategy=weight_strategy, symmetric=True, dynamic=False
-    )
+    weights = QuantizationArgs(**weight_args, dynamic=False)
     config = QuantizationConfig(
         config_groups={
             "group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_args)
         },
         ignore=["lm_head", *ignore],
         quantization_status=QuantizationStatus.INITIALIZED,
-        format="float-quantized",
+        format=fmt,
     )
     ids = torch.tensor([PROMPT])
     amax: dict[str, float] = {}
@@ -87,7 +98,9 @@ def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) 
         if scheme_of is None:
             continue
         w = module.weight.data
-        dims = dict(dim=1, keepdim=True) if weight_strategy == "channel" else {}
+        if weight_args["strategy"] == "group":  # one range per group of input columns
+            w = w.reshape(w.shape[0], -1, weight_args["group_size"])
+        dims = dict(dim=-1) if weight_args["strategy"] != "tensor" else {}
         scale, zero = calculate_qparams(
             w.amin(**dims).reshape(-1), w.amax(**dims).reshape(-1), scheme_of.weights
         )
@@ -119,15 +132,16 @@ def prompt_logprobs_match(llm: LLM, logits: torch.Tensor) -> None:
 def test_logprobs_match_the_librarys_fake_quantized_forward(arch: str, scheme: str, tmp_path) -> None:
     logits = make_checkpoint(arch, scheme, tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert stored["quant_method"] == "compressed-tensors" and stored["format"] == "float-quantized"
+    assert stored["quant_method"] == "compressed-tensors" and stored["format"] == SCHEMES[scheme][0]
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
-    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    stored_as = {"float-quantized": "weight", "pack-quantized": "weight_packed"}[SCHEMES[scheme][0]]
+    assert linears and all(getattr(m, stored_as).dtype in (torch.float8_e4m3fn, torch.int32) for m in linears)
     prompt_logprobs_match(llm, logits)
 
 
 def test_unsupported_schemes_name_the_field(tmp_path) -> None:
-    make_checkpoint("llama", "channel-dynamic", tmp_path)
+    make_checkpoint("llama", "fp8-channel-dynamic", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for path, value, message in [
         (("weights", "strategy"), "block", "weights.strategy 'block' is not supported"),
@@ -147,7 +161,7 @@ def test_unsupported_schemes_name_the_field(tmp_path) -> None:
 def test_ignored_layers_stay_unquantized(tmp_path) -> None:
     # Fused layers are ignored through their parts' names, exact or `re:` patterns.
     ignore = ("model.layers.1.mlp.down_proj", "re:.*layers.0.self_attn.[qkv]_proj")
-    logits = make_checkpoint("llama", "channel-dynamic", tmp_path, ignore)
+    logits = make_checkpoint("llama", "fp8-channel-dynamic", tmp_path, ignore)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
     dtypes = {
         n: m.weight.dtype for n, m in llm.engine.runner.model.named_modules() if isinstance(m, LinearBase)

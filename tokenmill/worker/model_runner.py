@@ -115,7 +115,7 @@ class ModelRunner:
             self._memory_used_before = total - free
             self._allocated_before = torch.cuda.memory_allocated()
         stored = checkpoint_quantization(source.hf_config, config.quantization)
-        if stored is not None:
+        if stored is not None and stored.uses_fp8:
             check_fp8_support(self.device)
         with torch.device(self.device), default_linear_method(stored.linear_method if stored else None):
             default_dtype = torch.get_default_dtype()

@@ -3,7 +3,7 @@ layer's stored weights and its matmul.
 
 A checkpoint that says how it was quantized (`quantization_config` in config.json) is built with its
 scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
-list names are rebuilt unquantized. Supported: compressed-tensors FP8 (compressed_tensors.py).
+list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
 weights are in (per output channel, e4m3); activations are quantized per token at run time. The
@@ -15,13 +15,13 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
-from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8Config
+from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, check_fp8_support
 
 CHECKPOINT_METHODS = ("compressed-tensors",)
 
 
-def checkpoint_quantization(hf_config, requested: str | None) -> CompressedTensorsFp8Config | None:
+def checkpoint_quantization(hf_config, requested: str | None) -> CompressedTensorsConfig | None:
     """The scheme a checkpoint was saved in, from its config's quantization_config (None when it has
     none). `requested` (--quantization) must agree with it: online fp8 of a quantized checkpoint, or a
     checkpoint scheme named for an unquantized checkpoint, is an error."""
@@ -42,10 +42,10 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CompressedTenso
             f"quantization_config.quant_method {method!r}; drop --quantization."
         )
     if method == "compressed-tensors":
-        return CompressedTensorsFp8Config(raw)
+        return CompressedTensorsConfig(raw)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported (supported: "
-        f"{', '.join(CHECKPOINT_METHODS)} with FP8 weights)."
+        f"{', '.join(CHECKPOINT_METHODS)}: FP8 and W4A16)."
     )
 
 

@@ -1,6 +1,7 @@
-"""Checkpoints quantized by llm-compressor (`quant_method: compressed-tensors` in config.json), FP8
-schemes: `float-quantized` weights in e4m3 with a per-channel ([N, 1]) or per-tensor scale, activations
-dynamic per token, static per tensor (`input_scale`), or none (weight-only, W8A16).
+"""Checkpoints quantized by llm-compressor (`quant_method: compressed-tensors` in config.json):
+`float-quantized` FP8 weights in e4m3 with a per-channel ([N, 1]) or per-tensor scale, activations dynamic
+per token, static per tensor (`input_scale`), or none (weight-only, W8A16); and `pack-quantized` W4A16,
+4-bit integer weights in groups (or per channel), symmetric or with zero points (int4.py).
 
 Every layer keeps one scale per output row at run time: a per-tensor scale, which a fused layer has one
 of for each part (q, k, v; gate, up), is spread over that part's rows as it loads, so the fused matmul
@@ -21,12 +22,14 @@ from tokenmill.layers.linear import (
     WeightLoader,
 )
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_linear, fp8_linear_static
+from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
 
-FORMATS = ("float-quantized", "naive-quantized")
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+FORMATS = (*FP8_FORMATS, "pack-quantized")
 
 
-class CompressedTensorsFp8Config:
-    """The parsed quantization_config of a compressed-tensors FP8 checkpoint."""
+class CompressedTensorsConfig:
+    """The parsed quantization_config of a compressed-tensors checkpoint."""
 
     def __init__(self, config: dict) -> None:
         where = "quantization_config"
@@ -34,8 +37,9 @@ class CompressedTensorsFp8Config:
         if fmt not in FORMATS:
             raise ValueError(
                 f"{where}.format {fmt!r} is not supported for compressed-tensors (supported: "
-                f"{', '.join(FORMATS)}: FP8 weights)."
+                f"{', '.join(FORMATS)})."
             )
+        self.format = fmt
         groups = config.get("config_groups") or {}
         if len(groups) != 1:
             raise ValueError(f"{where}.config_groups: one group is supported, got {len(groups)}.")
@@ -45,10 +49,26 @@ class CompressedTensorsFp8Config:
         if targets != ["Linear"]:
             raise ValueError(f"{where}.targets {targets!r} is not supported (supported: ['Linear']).")
         weights = group.get("weights") or {}
+        activations = group.get("input_activations")
+        if fmt == "pack-quantized":
+            _expect(weights, f"{where}.weights", type="int", num_bits=4, dynamic=False)
+            self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("group", "channel"))
+            self.group_size = int(weights.get("group_size") or 0) if self.weight_strategy == "group" else 0
+            if self.weight_strategy == "group" and self.group_size <= 0:
+                raise ValueError(
+                    f"{where}.weights.group_size {weights.get('group_size')!r} must be positive."
+                )
+            self.symmetric = bool(weights.get("symmetric"))
+            if activations is not None:
+                raise ValueError(
+                    f"{where}.input_activations: 4-bit weights run W4A16; activations must be null."
+                )
+            self.input_scheme: str | None = None
+            self._finish(config, group, where)
+            return
         _expect(weights, f"{where}.weights", type="float", num_bits=8, symmetric=True, dynamic=False)
         self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("channel", "tensor"))
-        activations = group.get("input_activations")
-        self.input_scheme: str | None = None  # None: weight-only; "token": dynamic; "tensor": static
+        self.input_scheme = None  # None: weight-only; "token": dynamic; "tensor": static
         if activations is not None:
             _expect(activations, f"{where}.input_activations", type="float", num_bits=8, symmetric=True)
             strategy = _one_of(activations, f"{where}.input_activations", "strategy", ("token", "tensor"))
@@ -59,13 +79,23 @@ class CompressedTensorsFp8Config:
                     "supported (supported: token and dynamic, tensor and static)."
                 )
             self.input_scheme = strategy
+        self._finish(config, group, where)
+
+    def _finish(self, config: dict, group: dict, where: str) -> None:
         if group.get("output_activations") is not None:
             raise ValueError(f"{where}.output_activations is not supported.")
         self.ignore = list(config.get("ignore") or [])
         if config.get("kv_cache_scheme") is not None:
-            raise ValueError(f"{where.split('.')[0]}.kv_cache_scheme is not supported yet (FP8 KV cache).")
+            raise ValueError("quantization_config.kv_cache_scheme is not supported yet (FP8 KV cache).")
 
-    def linear_method(self) -> CompressedTensorsFp8LinearMethod:
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether the matmuls need FP8 tensor cores (FP8 activations)."""
+        return self.format in FP8_FORMATS and self.input_scheme is not None
+
+    def linear_method(self) -> LinearMethodBase:
+        if self.format == "pack-quantized":
+            return Int4W4A16LinearMethod(self.group_size, self.symmetric)
         return CompressedTensorsFp8LinearMethod(self.input_scheme)
 
     def is_ignored(self, prefix: str) -> bool:

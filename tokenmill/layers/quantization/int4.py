@@ -1,0 +1,134 @@
+"""4-bit integer weights with one scale (and, asymmetric, one zero point) per group of input columns,
+activations in the model dtype (W4A16), as compressed-tensors' `pack-quantized` format stores them:
+
+- `weight_packed` int32 [N, K/8]: eight 4-bit values per int32 along K, value j of a word in bits
+  4j..4j+3, each stored as q + 8 (q in [-8, 7]);
+- `weight_scale` [N, ceil(K/group)] in the checkpoint's dtype;
+- `weight_zero_point` int32 [N/8, ceil(K/group)] (asymmetric only), packed the same way along N
+  (kept unpacked once loaded);
+- `weight_shape` [2]: (N, K), checked as it loads.
+
+w[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group]. The reference unpacks and dequantizes
+the whole weight for each matmul (the CPU path, and the ground truth of a GPU kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
+
+PACK = 8  # 4-bit values per int32
+_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+
+
+def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """int32 [R, ceil(C/8)] -> int8 [R, C] in [-8, 7]."""
+    shifts = _SHIFTS.to(packed.device)
+    values = (packed[..., None] >> shifts) & 0xF
+    return (values.reshape(packed.shape[0], -1)[:, :columns] - 8).to(torch.int8)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int8 [R, C] in [-8, 7] -> int32 [R, ceil(C/8)] (the inverse of unpack_int4)."""
+    rows, columns = values.shape
+    padded = torch.nn.functional.pad(values.to(torch.int64) + 8, (0, -columns % PACK))
+    words = (padded.reshape(rows, -1, PACK) << _SHIFTS.to(values.device).long()).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def dequantize_int4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The [N, K] weight in `dtype`; zero (int8 [N, groups], unpacked) None when symmetric."""
+    q = unpack_int4(packed, in_features).to(torch.float32)
+    groups = torch.arange(in_features, device=packed.device) // group_size
+    if zero is not None:
+        q = q - zero.to(torch.float32)[:, groups]
+    return (q * scale.to(torch.float32)[:, groups]).to(dtype)
+
+
+class Int4W4A16LinearMethod(LinearMethodBase):
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        rows, columns = sum(output_partition_sizes), input_size_per_partition
+        group = self.group_size if self.group_size > 0 else columns
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and columns % group:
+            raise ValueError(f"input size per rank {columns} is not a multiple of the group size {group}")
+        num_groups = math.ceil(columns / group)
+        column_parallel = not isinstance(layer, RowParallelLinear)
+        packed = _param(torch.zeros(rows, math.ceil(columns / PACK), dtype=torch.int32), 0, 1, weight_loader)
+        layer.register_parameter("weight_packed", packed)
+        scale = _param(
+            torch.zeros(rows, num_groups, dtype=params_dtype or torch.get_default_dtype()),
+            0,
+            1 if not column_parallel else None,
+            weight_loader,
+        )
+        layer.register_parameter("weight_scale", scale)
+        if not self.symmetric:
+            # Kept unpacked ([N, groups] int8): the checkpoint packs it along N, and unpacked its rows
+            # line up with the weight's for the fused layers' loaders.
+            def load_zero(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+                unpacked = unpack_int4(loaded.t().contiguous(), loaded.shape[0] * PACK).t()
+                weight_loader(param, unpacked.contiguous(), shard_id)
+
+            zero = _param(
+                torch.zeros(rows, num_groups, dtype=torch.int8),
+                0,
+                1 if not column_parallel else None,
+                load_zero,
+            )
+            layer.register_parameter("weight_zero_point", zero)
+        expected_columns = input_size
+
+        def check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != expected_columns:
+                raise ValueError(
+                    f"weight_shape {loaded.tolist()} does not have {expected_columns} input columns"
+                )
+
+        shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+        shape.weight_loader, shape.output_dim, shape.input_dim = check_shape, None, None
+        layer.register_parameter("weight_shape", shape)
+        layer.int4_group_size = group
+        layer.int4_in_features = columns
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = dequantize_int4(
+            layer.weight_packed,
+            layer.weight_scale,
+            getattr(layer, "weight_zero_point", None),
+            layer.int4_group_size,
+            layer.int4_in_features,
+            x.dtype,
+        )
+        return torch.nn.functional.linear(x, weight, bias)
+
+
+def _param(
+    data: torch.Tensor, output_dim: int | None, input_dim: int | None, loader: WeightLoader
+) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    param.output_dim, param.input_dim, param.weight_loader = output_dim, input_dim, loader
+    return param
