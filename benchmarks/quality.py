@@ -1,12 +1,15 @@
 """Quantization quality on the embedded SmolLM2-135M: perplexity of tests/data/perplexity.txt (~1,900
 tokens of plain prose written for this project) under each scheme and dtype, and the change against the
 unquantized model in the same dtype. Prints JSON.
-Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8]"""
+INT4 is a compressed-tensors W4A16 checkpoint (group 64, zero points, round-to-nearest) that this script
+makes from the embedded model with the compressed-tensors library (tokenmill/bench/quant_checkpoints.py).
+Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8,int4]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,22 +22,27 @@ TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--schemes", default="none,fp8")
+    parser.add_argument("--schemes", default="none,fp8,int4")
     args = parser.parse_args()
     rows = []
     token_ids = None
     for dtype in args.dtypes.split(","):
         baseline = None
         for scheme in args.schemes.split(","):
-            quantization = None if scheme == "none" else scheme
-            llm = LLM(
-                "default", max_model_len=4096, num_kv_blocks=300, dtype=dtype, quantization=quantization
-            )
+            quantization = None if scheme in ("none", "int4") else scheme
+            options = dict(max_model_len=4096, num_kv_blocks=300, dtype=dtype, quantization=quantization)
+            if scheme == "int4":  # a checkpoint of its own, scored on the token ids of the first scheme
+                from tokenmill.bench.quant_checkpoints import int4_smollm2
+
+                path = int4_smollm2(tempfile.mkdtemp(prefix="smollm2-w4a16-"))
+                llm = LLM(path, skip_tokenizer_init=True, **options)
+            else:
+                llm = LLM("default", **options)
             if token_ids is None:
                 token_ids = llm.engine.input_processor.tokenizer.encode(TEXT.read_text())
             start = time.perf_counter()
             value = perplexity(llm, token_ids)
-            baseline = value if quantization is None else baseline
+            baseline = value if scheme == "none" else baseline
             row = {
                 "dtype": dtype,
                 "scheme": scheme,
