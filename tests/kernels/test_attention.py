@@ -272,3 +272,27 @@ def test_reference_batched_decode_rebuilds_its_index_when_tables_change_in_place
     second = reference.paged_attention(*batch, max_query_len=1)
     torch.testing.assert_close(second, reference.paged_attention(*batch), **FP32_TOL)
     assert not torch.allclose(second[1], first[1]) and not torch.allclose(second[2], first[2])
+
+
+@pytest.mark.parametrize("max_query_len", [1, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_reads_exactly_with_scales_folded_in(max_query_len: int | None, dtype: torch.dtype) -> None:
+    # The same e4m3 values read by the kernel and by the reference (which reads them dequantized into a
+    # cache of the query's dtype with scales 1): the scales must fold into the softmax and the output.
+    query_lens = [1, 1, 1] if max_query_len == 1 else [1, 9, 33]
+    batch = make_batch([5, 17, 33], query_lens, 6, 2, 48, dtype=dtype)
+    k_scale, v_scale = 0.05, 0.3
+    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    dequantized = batch._replace(
+        k_cache=(k8.float() * k_scale).to(dtype), v_cache=(v8.float() * v_scale).to(dtype)
+    )
+    hints = dict(max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale)
+    want = reference.paged_attention(*dequantized)
+    torch.testing.assert_close(
+        reference.paged_attention(*fp8, **hints), want, **(FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    )
+    torch.testing.assert_close(
+        attention.paged_attention(*fp8, **hints), want, **(FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    )

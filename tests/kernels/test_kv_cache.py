@@ -46,3 +46,26 @@ def test_int32_slot_mapping_and_no_tokens() -> None:
         key[:0], key[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=DEVICE)
     )
     assert k_cache.sum().item() == 16
+
+
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_stores_scaled_and_saturated_values_like_the_reference(key_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_dim = 9, 3, 48
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 40).to(DEVICE, key_dtype)
+    value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 3).to(DEVICE, key_dtype)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 448.0 * 0.5, 0.0])  # past e4m3's range at k_scale 0.5
+    slot_mapping = torch.tensor([5, 0, -1, 17, 31, 2, 8, 40, 63], device=DEVICE)
+    caches = [
+        torch.zeros(4, 16, num_kv_heads, head_dim, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(4)
+    ]
+    reference.write_kv_cache(key, value, caches[0], caches[1], slot_mapping, 0.5, 0.05)
+    kv_cache.write_kv_cache(key, value, caches[2], caches[3], slot_mapping, 0.5, 0.05)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    stored = caches[0].view(-1, num_kv_heads, head_dim)[5, 0, :4].float()
+    assert stored.tolist() == [448.0, -448.0, 448.0, 0.0]  # saturated, never inf or NaN
+    # Dequantized, a stored value is within e4m3's rounding of the original.
+    back = caches[1].view(-1, num_kv_heads, head_dim)[slot_mapping[slot_mapping >= 0]].float() * 0.05
+    original = value[slot_mapping >= 0].float()
+    assert ((back - original).abs() <= original.abs() / 16 + 0.05 * 2**-10).all()

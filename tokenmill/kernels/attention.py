@@ -123,6 +123,7 @@ def _paged_attention_kernel(
     query_start_loc,
     num_seqs,
     qk_scale,
+    v_scale,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -214,7 +215,8 @@ def _paged_attention_kernel(
 
     # An empty split (short request, many splits) has l_i == 0: it reports lse -inf and a zero output.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / l_safe[:, None]
+    # v_scale: an FP8 cache holds V / v_scale; the weighted sum is linear in V, so one multiply here.
+    result = acc * (v_scale / l_safe)[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         o_offsets = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
@@ -316,6 +318,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
     num_decodes: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context; see the reference.
 
@@ -354,12 +358,14 @@ def paged_attention(
         num_kv_splits = 1
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, 1)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    # An FP8 cache is read into the query's dtype (exact: e4m3 fits in bf16, fp16 and fp32); its
+    # per-tensor scales fold into the softmax scale (K) and the output (V).
 
     def launch(grid, partial_out, partial_lse, tile: TileConfig, block_q: int, num_splits: int, decode: bool,
                seq_filter: int) -> None:  # fmt: skip
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, partial_out, partial_lse,
-            block_tables, seq_lens, query_start_loc, num_seqs, scale * _LOG2_E,
+            block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * _LOG2_E, v_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,

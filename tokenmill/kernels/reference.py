@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
+
 
 def write_kv_cache(
     key: torch.Tensor,
@@ -18,14 +21,24 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots; slot -1 is padding."""
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots; slot -1 is padding. An FP8
+    cache (float8_e4m3fn) stores key / k_scale and value / v_scale, saturated to e4m3's range (+-448);
+    other caches store the values as they are (their scales are 1)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if k_cache.dtype == FP8_KV_DTYPE:
+        key = (key.float() / k_scale).clamp(-FP8_KV_MAX, FP8_KV_MAX)
+        value = (value.float() / v_scale).clamp(-FP8_KV_MAX, FP8_KV_MAX)
     if bool((slot_mapping < 0).any()):
         valid = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        new = new.to(cache.dtype)
+        if cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no fp8 kernel: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new)
 
 
 def paged_attention(
@@ -42,6 +55,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
     num_decodes: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
@@ -51,14 +66,17 @@ def paged_attention(
     prefix and a decode step are the same call. The KV of the new tokens must already be written.
     max_query_len, max_seq_len, num_kv_splits and num_decodes are host-side hints for kernels that size
     their grid by them; this reference needs none. Padded requests (seq_len 0, query_len 0) are skipped,
-    and rows of `out` that no request owns are left untouched.
+    and rows of `out` that no request owns are left untouched. An FP8 cache holds K / k_scale and
+    V / v_scale: its values are read exactly, k_scale folds into the softmax scale and v_scale into the
+    output.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
         out = torch.empty_like(query)
+    scale = scale * k_scale
     if max_query_len == 1 and num_tokens == seq_lens.shape[0]:
-        return _batched_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return _batched_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, out, v_scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -90,6 +108,8 @@ def paged_attention(
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
+        if v_scale != 1.0:
+            attn = attn * v_scale
         out[q_start:q_end] = attn[0].transpose(0, 1).to(out.dtype)
     return out
 
@@ -102,6 +122,7 @@ def _batched_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per request: gather every context into one padded batch and attend once,
     instead of once per request (the CPU decode path's cost is per call, not per byte)."""
@@ -122,6 +143,8 @@ def _batched_decode(
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
+    if v_scale != 1.0:
+        attn = attn * v_scale
     if rows is None:
         out.copy_(attn[:, :, 0, :])
     else:

@@ -77,6 +77,9 @@ class Attention(nn.Module):
         # Bound by the model runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Per-tensor scales of an FP8 KV cache (it holds K / k_scale and V / v_scale); 1 otherwise.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # Set only while piecewise CUDA graphs are captured (worker/piecewise_graphs.py): the call
         # ends the graph piece being captured instead of attending.
         self.split: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
@@ -93,7 +96,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if attn_metadata.dense_prefill:
-            self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+            self.kernels.write_kv_cache(
+                k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale
+            )
             return dense_causal_attention(q, k, v, self.scale).view(
                 num_tokens, self.num_heads * self.head_dim
             )
@@ -109,7 +114,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then paged attention of q [T, H, D] over each request's
         context; into `out` when given. Returns [T, H, D]."""
-        self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
+        self.kernels.write_kv_cache(
+            k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale
+        )
         return self.kernels.paged_attention(
             q,
             self.k_cache,
@@ -122,4 +129,6 @@ class Attention(nn.Module):
             max_query_len=attn_metadata.max_query_len,
             max_seq_len=attn_metadata.max_seq_len,
             num_decodes=attn_metadata.num_decodes,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
