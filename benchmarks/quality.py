@@ -3,7 +3,8 @@ tokens of plain prose written for this project) under each scheme and dtype, and
 unquantized model in the same dtype. Prints JSON.
 INT4 is a compressed-tensors W4A16 checkpoint (group 64, zero points, round-to-nearest) that this script
 makes from the embedded model with the compressed-tensors library (tokenmill/bench/quant_checkpoints.py).
-Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8,int4]"""
+fp8-kv is the unquantized model with an FP8 KV cache.
+Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8,fp8-kv,int4]"""
 
 from __future__ import annotations
 
@@ -22,15 +23,17 @@ TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--schemes", default="none,fp8,int4")
+    parser.add_argument("--schemes", default="none,fp8,fp8-kv,int4")
     args = parser.parse_args()
     rows = []
     token_ids = None
     for dtype in args.dtypes.split(","):
         baseline = None
         for scheme in args.schemes.split(","):
-            quantization = None if scheme in ("none", "int4") else scheme
+            quantization = None if scheme in ("none", "int4", "fp8-kv") else scheme
             options = dict(max_model_len=4096, num_kv_blocks=300, dtype=dtype, quantization=quantization)
+            if scheme == "fp8-kv":
+                options["kv_cache_dtype"] = "fp8"
             if scheme == "int4":  # a checkpoint of its own, scored on the token ids of the first scheme
                 from tokenmill.bench.quant_checkpoints import int4_smollm2
 

@@ -9,6 +9,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
 _POOLING_TYPES = ("last", "mean")
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -48,6 +49,9 @@ class EngineConfig:
     # Weight quantization of every linear layer: "fp8" quantizes a bf16/fp32 checkpoint at load
     # (e4m3 weights, per-channel scales; activations per token at run time). None: as the checkpoint is.
     quantization: str | None = None
+    # "fp8": the KV cache in e4m3 with per-tensor K and V scales (half the bytes of bf16: twice the
+    # tokens, half of attention's reads). "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -83,6 +87,9 @@ class EngineConfig:
                 raise ValueError(
                     f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}."
                 )
+        self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.runner not in _RUNNERS:
             raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}.")
         if self.pooling_type is not None:

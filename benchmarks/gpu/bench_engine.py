@@ -74,6 +74,7 @@ def make_llm(args, **overrides) -> LLM:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return dummy_llm(args.shape, json.loads(args.config_overrides), **{**options, **overrides})
 
@@ -89,17 +90,25 @@ def timed_generate(llm: LLM, prompts, params) -> float:
 def decode(args) -> dict:
     llm = make_llm(args)
     rng = random.Random(0)
-    prompt = [[rng.randint(0, 10000) for _ in range(args.input_len)]]
+    # --batch requests decode together; distinct prompts, so none is a prefix-cache hit of another.
+    prompt = [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch)]
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     timed_generate(llm, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
-    ttft = statistics.median(timed_generate(llm, prompt, first) for _ in range(5))
-    total = statistics.median(timed_generate(llm, prompt, full) for _ in range(3))
-    tok_s = (args.output_len - 1) / (total - ttft)
+    ttft = statistics.median(timed_generate(llm, prompt, first) for _ in range(args.repeats + 2))
+    total = statistics.median(timed_generate(llm, prompt, full) for _ in range(args.repeats))
+    step_s = (total - ttft) / (args.output_len - 1)
+    tok_s = 1 / step_s  # per sequence
     mean_context = args.input_len + args.output_len / 2
-    bytes_per_step = decode_weight_bytes(args.shape) + kv_bytes_per_token(args.shape) * mean_context
+    kv_element = 1 if args.kv_cache_dtype == "fp8" else 2
+    kv_bytes = kv_bytes_per_token(args.shape) // 2 * kv_element * mean_context * args.batch
+    bytes_per_step = decode_weight_bytes(args.shape) + kv_bytes
     return {
         "shape": args.shape,
+        "batch": args.batch,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
+        "decode_step_ms": step_s * 1e3,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "ttft_s": ttft,
@@ -235,6 +244,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", help="fp8: the engine's online FP8 (W8A8) on the dummy weights")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
+    parser.add_argument("--batch", type=int, default=1, help="decode: requests decoding together")
+    parser.add_argument("--repeats", type=int, default=3, help="decode: timed runs (medians)")
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

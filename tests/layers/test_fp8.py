@@ -158,3 +158,32 @@ def test_the_planner_and_the_engine_agree_on_weight_bytes(weight_dtype: str, tmp
     planned = weight_bytes(from_hf_config(config, "test"), weight_dtype).total
     # The planner leaves out FP8's per-channel fp32 scales: 4 bytes per 1,024-wide row here, 0.4%.
     assert engine == pytest.approx(planned, rel=0.005 if weight_dtype == "fp8" else 1e-9)
+
+
+def test_fp8_kv_cache_doubles_the_tokens_and_agrees_with_the_planner(tmp_path) -> None:
+    import json
+
+    from tokenmill.plan.memory import kv_bytes_per_token
+    from tokenmill.plan.model_shape import from_hf_config
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "vocab_size": 512, "max_position_embeddings": 1024, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = from_hf_config(config, "test")
+    blocks = {}
+    for kv_dtype, planned in (("auto", "bf16"), ("fp8", "fp8")):
+        llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  max_model_len=256, kv_cache_memory=8 << 20, kv_cache_dtype=kv_dtype)  # fmt: skip
+        runner = llm.engine.runner
+        assert runner.kv_bytes_per_block() == kv_bytes_per_token(shape, planned) * runner.block_size
+        blocks[kv_dtype] = llm.engine.core.scheduler.kv.pool.num_blocks
+        from tokenmill import SamplingParams
+
+        (out,) = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))
+        assert len(out.outputs[0].token_ids) == 4
+    assert blocks["fp8"] // 2 == blocks["auto"]  # the same bytes hold twice the blocks (floored)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int8")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill import LLM
 from tokenmill.bench.perplexity import perplexity
@@ -49,3 +50,10 @@ def test_int4_w4a16_checkpoint_scores_near_its_measured_cost(
     path = int4_smollm2(str(tmp_path))
     llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, num_kv_blocks=300, dtype="float32")
     assert baseline < perplexity(llm, token_ids) <= 1.35 * baseline
+
+
+def test_fp8_kv_cache_within_3_percent(token_ids: list[int], baseline: float) -> None:
+    llm = LLM("default", max_model_len=4096, num_kv_blocks=300, dtype="float32", kv_cache_dtype="fp8")
+    layer = llm.engine.runner.model.attention_layers()[0]
+    assert layer.k_cache.dtype == torch.float8_e4m3fn
+    assert perplexity(llm, token_ids) <= 1.03 * baseline

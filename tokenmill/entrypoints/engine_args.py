@@ -40,6 +40,8 @@ _HELP = {
     "quantization": "fp8: quantize the checkpoint's linear weights to FP8 at load (per-channel scales, "
     "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU). A quantized "
     "checkpoint (compressed-tensors FP8) is detected from its config.json and needs no flag",
+    "kv_cache_dtype": "auto | fp8: the KV cache in FP8 (e4m3) holds twice the tokens and halves attention's "
+    "reads; scales 1.0 unless the checkpoint has them",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
     "config, else last)",
 }

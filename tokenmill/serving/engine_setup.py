@@ -110,7 +110,9 @@ def create_engine(config: EngineConfig) -> EngineParts:
     runner.allocate_kv_cache(num_blocks)
     runner.capture_cuda_graphs(batched_tokens)
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: %.1fx",
+        "KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: "
+        "%.1fx",
+        str(runner.kv_dtype).removeprefix("torch."),
         num_blocks,
         config.block_size,
         capacity,
