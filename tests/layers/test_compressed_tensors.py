@@ -170,3 +170,19 @@ def test_ignored_layers_stay_unquantized(tmp_path) -> None:
     assert dtypes.pop("model.layers.0.self_attn.qkv_proj") == torch.float32
     assert set(dtypes.values()) == {torch.float8_e4m3fn}
     prompt_logprobs_match(llm, logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["fp8-channel-dynamic", "fp8-tensor-static", "int4-group-zero-points"])
+def test_on_gpu_in_bf16_with_its_kernels(scheme: str, tmp_path) -> None:
+    # torch._scaled_mm for FP8, the Triton W4A16 GEMM for int4; bf16 rounding on top of the scheme's own.
+    if scheme.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    logits = make_checkpoint("qwen3", scheme, tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
+    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
+    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
+    torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=0)

@@ -9,7 +9,8 @@ activations in the model dtype (W4A16), as compressed-tensors' `pack-quantized` 
 - `weight_shape` [2]: (N, K), checked as it loads.
 
 w[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group]. The reference unpacks and dequantizes
-the whole weight for each matmul (the CPU path, and the ground truth of a GPU kernel).
+the whole weight for each matmul (the CPU path, and the ground truth of the GPU's Triton kernel,
+kernels/int4_gemm.py, which dequantizes tile by tile in registers).
 """
 
 from __future__ import annotations
@@ -115,15 +116,36 @@ class Int4W4A16LinearMethod(LinearMethodBase):
         layer.int4_in_features = columns
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        zero = getattr(layer, "weight_zero_point", None)
+        if x.is_cuda and _triton_gemm() is not None:
+            return _triton_gemm()(
+                x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias
+            )
         weight = dequantize_int4(
             layer.weight_packed,
             layer.weight_scale,
-            getattr(layer, "weight_zero_point", None),
+            zero,
             layer.int4_group_size,
             layer.int4_in_features,
             x.dtype,
         )
         return torch.nn.functional.linear(x, weight, bias)
+
+
+def _triton_gemm():
+    """kernels/int4_gemm.py's w4a16_gemm where triton imports (on CUDA devices), else None."""
+    global _GEMM
+    if _GEMM is None:
+        try:
+            from tokenmill.kernels.int4_gemm import w4a16_gemm
+        except ImportError:
+            _GEMM = False
+        else:
+            _GEMM = w4a16_gemm
+    return _GEMM or None
+
+
+_GEMM = None
 
 
 def _param(
