@@ -8,7 +8,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
 _POOLING_TYPES = ("last", "mean")
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "int4", "compressed-tensors")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -47,7 +47,8 @@ class EngineConfig:
     # no request pays for a kernel compile or a cuDNN plan.
     warmup: bool = True
     # Weight quantization of every linear layer: "fp8" quantizes a bf16/fp32 checkpoint at load
-    # (e4m3 weights, per-channel scales; activations per token at run time). None: as the checkpoint is.
+    # (e4m3 weights, per-channel scales; activations per token at run time), "int4" to 4-bit groups of
+    # 128 (W4A16, round-to-nearest). None: as the checkpoint is (a quantized one is detected).
     quantization: str | None = None
     # "fp8": the KV cache in e4m3 with per-tensor K and V scales (half the bytes of bf16: twice the
     # tokens, half of attention's reads). "auto": the model's dtype.

@@ -243,7 +243,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--quantization", help="fp8: the engine's online FP8 (W8A8) on the dummy weights")
+    parser.add_argument(
+        "--quantization", help="fp8 | int4: online FP8 (W8A8) or INT4 (W4A16) of the dummy weights"
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     parser.add_argument("--batch", type=int, default=1, help="decode: requests decoding together")
     parser.add_argument("--repeats", type=int, default=3, help="decode: timed runs (medians)")

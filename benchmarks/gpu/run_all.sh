@@ -2,8 +2,8 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 throughput-8b-fp8 decode-kv32k server server-scale server-burst
-#         mixed-step embeddings poisson (default:
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k server
+#         server-scale server-burst mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
@@ -31,6 +31,8 @@ for stage in $stages; do
                   --out "$out/decode_8b_fp8.json" ;;
     throughput-8b-fp8) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
                          --quantization fp8 --out "$out/throughput_llama_8b_fp8.json" ;;
+    decode-int4) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
+                   --out "$out/decode_8b_int4.json" ;;
     decode-kv32k) for kv in auto fp8; do timeout 280 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 \
                     --output-len 64 --max-model-len 33024 --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv \
                     --out "$out/decode_8b_b16_32k_kv_$kv.json"; done ;;

@@ -38,7 +38,8 @@ _HELP = {
     "checkpoints such as Qwen3Model)",
     "warmup": "on a GPU, meet every kernel variant and cuDNN plan at start-up, before any request",
     "quantization": "fp8: quantize the checkpoint's linear weights to FP8 at load (per-channel scales, "
-    "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU). A quantized "
+    "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU); int4: 4-bit "
+    "groups of 128, activations in the model dtype (W4A16, round-to-nearest). A quantized "
     "checkpoint (compressed-tensors FP8) is detected from its config.json and needs no flag",
     "kv_cache_dtype": "auto | fp8: the KV cache in FP8 (e4m3) holds twice the tokens and halves attention's "
     "reads; scales 1.0 unless the checkpoint has them",

@@ -6,7 +6,8 @@ scheme's method on every linear layer, so its tensors load as they are stored; t
 list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
-weights are in (per output channel, e4m3); activations are quantized per token at run time. The
+weights are in (per output channel, e4m3); activations are quantized per token at run time. Online INT4
+(`int4`) is W4A16: symmetric round-to-nearest groups of 128 input columns, no calibration. The
 embedding and the LM head stay in the model dtype, as the checkpoint formats' ignore lists keep them.
 """
 
@@ -17,6 +18,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, check_fp8_support
+from tokenmill.layers.quantization.int4 import quantize_linear_int4
 
 CHECKPOINT_METHODS = ("compressed-tensors",)
 
@@ -58,9 +60,12 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}.")
     from tokenmill.layers.linear import LinearBase
 
-    device = next(model.parameters()).device
-    check_fp8_support(device)
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if method == "int4":
+        for layer in layers:
+            quantize_linear_int4(layer)
+        return len(layers)
+    check_fp8_support(next(model.parameters()).device)
     for layer in layers:
         layer.quant_method = Fp8LinearMethod()
         layer.quant_method.process_weights_after_loading(layer)

@@ -154,3 +154,21 @@ def _param(
     param = nn.Parameter(data, requires_grad=False)
     param.output_dim, param.input_dim, param.weight_loader = output_dim, input_dim, loader
     return param
+
+
+def quantize_linear_int4(layer: nn.Module, group_size: int = 128) -> None:
+    """Online W4A16: replace a loaded linear's `weight` with symmetric round-to-nearest 4-bit groups
+    (scale = the group's largest magnitude / 7; the last group may be shorter than group_size)."""
+    weight = layer.weight.data
+    rows, columns = weight.shape
+    num_groups = math.ceil(columns / group_size)
+    padded = torch.nn.functional.pad(weight.float(), (0, num_groups * group_size - columns))
+    groups = padded.reshape(rows, num_groups, group_size)
+    scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-12)
+    q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, -1)[:, :columns]
+    del layer.weight
+    layer.register_parameter("weight_packed", nn.Parameter(pack_int4(q), requires_grad=False))
+    layer.register_parameter("weight_scale", nn.Parameter(scale.to(weight.dtype), requires_grad=False))
+    layer.int4_group_size = group_size
+    layer.int4_in_features = columns
+    layer.quant_method = Int4W4A16LinearMethod(group_size, symmetric=True)

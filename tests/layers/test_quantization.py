@@ -1,5 +1,6 @@
-"""FP8 W8A8 linears: per-row quantization, the GEMM against its dequantize-then-matmul reference on
-awkward shapes, online quantization of every linear of a model, and the errors users can hit."""
+"""Quantized linears and KV cache: FP8 W8A8 per-row quantization, the GEMM against its dequantize-then-matmul
+reference on awkward shapes, online FP8 and INT4 of every linear of a model, the FP8 KV cache, the planner's
+bytes, and the errors users can hit."""
 
 from __future__ import annotations
 
@@ -187,3 +188,24 @@ def test_fp8_kv_cache_doubles_the_tokens_and_agrees_with_the_planner(tmp_path) -
     assert blocks["fp8"] // 2 == blocks["auto"]  # the same bytes hold twice the blocks (floored)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+def test_online_int4_quantizes_every_linear_to_groups_of_128(hf_model_dirs) -> None:
+    from tokenmill import SamplingParams
+    from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod, dequantize_int4
+
+    path, _ = hf_model_dirs["qwen3"]
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", quantization="int4")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(isinstance(m.quant_method, Int4W4A16LinearMethod) for m in linears)
+    layer = linears[0]
+    assert layer.int4_group_size == 128 and not hasattr(layer, "weight")
+    x = torch.randn(5, layer.int4_in_features)
+    weight = dequantize_int4(
+        layer.weight_packed, layer.weight_scale, None, 128, layer.int4_in_features, torch.float32
+    )
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
+    (out,) = llm.generate(
+        prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=3), use_tqdm=False
+    )
+    assert len(out.outputs[0].token_ids) == 3
