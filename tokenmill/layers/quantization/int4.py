@@ -20,41 +20,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.kernels.reference import PACK, pack_int4, unpack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
-
-PACK = 8  # 4-bit values per int32
-_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
-
-
-def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    """int32 [R, ceil(C/8)] -> int8 [R, C] in [-8, 7]."""
-    shifts = _SHIFTS.to(packed.device)
-    values = (packed[..., None] >> shifts) & 0xF
-    return (values.reshape(packed.shape[0], -1)[:, :columns] - 8).to(torch.int8)
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int8 [R, C] in [-8, 7] -> int32 [R, ceil(C/8)] (the inverse of unpack_int4)."""
-    rows, columns = values.shape
-    padded = torch.nn.functional.pad(values.to(torch.int64) + 8, (0, -columns % PACK))
-    words = (padded.reshape(rows, -1, PACK) << _SHIFTS.to(values.device).long()).sum(dim=-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def dequantize_int4(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    group_size: int,
-    in_features: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The [N, K] weight in `dtype`; zero (int8 [N, groups], unpacked) None when symmetric."""
-    q = unpack_int4(packed, in_features).to(torch.float32)
-    groups = torch.arange(in_features, device=packed.device) // group_size
-    if zero is not None:
-        q = q - zero.to(torch.float32)[:, groups]
-    return (q * scale.to(torch.float32)[:, groups]).to(dtype)
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
@@ -121,15 +88,7 @@ class Int4W4A16LinearMethod(LinearMethodBase):
             return _triton_gemm()(
                 x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias
             )
-        weight = dequantize_int4(
-            layer.weight_packed,
-            layer.weight_scale,
-            zero,
-            layer.int4_group_size,
-            layer.int4_in_features,
-            x.dtype,
-        )
-        return torch.nn.functional.linear(x, weight, bias)
+        return w4a16_gemm(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
 
 
 def _triton_gemm():
