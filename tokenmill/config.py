@@ -8,7 +8,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
 _POOLING_TYPES = ("last", "mean")
-QUANTIZATION_METHODS = ("fp8", "int4", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "int4", "compressed-tensors", "gptq", "awq")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 

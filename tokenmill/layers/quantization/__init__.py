@@ -3,7 +3,8 @@ layer's stored weights and its matmul.
 
 A checkpoint that says how it was quantized (`quantization_config` in config.json) is built with its
 scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
-list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py).
+list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py),
+GPTQ and AWQ 4-bit (gptq_awq.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
 weights are in (per output channel, e4m3); activations are quantized per token at run time. Online INT4
@@ -18,12 +19,15 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, check_fp8_support
+from tokenmill.layers.quantization.gptq_awq import GptqAwqConfig
 from tokenmill.layers.quantization.int4 import quantize_linear_int4
 
-CHECKPOINT_METHODS = ("compressed-tensors",)
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 
 
-def checkpoint_quantization(hf_config, requested: str | None) -> CompressedTensorsConfig | None:
+def checkpoint_quantization(
+    hf_config, requested: str | None
+) -> CompressedTensorsConfig | GptqAwqConfig | None:
     """The scheme a checkpoint was saved in, from its config's quantization_config (None when it has
     none). `requested` (--quantization) must agree with it: online fp8 of a quantized checkpoint, or a
     checkpoint scheme named for an unquantized checkpoint, is an error."""
@@ -45,9 +49,11 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CompressedTenso
         )
     if method == "compressed-tensors":
         return CompressedTensorsConfig(raw)
+    if method in ("gptq", "awq"):
+        return GptqAwqConfig(raw)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported (supported: "
-        f"{', '.join(CHECKPOINT_METHODS)}: FP8 and W4A16)."
+        f"{', '.join(CHECKPOINT_METHODS)})."
     )
 
 

@@ -1,0 +1,140 @@
+"""GPTQ and AWQ 4-bit checkpoints (`quant_method: gptq | awq` in config.json), the int4 formats most
+found on the hub. Both keep, per linear layer and with the output features as columns:
+
+- GPTQ (AutoGPTQ / GPTQModel, checkpoint_format "gptq"): `qweight` int32 [K/8, N], eight 4-bit values
+  per word along K (value j in bits 4j, unsigned 0..15); `qzeros` int32 [K/group, N/8], packed along N
+  the same way, each stored as zero - 1; `scales` [K/group, N]; `g_idx` int32 [K], each input row's
+  group (rows in order unless desc_act reorders them).
+- AWQ (AutoAWQ, version "gemm"): `qweight` int32 [K, N/8] packed along N with the nibbles of a word
+  holding columns 0, 2, 4, 6, 1, 3, 5, 7; `qzeros` int32 [K/group, N/8] packed the same way (no offset);
+  `scales` [K/group, N].
+
+w[n, k] = (q - zero) * scale of k's group. Each tensor is turned into the layout of int4.py as it loads
+(packed along K per output row, zero points unpacked, scales [N, groups]), so both run on the same
+Triton W4A16 GEMM and reference as compressed-tensors' pack-quantized checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.reference import PACK, pack_int4, w4a16_gemm
+from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
+
+METHODS = ("gptq", "awq")
+# AWQ packs column 8c + AWQ_ORDER[j] into nibble j of word c; reading nibble j back gives that column.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+
+
+class GptqAwqConfig:
+    def __init__(self, config: dict) -> None:
+        self.method = config.get("quant_method")
+        where = "quantization_config"
+        if config.get("bits") != 4:
+            raise ValueError(f"{where}.bits {config.get('bits')!r} is not supported (supported: 4).")
+        self.group_size = int(config.get("group_size") or -1)
+        if self.group_size == 0 or self.group_size < -1:
+            raise ValueError(f"{where}.group_size {config.get('group_size')!r} must be positive or -1.")
+        if self.method == "gptq":
+            if config.get("desc_act"):
+                raise ValueError(f"{where}.desc_act true (reordered input rows) is not supported yet.")
+            fmt = config.get("checkpoint_format", "gptq")
+            if fmt != "gptq":
+                raise ValueError(f"{where}.checkpoint_format {fmt!r} is not supported (supported: gptq).")
+        else:
+            version = str(config.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"{where}.version {version!r} is not supported (supported: gemm).")
+            if config.get("zero_point") is False:
+                raise ValueError(f"{where}.zero_point false is not supported (AWQ checkpoints have zeros).")
+        self.ignore: list[str] = list(config.get("modules_to_not_convert") or [])
+
+    uses_fp8 = False
+
+    def linear_method(self) -> LinearMethodBase:
+        return GptqAwqLinearMethod(self.method, self.group_size)
+
+    def is_ignored(self, prefix: str) -> bool:
+        return any(part in prefix for part in self.ignore)
+
+
+def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
+    """int32 [R, C/8] packed along the columns -> unsigned values [R, C] in column order."""
+    nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, 8], nibble order
+    if awq:
+        nibbles = nibbles[..., [AWQ_ORDER.index(c) for c in range(PACK)]]
+    return nibbles.reshape(packed.shape[0], -1)
+
+
+class GptqAwqLinearMethod(LinearMethodBase):
+    """Parameters named as the checkpoint names them (qweight, qzeros, scales; g_idx for GPTQ), holding
+    int4.py's layout: qweight [N, K/8] packed along K, qzeros int8 [N, groups], scales [N, groups]."""
+
+    def __init__(self, method: str, group_size: int) -> None:
+        self.awq = method == "awq"
+        self.group_size = group_size
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            raise ValueError("GPTQ/AWQ checkpoints are loaded with tp_size 1 for now")
+        rows, columns = sum(output_partition_sizes), input_size_per_partition
+        group = self.group_size if self.group_size > 0 else columns
+        if columns % PACK:
+            raise ValueError(f"input size {columns} is not a multiple of {PACK}, as 4-bit packing needs")
+        num_groups = math.ceil(columns / group)
+        awq = self.awq
+
+        def add(name: str, data: torch.Tensor, convert) -> None:
+            param = nn.Parameter(data, requires_grad=False)
+            param.output_dim, param.input_dim = 0, None
+
+            def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+                weight_loader(param, convert(loaded), shard_id)
+
+            param.weight_loader = load
+            layer.register_parameter(name, param)
+
+        def qweight(loaded: torch.Tensor) -> torch.Tensor:
+            if awq:  # [K, n/8] along N -> values [K, n] -> ours [n, K/8]
+                values = _unpack_columns(loaded, awq=True).t().to(torch.int8) - 8
+                return pack_int4(values)
+            return loaded.t().contiguous()  # [K/8, n] along K: word for word our layout, transposed
+
+        def qzeros(loaded: torch.Tensor) -> torch.Tensor:
+            zeros = _unpack_columns(loaded, awq=awq) + (0 if awq else 1)  # GPTQ stores zero - 1
+            return (zeros - 8).t().to(torch.int8).contiguous()
+
+        add("qweight", torch.zeros(rows, columns // PACK, dtype=torch.int32), qweight)
+        add("qzeros", torch.zeros(rows, num_groups, dtype=torch.int8), qzeros)
+        add("scales", torch.zeros(rows, num_groups, dtype=params_dtype or torch.get_default_dtype()),
+            lambda loaded: loaded.t().contiguous())  # fmt: skip
+        if not awq:
+            expected = torch.arange(columns, dtype=torch.int32) // group
+
+            def check_g_idx(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+                if not torch.equal(loaded.to(torch.int32).cpu(), expected):
+                    raise ValueError("g_idx reorders the input rows (desc_act), which is not supported yet")
+
+            g_idx = nn.Parameter(torch.zeros(0, dtype=torch.int32), requires_grad=False)
+            g_idx.weight_loader, g_idx.output_dim, g_idx.input_dim = check_g_idx, None, None
+            layer.register_parameter("g_idx", g_idx)
+        layer.int4_group_size = group
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from tokenmill.layers.quantization.int4 import _triton_gemm
+
+        gemm = _triton_gemm() if x.is_cuda else None
+        return (gemm or w4a16_gemm)(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
