@@ -133,7 +133,7 @@ class ModelRunner:
             self._init_dummy_weights()
         else:
             self.model.load_weights(source.iter_weights())
-        if config.quantization is not None:
+        if config.quantization is not None and stored is None:  # a quantized checkpoint is as it is
             count = quantize_model(self.model, config.quantization)
             logger.info("quantized %d linear layers to %s", count, config.quantization)
         self.model.eval()

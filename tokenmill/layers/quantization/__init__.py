@@ -4,7 +4,7 @@ layer's stored weights and its matmul.
 A checkpoint that says how it was quantized (`quantization_config` in config.json) is built with its
 scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
 list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py),
-GPTQ and AWQ 4-bit (gptq_awq.py).
+GPTQ and AWQ 4-bit (gptq_awq.py), fine-grained FP8 with block scales (fp8_block.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
 weights are in (per output channel, e4m3); activations are quantized per token at run time. Online INT4
@@ -19,10 +19,11 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_METHODS
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, check_fp8_support
+from tokenmill.layers.quantization.fp8_block import Fp8BlockConfig
 from tokenmill.layers.quantization.gptq_awq import GptqAwqConfig
 from tokenmill.layers.quantization.int4 import quantize_linear_int4
 
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 
 
 def checkpoint_quantization(
@@ -35,7 +36,7 @@ def checkpoint_quantization(
     if raw is not None and not isinstance(raw, dict):
         raw = raw.to_dict()
     if raw is None:
-        if requested in CHECKPOINT_METHODS:
+        if requested in CHECKPOINT_METHODS and requested != "fp8":  # fp8 alone: quantize at load
             raise ValueError(
                 f"quantization={requested!r} names a checkpoint format, but the checkpoint's config.json "
                 "has no quantization_config."
@@ -51,6 +52,8 @@ def checkpoint_quantization(
         return CompressedTensorsConfig(raw)
     if method in ("gptq", "awq"):
         return GptqAwqConfig(raw)
+    if method == "fp8":
+        return Fp8BlockConfig(raw)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported (supported: "
         f"{', '.join(CHECKPOINT_METHODS)})."
@@ -60,7 +63,7 @@ def checkpoint_quantization(
 def quantize_model(model: nn.Module, method: str | None) -> int:
     """Put every linear layer of `model` on the `method` scheme once its weights are loaded; returns how
     many layers were converted. `method` None leaves the model as it is."""
-    if method is None or method in CHECKPOINT_METHODS:
+    if method is None or method in ("compressed-tensors", "gptq", "awq"):
         return 0
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}.")

@@ -1,0 +1,105 @@
+"""Fine-grained FP8 checkpoints (`quant_method: fp8` with weight_block_size, as DeepSeek-V3 and Qwen3-FP8
+ship), written from the published layout (e4m3 `weight`, fp32 `weight_scale_inv` per block) and compared
+with the same model computing the scheme itself: dequantized weights, activations quantized per token
+and per block of input columns at every linear's input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.linear import LinearBase
+
+PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
+CONFIGS = {
+    "llama": transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
+    ),
+    "qwen3": transformers.Qwen3Config(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+BLOCK = 32  # the checkpoints' weight_block_size is [BLOCK, BLOCK] (128 in released models)
+
+
+def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Each token's columns in groups of BLOCK, rounded through e4m3 at amax / 448."""
+    *lead, k = x.shape
+    groups = math.ceil(k / BLOCK)
+    padded = torch.nn.functional.pad(x.reshape(-1, k), (0, groups * BLOCK - k)).reshape(-1, groups, BLOCK)
+    scale = padded.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    q = (padded / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(-1, groups * BLOCK)[:, :k].reshape(*lead, k)
+
+
+def make_checkpoint(arch: str, path) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    tensors = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        w = module.weight.data
+        n, k = w.shape
+        rows, cols = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
+        padded = torch.nn.functional.pad(w, (0, cols * BLOCK - k, 0, rows * BLOCK - n))
+        blocks = padded.reshape(rows, BLOCK, cols, BLOCK)
+        scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+        q = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn)
+        dequantized = (q.float() * scale_inv[:, None, :, None]).reshape(rows * BLOCK, cols * BLOCK)[:n, :k]
+        module.weight.data = dequantized
+        module.register_forward_pre_hook(lambda mod, args: (fake_quantize_tokens(args[0]),))
+        tensors[f"{name}.weight"] = q.reshape(rows * BLOCK, cols * BLOCK)[:n, :k].contiguous()
+        tensors[f"{name}.weight_scale_inv"] = scale_inv
+    for name, param in model.named_parameters():
+        tensors.setdefault(name, param.data.contiguous())
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+    save_file(tensors, str(path / "model.safetensors"))
+    config = CONFIGS[arch].to_dict()
+    config["architectures"] = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return logits
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_logprobs_match_the_scheme_computed_by_the_model_itself(arch: str, tmp_path) -> None:
+    logits = make_checkpoint(arch, tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
+    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
+    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"activation_scheme": "static"}, "activation_scheme 'static'"),
+        ({"weight_block_size": None}, "weight_block_size None"),
+        ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+        ({"weight_block_size": [48, 32]}, "not multiples of the weight block"),
+    ],
+)
+def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_path) -> None:
+    make_checkpoint("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)

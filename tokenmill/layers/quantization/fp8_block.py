@@ -1,0 +1,149 @@
+"""Fine-grained FP8 checkpoints as transformers' FP8 integration saves them (DeepSeek-V3, Qwen3-FP8):
+`quant_method: fp8` in config.json with `weight_block_size` [128, 128] and `activation_scheme: dynamic`.
+Each linear stores `weight` in e4m3 and `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)], one scale
+per 128 x 128 block (w = weight * scale_inv); activations are quantized at run time per token and per
+128 input columns.
+
+The matmul here is the scheme computed exactly: activations quantized per token group, both operands
+dequantized and multiplied in fp32 (the reference, on every device for now: a block-scaled FP8 GEMM for
+Hopper is still to come, so on a GPU this runs at the speed of its fp32 matmul, correct but slow).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import (
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+    WeightLoader,
+)
+from tokenmill.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX
+
+
+class Fp8BlockConfig:
+    def __init__(self, config: dict) -> None:
+        where = "quantization_config"
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"{where}.fmt {fmt!r} is not supported (supported: e4m3).")
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"{where}.activation_scheme {scheme!r} is not supported (supported: dynamic).")
+        block = config.get("weight_block_size")
+        if not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise ValueError(
+                f"{where}.weight_block_size {block!r} is not supported (supported: [rows, columns], e.g. "
+                "[128, 128]; per-tensor FP8 checkpoints come as compressed-tensors)."
+            )
+        self.block_n, self.block_k = block
+        self.ignore: list[str] = list(config.get("modules_to_not_convert") or [])
+
+    uses_fp8 = False  # the reference dequantizes: no FP8 tensor cores needed
+
+    def linear_method(self) -> LinearMethodBase:
+        return Fp8BlockLinearMethod(self.block_n, self.block_k)
+
+    def is_ignored(self, prefix: str) -> bool:
+        return any(part in prefix for part in self.ignore)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/group)]): each token's columns in groups."""
+    m, k = x.shape
+    groups = math.ceil(k / group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).reshape(m, groups, group)
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(m, -1)[:, :k], scale
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n, k = weight.shape
+    x_q, x_scale = quantize_per_token_group(x2, block_k)
+    columns = torch.arange(k, device=x.device) // block_k
+    rows = torch.arange(n, device=x.device) // block_n
+    x_dq = x_q.float() * x_scale[:, columns]
+    w_dq = weight.float() * scale_inv[rows][:, columns]
+    y = x_dq @ w_dq.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], n)
+
+
+class Fp8BlockLinearMethod(LinearMethodBase):
+    def __init__(self, block_n: int, block_k: int) -> None:
+        self.block_n, self.block_k = block_n, block_k
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        rows, columns = sum(output_partition_sizes), input_size_per_partition
+        fused = isinstance(layer, (QKVParallelLinear, MergedColumnParallelLinear))
+        if fused and any(size % self.block_n for size in output_partition_sizes[:-1]):
+            raise ValueError(
+                f"output sizes {output_partition_sizes} are not multiples of the weight block "
+                f"({self.block_n} rows): a fused layer's parts would share scale blocks"
+            )
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and columns % self.block_k:
+            raise ValueError(f"input size per rank {columns} is not a multiple of the block ({self.block_k})")
+        weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE), requires_grad=False)
+        weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
+        layer.register_parameter("weight", weight)
+        # One scale per block of rows: a fused layer's parts each start on a block boundary (checked
+        # above), so the parts' scale rows concatenate like their weight rows, in units of blocks.
+        block_rows = [math.ceil(size / self.block_n) for size in output_partition_sizes]
+        scale = nn.Parameter(
+            torch.empty(sum(block_rows), math.ceil(columns / self.block_k), dtype=torch.float32),
+            requires_grad=False,
+        )
+        scale.output_dim, scale.input_dim = 0, None if not isinstance(layer, RowParallelLinear) else 1
+        offsets = [sum(block_rows[:i]) for i in range(len(block_rows))]
+
+        def load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if shard_id is None or not fused:
+                if loaded.shape != param.shape:
+                    raise ValueError(
+                        f"shape {tuple(loaded.shape)} does not match the expected {tuple(param.shape)}"
+                    )
+                param.data.copy_(loaded.float())
+                return
+            index = "qkv".index(shard_id) if isinstance(shard_id, str) else int(shard_id)
+            dest = param.data.narrow(0, offsets[index], block_rows[index])
+            if loaded.shape != dest.shape:
+                raise ValueError(
+                    f"shape {tuple(loaded.shape)} does not match the expected {tuple(dest.shape)}"
+                )
+            dest.copy_(loaded.float())
+
+        scale.weight_loader = load_scale
+        layer.register_parameter("weight_scale_inv", scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # Row r of a fused weight finds its scale block at r // block_n: every part but the last starts
+        # on a block boundary (checked when the weights were created).
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_n, self.block_k, bias)
