@@ -116,7 +116,9 @@ class ModelRunner:
             self._allocated_before = torch.cuda.memory_allocated()
         stored = checkpoint_quantization(source.hf_config, config.quantization)
         if stored is not None and stored.uses_fp8:
-            check_fp8_support(self.device)
+            check_fp8_support(
+                self.device, "the checkpoint's quantization_config (compressed-tensors FP8 activations)"
+            )
         with torch.device(self.device), default_linear_method(stored.linear_method if stored else None):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)

@@ -19,16 +19,17 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_SCALE = 1e-12
 
 
-def check_fp8_support(device: torch.device) -> None:
-    """FP8 weights need FP8 tensor cores on a GPU; the CPU runs the reference (slow, exact)."""
+def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") -> None:
+    """FP8 matmuls need FP8 tensor cores on a GPU; the CPU runs the reference (slow, exact). `what`
+    names the setting or checkpoint field that asked for them, for the error."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise ValueError(
-            f"quantization='fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
-            f"{name} is {major}.{minor}. Drop --quantization or use another GPU."
+            f"{what} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+            f"{name} is {major}.{minor}. Use an unquantized checkpoint or another GPU."
         )
 
 
