@@ -186,3 +186,15 @@ def test_on_gpu_in_bf16_with_its_kernels(scheme: str, tmp_path) -> None:
     got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
     want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
     torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=0)
+
+
+def test_a_scale_of_the_wrong_shape_names_the_tensor(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    make_checkpoint("llama", "fp8-channel-dynamic", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = torch.cat([tensors[name], tensors[name]])  # twice the rows
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{name}': shape"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
