@@ -210,3 +210,25 @@ def test_online_int4_quantizes_every_linear_to_groups_of_128(hf_model_dirs) -> N
         prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=3), use_tqdm=False
     )
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_gptq_spreads_rounding_error_to_keep_the_outputs_closer_than_rounding_alone() -> None:
+    from tokenmill.bench.quant_checkpoints import gptq_quantize
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=gen)
+    x = torch.randn(512, 128, generator=gen) @ torch.randn(128, 128, generator=gen)  # correlated inputs
+    q, scale, zero = gptq_quantize(w, x.double().t() @ x.double(), group_size=32)
+    groups = torch.arange(128) // 32
+    assert q.min() >= 0 and q.max() <= 15 and scale.shape == (4, 48) and zero.shape == (4, 48)
+    gptq = (q - zero[groups].t()) * scale[groups].t()
+    # Round-to-nearest with each group's own range, for comparison.
+    blocks = w.double().reshape(48, 4, 32)
+    lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp(min=1e-8)
+    z = torch.round(-lo / s).clamp(0, 15)
+    rtn = (
+        (torch.round(blocks / s[..., None] + z[..., None]).clamp(0, 15) - z[..., None]) * s[..., None]
+    ).reshape(48, 128)
+    error = lambda wq: (x.double() @ (wq - w.double()).t()).norm()  # noqa: E731
+    assert error(gptq) < 0.8 * error(rtn)
