@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
-import transformers
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.layers.linear import LinearBase
+
+from .quant_models import CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
@@ -24,16 +25,6 @@ from compressed_tensors.quantization import (  # noqa: E402
 )
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
 
-CONFIGS = {
-    "llama": transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
-    ),
-    "qwen3": transformers.Qwen3Config(
-        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
 FP8 = dict(num_bits=8, type="float", symmetric=True)
 INT4 = dict(num_bits=4, type="int")
 SCHEMES = {
@@ -53,14 +44,12 @@ SCHEMES = {
     ),
     "int4-channel": ("pack-quantized", dict(INT4, strategy="channel", symmetric=True), None),
 }
-PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
 
 
 def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) -> torch.Tensor:
     """Quantize a random model with compressed-tensors, save it compressed; return the library's
     fake-quantized logits for PROMPT."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    model = random_model(arch)
     fmt, weight_args, activations = SCHEMES[scheme]
     input_args = None
     if activations is not None:
@@ -119,21 +108,13 @@ def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) 
     return logits
 
 
-def prompt_logprobs_match(llm: LLM, logits: torch.Tensor) -> None:
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
-    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
-    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
-    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=0)
-
-
 @pytest.mark.parametrize("arch", list(CONFIGS))
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_logprobs_match_the_librarys_fake_quantized_forward(arch: str, scheme: str, tmp_path) -> None:
     logits = make_checkpoint(arch, scheme, tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert stored["quant_method"] == "compressed-tensors" and stored["format"] == SCHEMES[scheme][0]
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    llm = load(tmp_path)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     stored_as = {"float-quantized": "weight", "pack-quantized": "weight_packed"}[SCHEMES[scheme][0]]
     assert linears and all(getattr(m, stored_as).dtype in (torch.float8_e4m3fn, torch.int32) for m in linears)
@@ -152,7 +133,7 @@ def test_unsupported_schemes_name_the_field(tmp_path) -> None:
         broken["quantization_config"]["config_groups"]["group_0"][path[0]][path[1]] = value
         (tmp_path / "config.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+            load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         LLM(str(tmp_path), skip_tokenizer_init=True, quantization="fp8", num_kv_blocks=16, max_model_len=64)
@@ -162,7 +143,7 @@ def test_ignored_layers_stay_unquantized(tmp_path) -> None:
     # Fused layers are ignored through their parts' names, exact or `re:` patterns.
     ignore = ("model.layers.1.mlp.down_proj", "re:.*layers.0.self_attn.[qkv]_proj")
     logits = make_checkpoint("llama", "fp8-channel-dynamic", tmp_path, ignore)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    llm = load(tmp_path)
     dtypes = {
         n: m.weight.dtype for n, m in llm.engine.runner.model.named_modules() if isinstance(m, LinearBase)
     }
@@ -181,11 +162,7 @@ def test_on_gpu_in_bf16_with_its_kernels(scheme: str, tmp_path) -> None:
         pytest.skip("needs FP8 tensor cores")
     logits = make_checkpoint("qwen3", scheme, tmp_path)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
-    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
-    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
-    torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=0)
+    prompt_logprobs_match(llm, logits, atol=5e-2)
 
 
 def test_a_scale_of_the_wrong_shape_names_the_tensor(tmp_path) -> None:
@@ -197,4 +174,4 @@ def test_a_scale_of_the_wrong_shape_names_the_tensor(tmp_path) -> None:
     tensors[name] = torch.cat([tensors[name], tensors[name]])  # twice the rows
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"checkpoint tensor '{name}': shape"):
-        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+        load(tmp_path)

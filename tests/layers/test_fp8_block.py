@@ -10,23 +10,12 @@ import math
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
 
-from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import LinearBase
 
-PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
-CONFIGS = {
-    "llama": transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
-    ),
-    "qwen3": transformers.Qwen3Config(
-        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
+from .quant_models import ARCHITECTURES, CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
+
 BLOCK = 32  # the checkpoints' weight_block_size is [BLOCK, BLOCK] (128 in released models)
 
 
@@ -41,8 +30,7 @@ def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_checkpoint(arch: str, path) -> torch.Tensor:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    model = random_model(arch)
     tensors = {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
@@ -65,7 +53,7 @@ def make_checkpoint(arch: str, path) -> torch.Tensor:
         logits = model(torch.tensor([PROMPT])).logits[0]
     save_file(tensors, str(path / "model.safetensors"))
     config = CONFIGS[arch].to_dict()
-    config["architectures"] = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    config["architectures"] = [ARCHITECTURES[arch]]
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": [BLOCK, BLOCK],
@@ -77,14 +65,10 @@ def make_checkpoint(arch: str, path) -> torch.Tensor:
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_logprobs_match_the_scheme_computed_by_the_model_itself(arch: str, tmp_path) -> None:
     logits = make_checkpoint(arch, tmp_path)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    llm = load(tmp_path)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
-    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
-    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
-    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=0)
+    prompt_logprobs_match(llm, logits)
 
 
 @pytest.mark.parametrize(
@@ -102,4 +86,4 @@ def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_pat
     config["quantization_config"].update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+        load(tmp_path)

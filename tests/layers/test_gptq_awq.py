@@ -1,6 +1,7 @@
-"""GPTQ and AWQ 4-bit checkpoints written from their published layouts (the packers below follow the
-formats' specs; the libraries themselves need CUDA builds this machine lacks), loaded by tokenmill and
-compared with the same model whose linear weights are the dequantized values."""
+"""GPTQ and AWQ 4-bit checkpoints written from their published layouts (the packers of
+tokenmill/bench/quant_checkpoints.py follow the formats' specs; the libraries themselves need CUDA builds
+this machine lacks), loaded by tokenmill and compared with the same model holding the dequantized
+weights."""
 
 from __future__ import annotations
 
@@ -8,47 +9,19 @@ import json
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
 
-from tokenmill import LLM, SamplingParams
+from tokenmill.bench.quant_checkpoints import pack_columns, pack_gptq_rows
 from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
-CONFIGS = {
-    "llama": transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
-    ),
-    "qwen3": transformers.Qwen3Config(
-        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
-
-
-def to_int32(words: torch.Tensor) -> torch.Tensor:
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
-
-
-def pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """GPTQ qweight: [K, N] 4-bit values, eight rows to a word, row 8r + j in bits 4j -> [K/8, N]."""
-    v = values.long().reshape(-1, 8, values.shape[1])
-    return to_int32(sum(v[:, j] << (4 * j) for j in range(8)))
-
-
-def pack_columns(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    """[R, C] -> [R, C/8]: nibble j of word c holds column 8c + order[j]."""
-    v = values.long().reshape(values.shape[0], -1, 8)
-    return to_int32(sum(v[:, :, order[j]] << (4 * j) for j in range(8)))
+from .quant_models import ARCHITECTURES, CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
 
 
 def make_checkpoint(arch: str, method: str, group: int, path) -> torch.Tensor:
     """Quantize a random model's linears (round-to-nearest, asymmetric groups), save the GPTQ or AWQ
     tensors; returns the logits of the model with the dequantized weights."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    model = random_model(arch)
     tensors = {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
@@ -64,8 +37,8 @@ def make_checkpoint(arch: str, method: str, group: int, path) -> torch.Tensor:
         module.weight.data = dequantized.reshape(k, n).t().contiguous()
         q = q.reshape(k, n)
         if method == "gptq":
-            tensors[f"{name}.qweight"] = pack_rows(q)
-            tensors[f"{name}.qzeros"] = pack_columns(zero - 1, tuple(range(8)))
+            tensors[f"{name}.qweight"] = pack_gptq_rows(q)
+            tensors[f"{name}.qzeros"] = pack_columns(zero - 1)
             tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
         else:
             tensors[f"{name}.qweight"] = pack_columns(q, AWQ_ORDER)
@@ -83,7 +56,7 @@ def make_checkpoint(arch: str, method: str, group: int, path) -> torch.Tensor:
         {"desc_act": False, "sym": False} if method == "gptq" else {"zero_point": True, "version": "gemm"}
     )
     config["quantization_config"] = quantization
-    config["architectures"] = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    config["architectures"] = [ARCHITECTURES[arch]]
     (path / "config.json").write_text(json.dumps(config))
     return logits
 
@@ -92,14 +65,10 @@ def make_checkpoint(arch: str, method: str, group: int, path) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_logprobs_match_the_dequantized_model(arch: str, method: str, tmp_path) -> None:
     logits = make_checkpoint(arch, method, 32, tmp_path)
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    llm = load(tmp_path)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.qweight.dtype == torch.int32 for m in linears)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
-    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
-    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
-    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=0)
+    prompt_logprobs_match(llm, logits)
 
 
 @pytest.mark.parametrize(
@@ -116,4 +85,4 @@ def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tm
     config["quantization_config"].update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+        load(tmp_path)

@@ -21,7 +21,7 @@ from tokenmill.layers.linear import (
     ShardId,
     WeightLoader,
 )
-from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_linear, fp8_linear_static
+from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_linear
 from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
 
 FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -184,7 +184,7 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
         if self.input_scheme == "token":
             return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         if self.input_scheme == "tensor":
-            return fp8_linear_static(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+            return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale)
         # Weight-only: dequantize to the activations' dtype and multiply there.
         weight = (layer.weight.to(torch.float32) * layer.weight_scale).to(x.dtype)
         return torch.nn.functional.linear(x, weight, bias)

@@ -57,35 +57,21 @@ def fp8_linear_reference(
 
 
 def fp8_linear(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """y = x W^T + b with W stored as (w_q, w_scale) and x quantized per token; x is [..., K]."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    x_q, x_scale = quantize_per_row(x2)
-    if _scaled_mm_fits(x2, w_q):
-        y = torch._scaled_mm(
-            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
-        ).to(x.dtype)
-        if bias is not None:
-            y = y + bias
-    else:
-        y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
-    return y.reshape(*shape[:-1], w_q.shape[0])
-
-
-def fp8_linear_static(
     x: torch.Tensor,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
-    input_scale: torch.Tensor,
     bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b with x quantized by a calibrated per-tensor scale (a checkpoint's input_scale)."""
+    """y = x W^T + b with W stored as (w_q, w_scale); x [..., K] quantized per token, or with a
+    calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    x_q = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    if input_scale is None:
+        x_q, x_scale = quantize_per_row(x2)
+    else:
+        x_q = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
     if _scaled_mm_fits(x2, w_q):
         y = torch._scaled_mm(
             x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16

@@ -1,0 +1,42 @@
+"""What the quantized-checkpoint tests share: two small random models (Llama with GQA, Qwen3 with q/k
+norms and a head_dim of its own), the prompt they score, and the comparison of tokenmill's prompt
+log-probabilities with a reference model's logits."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from tokenmill import LLM, SamplingParams
+
+PROMPT = [3, 17, 250, 9, 41, 77, 128, 5, 64, 200, 33, 1]
+CONFIGS = {
+    "llama": transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
+    ),
+    "qwen3": transformers.Qwen3Config(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def random_model(arch: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+
+
+def load(path, **options) -> LLM:
+    defaults = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    return LLM(str(path), **{**defaults, **options})
+
+
+def prompt_logprobs_match(llm: LLM, logits: torch.Tensor, atol: float = 2e-3) -> None:
+    """tokenmill's log-probability of each prompt token equals the reference logits' log-softmax."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
+    got = torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
+    want = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(PROMPT) - 1), PROMPT[1:]]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
