@@ -286,3 +286,13 @@ def w4a16_gemm(
     kernel's hint, unused here."""
     weight = dequantize_int4(w_packed, scale, zero, group_size, x.shape[-1], x.dtype)
     return F.linear(x, weight, bias)
+
+
+# ---- FP8 activations ---------------------------------------------------------------------------------
+
+
+def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_KV_MAX
+    q = (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    return q, scale

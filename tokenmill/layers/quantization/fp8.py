@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.reference import quantize_fp8_per_row
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# Scales never reach zero: an all-zero row (or token) divides by this instead and stays zero.
-_MIN_SCALE = 1e-12
 
 
 def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") -> None:
@@ -34,10 +33,28 @@ def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") ->
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at FP8_MAX."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at FP8_MAX:
+    one Triton launch on CUDA (kernels/fp8_quant.py), the torch reference elsewhere."""
+    if x.is_cuda and x.dim() == 2:
+        fused = _fused_quantizer()
+        if fused is not None:
+            return fused(x)
+    return quantize_fp8_per_row(x)
+
+
+def _fused_quantizer():
+    global _FUSED
+    if _FUSED is None:
+        try:
+            from tokenmill.kernels.fp8_quant import quantize_fp8_per_row as fused
+        except ImportError:
+            _FUSED = False
+        else:
+            _FUSED = fused
+    return _FUSED or None
+
+
+_FUSED = None
 
 
 def fp8_linear_reference(

@@ -1,0 +1,35 @@
+"""The Triton per-row FP8 quantization against its torch reference: the same bytes and scales on
+awkward row lengths (one block, several blocks, a ragged last block), zero rows and bf16 input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels import reference  # noqa: E402
+from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(("rows", "columns"), [(1, 5), (7, 100), (3, 4096), (2, 5000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_reference_bit_for_bit(rows: int, columns: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows * columns)
+    x = (torch.randn(rows, columns, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, dtype)
+    if rows > 2:
+        x[1] = 0.0  # stays zero, with the smallest scale
+    q, scale = quantize_fp8_per_row(x)
+    want_q, want_scale = reference.quantize_fp8_per_row(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_strided_rows_and_no_rows() -> None:
+    x = torch.randn(4, 64, device=DEVICE)[:, :48]
+    q, scale = quantize_fp8_per_row(x)
+    assert torch.equal(q.view(torch.uint8), reference.quantize_fp8_per_row(x)[0].view(torch.uint8))
+    assert quantize_fp8_per_row(x[:0])[0].shape == (0, 48)
