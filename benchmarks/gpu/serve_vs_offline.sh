@@ -146,6 +146,18 @@ for count in counts:
         result["core_steps"] = {"decode_only": len(decode), "with_prompt_tokens": len(prefill),
                                 "decode_p99_ms": pct(decode, 99), "prompt_p50_ms": pct(prefill, 50),
                                 "prompt_p99_ms": pct(prefill, 99)}
+    # The API processes' side: receipts at which some open stream had waited over 100 ms, and the
+    # slowest processing of one step's outputs (a gap the clients see but neither shows comes later).
+    import glob
+    waits, slowest = 0, 0.0
+    for path in glob.glob(f"{out}/steps_asc{count}.json.api*"):
+        api = json.load(open(path))
+        rows = [dict(zip(api["columns"], row)) for row in api["rows"]]
+        waits += sum(r["longest_wait_ms"] > 100 for r in rows)
+        slowest = max([slowest] + [r["process_ms"] for r in rows])
+    if waits or slowest:
+        result["api_receipts_with_a_wait_over_100ms"] = waits
+        result["api_slowest_step_processing_ms"] = slowest
     results.append(result)
 print(json.dumps(results, indent=2))
 json.dump(results, open(f"{out}/serve_vs_offline.json", "w"), indent=2)

@@ -295,3 +295,8 @@ def test_step_trace_records_each_step_that_returned_outputs(loop, model_path, tm
     assert sum(row["tokens"] for row in rows) == sum(len(p) for p in PROMPTS) + len(PROMPTS) * 5
     assert all(row["step_call_ms"] >= 0 for row in rows)
     assert [row["sent_s"] for row in rows] == sorted(row["sent_s"] for row in rows)
+    # The API side's trace: each step's outputs as they arrived, the same tokens in all.
+    api = json.loads((tmp_path / "steps.json.api0").read_text())
+    received = [dict(zip(api["columns"], row, strict=True)) for row in api["rows"]]
+    assert sum(row["outputs"] for row in received) == len(PROMPTS) * 6
+    assert all(row["longest_wait_ms"] >= 0 and row["process_ms"] >= 0 for row in received)

@@ -37,6 +37,9 @@ from tokenmill.serving.core_protocol import (
 from tokenmill.serving.input_processor import InputProcessor
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
+from tokenmill.serving.step_trace import StepTrace
+
+API_TRACE_COLUMNS = ("received_s", "outputs", "process_ms", "longest_wait_ms")
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -102,6 +105,9 @@ class AsyncEngineClient:
         self._call_ids = itertools.count()
         self._on_dead: list[Callable[[], None]] = []
         self._closing = False
+        # TOKENMILL_STEP_TRACE: one row per step's outputs received (when, how many, how long they took
+        # to process, the longest any open stream had waited for them).
+        self._trace = StepTrace.from_env(API_TRACE_COLUMNS, f".api{client_index}")
         self._decoder = message_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         loop = asyncio.get_running_loop()
@@ -181,6 +187,8 @@ class AsyncEngineClient:
         self._output_task.cancel()
         await asyncio.gather(self._output_task, return_exceptions=True)
         self._sockets.close()
+        if self._trace is not None:
+            self._trace.write()
         if not self.owns_core:
             self.process.close()
 
@@ -309,6 +317,7 @@ class AsyncEngineClient:
 
     def _process_step(self, message: StepOutputs) -> None:
         now = time.monotonic()
+        waited = self._longest_wait(now) if self._trace is not None else 0.0
         if self.metrics is not None and self.client_index == 0:
             self.metrics.record_stats(message.stats)
         request_outputs, to_abort = self.output_processor.process(message.outputs)
@@ -340,6 +349,13 @@ class AsyncEngineClient:
             state.queue.put_nowait(output)
         if self.metrics is not None:
             self.metrics.record_step(gaps, num_tokens)
+        if self._trace is not None:
+            self._trace.add(now, len(message.outputs), (time.monotonic() - now) * 1e3, waited * 1e3)
+
+    def _longest_wait(self, now: float) -> float:
+        """For the step trace: the longest any open stream has waited since its last output."""
+        waits = (now - r.last_output_time for r in self._requests.values() if r.last_output_time is not None)
+        return max(waits, default=0.0)
 
     def _on_core_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)

@@ -3,7 +3,6 @@ model runs step after step while the API process does HTTP, tokenization and det
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
@@ -19,7 +18,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine import EngineCore
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.serving.core_protocol import (
     AbortRequests,
     AddRequest,
@@ -34,6 +32,11 @@ from tokenmill.serving.core_protocol import (
     request_decoder,
 )
 from tokenmill.serving.engine_setup import create_engine
+from tokenmill.serving.step_trace import StepTrace
+
+# One row per step that returned outputs: when they left, how long the step() call took, and what the
+# finished step computed.
+CORE_TRACE_COLUMNS = ("sent_s", "step_call_ms", "tokens", "requests", "new_requests", "outputs")
 
 logger = logging.getLogger("tokenmill.core")
 
@@ -96,7 +99,11 @@ class EngineCoreProc:
         if not (outputs or changed or self.core.num_steps != steps_before):
             return
         if self.step_trace is not None and outputs:
-            self.step_trace.record(start, self.core.last_finished, len(outputs))
+            now, finished = time.monotonic(), self.core.last_finished
+            tokens = finished.total_num_scheduled_tokens if finished is not None else 0
+            requests = len(finished.num_scheduled_tokens) if finished is not None else 0
+            new = len(finished.scheduled_new_reqs) if finished is not None else 0
+            self.step_trace.add(now, (now - start) * 1e3, tokens, requests, new, len(outputs))
         stats = self._stats(self._queue_times(start))
         if len(self.output_sockets) == 1:
             self._send(StepOutputs(outputs, stats))
@@ -185,30 +192,6 @@ class EngineCoreProc:
         self.output_sockets[client_index].send(self.encoder.encode(message))
 
 
-class StepTrace:
-    """One row per step that returned outputs, written as JSON when the core stops: when the outputs
-    left, how long the core's step() call took, and what the finished step computed. Turned on with
-    TOKENMILL_STEP_TRACE=FILE; for finding where inter-token gaps come from under load."""
-
-    COLUMNS = ("sent_s", "step_call_ms", "tokens", "requests", "new_requests", "outputs")
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.rows: list[tuple[float, float, int, int, int, int]] = []
-
-    def record(self, start: float, finished: SchedulerOutput | None, num_outputs: int) -> None:
-        now = time.monotonic()
-        tokens = finished.total_num_scheduled_tokens if finished is not None else 0
-        requests = len(finished.num_scheduled_tokens) if finished is not None else 0
-        new = len(finished.scheduled_new_reqs) if finished is not None else 0
-        self.rows.append((now, (now - start) * 1e3, tokens, requests, new, num_outputs))
-
-    def write(self) -> None:
-        with open(self.path, "w") as f:
-            json.dump({"columns": self.COLUMNS, "rows": self.rows}, f)
-        logger.info("wrote the step trace (%d steps) to %s", len(self.rows), self.path)
-
-
 def _limit_cpu_threads(config: EngineConfig) -> None:
     """On CPU, leave one core to the API process. OpenMP threads spin while they wait, so a core process
     using every core fights the API process (and anything else on the box): on a loaded 2-core machine a
@@ -261,8 +244,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
         )
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
-        trace_path = os.environ.get("TOKENMILL_STEP_TRACE")
-        trace = StepTrace(trace_path) if trace_path else None
+        trace = StepTrace.from_env(CORE_TRACE_COLUMNS)
         EngineCoreProc(parts.core, input_socket, output_sockets, sentinel, trace).run()
         if trace is not None:
             trace.write()
