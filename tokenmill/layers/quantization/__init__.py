@@ -26,9 +26,10 @@ from tokenmill.layers.quantization.int4 import quantize_linear_int4
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 
 
-def checkpoint_quantization(
-    hf_config, requested: str | None
-) -> CompressedTensorsConfig | GptqAwqConfig | None:
+CheckpointScheme = CompressedTensorsConfig | GptqAwqConfig | Fp8BlockConfig
+
+
+def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointScheme | None:
     """The scheme a checkpoint was saved in, from its config's quantization_config (None when it has
     none). `requested` (--quantization) must agree with it: online fp8 of a quantized checkpoint, or a
     checkpoint scheme named for an unquantized checkpoint, is an error."""
