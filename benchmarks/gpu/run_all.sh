@@ -22,7 +22,11 @@ log() { echo "=== $(date +%T) $*"; }
 for stage in $stages; do
   log "$stage"
   case $stage in
-    tests) timeout 420 $py -m pytest -q -m gpu tests/kernels tests/models tests/layers tests/worker -p no:cacheprovider \
+    # Every kernel test (on a CPU they run in Triton's interpreter; here on the device), and the tests
+    # marked gpu elsewhere.
+    tests) timeout 420 $py -m pytest -q tests/kernels -p no:cacheprovider --junitxml="$out/kernel_tests.xml" \
+             2>&1 | tail -15
+           timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
