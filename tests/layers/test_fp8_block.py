@@ -87,3 +87,10 @@ def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_gpu_in_bf16(tmp_path) -> None:
+    logits = make_checkpoint("qwen3", tmp_path)
+    prompt_logprobs_match(load(tmp_path, dtype="bfloat16"), logits, atol=5e-2)
