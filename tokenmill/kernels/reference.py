@@ -296,3 +296,23 @@ def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_KV_MAX
     q = (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
     return q, scale
+
+
+def fp8_block_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a_q e4m3 [M, K] with a_scale fp32 [M, ceil(K/block_k)]; w_q e4m3 [N, K] with w_scale fp32
+    [ceil(N/block_n), ceil(K/block_k)]: both dequantized, multiplied in fp32 on a CPU and in out_dtype
+    on a GPU. Returns [M, N] in out_dtype."""
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    dtype = out_dtype if a_q.is_cuda else torch.float32
+    a = a_q.to(dtype) * a_scale.to(dtype).repeat_interleave(block_k, dim=1)[:, :k]
+    scale = w_scale.to(dtype).repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+    return F.linear(a, w_q.to(dtype) * scale).to(out_dtype)

@@ -4,10 +4,9 @@ Each linear stores `weight` in e4m3 and `weight_scale_inv` fp32 [ceil(N/128), ce
 per 128 x 128 block (w = weight * scale_inv); activations are quantized at run time per token and per
 128 input columns.
 
-The matmul here is the scheme computed by dequantizing: activations quantized per token group, both
-operands dequantized and multiplied, in fp32 on a CPU (exact) and in the activations' dtype on a GPU
-(a block-scaled FP8 GEMM for Hopper is still to come: on a GPU this reads the FP8 weight, writes and
-reads a bf16 copy of it, so it runs at about a third of a bf16 model's decode speed).
+Activations are quantized per token group (torch ops), then the block-scaled GEMM runs: on CUDA the
+Triton kernel (kernels/fp8_block_gemm.py: FP8 tensor cores where the GPU has them, the scales applied
+per K block), elsewhere the reference (dequantize, multiply in fp32: exact).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.kernels import reference
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -77,17 +77,31 @@ def fp8_block_linear(
 ) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    n, k = weight.shape
+    n = weight.shape[0]
     x_q, x_scale = quantize_per_token_group(x2, block_k)
-    # fp32 on a CPU (the exact scheme); on a GPU the activations' dtype, one layer's weight at a time
-    # (the same values: e4m3 and the scales' products round once more, to bf16).
-    dtype = x.dtype if x.is_cuda else torch.float32
-    x_dq = x_q.to(dtype) * x_scale.to(dtype).repeat_interleave(block_k, dim=1)[:, :k]
-    w_scale = (
-        scale_inv.to(dtype).repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
-    )
-    y = torch.nn.functional.linear(x_dq, weight.to(dtype) * w_scale, None if bias is None else bias.to(dtype))
-    return y.to(x.dtype).reshape(*shape[:-1], n)
+    gemm = reference.fp8_block_gemm
+    if x.is_cuda and block_k >= 16 and not block_k & (block_k - 1):
+        gemm = _triton_gemm() or gemm
+    y = gemm(x_q, x_scale, weight, scale_inv, block_n, block_k, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], n)
+
+
+def _triton_gemm():
+    """kernels/fp8_block_gemm.py's kernel where triton imports, else None."""
+    global _GEMM
+    if _GEMM is None:
+        try:
+            from tokenmill.kernels.fp8_block_gemm import fp8_block_gemm
+        except ImportError:
+            _GEMM = False
+        else:
+            _GEMM = fp8_block_gemm
+    return _GEMM or None
+
+
+_GEMM = None
 
 
 class Fp8BlockLinearMethod(LinearMethodBase):
