@@ -40,6 +40,17 @@ def get_kernels(device: torch.device | str | None = None) -> Kernels:
     return _kernels_for(device.type, os.environ.get(BACKEND_ENV, ""))
 
 
+@functools.lru_cache(maxsize=16)
+def triton_kernel(module: str, name: str) -> Callable | None:
+    """tokenmill.kernels.<module>.<name> where triton imports, else None: for the quantized layers,
+    whose CUDA path takes a Triton kernel and whose other paths take its reference."""
+    if not _triton_available():
+        return None
+    import importlib
+
+    return getattr(importlib.import_module(f"tokenmill.kernels.{module}"), name)
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401

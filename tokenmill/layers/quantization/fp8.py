@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels import triton_kernel
 from tokenmill.kernels.reference import quantize_fp8_per_row
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
 
@@ -36,25 +37,10 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at FP8_MAX:
     one Triton launch on CUDA (kernels/fp8_quant.py), the torch reference elsewhere."""
     if x.is_cuda and x.dim() == 2:
-        fused = _fused_quantizer()
+        fused = triton_kernel("fp8_quant", "quantize_fp8_per_row")
         if fused is not None:
             return fused(x)
     return quantize_fp8_per_row(x)
-
-
-def _fused_quantizer():
-    global _FUSED
-    if _FUSED is None:
-        try:
-            from tokenmill.kernels.fp8_quant import quantize_fp8_per_row as fused
-        except ImportError:
-            _FUSED = False
-        else:
-            _FUSED = fused
-    return _FUSED or None
-
-
-_FUSED = None
 
 
 def fp8_linear_reference(

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.kernels import reference
+from tokenmill.kernels import reference, triton_kernel
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -81,27 +81,11 @@ def fp8_block_linear(
     x_q, x_scale = quantize_per_token_group(x2, block_k)
     gemm = reference.fp8_block_gemm
     if x.is_cuda and block_k >= 16 and not block_k & (block_k - 1):
-        gemm = _triton_gemm() or gemm
+        gemm = triton_kernel("fp8_block_gemm", "fp8_block_gemm") or gemm
     y = gemm(x_q, x_scale, weight, scale_inv, block_n, block_k, x.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], n)
-
-
-def _triton_gemm():
-    """kernels/fp8_block_gemm.py's kernel where triton imports, else None."""
-    global _GEMM
-    if _GEMM is None:
-        try:
-            from tokenmill.kernels.fp8_block_gemm import fp8_block_gemm
-        except ImportError:
-            _GEMM = False
-        else:
-            _GEMM = fp8_block_gemm
-    return _GEMM or None
-
-
-_GEMM = None
 
 
 class Fp8BlockLinearMethod(LinearMethodBase):

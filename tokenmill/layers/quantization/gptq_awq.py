@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.kernels import triton_kernel
 from tokenmill.kernels.reference import PACK, pack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
@@ -134,7 +135,5 @@ class GptqAwqLinearMethod(LinearMethodBase):
         layer.int4_group_size = group
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from tokenmill.layers.quantization.int4 import _triton_gemm
-
-        gemm = _triton_gemm() if x.is_cuda else None
+        gemm = triton_kernel("int4_gemm", "w4a16_gemm") if x.is_cuda else None
         return (gemm or w4a16_gemm)(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)

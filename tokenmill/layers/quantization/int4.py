@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.kernels import triton_kernel
 from tokenmill.kernels.reference import PACK, pack_int4, unpack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
@@ -84,27 +85,10 @@ class Int4W4A16LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         zero = getattr(layer, "weight_zero_point", None)
-        if x.is_cuda and _triton_gemm() is not None:
-            return _triton_gemm()(
-                x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias
-            )
+        gemm = triton_kernel("int4_gemm", "w4a16_gemm") if x.is_cuda else None
+        if gemm is not None:
+            return gemm(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
         return w4a16_gemm(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
-
-
-def _triton_gemm():
-    """kernels/int4_gemm.py's w4a16_gemm where triton imports (on CUDA devices), else None."""
-    global _GEMM
-    if _GEMM is None:
-        try:
-            from tokenmill.kernels.int4_gemm import w4a16_gemm
-        except ImportError:
-            _GEMM = False
-        else:
-            _GEMM = w4a16_gemm
-    return _GEMM or None
-
-
-_GEMM = None
 
 
 def _param(
