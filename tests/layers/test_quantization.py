@@ -132,7 +132,7 @@ def test_scaled_mm_matches_the_reference_on_gpu(m: int, k: int, n: int) -> None:
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8", "int4"])
 def test_the_planner_and_the_engine_agree_on_weight_bytes(weight_dtype: str, tmp_path) -> None:
     import json
 
@@ -153,11 +153,12 @@ def test_the_planner_and_the_engine_agree_on_weight_bytes(weight_dtype: str, tmp
         dtype="bfloat16",
         max_model_len=256,
         num_kv_blocks=16,
-        quantization="fp8" if weight_dtype == "fp8" else None,
+        quantization=None if weight_dtype == "bf16" else weight_dtype,
     )
     engine = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     planned = weight_bytes(from_hf_config(config, "test"), weight_dtype).total
     # The planner leaves out FP8's per-channel fp32 scales: 4 bytes per 1,024-wide row here, 0.4%.
+    # INT4 counts as it is stored: half a byte a weight and a bf16 scale per 128 (no zero points).
     assert engine == pytest.approx(planned, rel=0.005 if weight_dtype == "fp8" else 1e-9)
 
 
