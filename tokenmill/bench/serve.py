@@ -155,7 +155,7 @@ def run_load_processes(
             samples=[samples[i] for i in indices],
             offsets=[offsets[i] for i in indices],
             max_concurrency=_share(max_concurrency, rank, processes),
-            num_warmups=_share(num_warmups, rank, processes) or 0,
+            num_warmups=_share(num_warmups, rank, processes),
         )
         worker = context.Process(
             target=_client_process,

@@ -262,7 +262,7 @@ def _reduce_splits_kernel(
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     # The CPU interpreter has no multiprocessors; a nominal count keeps the split path exercised.
@@ -276,7 +276,7 @@ def default_num_kv_splits(
     _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. A power of two, so a server compiles at most
     six variants. Any count is correct for any lengths (the kernel splits by the seq_lens it reads), so a
     CUDA graph captured with one count stays valid when the lengths change."""
-    splits = triton.cdiv(2 * _sm_count(device), max(num_seqs * num_kv_heads, 1))
+    splits = triton.cdiv(2 * sm_count(device), max(num_seqs * num_kv_heads, 1))
     if max_seq_len is not None:
         splits = min(splits, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
     splits = max(1, min(splits, _MAX_KV_SPLITS))

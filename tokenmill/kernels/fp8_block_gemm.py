@@ -6,6 +6,8 @@ partial sum. Its reference is kernels/reference.py's fp8_block_gemm, of the same
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,11 @@ def _fp8_block_kernel(
     tl.store(out + rm[:, None] * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=o_mask)
 
 
+@functools.lru_cache(maxsize=8)
+def _has_fp8_mma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_block_gemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -72,7 +79,7 @@ def fp8_block_gemm(
         raise ValueError(f"the weight's column block ({block_k}) must be a power of two of 16 or more")
     # Tiles of 64 rows; each row finds its own scale block, so tiles need not align with them.
     tile_m, tile_n = (16 if m <= 16 else 64), 64
-    fp8_dot = a_q.is_cuda and torch.cuda.get_device_capability(a_q.device) >= (8, 9)
+    fp8_dot = a_q.is_cuda and _has_fp8_mma(a_q.device)
     grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
     _fp8_block_kernel[grid](
         a_q, a_scale.contiguous(), w_q, w_scale.contiguous(), out, m, n, k,

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.attention import sm_count
+
 PACK = 8
 
 
@@ -93,7 +95,7 @@ def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int
     block_k = 64 if k >= 64 else 32
     split_k = 1
     if m <= 16 and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = sm_count(device)
         tiles = triton.cdiv(n, block_n)
         while tiles * split_k < 2 * sms and split_k < 16 and k // (block_k * split_k * 2) >= 2:
             split_k *= 2

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
+# e4m3, the FP8 of weights, activations and the KV cache alike, and its largest finite value (448).
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
 
 
 def write_kv_cache(
@@ -28,15 +29,15 @@ def write_kv_cache(
     cache (float8_e4m3fn) stores key / k_scale and value / v_scale, saturated to e4m3's range (+-448);
     other caches store the values as they are (their scales are 1)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if k_cache.dtype == FP8_KV_DTYPE:
-        key = (key.float() / k_scale).clamp(-FP8_KV_MAX, FP8_KV_MAX)
-        value = (value.float() / v_scale).clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    if k_cache.dtype == FP8_DTYPE:
+        key = (key.float() / k_scale).clamp(-FP8_MAX, FP8_MAX)
+        value = (value.float() / v_scale).clamp(-FP8_MAX, FP8_MAX)
     if bool((slot_mapping < 0).any()):
         valid = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     for cache, new in ((k_cache, key), (v_cache, value)):
         new = new.to(cache.dtype)
-        if cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no fp8 kernel: copy the bytes
+        if cache.dtype == FP8_DTYPE:  # index_copy_ has no fp8 kernel: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new)
 
@@ -293,8 +294,8 @@ def w4a16_gemm(
 
 def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_KV_MAX
-    q = (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 

@@ -98,12 +98,13 @@ class EngineCoreProc:
         # API process's gauges never keep a stale count of running requests or used blocks.
         if not (outputs or changed or self.core.num_steps != steps_before):
             return
-        if self.step_trace is not None and outputs:
-            now, finished = time.monotonic(), self.core.last_finished
-            tokens = finished.total_num_scheduled_tokens if finished is not None else 0
-            requests = len(finished.num_scheduled_tokens) if finished is not None else 0
-            new = len(finished.scheduled_new_reqs) if finished is not None else 0
-            self.step_trace.add(now, (now - start) * 1e3, tokens, requests, new, len(outputs))
+        finished = self.core.last_finished  # outputs always come from a finished step
+        if self.step_trace is not None and outputs and finished is not None:
+            now = time.monotonic()
+            self.step_trace.add(
+                now, (now - start) * 1e3, finished.total_num_scheduled_tokens,
+                len(finished.num_scheduled_tokens), len(finished.scheduled_new_reqs), len(outputs),
+            )  # fmt: skip
         stats = self._stats(self._queue_times(start))
         if len(self.output_sockets) == 1:
             self._send(StepOutputs(outputs, stats))

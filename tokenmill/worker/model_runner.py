@@ -14,13 +14,11 @@ from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
-from tokenmill.layers.quantization import check_fp8_support, checkpoint_quantization, quantize_model
 from tokenmill.loader import ModelSource
-from tokenmill.models.registry import model_class
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.input_batch import InputBatch, StepInputs
+from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
@@ -114,32 +112,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info()
             self._memory_used_before = total - free
             self._allocated_before = torch.cuda.memory_allocated()
-        stored = checkpoint_quantization(source.hf_config, config.quantization)
-        if stored is not None and stored.uses_fp8:
-            check_fp8_support(
-                self.device, "the checkpoint's quantization_config (compressed-tensors FP8 activations)"
-            )
-        with torch.device(self.device), default_linear_method(stored.linear_method if stored else None):
-            default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                self.model = model_class(source.hf_config)(
-                    source.hf_config, max_model_len, lm_head=pooling_type is None
-                )
-                for name, module in self.model.named_modules():
-                    if stored is not None and isinstance(module, LinearBase) and stored.is_ignored(name):
-                        reset_to_unquantized(module)
-            finally:
-                torch.set_default_dtype(default_dtype)
-        if source.format == "dummy":
-            self._init_dummy_weights()
-        else:
-            self.model.load_weights(source.iter_weights())
-        if config.quantization is not None and stored is None:  # a quantized checkpoint is as it is
-            count = quantize_model(self.model, config.quantization)
-            logger.info("quantized %d linear layers to %s", count, config.quantization)
-        self.model.eval()
-        self.kv_dtype = self._kv_cache_dtype()
+        self.model = build_model(config, source, max_model_len, self.device, self.dtype, pooling_type is None)
+        self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
@@ -167,36 +141,6 @@ class ModelRunner:
             max_tokens = min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
             self.piecewise_graphs = PiecewiseGraphs(self.model, max_tokens, self.device)
             self.piecewise_graphs.capture()
-
-    def _kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type; for FP8, its per-layer scales are set on the attention layers."""
-        if self.config.kv_cache_dtype != "fp8":
-            return self.dtype
-        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError(
-                "kv_cache_dtype='fp8' needs a GPU with FP8 support (compute capability 8.9 or newer); "
-                f"{torch.cuda.get_device_name(self.device)} is not. Use kv_cache_dtype='auto'."
-            )
-        # Scales of 1.0 store K and V as they are, saturated at +-448. Chosen over calibrating on the
-        # first prompt, which would make every later request's numerics depend on which came first:
-        # keys and values of the supported models stay well inside that range (the quality test's
-        # perplexity moves by under 1%).
-        logger.warning(
-            "fp8 KV cache with k_scale = v_scale = 1.0 (the checkpoint has no KV scales): K and V are "
-            "stored as they are, saturated at +-448"
-        )
-        for attn in self.model.attention_layers():
-            attn.k_scale = attn.v_scale = 1.0
-        return torch.float8_e4m3fn
-
-    def _init_dummy_weights(self) -> None:
-        generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.normal_(0.0, 0.02, generator=generator)
 
     # ---- KV cache ---------------------------------------------------------------------------
 

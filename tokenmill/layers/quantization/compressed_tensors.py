@@ -10,6 +10,8 @@ needs no requantization. A static input scale of a fused layer is the largest of
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -100,17 +102,13 @@ class CompressedTensorsConfig:
 
     def is_ignored(self, prefix: str) -> bool:
         """Whether the layer named `prefix` stays unquantized: an exact name or a `re:` pattern of the
-        ignore list, checked against the checkpoint's names of a fused layer's parts."""
-        import re
-
+        ignore list (matched from the start of the name), checked against the checkpoint's names of a
+        fused layer's parts."""
         names = _checkpoint_names(prefix)
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if any(re.fullmatch(entry[3:], n) or re.match(entry[3:], n) for n in names):
-                    return True
-            elif entry in names:
-                return True
-        return False
+        return any(
+            any(re.match(entry[3:], n) for n in names) if entry.startswith("re:") else entry in names
+            for entry in self.ignore
+        )
 
 
 def _checkpoint_names(prefix: str) -> list[str]:

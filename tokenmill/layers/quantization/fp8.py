@@ -12,11 +12,10 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import triton_kernel
-from tokenmill.kernels.reference import quantize_fp8_per_row
+from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX, quantize_fp8_per_row
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8LinearMethod", "check_fp8_support", "fp8_linear", "quantize_per_row"]
 
 
 def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") -> None:
@@ -28,8 +27,8 @@ def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") ->
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise ValueError(
-            f"{what} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
-            f"{name} is {major}.{minor}. Use an unquantized checkpoint or another GPU."
+            f"{what} needs FP8 support (compute capability 8.9 or newer: Ada, Hopper); "
+            f"{name} is {major}.{minor}. Leave FP8 out or use another GPU."
         )
 
 

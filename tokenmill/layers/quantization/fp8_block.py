@@ -25,7 +25,7 @@ from tokenmill.layers.linear import (
     ShardId,
     WeightLoader,
 )
-from tokenmill.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX
+from tokenmill.layers.quantization.fp8 import FP8_DTYPE, quantize_per_row
 
 
 class Fp8BlockConfig:
@@ -58,13 +58,14 @@ class Fp8BlockConfig:
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/group)]): each token's columns in groups."""
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/group)]): each token's columns in groups, each
+    group a row of the per-row quantizer (one Triton launch on CUDA)."""
     m, k = x.shape
     groups = math.ceil(k / group)
-    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).reshape(m, groups, group)
-    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(m, -1)[:, :k], scale
+    if k % group:
+        x = torch.nn.functional.pad(x, (0, groups * group - k))
+    q, scale = quantize_per_row(x.reshape(m * groups, group))
+    return q.reshape(m, groups * group)[:, :k], scale.reshape(m, groups)
 
 
 def fp8_block_linear(

@@ -21,14 +21,15 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.kernels import triton_kernel
-from tokenmill.kernels.reference import PACK, pack_int4, w4a16_gemm
+from tokenmill.kernels.reference import PACK, pack_int4, unpack_int4
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
+from tokenmill.layers.quantization.int4 import int4_matmul
 
 METHODS = ("gptq", "awq")
 # AWQ packs column 8c + AWQ_ORDER[j] into nibble j of word c; reading nibble j back gives that column.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+# The nibble that holds column c of an AWQ word.
+_AWQ_NIBBLE_OF = [AWQ_ORDER.index(c) for c in range(PACK)]
 
 
 class GptqAwqConfig:
@@ -65,10 +66,11 @@ class GptqAwqConfig:
 
 def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
     """int32 [R, C/8] packed along the columns -> unsigned values [R, C] in column order."""
-    nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, 8], nibble order
+    rows = packed.shape[0]
+    values = unpack_int4(packed, packed.shape[1] * PACK).to(torch.int32) + 8  # nibble order
     if awq:
-        nibbles = nibbles[..., [AWQ_ORDER.index(c) for c in range(PACK)]]
-    return nibbles.reshape(packed.shape[0], -1)
+        values = values.reshape(rows, -1, PACK)[..., _AWQ_NIBBLE_OF].reshape(rows, -1)
+    return values
 
 
 class GptqAwqLinearMethod(LinearMethodBase):
@@ -135,5 +137,4 @@ class GptqAwqLinearMethod(LinearMethodBase):
         layer.int4_group_size = group
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        gemm = triton_kernel("int4_gemm", "w4a16_gemm") if x.is_cuda else None
-        return (gemm or w4a16_gemm)(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
+        return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)

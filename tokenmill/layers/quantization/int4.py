@@ -85,10 +85,20 @@ class Int4W4A16LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         zero = getattr(layer, "weight_zero_point", None)
-        gemm = triton_kernel("int4_gemm", "w4a16_gemm") if x.is_cuda else None
-        if gemm is not None:
-            return gemm(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
-        return w4a16_gemm(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
+        return int4_matmul(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x W^T (+ bias) for W in this module's layout: the Triton W4A16 GEMM on CUDA, else its reference."""
+    gemm = triton_kernel("int4_gemm", "w4a16_gemm") if x.is_cuda else None
+    return (gemm or w4a16_gemm)(x, packed, scale, zero, group_size, bias)
 
 
 def _param(
