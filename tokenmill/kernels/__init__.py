@@ -51,6 +51,17 @@ def triton_kernel(module: str, name: str) -> Callable | None:
     return getattr(importlib.import_module(f"tokenmill.kernels.{module}"), name)
 
 
+SKINNY_MAX_ROWS = 16  # activation rows up to which quantized linears take kernels/skinny_gemm.py
+
+
+def skinny_kernel(x: torch.Tensor, name: str) -> Callable | None:
+    """kernels/skinny_gemm.py's `name` when x is a CUDA tensor of at most SKINNY_MAX_ROWS rows (decode's
+    shape) and triton imports, else None."""
+    if not x.is_cuda or x.numel() > SKINNY_MAX_ROWS * x.shape[-1]:
+        return None
+    return triton_kernel("skinny_gemm", name)
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401

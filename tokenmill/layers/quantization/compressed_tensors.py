@@ -15,6 +15,7 @@ import re
 import torch
 from torch import nn
 
+from tokenmill.kernels import skinny_kernel
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -183,7 +184,11 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
             return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         if self.input_scheme == "tensor":
             return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale)
-        # Weight-only: dequantize to the activations' dtype and multiply there.
+        # Weight-only: the skinny kernel for decode-sized batches on CUDA, else dequantize to the
+        # activations' dtype and multiply there.
+        skinny = skinny_kernel(x, "w8a16_skinny")
+        if skinny is not None:
+            return skinny(x, layer.weight, layer.weight_scale, bias)
         weight = (layer.weight.to(torch.float32) * layer.weight_scale).to(x.dtype)
         return torch.nn.functional.linear(x, weight, bias)
 

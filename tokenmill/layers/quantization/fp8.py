@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import triton_kernel
+from tokenmill.kernels import skinny_kernel, triton_kernel
 from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX, quantize_fp8_per_row
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
 
@@ -66,7 +66,12 @@ def fp8_linear(
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + b with W stored as (w_q, w_scale); x [..., K] quantized per token, or with a
-    calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given."""
+    calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given.
+    Decode-sized batches on CUDA skip the activation quantization: the skinny W8A16 kernel multiplies
+    the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two."""
+    skinny = skinny_kernel(x, "w8a16_skinny")
+    if skinny is not None:
+        return skinny(x, w_q, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if input_scale is None:

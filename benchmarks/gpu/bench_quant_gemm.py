@@ -1,0 +1,187 @@
+"""Quantized GEMMs at decode's shapes on a CUDA GPU (Llama-3.1-8B's linears), as weight-read bandwidth
+(TB/s of the weight's bytes, scales included) beside cuBLAS bf16 on the same rows; prints one JSON document.
+
+Per shape and row count: bf16 F.linear; FP8 as the engine ran it before the skinny kernel (per-token
+quantization + torch._scaled_mm, row-wise scales) and _scaled_mm alone; the skinny W8A16 kernel; the
+tiled W4A16 kernel (kernels/int4_gemm.py) and the skinny W4A16 kernel (kernels/skinny_gemm.py). With
+--sweep the skinny kernels are timed over tile configs (a first pass over tile sizes and K splits, a
+second over warps and stages for the best three), so the default tiles can be chosen by measurement.
+Each timing is a CUDA graph of calls over enough weight copies that L2 cannot hold them (bench_kernels'
+time_us). Every case checks its output against the torch reference.
+
+    python benchmarks/gpu/bench_quant_gemm.py --out quant_gemm.json [--sweep] [--rows 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import time_us  # noqa: E402
+
+from tokenmill.kernels import reference  # noqa: E402
+from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
+from tokenmill.kernels.int4_gemm import w4a16_gemm  # noqa: E402
+from tokenmill.kernels.skinny_gemm import SkinnyConfig, default_config, w4a16_skinny, w8a16_skinny  # noqa: E402
+
+SHAPES = {  # name: (N, K) of Llama-3.1-8B
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+GROUP = 128
+POOL_BYTES = 320 << 20  # weight copies per graph: more than L2 (50 MB) many times over
+DEVICE = torch.device("cuda")
+
+
+def timed(fn, copies: int) -> float:
+    calls = itertools.count()
+    return time_us(lambda: fn(next(calls) % copies), calls_per_graph=max(copies, 8), replays=30)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+
+
+def sweep_configs(bits: int, rows: int) -> list[SkinnyConfig]:
+    block_ns = (8, 16, 32, 64) if rows == 1 else (16, 32, 64)
+    block_ks = (256, 512, 1024) if bits == 4 else (128, 256, 512)
+    return [SkinnyConfig(n, k, s, 4, 3) for n in block_ns for k in block_ks for s in (1, 2, 4, 8)]
+
+
+def sweep(fn, bits: int, rows: int, copies: int, nbytes: int, deadline: float) -> dict:
+    """Tile sizes and splits first, then warps and stages for the best three: {config: TB/s}."""
+    found: dict[SkinnyConfig, float] = {}
+    for config in sweep_configs(bits, rows):
+        if time.monotonic() > deadline:
+            break
+        try:
+            found[config] = nbytes / timed(lambda c, cfg=config: fn(c, cfg), copies) / 1e6
+        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
+    best = sorted(found, key=found.get, reverse=True)[:3]
+    for base, warps, stages in itertools.product(best, (2, 4, 8), (2, 3, 4, 5)):
+        config = base._replace(num_warps=warps, num_stages=stages)
+        if config in found or time.monotonic() > deadline:
+            continue
+        try:
+            found[config] = nbytes / timed(lambda c, cfg=config: fn(c, cfg), copies) / 1e6
+        except Exception as error:  # noqa: BLE001
+            print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
+    ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
+    return {"best": list(ranked[0][0]), "best_tb_per_s": ranked[0][1],
+            "top": [[list(c), round(v, 3)] for c, v in ranked[:8]]}  # fmt: skip
+
+
+def case(name: str, rows: int, do_sweep: bool, deadline: float) -> dict:
+    n, k = SHAPES[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    bf16_bytes = n * k * 2
+    copies = max(1, math.ceil(POOL_BYTES / bf16_bytes))
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows, "copies_bf16": copies}
+
+    us = timed(lambda c: F.linear(x, w[c]), copies)
+    result["bf16_cublas"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6}
+
+    # FP8, per-row weight scales; each copy its own random weight.
+    fp8_bytes = n * k + n * 4
+    fp8_copies = max(1, math.ceil(POOL_BYTES / fp8_bytes))
+    fp8 = [quantize_fp8_per_row(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen))
+           for _ in range(fp8_copies)]  # fmt: skip
+
+    def scaled_mm(c: int, x_q=None, x_scale=None) -> torch.Tensor:
+        w_q, w_scale = fp8[c]
+        if x_q is None:
+            x_q, x_scale = quantize_fp8_per_row(x)
+        return torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
+        )
+
+    x_q, x_scale = quantize_fp8_per_row(x)
+    us = timed(scaled_mm, fp8_copies)
+    result["fp8_quant_and_scaled_mm"] = {"us": us, "tb_per_s": fp8_bytes / us / 1e6}
+    us = timed(lambda c: scaled_mm(c, x_q, x_scale), fp8_copies)
+    result["fp8_scaled_mm_only"] = {"us": us, "tb_per_s": fp8_bytes / us / 1e6}
+    want = x.float() @ (fp8[0][0].float() * fp8[0][1]).t()
+    got = w8a16_skinny(x, *fp8[0])
+    us = timed(lambda c: w8a16_skinny(x, *fp8[c]), fp8_copies)
+    config = list(default_config(rows, n, k, 8, DEVICE))
+    result["w8a16_skinny"] = {"us": us, "tb_per_s": fp8_bytes / us / 1e6, "config": config,
+                              "rel_err": rel_err(got, want)}  # fmt: skip
+    if do_sweep:
+        result["w8a16_skinny_sweep"] = sweep(
+            lambda c, cfg: w8a16_skinny(x, *fp8[c], config=cfg), 8, rows, fp8_copies, fp8_bytes, deadline
+        )
+
+    # INT4, symmetric groups of 128 (the online int4 scheme's layout).
+    int4_bytes = n * k // 2 + n * (k // GROUP) * 2
+    int4_copies = max(1, math.ceil(POOL_BYTES / int4_bytes))
+    int4 = [
+        (torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=gen),
+         (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.01).to(torch.bfloat16))
+        for _ in range(int4_copies)
+    ]  # fmt: skip
+    want = reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
+    got = w4a16_gemm(x, int4[0][0], int4[0][1], None, GROUP)
+    us = timed(lambda c: w4a16_gemm(x, int4[c][0], int4[c][1], None, GROUP), int4_copies)
+    result["w4a16_tiled"] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "rel_err": rel_err(got, want)}
+    got = w4a16_skinny(x, int4[0][0], int4[0][1], None, GROUP)
+    us = timed(lambda c: w4a16_skinny(x, int4[c][0], int4[c][1], None, GROUP), int4_copies)
+    config = list(default_config(rows, n, k, 4, DEVICE))
+    result["w4a16_skinny"] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "config": config,
+                              "rel_err": rel_err(got, want)}  # fmt: skip
+    if do_sweep:
+        result["w4a16_skinny_sweep"] = sweep(
+            lambda c, cfg: w4a16_skinny(x, int4[c][0], int4[c][1], None, GROUP, config=cfg),
+            4, rows, int4_copies, int4_bytes, deadline,
+        )  # fmt: skip
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-rows", default="1", help="row counts that get the tile sweep")
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this long")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device"}))
+        return 1
+    deadline = time.monotonic() + args.budget_s
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name in SHAPES:
+            try:
+                sweep_rows = args.sweep and str(rows) in args.sweep_rows.split(",")
+                report["cases"].append(case(name, rows, sweep_rows, deadline))
+            except Exception as error:  # noqa: BLE001 - one broken case must not end the run
+                report["cases"].append(
+                    {"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"}
+                )
+            print(json.dumps(report["cases"][-1]), file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

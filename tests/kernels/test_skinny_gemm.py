@@ -1,0 +1,85 @@
+"""The skinny (decode-sized) Triton GEMMs against dequantize-then-matmul: one row and several, K not a
+multiple of the tile or of eight, zero points, split K, N not a multiple of the tile, bias, leading dims
+(through the interpreter on a CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels.reference import FP8_DTYPE, dequantize_int4, pack_int4  # noqa: E402
+from tokenmill.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, w4a16_skinny, w8a16_skinny  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def int4_weight(n: int, k: int, group: int, zeros: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    groups = -(-k // group)
+    scale = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).to(torch.bfloat16)
+    zero = torch.randint(-3, 4, (n, groups), generator=gen, dtype=torch.int8) if zeros else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return to(pack_int4(q)), to(scale), to(zero)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "config"),
+    [
+        (1, 64, 128, 32, False, SkinnyConfig(16, 64, 1, 4, 2)),
+        (1, 72, 200, 64, True, SkinnyConfig(16, 128, 2, 4, 2)),  # K not a multiple of the tile or of 8
+        (1, 130, 1024, 128, True, SkinnyConfig(32, 256, 3, 4, 2)),  # uneven split of K
+        (3, 40, 96, 32, True, SkinnyConfig(32, 64, 1, 4, 2)),
+        (MAX_ROWS, 96, 384, 128, False, SkinnyConfig(16, 128, 2, 4, 2)),
+        (5, 50, 256, 16, True, None),  # the default tiles
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_matches_dequantize_then_matmul(m, n, k, group, zeros, config, dtype) -> None:
+    packed, scale, zero = int4_weight(n, k, group, zeros, seed=m * n + k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    got = w4a16_skinny(x, packed, scale, zero, group, bias, config=config)
+    weight = dequantize_int4(packed, scale, zero, group, k, torch.float64)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert_close(got, x.double() @ weight.t() + bias.double(), dtype)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (1, 64, 128, SkinnyConfig(16, 64, 1, 4, 2)),
+        (1, 72, 200, SkinnyConfig(16, 64, 2, 4, 2)),  # K not a multiple of the tile, split K
+        (2, 130, 96, SkinnyConfig(32, 32, 1, 4, 2)),
+        (MAX_ROWS, 48, 320, SkinnyConfig(16, 64, 3, 4, 2)),
+        (7, 33, 64, None),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_matches_dequantize_then_matmul(m, n, k, config, dtype) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    w_scale = torch.rand(n, 1, generator=gen) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    got = w8a16_skinny(x, w_q.to(DEVICE), w_scale.to(DEVICE), config=config)
+    want = x.double() @ (w_q.double() * w_scale.double()).t().to(DEVICE)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert_close(got, want, dtype)
+
+
+def test_leading_dims_empty_batch_and_limits() -> None:
+    packed, scale, _ = int4_weight(64, 64, 32, False, seed=1)
+    x = torch.randn(2, 3, 64).to(DEVICE)
+    got = w4a16_skinny(x, packed, scale, None, 32)
+    torch.testing.assert_close(got.reshape(6, 64), w4a16_skinny(x.reshape(6, 64), packed, scale, None, 32))
+    assert w4a16_skinny(x[:0, 0], packed, scale, None, 32).shape == (0, 64)
+    with pytest.raises(ValueError, match="at most"):
+        w4a16_skinny(torch.randn(MAX_ROWS + 1, 64).to(DEVICE), packed, scale, None, 32)

@@ -1,0 +1,264 @@
+"""Triton GEMMs for a few rows of activations against a quantized weight: decode's shape, where the
+step reads every weight once and the matmul is a matrix-vector product in all but name.
+
+- w4a16_skinny: 4-bit weights in the pack-quantized layout of kernels/int4_gemm.py (int32 [N, K/8],
+  each value stored as q + 8, group scales [N, K/group], optional int8 zero points).
+- w8a16_skinny: e4m3 weights [N, K] with one fp32 scale per output row (online FP8 and per-channel or
+  per-tensor checkpoints); activations stay in their own dtype: no quantization launch, no cuBLAS
+  FP8 GEMM tuned for large tiles.
+
+Both read the weight in wide rows (coalesced) and dequantize in registers. With one row of
+activations (batch-1 decode) the products are summed elementwise in a [BLOCK_N, BLOCK_K] fp32 tile
+and reduced once at the end, with no tensor-core tile to pad; with 2-16 rows through tl.dot. A 4-bit
+value becomes a float by the exponent trick (0x4B000000 | q is 2^23 + q as fp32), not an int-to-float
+conversion, which runs at a quarter of the FMA rate. SPLIT_K > 1 sums partial products in an fp32
+buffer with atomic adds, for matrices with too few rows to fill the GPU.
+
+The references are kernels/reference.py's w4a16_gemm and w8a16_gemm, of the same signatures.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
+from tokenmill.kernels.attention import sm_count
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int  # values along K per iteration (4-bit: eight to a word)
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _w4a16_skinny_kernel(
+    x,
+    w_packed,
+    scale,
+    zero,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    words = tl.cdiv(K, 8)
+    span = tl.cdiv(tl.cdiv(words, SPLIT_K), BLOCK_W) * BLOCK_W
+    lo = pid_k * span
+    hi = tl.minimum(lo + span, words)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for w0 in range(lo, hi, BLOCK_W):
+        rw = w0 + tl.arange(0, BLOCK_W)
+        w_ok = rw < hi
+        nw_ok = n_ok[:, None] & w_ok[None, :]
+        packed = tl.load(w_packed + rn[:, None] * stride_wn + rw[None, :], mask=nw_ok, other=0)
+        group = (rw * 8) // GROUP
+        s = tl.load(scale + rn[:, None] * stride_sn + group[None, :], mask=nw_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(zero + rn[:, None] * stride_zn + group[None, :], mask=nw_ok, other=0).to(tl.float32)
+            z = z + 8.0
+        else:
+            z = 8.0
+        if BLOCK_M == 1:
+            part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+            for i in tl.static_range(8):
+                k = rw * 8 + i
+                xi = tl.load(x + k, mask=w_ok & (k < K), other=0.0).to(tl.float32)
+                q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                part += q * xi[None, :]
+                x_sum += xi
+            # sum_i (q_i - z) x_i s = s (sum_i q_i x_i - z sum_i x_i): the zero leaves the inner loop.
+            acc += s * (part - z * x_sum[None, :])
+        else:
+            for i in tl.static_range(8):
+                k = rw * 8 + i
+                xi = tl.load(
+                    x + rm[:, None] * stride_xm + k[None, :],
+                    mask=m_ok[:, None] & (w_ok & (k < K))[None, :],
+                    other=0.0,
+                )
+                q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                w = ((q - z) * s).to(xi.dtype)
+                acc = tl.dot(xi, tl.trans(w), acc)
+    if BLOCK_M == 1:
+        result = tl.sum(acc, axis=1)[None, :]
+    else:
+        result = acc
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o_offsets = rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(out + o_offsets, result, mask=o_mask)
+
+
+@triton.jit
+def _w8a16_skinny_kernel(
+    x,
+    w,
+    w_scale,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    lo = pid_k * span
+    hi = tl.minimum(lo + span, K)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < hi
+        wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_M == 1:
+            xk = tl.load(x + rk, mask=k_ok, other=0.0).to(tl.float32)
+            acc += wt.to(tl.float32) * xk[None, :]
+        else:
+            xk = tl.load(
+                x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc)
+    s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
+    if BLOCK_M == 1:
+        result = (tl.sum(acc, axis=1) * s)[None, :]
+    else:
+        result = acc * s[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o_offsets = rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(out + o_offsets, result, mask=o_mask)
+
+
+def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
+    """Tiles for m rows of a [n, k] weight: wide rows along K, and K split until the grid has about two
+    programs per SM."""
+    block_n = 16 if m == 1 else 32
+    block_k = 512 if bits == 4 else 256
+    split = 1
+    sms = sm_count(device)
+    tiles = triton.cdiv(n, block_n)
+    while tiles * split < 2 * sms and split < 8 and k // (block_k * split * 2) >= 2:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=3)
+
+
+def _launch(
+    m: int, n: int, x: torch.Tensor, config: SkinnyConfig, kernel, args: tuple, sizes: tuple, **constexprs
+):
+    """Runs `kernel` (args, out, sizes and strides, out's row stride) over the [n] outputs of m rows in
+    config's tiles; the output in x's dtype."""
+    if config.split_k > 1:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(n, config.block_n), config.split_k)
+        kernel[grid](
+            *args, out, *sizes, out.stride(0),
+            BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
+            num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+        )  # fmt: skip
+    return out.to(x.dtype)
+
+
+def w4a16_skinny(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype; group_size a multiple of 8."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = w_packed.shape[0]
+    if m > MAX_ROWS or group_size % 8:
+        raise ValueError(f"w4a16_skinny takes at most {MAX_ROWS} rows and groups of a multiple of 8")
+    config = config or default_config(m, n, k, 4, x.device)
+    args = (x2, w_packed, scale, zero if zero is not None else scale)
+    strides = (x2.stride(0), w_packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0)
+    out = _launch(
+        m, n, x2, config, _w4a16_skinny_kernel, args, sizes=(m, n, k, *strides),
+        GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_W=config.block_k // 8,
+    )  # fmt: skip
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
+
+
+def w8a16_skinny(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows) @ (w_q * w_scale)^T -> [..., N] in x's dtype: w_q e4m3 [N, K],
+    w_scale fp32 with one value per row ([N] or [N, 1])."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = w_q.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"w8a16_skinny takes at most {MAX_ROWS} rows")
+    config = config or default_config(m, n, k, 8, x.device)
+    scale = w_scale.reshape(-1).float()
+    out = _launch(
+        m, n, x2, config, _w8a16_skinny_kernel, (x2, w_q, scale),
+        sizes=(m, n, k, x2.stride(0), w_q.stride(0)), BLOCK_K=config.block_k,
+    )  # fmt: skip
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
