@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm server
 #         server-scale server-burst mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -29,6 +29,8 @@ for stage in $stages; do
            timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
+    quant-gemm) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --sweep --budget-s 200 --out "$out/quant_gemm.json" \
+                  2>&1 | tail -5 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
     decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
     decode-fp8) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization fp8 \
