@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.reference import FP8_DTYPE, dequantize_int4, pack_int4  # noqa: E402
+from tokenmill.kernels.reference import FP8_DTYPE, dequantize_int4, pack_int4, w8a16_gemm  # noqa: E402
 from tokenmill.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, w4a16_skinny, w8a16_skinny  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,7 +36,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
         (1, 64, 128, 32, False, SkinnyConfig(16, 64, 1, 4, 2)),
         (1, 72, 200, 64, True, SkinnyConfig(16, 128, 2, 4, 2)),  # K not a multiple of the tile or of 8
         (1, 130, 1024, 128, True, SkinnyConfig(32, 256, 3, 4, 2)),  # uneven split of K
-        (3, 40, 96, 32, True, SkinnyConfig(32, 64, 1, 4, 2)),
+        (3, 40, 96, 32, True, SkinnyConfig(32, 128, 1, 4, 2)),
         (MAX_ROWS, 96, 384, 128, False, SkinnyConfig(16, 128, 2, 4, 2)),
         (5, 50, 256, 16, True, None),  # the default tiles
     ],
@@ -73,6 +73,8 @@ def test_w8a16_matches_dequantize_then_matmul(m, n, k, config, dtype) -> None:
     want = x.double() @ (w_q.double() * w_scale.double()).t().to(DEVICE)
     assert got.dtype == dtype and got.shape == (m, n)
     assert_close(got, want, dtype)
+    reference = w8a16_gemm(x.double(), w_q.to(DEVICE), w_scale.to(DEVICE))
+    assert_close(reference, want, torch.float32)
 
 
 def test_leading_dims_empty_batch_and_limits() -> None:

@@ -289,6 +289,19 @@ def w4a16_gemm(
     return F.linear(x, weight, bias)
 
 
+def w8a16_gemm(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: object = None,
+) -> torch.Tensor:
+    """x [..., K] @ (w_q * w_scale)^T (+ bias) with the FP8 weight w_q [N, K] dequantized (one fp32 scale
+    per row) into x's dtype: kernels/skinny_gemm.py's w8a16_skinny; config is its launch hint, unused."""
+    weight = (w_q.to(torch.float32) * w_scale.reshape(-1, 1).float()).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
 # ---- FP8 activations ---------------------------------------------------------------------------------
 
 

@@ -7,14 +7,17 @@ step reads every weight once and the matmul is a matrix-vector product in all bu
   per-tensor checkpoints); activations stay in their own dtype: no quantization launch, no cuBLAS
   FP8 GEMM tuned for large tiles.
 
-Both read the weight in wide rows (coalesced) and dequantize in registers. With one row of
-activations (batch-1 decode) the products are summed elementwise in a [BLOCK_N, BLOCK_K] fp32 tile
-and reduced once at the end, with no tensor-core tile to pad; with 2-16 rows through tl.dot. A 4-bit
-value becomes a float by the exponent trick (0x4B000000 | q is 2^23 + q as fp32), not an int-to-float
-conversion, which runs at a quarter of the FMA rate. SPLIT_K > 1 sums partial products in an fp32
-buffer with atomic adds, for matrices with too few rows to fill the GPU.
+Both read the weight in wide rows (coalesced) and dequantize in registers. With one row of activations
+(batch-1 decode) the products are summed elementwise in a [BLOCK_N, BLOCK_K] fp32 tile and reduced once
+at the end, with no tensor-core tile to pad; with 2-16 rows through tl.dot. A 4-bit value becomes a
+float by the exponent trick (0x4B000000 | q is 2^23 + q as fp32), not an int-to-float conversion, which
+runs at a quarter of the FMA rate; at one row the value is not even shifted down (see the kernel).
+Measured on an H200 (benchmarks/gpu/bench_quant_gemm.py): the 4-bit kernel is bound by these integer and
+float instructions, not by memory, so every one out of the inner loop counts. SPLIT_K > 1 sums partial
+products in an fp32 buffer with atomic adds, for matrices with too few rows to fill the GPU.
 
-The references are kernels/reference.py's w4a16_gemm and w8a16_gemm, of the same signatures.
+The references are kernels/reference.py's w4a16_gemm and w8a16_gemm (the launch hint aside, the same
+signatures).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _w4a16_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -86,14 +90,24 @@ def _w4a16_skinny_kernel(
         else:
             z = 8.0
         if BLOCK_M == 1:
+            # Nibble i is read where it lies, not shifted down: (word & 0xF << sh) | 0x4B000000 is the
+            # fp32 2^23 + q * 2^sh, so one LOP3 and one FADD make q * 2^sh, and x_i * 2^-sh (once per x
+            # element, not per weight) undoes the power. sh stays below 20 (the mantissa): nibbles 5-7
+            # come from the word shifted right by 12.
+            high = packed >> 12
             part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
             for i in tl.static_range(8):
                 k = rw * 8 + i
                 xi = tl.load(x + k, mask=w_ok & (k < K), other=0.0).to(tl.float32)
-                q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                part += q * xi[None, :]
                 x_sum += xi
+                if i < 5:
+                    bits = (packed & (0xF << (4 * i))) | 0x4B000000
+                    xi = xi * (1.0 / (1 << (4 * i)))
+                else:
+                    bits = (high & (0xF << (4 * i - 12))) | 0x4B000000
+                    xi = xi * (1.0 / (1 << (4 * i - 12)))
+                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xi[None, :]
             # sum_i (q_i - z) x_i s = s (sum_i q_i x_i - z sum_i x_i): the zero leaves the inner loop.
             acc += s * (part - z * x_sum[None, :])
         else:
@@ -106,7 +120,7 @@ def _w4a16_skinny_kernel(
                 )
                 q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                 w = ((q - z) * s).to(xi.dtype)
-                acc = tl.dot(xi, tl.trans(w), acc)
+                acc = tl.dot(xi, tl.trans(w), acc, input_precision=PRECISION)
     if BLOCK_M == 1:
         result = tl.sum(acc, axis=1)[None, :]
     else:
@@ -135,6 +149,7 @@ def _w8a16_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,7 +175,7 @@ def _w8a16_skinny_kernel(
             xk = tl.load(
                 x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
             )
-            acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc)
+            acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
     s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
     if BLOCK_M == 1:
         result = (tl.sum(acc, axis=1) * s)[None, :]
@@ -175,16 +190,26 @@ def _w8a16_skinny_kernel(
 
 
 def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
-    """Tiles for m rows of a [n, k] weight: wide rows along K, and K split until the grid has about two
-    programs per SM."""
-    block_n = 16 if m == 1 else 32
-    block_k = 512 if bits == 4 else 256
+    """Tiles for m rows of a [n, k] weight, from the H200 sweep of benchmarks/gpu/bench_quant_gemm.py
+    (Llama-3.1-8B's linears at one row): many small programs, each reading wide rows along K; K split
+    only for long rows over few outputs (down_proj), where the grid would otherwise be too small."""
+    if bits == 4:
+        if m == 1:
+            return SkinnyConfig(8, 1024, 1, num_warps=2, num_stages=4)
+        config = SkinnyConfig(32, 512, 1, num_warps=4, num_stages=3)
+    elif m == 1:
+        if k >= 8192:
+            return SkinnyConfig(32, 256, 4, num_warps=4, num_stages=3)
+        if n >= 16384:
+            return SkinnyConfig(16, 256, 1, num_warps=4, num_stages=3)
+        return SkinnyConfig(16, 512, 1, num_warps=8, num_stages=3)
+    else:
+        config = SkinnyConfig(32, 256, 1, num_warps=4, num_stages=3)
     split = 1
-    sms = sm_count(device)
-    tiles = triton.cdiv(n, block_n)
-    while tiles * split < 2 * sms and split < 8 and k // (block_k * split * 2) >= 2:
+    tiles = triton.cdiv(n, config.block_n)
+    while tiles * split < 2 * sm_count(device) and split < 8 and k // (config.block_k * split * 2) >= 2:
         split *= 2
-    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=3)
+    return config._replace(split_k=split)
 
 
 def _launch(
@@ -201,6 +226,7 @@ def _launch(
         kernel[grid](
             *args, out, *sizes, out.stride(0),
             BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
         )  # fmt: skip
     return out.to(x.dtype)
@@ -225,6 +251,8 @@ def w4a16_skinny(
     if m > MAX_ROWS or group_size % 8:
         raise ValueError(f"w4a16_skinny takes at most {MAX_ROWS} rows and groups of a multiple of 8")
     config = config or default_config(m, n, k, 4, x.device)
+    if m > 1 and config.block_k < 128:
+        raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     args = (x2, w_packed, scale, zero if zero is not None else scale)
     strides = (x2.stride(0), w_packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0)
     out = _launch(
@@ -254,6 +282,8 @@ def w8a16_skinny(
     if m > MAX_ROWS:
         raise ValueError(f"w8a16_skinny takes at most {MAX_ROWS} rows")
     config = config or default_config(m, n, k, 8, x.device)
+    if m > 1 and config.block_k < 16:
+        raise ValueError("w8a16_skinny: more than one row takes block_k >= 16 (tl.dot's least K)")
     scale = w_scale.reshape(-1).float()
     out = _launch(
         m, n, x2, config, _w8a16_skinny_kernel, (x2, w_q, scale),
