@@ -85,7 +85,7 @@ def sweep(fn, bits: int, rows: int, copies: int, nbytes: int, deadline: float) -
             "top": [[list(c), round(v, 3)] for c, v in ranked[:8]]}  # fmt: skip
 
 
-def case(name: str, rows: int, do_sweep: bool, deadline: float) -> dict:
+def case(name: str, rows: int, do_sweep: tuple[str, ...], deadline: float) -> dict:
     n, k = SHAPES[name]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     bf16_bytes = n * k * 2
@@ -122,7 +122,7 @@ def case(name: str, rows: int, do_sweep: bool, deadline: float) -> dict:
     config = list(default_config(rows, n, k, 8, DEVICE))
     result["w8a16_skinny"] = {"us": us, "tb_per_s": fp8_bytes / us / 1e6, "config": config,
                               "rel_err": rel_err(got, want)}  # fmt: skip
-    if do_sweep:
+    if "w8" in do_sweep:
         result["w8a16_skinny_sweep"] = sweep(
             lambda c, cfg: w8a16_skinny(x, *fp8[c], config=cfg), 8, rows, fp8_copies, fp8_bytes, deadline
         )
@@ -144,7 +144,7 @@ def case(name: str, rows: int, do_sweep: bool, deadline: float) -> dict:
     config = list(default_config(rows, n, k, 4, DEVICE))
     result["w4a16_skinny"] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "config": config,
                               "rel_err": rel_err(got, want)}  # fmt: skip
-    if do_sweep:
+    if "w4" in do_sweep:
         result["w4a16_skinny_sweep"] = sweep(
             lambda c, cfg: w4a16_skinny(x, int4[c][0], int4[c][1], None, GROUP, config=cfg),
             4, rows, int4_copies, int4_bytes, deadline,
@@ -157,6 +157,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-rows", default="1", help="row counts that get the tile sweep")
+    parser.add_argument("--sweep-kernels", default="w8,w4", help="which skinny kernels the sweep times")
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this long")
     args = parser.parse_args()
@@ -168,8 +169,9 @@ def main() -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         for name in SHAPES:
             try:
-                sweep_rows = args.sweep and str(rows) in args.sweep_rows.split(",")
-                report["cases"].append(case(name, rows, sweep_rows, deadline))
+                swept = args.sweep and str(rows) in args.sweep_rows.split(",")
+                kernels = tuple(args.sweep_kernels.split(",")) if swept else ()
+                report["cases"].append(case(name, rows, kernels, deadline))
             except Exception as error:  # noqa: BLE001 - one broken case must not end the run
                 report["cases"].append(
                     {"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"}
