@@ -283,9 +283,13 @@ def default_num_kv_splits(
     return 1 << (splits.bit_length() - 1)
 
 
-def decode_config(group: int, element_size: int) -> TileConfig:
-    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile."""
+def decode_config(group: int, element_size: int, cache_element_size: int | None = None) -> TileConfig:
+    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache
+    (one byte a value) reads 128 keys a tile, so a tile still brings as many bytes as 64 bf16 keys:
+    with 64, a decode at 32k context ran slower on FP8 KV than on bf16 (H200, half the bytes in flight)."""
     block_n = 64 if element_size <= 2 else 32
+    if cache_element_size == 1 and element_size <= 2:
+        block_n = 128
     return TileConfig(
         block_m=max(16, triton.next_power_of_2(group)), block_n=block_n, num_warps=4, num_stages=3
     )
@@ -347,7 +351,7 @@ def paged_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     decode = max_query_len == 1
     if decode:
-        config = decode_config(group, query.element_size())
+        config = decode_config(group, query.element_size(), k_cache.element_size())
         block_q = 1
         if num_kv_splits is None:
             num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
@@ -374,7 +378,7 @@ def paged_attention(
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
 
-    small = config if decode else decode_config(group, query.element_size())
+    small = config if decode else decode_config(group, query.element_size(), k_cache.element_size())
     split_mixed = not decode and num_decodes > 0 and config.block_m > small.block_m
     if split_mixed:
         # The decodes first, one program per request and KV head, no KV splits (the prompt chunks'
