@@ -1,7 +1,7 @@
-"""Quantized checkpoints of the embedded SmolLM2-135M, made with the compressed-tensors library, for the
-quality benchmark and its test: the GGUF model dequantized to fp32, its linear layers quantized with
-round-to-nearest (no calibration data), compressed and saved as llm-compressor would save them.
-Needs the `compressed-tensors` package (a test dependency)."""
+"""Quantized checkpoints of the embedded SmolLM2-135M (the GGUF model dequantized to fp32) for the
+quality benchmark and its tests: `int4_smollm2`, round-to-nearest with the compressed-tensors library
+(a test dependency), saved as llm-compressor would save it; `gptq_smollm2`, a GPTQ-format checkpoint
+calibrated on token ids (AWQ input scaling, then GPTQ with act-order over clipped static groups)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,10 @@ import copy
 import os
 
 
-def int4_smollm2(path: str, group_size: int = 64, symmetric: bool = False) -> str:
-    """Save a W4A16 `pack-quantized` SmolLM2 at `path` (the LM head stays unquantized); returns path."""
+def _smollm2_fp32():
+    """The embedded GGUF SmolLM2 dequantized to an fp32 transformers model that can be saved."""
     import torch
     import transformers
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     from tokenmill.loader.default_model import default_model_path
 
@@ -32,6 +23,22 @@ def int4_smollm2(path: str, group_size: int = 64, symmetric: bool = False) -> st
         delattr(config, "quantization_config")
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.load_state_dict(gguf.state_dict())
+    return model
+
+
+def int4_smollm2(path: str, group_size: int = 64, symmetric: bool = False) -> str:
+    """Save a W4A16 `pack-quantized` SmolLM2 at `path` (the LM head stays unquantized); returns path."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = _smollm2_fp32()
     weights = QuantizationArgs(
         num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=symmetric, dynamic=False
     )
@@ -81,11 +88,41 @@ def pack_columns(values, order=tuple(range(8))):
     return to_int32(sum(v[:, :, order[j]] << (4 * j) for j in range(8)))
 
 
-def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01):
+# Shrink ratios of a group's range tried by the clipping search: a narrower range rounds the bulk of the
+# group more finely at the cost of clipping its extremes.
+CLIP_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def group_range(block, importance, shrinks=CLIP_SHRINKS):
+    """Asymmetric 4-bit (scale, zero) [N] of a group of weights [N, G]: of the range [min, max] (widened
+    to hold 0, which integer zero points always represent) shrunk by each ratio, the one whose
+    round-to-nearest error, each column weighted by importance [G] (the diagonal of X^T X: how strongly
+    its input drives the output), is least. Zero points stay in 1..15: GPTQ stores zero - 1 in 4 bits."""
+    import torch
+
+    lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
+    best = None
+    for ratio in shrinks:
+        scale = ((hi - lo) * ratio / 15).clamp(min=1e-8).half().double()  # as the checkpoint stores it
+        zero = torch.round(-lo * ratio / scale).clamp(1, 15)
+        q = torch.round(block / scale[:, None] + zero[:, None]).clamp(0, 15)
+        error = (((q - zero[:, None]) * scale[:, None] - block) ** 2 * importance).sum(1)
+        if best is None:
+            best = (error, scale, zero)
+        else:
+            better = error < best[0]
+            best = tuple(torch.where(better, new, old) for new, old in zip((error, scale, zero), best))
+    return best[1], best[2]
+
+
+def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_size: int = 128):
     """GPTQ (Frantar et al., 2022) of one linear weight [N, K] with asymmetric 4-bit groups along K:
-    columns are quantized in order, each one's rounding error spread over the columns not yet
-    quantized through the inverse Hessian of the layer's inputs (H = X^T X). Returns (q [N, K] in
-    0..15, scale [G, N], zero [G, N]) with w ~= (q - zero) * scale."""
+    columns are quantized one at a time, each one's rounding error spread over the columns not yet
+    quantized through the inverse Hessian of the layer's inputs (H = X^T X). Columns go in order of
+    descending H diagonal (act-order: the most influential first, while the most columns remain to
+    absorb their error) with each group's range fixed beforehand from the original weights by a
+    clipping search ("static groups"), so the checkpoint keeps desc_act false and a plain g_idx.
+    Returns (q [N, K] in 0..15, scale [G, N], zero [G, N]) with w ~= (q - zero) * scale."""
     import torch
 
     w = weight.double().clone()
@@ -94,56 +131,110 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01):
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
+    importance = torch.diag(h).clone()
+    groups = torch.arange(k) // group_size
+    ranges = [group_range(w[:, groups == g], importance[groups == g]) for g in range(int(groups[-1]) + 1)]
+    scale = torch.stack([r[0] for r in ranges])
+    zero = torch.stack([r[1] for r in ranges])
+    order = torch.argsort(importance, descending=True)
+    w, h = w[:, order], h[order][:, order]
+    column_scale, column_zero = scale[groups[order]].t(), zero[groups[order]].t()  # [N, K], in order
     h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros(n, k, dtype=torch.int64)
-    groups = -(-k // group_size)
-    scale = torch.zeros(groups, n, dtype=torch.float64)
-    zero = torch.zeros(groups, n, dtype=torch.float64)
-    for col in range(k):
-        g = col // group_size
-        if col % group_size == 0:  # the group's range, from the weights as GPTQ has updated them
-            block = w[:, col : col + group_size]
-            lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
-            scale[g] = ((hi - lo) / 15).clamp(min=1e-8).half().double()
-            zero[g] = torch.round(-lo / scale[g]).clamp(0, 15)
-        column = w[:, col]
-        q[:, col] = torch.round(column / scale[g] + zero[g]).clamp(0, 15).long()
-        error = (column - (q[:, col] - zero[g]) * scale[g]) / h_inv[col, col]
-        w[:, col:] -= error[:, None] * h_inv[col, col:][None, :]
-    return q, scale, zero
+    for start in range(0, k, block_size):  # lazy batches: the rest of W is updated once per block
+        end = min(start + block_size, k)
+        block, h_block = w[:, start:end].clone(), h_inv[start:end, start:end]
+        errors = torch.zeros_like(block)
+        for i in range(end - start):
+            s, z = column_scale[:, start + i], column_zero[:, start + i]
+            q[:, start + i] = torch.round(block[:, i] / s + z).clamp(0, 15).long()
+            errors[:, i] = (block[:, i] - (q[:, start + i] - z) * s) / h_block[i, i]
+            block[:, i:] -= errors[:, i, None] * h_block[i, i:][None, :]
+        w[:, end:] -= errors @ h_inv[start:end, end:]
+    unordered = torch.empty_like(q)
+    unordered[:, order] = q
+    return unordered, scale, zero
+
+
+def awq_scales(weights, hessian, mean_abs, grid: int = 20):
+    """AWQ (Lin et al., 2023): per-input-channel scales s = mean|x|^alpha (normalised to geometric mean
+    1) for linears sharing one input, with alpha in [0, 1) chosen on the calibration data to minimise
+    the output error sum((dW H) * dW) of group-128 round-to-nearest applied to W * s (then / s).
+    Quantizing W * s on inputs x / s lets the channels with large activations keep more precision."""
+    import torch
+
+    w, h = torch.cat(weights).float(), hessian.float()
+    best = None
+    for step in range(grid):
+        s = mean_abs.float().clamp(min=1e-4) ** (step / grid)
+        s = s / (s.max() * s.min()).sqrt()
+        error = _round_to_nearest(w * s) / s - w
+        loss = ((error @ h) * error).sum().item()
+        if best is None or loss < best[0]:
+            best = (loss, s.double())
+    return best[1]
+
+
+def _round_to_nearest(w, group_size: int = 128):
+    """Asymmetric 4-bit round-to-nearest of w [N, K] in groups along K (the range holding 0)."""
+    import torch
+
+    blocks = []
+    for block in w.split(group_size, dim=1):
+        lo, hi = block.amin(1, keepdim=True).clamp(max=0), block.amax(1, keepdim=True).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        zero = torch.round(-lo / scale).clamp(1, 15)
+        blocks.append((torch.round(block / scale + zero).clamp(0, 15) - zero) * scale)
+    return torch.cat(blocks, dim=1)
+
+
+def _fold_awq_scales(layer, hessians: dict, mean_abs: dict, prefix: str) -> None:
+    """Scale the inputs of q/k/v, gate/up and down by AWQ's factors: the weights' columns by s, the
+    operation producing the input (the RMSNorm weight, or up_proj's rows for down_proj) by 1/s, and
+    the Hessians to match, so the layer computes the same function. o_proj is left alone: its input
+    channels come from value heads shared by several query heads."""
+    for names, source in (
+        (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), layer.input_layernorm.weight),
+        (("mlp.gate_proj", "mlp.up_proj"), layer.post_attention_layernorm.weight),
+        (("mlp.down_proj",), layer.mlp.up_proj.weight),
+    ):
+        linears = [layer.get_submodule(n) for n in names]
+        keys = [f"{prefix}.{n}" for n in names]
+        s = awq_scales([m.weight.data for m in linears], hessians[keys[0]], mean_abs[keys[0]])
+        for m, key in zip(linears, keys):
+            m.weight.data = (m.weight.data.double() * s).float()
+            hessians[key] /= s[:, None] * s[None, :]
+        source.data = (source.data.double() / (s if source.dim() == 1 else s[:, None])).float()
 
 
 def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128) -> str:
     """Save a GPTQ-format (checkpoint_format gptq, desc_act false) 4-bit SmolLM2 at `path`, calibrated
-    on `calibration` (token ids): layer by layer, each linear's Hessian from the inputs it sees with the
-    layers before it already quantized. The LM head stays unquantized."""
+    on `calibration` (token ids, one sequence each). Layer by layer, each linear's Hessian comes from the
+    inputs it sees with the layers before it already quantized: the calibration's hidden states are
+    kept between layers, so each layer runs once over them. The LM head stays unquantized."""
     import json
 
     import torch
-    import transformers
     from safetensors.torch import save_file
 
-    from tokenmill.loader.default_model import default_model_path
-
-    folder, name = os.path.split(default_model_path())
-    gguf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = copy.deepcopy(gguf.config)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.load_state_dict(gguf.state_dict())
+    model = _smollm2_fp32()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     tensors = {}
-    for index in range(len(model.model.layers)):
+    with torch.no_grad():
+        hidden = [model.model.embed_tokens(torch.tensor([ids])) for ids in calibration]
+        rotary = [model.model.rotary_emb(x, torch.arange(x.shape[1])[None]) for x in hidden]
+    for index, layer in enumerate(model.model.layers):
         own = {n: m for n, m in linears.items() if n.startswith(f"model.layers.{index}.")}
         hessians = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in own.items()}
-        hooks = [m.register_forward_pre_hook(_accumulate_into(hessians, n)) for n, m in own.items()]
+        mean_abs = {n: torch.zeros(m.in_features, dtype=torch.float64) for n, m in own.items()}
+        hooks = [m.register_forward_pre_hook(_accumulate_into(hessians, mean_abs, n)) for n, m in own.items()]
         with torch.no_grad():
-            for ids in calibration:  # the layers before this one are quantized already
-                model(torch.tensor([ids]))
+            for x, position_embeddings in zip(hidden, rotary):
+                layer(x, attention_mask=None, position_embeddings=position_embeddings)
         for hook in hooks:
             hook.remove()
+        _fold_awq_scales(layer, hessians, mean_abs, f"model.layers.{index}")
         for n, m in own.items():
             q, scale, zero = gptq_quantize(m.weight.data, hessians[n], group_size)
             k = m.in_features
@@ -153,6 +244,8 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
             tensors[f"{n}.qzeros"] = pack_columns((zero - 1).long())  # GPTQ stores zero - 1
             tensors[f"{n}.scales"] = scale.half().contiguous()
             tensors[f"{n}.g_idx"] = groups.to(torch.int32)
+        with torch.no_grad():  # the next layer's inputs, through this layer quantized
+            hidden = [layer(x, attention_mask=None, position_embeddings=p) for x, p in zip(hidden, rotary)]
     for n, param in model.named_parameters():
         if n.rsplit(".", 1)[0] not in linears:
             tensors[n] = param.data.contiguous()
@@ -171,11 +264,13 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
     return path
 
 
-def _accumulate_into(hessians: dict, name: str):
-    """A forward pre-hook adding X^T X of the layer's input to hessians[name]."""
+def _accumulate_into(hessians: dict, abs_sums: dict, name: str):
+    """A forward pre-hook adding X^T X of the layer's input to hessians[name] and |X| summed over the
+    tokens to abs_sums[name] (AWQ needs only each channel's relative size, so a sum serves as a mean)."""
 
     def hook(module, args):
         x = args[0].reshape(-1, args[0].shape[-1]).double()
         hessians[name] += x.t() @ x
+        abs_sums[name] += x.abs().sum(0)
 
     return hook
