@@ -24,33 +24,6 @@ from tokenmill.bench.perplexity import perplexity
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
 
 
-CALIBRATION_TOPICS = (
-    "the history of bridges", "how bees make honey", "a walk in autumn", "the first computers",
-    "cooking rice", "sailing ships", "the water cycle", "learning a language", "a village baker",
-    "the moon landing", "growing tomatoes", "an old lighthouse", "trains in the nineteenth century",
-    "how clocks work", "a winter storm", "the life of a river", "medieval castles", "a small bookshop",
-    "volcanoes", "the printing press", "a family farm", "mountain climbing", "the ocean floor",
-    "a market town", "birds that migrate", "the invention of paper", "a carpenter's workshop",
-    "rain forests", "a fishing village", "the roman roads", "a letter from a soldier", "windmills",
-)  # fmt: skip
-CALIBRATION_STYLES = ("Write a few paragraphs about {}.", "Tell a short story about {}.")
-
-
-def calibration_ids(num_sequences: int = 64, max_tokens: int = 256) -> list[list[int]]:
-    """GPTQ's calibration set: text the embedded model writes itself (never the scored text), one chat
-    per topic and style, sampled at temperature 0.9: 64 sequences of ~290 tokens (~18,000 tokens, more
-    than ten times the widest layer input, 1,536) as token ids with their chat prompts."""
-    from tokenmill import SamplingParams
-
-    prompts = [style.format(topic) for style in CALIBRATION_STYLES for topic in CALIBRATION_TOPICS]
-    chats = [[{"role": "user", "content": prompt}] for prompt in prompts[:num_sequences]]
-    blocks = num_sequences * (max_tokens + 64) // 16 + 64  # the prompts are ~40 tokens; blocks of 16
-    llm = LLM("default", max_model_len=4096, num_kv_blocks=blocks, dtype="float32")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=0)
-    outputs = llm.chat(chats, params, use_tqdm=False)
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -73,11 +46,11 @@ def main() -> None:
                     checkpoints[scheme] = int4_smollm2(tempfile.mkdtemp(prefix="smollm2-w4a16-"))
                 llm = LLM(checkpoints[scheme], skip_tokenizer_init=True, **options)
             elif scheme == "int4-gptq":
-                from tokenmill.bench.quant_checkpoints import gptq_smollm2
+                from tokenmill.bench.quant_checkpoints import gptq_calibration_ids, gptq_smollm2
 
                 if scheme not in checkpoints:
                     start = time.perf_counter()
-                    path = gptq_smollm2(tempfile.mkdtemp(prefix="smollm2-gptq-"), calibration_ids())
+                    path = gptq_smollm2(tempfile.mkdtemp(prefix="smollm2-gptq-"), gptq_calibration_ids())
                     checkpoints[scheme] = path
                     print(json.dumps({"int4-gptq checkpoint seconds": round(time.perf_counter() - start)}))
                 llm = LLM(checkpoints[scheme], skip_tokenizer_init=True, **options)

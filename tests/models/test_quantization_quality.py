@@ -57,3 +57,18 @@ def test_fp8_kv_cache_within_3_percent(token_ids: list[int], baseline: float) ->
     layer = llm.engine.runner.model.attention_layers()[0]
     assert layer.k_cache.dtype == torch.float8_e4m3fn
     assert perplexity(llm, token_ids) <= 1.03 * baseline
+
+
+@pytest.mark.slow
+def test_int4_gptq_group_128_checkpoint_scores_near_its_measured_cost(
+    token_ids: list[int], baseline: float, tmp_path
+) -> None:
+    # The calibrated GPTQ-format checkpoint at group 128 (AWQ scaling + act-order GPTQ over clipped static
+    # groups, tokenmill/bench/quant_checkpoints.py), about four minutes. Measured: +11.9%; issue 11 asks
+    # +10% (docs/quantization.md says why this model makes that hard). Round-to-nearest at group 128 is
+    # above +30%, so this bound fails if the calibration stops working.
+    from tokenmill.bench.quant_checkpoints import gptq_calibration_ids, gptq_smollm2
+
+    path = gptq_smollm2(str(tmp_path), gptq_calibration_ids())
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=4096, num_kv_blocks=300, dtype="float32")
+    assert baseline < perplexity(llm, token_ids) <= 1.14 * baseline

@@ -66,6 +66,33 @@ def int4_smollm2(path: str, group_size: int = 64, symmetric: bool = False) -> st
     return path
 
 
+CALIBRATION_TOPICS = (
+    "the history of bridges", "how bees make honey", "a walk in autumn", "the first computers",
+    "cooking rice", "sailing ships", "the water cycle", "learning a language", "a village baker",
+    "the moon landing", "growing tomatoes", "an old lighthouse", "trains in the nineteenth century",
+    "how clocks work", "a winter storm", "the life of a river", "medieval castles", "a small bookshop",
+    "volcanoes", "the printing press", "a family farm", "mountain climbing", "the ocean floor",
+    "a market town", "birds that migrate", "the invention of paper", "a carpenter's workshop",
+    "rain forests", "a fishing village", "the roman roads", "a letter from a soldier", "windmills",
+)  # fmt: skip
+CALIBRATION_STYLES = ("Write a few paragraphs about {}.", "Tell a short story about {}.")
+
+
+def gptq_calibration_ids(num_sequences: int = 64, max_tokens: int = 256) -> list[list[int]]:
+    """GPTQ's calibration set: text the embedded model writes itself (never the scored text), one chat
+    per topic and style, sampled at temperature 0.9: 64 sequences of ~290 tokens (~18,000 tokens, more
+    than ten times the widest layer input, 1,536) as token ids with their chat prompts."""
+    from tokenmill import LLM, SamplingParams
+
+    prompts = [style.format(topic) for style in CALIBRATION_STYLES for topic in CALIBRATION_TOPICS]
+    chats = [[{"role": "user", "content": prompt}] for prompt in prompts[:num_sequences]]
+    blocks = num_sequences * (max_tokens + 64) // 16 + 64  # the prompts are ~40 tokens; blocks of 16
+    llm = LLM("default", max_model_len=4096, num_kv_blocks=blocks, dtype="float32")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=0)
+    outputs = llm.chat(chats, params, use_tqdm=False)
+    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+
+
 # ---- GPTQ -------------------------------------------------------------------------------------------
 
 
