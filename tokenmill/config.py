@@ -21,7 +21,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192 tokens per step on a GPU, 256 on a CPU
+    max_num_batched_tokens: int | None = None  # None: 8192 tokens per step on a GPU, 512 on a CPU
     # Prompt tokens a step may carry while requests are decoding: a wave of new prompts then stretches
     # the running streams' inter-token gaps less. None: up to max_num_batched_tokens.
     max_prefill_tokens_with_decodes: int | None = None

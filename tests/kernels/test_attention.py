@@ -296,3 +296,39 @@ def test_fp8_cache_reads_exactly_with_scales_folded_in(max_query_len: int | None
     torch.testing.assert_close(
         attention.paged_attention(*fp8, **hints), want, **(FP32_TOL if dtype == torch.float32 else BF16_TOL)
     )
+
+
+def dense_attention(batch: Batch) -> torch.Tensor:
+    """Float64 softmax attention written out: each request's queries over its context, the mask spelled
+    as positions, the cache read block by block."""
+    query, k_cache, v_cache, tables, seq_lens, starts, scale = batch
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    group = query.shape[1] // k_cache.shape[2]
+    block = k_cache.shape[1]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = int(starts[b]), int(starts[b + 1])
+        slots = [int(tables[b, pos // block]) * block + pos % block for pos in range(seq_len)]
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1)  # [S, H, D]
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1)
+        q = query[lo:hi].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        positions = torch.arange(seq_len - (hi - lo), seq_len)
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_chunks_over_a_prefix_match_dense_attention(contiguous: bool, dtype: torch.dtype) -> None:
+    # Chunks of 40 and 7 queries over prefixes (two flash calls merged by log-sum-exp on a CPU), a whole
+    # prompt and a decode; with blocks in cache order too (read in place, not gathered).
+    batch = make_batch([300, 47, 33, 90], [40, 7, 33, 1], 6, 2, head_dim=64, dtype=dtype)
+    if contiguous:
+        tables = torch.arange(batch.block_tables.numel(), dtype=torch.int32).reshape(batch.block_tables.shape)
+        k_cache = torch.randn(tables.numel(), *batch.k_cache.shape[1:]).to(batch.k_cache)
+        batch = batch._replace(block_tables=tables, k_cache=k_cache, v_cache=torch.randn_like(k_cache))
+    batch = batch._replace(**{name: getattr(batch, name).cpu() for name in Batch._fields[:-1]})
+    got = reference.paged_attention(*batch)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.double(), dense_attention(batch), **tol)

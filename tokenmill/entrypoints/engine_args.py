@@ -21,7 +21,7 @@ _HELP = {
     "device": "auto | cpu | cuda | cuda:N",
     "max_model_len": "context length in tokens (default: the model's own)",
     "max_num_seqs": "most requests in one running batch",
-    "max_num_batched_tokens": "token budget of one engine step (default: 8192 on a GPU, 256 on a CPU)",
+    "max_num_batched_tokens": "token budget of one engine step (default: 8192 on a GPU, 512 on a CPU)",
     "max_prefill_tokens_with_decodes": "prompt tokens a step may carry while requests are decoding, which "
     "bounds the pause a wave of new prompts puts in running streams (default: the whole step budget)",
     "block_size": "tokens per KV-cache block",

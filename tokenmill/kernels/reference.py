@@ -8,6 +8,8 @@ p % block_size.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -86,33 +88,70 @@ def paged_attention(
         if query_len == 0:
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[b, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k, v = _context(k_cache, v_cache, block_tables[b, :num_blocks], seq_len)
         q = query[q_start:q_end]
         # Query i sits at position seq_len - query_len + i and sees keys at positions <= its own.
-        mask, is_causal = None, False
-        if query_len == seq_len:
-            is_causal = True
-        elif query_len > 1:
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         # Batched (4-D) inputs: with 3-D ones the CPU dispatcher falls back to the math kernel, which
         # materialises every score (6x slower at 2k tokens) instead of its flash kernel.
         dtype = _attention_dtype(query.dtype)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(dtype),
-            k.transpose(0, 1)[None].to(dtype),
-            v.transpose(0, 1)[None].to(dtype),
-            attn_mask=None if mask is None else mask[None, None],
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
+        q4, k4, v4 = (t.transpose(0, 1)[None].to(dtype) for t in (q, k, v))
+        if 1 < query_len < seq_len and _CPU_FLASH is not None and q.device.type == "cpu":
+            attn = _chunk_over_prefix(q4, k4, v4, seq_len - query_len, scale)
+        else:
+            mask = _chunk_mask(seq_len, query_len, q.device) if 1 < query_len < seq_len else None
+            attn = F.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=None if mask is None else mask[None, None],
+                is_causal=query_len == seq_len, scale=scale, enable_gqa=num_heads != num_kv_heads,
+            )  # fmt: skip
         if v_scale != 1.0:
             attn = attn * v_scale
         out[q_start:q_end] = attn[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def _context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's keys and values [seq_len, kv_heads, head_dim]. Blocks that follow each other in the
+    cache (a long prompt's usually do: the allocator hands out free blocks in order) are read in place;
+    others are gathered, a copy of the whole context in every layer of every chunk."""
+    num_blocks = blocks.shape[0]
+    first = int(blocks[0])
+    if int(blocks[-1]) - first == num_blocks - 1 and bool((blocks.diff() == 1).all()):
+        k, v = k_cache[first : first + num_blocks], v_cache[first : first + num_blocks]
+    else:
+        index = blocks.long()
+        k, v = k_cache[index], v_cache[index]
+    return k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
+
+
+# The CPU flash-attention op behind F.scaled_dot_product_attention, which also returns each query's
+# log-sum-exp of scores (a private aten op; None where this torch lacks it).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _chunk_over_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    """A prompt chunk [1, heads, Lq, D] over its cached prefix and itself (k, v [1, kv_heads, S, D]) as
+    two mask-free flash attentions, the prefix (every query sees all of it) and the chunk (causal),
+    merged by their log-sum-exps. On a CPU this is 1.4x faster than one call with a [Lq, S] mask (512
+    queries over 8k keys, bf16), which the kernel reads and applies in every tile."""
+    out_p, lse_p = _CPU_FLASH(q, k[:, :, :prefix_len], v[:, :, :prefix_len], 0.0, False, scale=scale)
+    out_c, lse_c = _CPU_FLASH(q, k[:, :, prefix_len:], v[:, :, prefix_len:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_p, lse_c)
+    merged = (
+        out_p.float() * torch.exp(lse_p - lse)[..., None] + out_c.float() * torch.exp(lse_c - lse)[..., None]
+    )
+    return merged.to(q.dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _chunk_mask(seq_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] True where the chunk's query i (at position seq_len - query_len + i) may see
+    key j: built once per chunk shape, not in each of the model's layers."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
 
 
 def _batched_decode(
