@@ -24,6 +24,9 @@ MAIN_SERVER_ARGS += ["--max-model-len", "1024", "--num-kv-blocks", "512"]
 # fp32 on every CPU: "auto" is bf16 where the CPU has AMX or AVX512-BF16, and greedy text in bf16 depends
 # on how requests happen to be batched, which tests comparing two servers' answers must not.
 MAIN_SERVER_ARGS += ["--dtype", "float32"]
+# Steps of 256 tokens (the CPU default is 512), so a prompt that fits max_model_len still takes several
+# chunks: the concurrency tests send a request while one is being prefilled.
+MAIN_SERVER_ARGS += ["--max-num-batched-tokens", "256"]
 
 
 def free_port() -> int:

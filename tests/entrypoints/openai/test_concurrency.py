@@ -119,7 +119,7 @@ def test_disconnect_during_a_non_streaming_request_aborts_it(server):
 
 
 def test_a_long_prompt_counts_as_running_from_its_first_chunk(server):
-    # ~1,000 tokens: several CPU steps of chunked prefill (512-token budget) before the first token.
+    # ~1,000 tokens: several CPU steps of chunked prefill (256 tokens a step on the test server).
     prompt = [1000 + (i * 7) % 5000 for i in range(1000)]
     body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0}
     tokens_before = server.metrics().get("tokenmill:generation_tokens_total", 0.0)
