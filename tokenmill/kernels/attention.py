@@ -143,6 +143,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,
     PRECISION: tl.constexpr,
     SEQ_FILTER: tl.constexpr = 0,
+    DOT_FP16: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
@@ -181,6 +182,11 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
     q_offsets = (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
     q = tl.load(query + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_FP16:
+        # An FP8 cache under bf16 queries: keys, values and probabilities meet the query in fp16, since
+        # Hopper turns two e4m3 values into fp16 in one instruction and into bf16 only through fp32.
+        # fp16 keeps more mantissa than bf16; the query is clamped to its range.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     # Rows past the request's last token sit past seq_len, see every key and so stay finite.
     q_pos = context_len + tok
 
@@ -362,8 +368,9 @@ def paged_attention(
         num_kv_splits = 1
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, 1)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    # An FP8 cache is read into the query's dtype (exact: e4m3 fits in bf16, fp16 and fp32); its
-    # per-tensor scales fold into the softmax scale (K) and the output (V).
+    # An FP8 cache is read into the query's dtype (exact: e4m3 fits in bf16, fp16 and fp32), into fp16
+    # under bf16 queries; its per-tensor scales fold into the softmax scale (K) and the output (V).
+    dot_fp16 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16
 
     def launch(grid, partial_out, partial_lse, tile: TileConfig, block_q: int, num_splits: int, decode: bool,
                seq_filter: int) -> None:  # fmt: skip
@@ -374,7 +381,7 @@ def paged_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
-            DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter,
+            DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
 
