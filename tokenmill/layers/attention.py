@@ -80,6 +80,9 @@ class Attention(nn.Module):
         # Per-tensor scales of an FP8 KV cache (it holds K / k_scale and V / v_scale); 1 otherwise.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # The checkpoint's own (compressed-tensors kv_cache_scheme), kept aside until the cache dtype is
+        # known: an FP8 cache takes them (worker/model_loader.py's kv_cache_dtype), a bf16 one ignores them.
+        self.stored_kv_scales: tuple[float, float] | None = None
         # Set only while piecewise CUDA graphs are captured (worker/piecewise_graphs.py): the call
         # ends the graph piece being captured instead of attending.
         self.split: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (

@@ -51,19 +51,34 @@ def build_model(
     return model.eval()
 
 
-def kv_cache_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's, or e4m3 for kv_cache_dtype='fp8'. An FP8 cache keeps
-    the attention layers' default scales of 1.0: K and V stored as they are, saturated at +-448. Chosen
-    over calibrating on the first prompt, which would make every later request's numerics depend on
-    which came first; keys and values of the supported models stay well inside that range (the quality
-    test's perplexity moves by under 1%)."""
+def kv_cache_dtype(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, model: nn.Module
+) -> torch.dtype:
+    """The KV cache's element type: the model's, or e4m3 for kv_cache_dtype='fp8'. An FP8 cache takes
+    the per-layer K and V scales a checkpoint stores (compressed-tensors kv_cache_scheme); without them
+    the scales stay 1.0: K and V stored as they are, saturated at +-448. Chosen over calibrating on the
+    first prompt, which would make every later request's numerics depend on which came first; keys and
+    values of the supported models stay well inside that range (the quality test's perplexity moves
+    by under 1%)."""
+    layers = model.attention_layers()
+    stored = [layer.stored_kv_scales for layer in layers]
     if config.kv_cache_dtype != "fp8":
+        if any(stored):
+            logger.info("the checkpoint's KV cache scales are not used: the KV cache is %s", dtype)
         return dtype
     check_fp8_support(device, "kv_cache_dtype='fp8'")
-    logger.warning(
-        "fp8 KV cache with k_scale = v_scale = 1.0 (the checkpoint has no KV scales): K and V are "
-        "stored as they are, saturated at +-448"
-    )
+    if not any(stored):
+        logger.warning(
+            "fp8 KV cache with k_scale = v_scale = 1.0 (the checkpoint has no KV scales): K and V are "
+            "stored as they are, saturated at +-448"
+        )
+        return torch.float8_e4m3fn
+    missing = [index for index, scales in enumerate(stored) if scales is None]
+    if missing:
+        raise ValueError(f"the checkpoint has KV cache scales for some layers but not for layers {missing}.")
+    for layer, (k_scale, v_scale) in zip(layers, stored):
+        layer.k_scale, layer.v_scale = k_scale, v_scale
+    logger.info("fp8 KV cache with the checkpoint's per-layer K and V scales")
     return torch.float8_e4m3fn
 
 

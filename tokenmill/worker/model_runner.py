@@ -113,7 +113,7 @@ class ModelRunner:
             self._memory_used_before = total - free
             self._allocated_before = torch.cuda.memory_allocated()
         self.model = build_model(config, source, max_model_len, self.device, self.dtype, pooling_type is None)
-        self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype)
+        self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype, self.model)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)

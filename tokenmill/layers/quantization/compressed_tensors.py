@@ -1,7 +1,9 @@
 """Checkpoints quantized by llm-compressor (`quant_method: compressed-tensors` in config.json):
 `float-quantized` FP8 weights in e4m3 with a per-channel ([N, 1]) or per-tensor scale, activations dynamic
 per token, static per tensor (`input_scale`), or none (weight-only, W8A16); and `pack-quantized` W4A16,
-4-bit integer weights in groups (or per channel), symmetric or with zero points (int4.py).
+4-bit integer weights in groups (or per channel), symmetric or with zero points (int4.py). A
+`kv_cache_scheme` (FP8, per tensor) says the checkpoint holds each layer's K and V scales, with or
+without quantized linears; an FP8 KV cache (kv_cache_dtype='fp8') then uses them.
 
 Every layer keeps one scale per output row at run time: a per-tensor scale, which a fused layer has one
 of for each part (q, k, v; gate, up), is spread over that part's rows as it loads, so the fused matmul
@@ -22,6 +24,7 @@ from tokenmill.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     ShardId,
+    UnquantizedLinearMethod,
     WeightLoader,
 )
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_linear
@@ -37,13 +40,17 @@ class CompressedTensorsConfig:
     def __init__(self, config: dict) -> None:
         where = "quantization_config"
         fmt = config.get("format")
-        if fmt not in FORMATS:
+        if fmt not in FORMATS and not (config.get("kv_cache_scheme") and not config.get("config_groups")):
             raise ValueError(
                 f"{where}.format {fmt!r} is not supported for compressed-tensors (supported: "
                 f"{', '.join(FORMATS)})."
             )
         self.format = fmt
         groups = config.get("config_groups") or {}
+        self.kv_cache_scales = _kv_cache_scheme(config.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
+        if not groups and self.kv_cache_scales:  # the KV cache's scales only; the linears as they are
+            self.format, self.input_scheme, self.ignore = "dense", None, []
+            return
         if len(groups) != 1:
             raise ValueError(f"{where}.config_groups: one group is supported, got {len(groups)}.")
         ((name, group),) = groups.items()
@@ -88,8 +95,6 @@ class CompressedTensorsConfig:
         if group.get("output_activations") is not None:
             raise ValueError(f"{where}.output_activations is not supported.")
         self.ignore = list(config.get("ignore") or [])
-        if config.get("kv_cache_scheme") is not None:
-            raise ValueError("quantization_config.kv_cache_scheme is not supported yet (FP8 KV cache).")
 
     @property
     def uses_fp8(self) -> bool:
@@ -97,6 +102,8 @@ class CompressedTensorsConfig:
         return self.format in FP8_FORMATS and self.input_scheme is not None
 
     def linear_method(self) -> LinearMethodBase:
+        if self.format == "dense":
+            return UnquantizedLinearMethod()
         if self.format == "pack-quantized":
             return Int4W4A16LinearMethod(self.group_size, self.symmetric)
         return CompressedTensorsFp8LinearMethod(self.input_scheme)
@@ -120,6 +127,16 @@ def _checkpoint_names(prefix: str) -> list[str]:
         if prefix.endswith(fused):
             return [prefix[: -len(fused)] + part for part in parts]
     return [prefix]
+
+
+def _kv_cache_scheme(scheme: dict | None, where: str) -> bool:
+    """Whether the checkpoint stores per-tensor FP8 scales of each layer's K and V (`self_attn.k_scale`,
+    `self_attn.v_scale`), which an FP8 KV cache then uses; any other KV scheme is refused."""
+    if scheme is None:
+        return False
+    _expect(scheme, where, type="float", num_bits=8, symmetric=True, dynamic=False)
+    _one_of(scheme, where, "strategy", ("tensor",))
+    return True
 
 
 def _expect(args: dict, where: str, **wanted: object) -> None:
