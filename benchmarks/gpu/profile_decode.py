@@ -1,7 +1,8 @@
 """Where a batch-1 decode step's device time goes: torch.profiler over one request's decode, kernels
 grouped by name, with the sum of kernel time per step against the step's wall time (the gap is the
 device waiting for the host, or launch gaps inside the graph).
-Usage: python benchmarks/gpu/profile_decode.py [--shape llama-3.1-8b] [--output-len 256] [--out FILE]"""
+Usage: python benchmarks/gpu/profile_decode.py [--shape llama-3.1-8b] [--output-len 256] [--out FILE]
+                                              [--batch 1] [--quantization fp8|int4] [--kv-cache-dtype fp8]"""
 
 from __future__ import annotations
 
@@ -26,10 +27,16 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    parser.add_argument("--quantization", default=None, help="fp8 | int4 (online)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out")
     args = parser.parse_args()
-    llm = dummy_llm(args.shape, max_num_seqs=64)
-    prompt = [[(7 * i) % 10000 for i in range(args.input_len)]]
+    llm = dummy_llm(
+        args.shape, max_num_seqs=max(64, args.batch), quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
+    prompt = [[(7 * i + 13 * b) % 10000 for i in range(args.input_len)] for b in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for _ in range(2):
         llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)

@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
 #         server-scale server-burst mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -29,6 +29,11 @@ for stage in $stages; do
            timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
+    profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \
+                     --output-len 128 --out "$out/profile_decode_8b_$q.json" | head -16; done
+                   for q in none fp8; do timeout 150 $py benchmarks/gpu/profile_decode.py --batch 128 --output-len 64 \
+                     $([ $q = fp8 ] && echo --quantization fp8) --out "$out/profile_decode_8b_b128_$q.json" | head -16
+                   done ;;
     quant-gemm) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --sweep --budget-s 200 --out "$out/quant_gemm.json" \
                   2>&1 | tail -5 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
