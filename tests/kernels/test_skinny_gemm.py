@@ -9,20 +9,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.reference import FP8_DTYPE, dequantize_int4, pack_int4, w8a16_gemm  # noqa: E402
+from tokenmill.kernels.reference import FP8_DTYPE, dequantize_int4, w8a16_gemm  # noqa: E402
 from tokenmill.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, w4a16_skinny, w8a16_skinny  # noqa: E402
+
+from .test_int4_gemm import make_weight  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def int4_weight(n: int, k: int, group: int, zeros: bool, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-    groups = -(-k // group)
-    scale = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).to(torch.bfloat16)
-    zero = torch.randint(-3, 4, (n, groups), generator=gen, dtype=torch.int8) if zeros else None
-    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    return to(pack_int4(q)), to(scale), to(zero)
+    """test_int4_gemm's random packed weight, its scales in bf16 as checkpoints store them."""
+    packed, scale, zero = make_weight(n, k, group, zeros, seed)
+    return packed, scale.to(torch.bfloat16), zero
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
