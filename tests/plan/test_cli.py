@@ -187,6 +187,19 @@ def test_chart(tmp_path, capsys):
             "--gpu-memory-utilization must be in",
         ),
         (["--model", "no-such-model", "--gpu", "H200"], "unknown model 'no-such-model'"),
+        (["--model", "llama-3.1-8b", "--gpu", "H200", "--acceptance", "0.5"], "--acceptance goes with"),
+        (
+            ["--model", "llama-3.1-8b", "--gpu", "H200", "--speculative", "4"],
+            "--speculative needs --acceptance",
+        ),
+        (
+            ["--model", "llama-3.1-8b", "--gpu", "H200", "--speculative", "4", "--acceptance", "1.5"],
+            "--acceptance is a probability in [0, 1]",
+        ),
+        (
+            ["--model", "llama-3.1-8b", "--gpu", "H200", "--speculative", "0", "--acceptance", "0.5"],
+            "--speculative must be positive",
+        ),
     ],
 )
 def test_bad_input_is_a_clean_error(capsys, argv, message):
@@ -268,3 +281,18 @@ def test_planner_starts_without_torch_or_matplotlib():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_speculative_section_in_json_and_table(capsys):
+    argv = ["--model", "llama-3.1-8b", "--gpu", "H200", "--input-len", "512", "--output-len", "256"]
+    out = plan(capsys, *argv, "--batch", "64", "--speculative", "4", "--acceptance", "0.7")
+    spec = out["speculative"]
+    assert spec["tokens_per_step"] == pytest.approx((1 - 0.7**5) / 0.3)
+    assert spec["verify"]["tokens"] == 64 * 5 and spec["verify_cost_source"] == "roofline"
+    assert spec["speedup"] == pytest.approx(spec["tokens_per_step"] / spec["verify_cost"])
+    assert plan(capsys, *argv)["speculative"] is None
+    measured = plan(capsys, *argv, "--speculative", "4", "--acceptance", "0.7", "--verify-cost", "1.25")
+    assert measured["speculative"]["speedup"] == pytest.approx((1 - 0.7**5) / 0.3 / 1.25)
+    assert main(["plan", *argv, "--speculative", "4", "--acceptance", "0.7"]) == 0
+    table = capsys.readouterr().out
+    assert "tokens per verify step (tau)      2.77" in table and "predicted speed-up at batch 1" in table

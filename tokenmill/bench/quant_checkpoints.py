@@ -118,22 +118,28 @@ def pack_columns(values, order=tuple(range(8))):
 # Shrink ratios of a group's range tried by the clipping search: a narrower range rounds the bulk of the
 # group more finely at the cost of clipping its extremes.
 CLIP_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+CLIP_FULL = False
 
 
-def group_range(block, importance, shrinks=CLIP_SHRINKS):
+def group_range(block, hessian, shrinks=None):
     """Asymmetric 4-bit (scale, zero) [N] of a group of weights [N, G]: of the range [min, max] (widened
     to hold 0, which integer zero points always represent) shrunk by each ratio, the one whose
     round-to-nearest error, each column weighted by importance [G] (the diagonal of X^T X: how strongly
     its input drives the output), is least. Zero points stay in 1..15: GPTQ stores zero - 1 in 4 bits."""
     import torch
 
+    shrinks = CLIP_SHRINKS if shrinks is None else shrinks
     lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
     best = None
     for ratio in shrinks:
         scale = ((hi - lo) * ratio / 15).clamp(min=1e-8).half().double()  # as the checkpoint stores it
         zero = torch.round(-lo * ratio / scale).clamp(1, 15)
         q = torch.round(block / scale[:, None] + zero[:, None]).clamp(0, 15)
-        error = (((q - zero[:, None]) * scale[:, None] - block) ** 2 * importance).sum(1)
+        delta = (q - zero[:, None]) * scale[:, None] - block
+        if CLIP_FULL:
+            error = ((delta @ hessian) * delta).sum(1)
+        else:
+            error = (delta**2 * torch.diag(hessian)).sum(1)
         if best is None:
             best = (error, scale, zero)
         else:
@@ -142,7 +148,10 @@ def group_range(block, importance, shrinks=CLIP_SHRINKS):
     return best[1], best[2]
 
 
-def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_size: int = 128):
+GPTQ_DAMP = 0.01
+
+
+def gptq_quantize(weight, hessian, group_size: int, damp: float | None = None, block_size: int = 128):
     """GPTQ (Frantar et al., 2022) of one linear weight [N, K] with asymmetric 4-bit groups along K:
     columns are quantized one at a time, each one's rounding error spread over the columns not yet
     quantized through the inverse Hessian of the layer's inputs (H = X^T X). Columns go in order of
@@ -152,6 +161,7 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_si
     Returns (q [N, K] in 0..15, scale [G, N], zero [G, N]) with w ~= (q - zero) * scale."""
     import torch
 
+    damp = GPTQ_DAMP if damp is None else damp
     w = weight.double().clone()
     n, k = w.shape
     h = hessian.double().clone()
@@ -160,7 +170,7 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_si
     w[:, dead] = 0
     importance = torch.diag(h).clone()
     groups = torch.arange(k) // group_size
-    ranges = [group_range(w[:, groups == g], importance[groups == g]) for g in range(int(groups[-1]) + 1)]
+    ranges = [group_range(w[:, groups == g], h[groups == g][:, groups == g]) for g in range(int(groups[-1]) + 1)]
     scale = torch.stack([r[0] for r in ranges])
     zero = torch.stack([r[1] for r in ranges])
     order = torch.argsort(importance, descending=True)
@@ -216,23 +226,40 @@ def _round_to_nearest(w, group_size: int = 128):
     return torch.cat(blocks, dim=1)
 
 
-def _fold_awq_scales(layer, hessians: dict, mean_abs: dict, prefix: str) -> None:
-    """Scale the inputs of q/k/v, gate/up and down by AWQ's factors: the weights' columns by s, the
-    operation producing the input (the RMSNorm weight, or up_proj's rows for down_proj) by 1/s, and
-    the Hessians to match, so the layer computes the same function. o_proj is left alone: its input
-    channels come from value heads shared by several query heads."""
-    for names, source in (
-        (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), layer.input_layernorm.weight),
-        (("mlp.gate_proj", "mlp.up_proj"), layer.post_attention_layernorm.weight),
-        (("mlp.down_proj",), layer.mlp.up_proj.weight),
-    ):
-        linears = [layer.get_submodule(n) for n in names]
-        keys = [f"{prefix}.{n}" for n in names]
-        s = awq_scales([m.weight.data for m in linears], hessians[keys[0]], mean_abs[keys[0]])
-        for m, key in zip(linears, keys):
-            m.weight.data = (m.weight.data.double() * s).float()
-            hessians[key] /= s[:, None] * s[None, :]
-        source.data = (source.data.double() / (s if source.dim() == 1 else s[:, None])).float()
+def _fold_awq_scales(layer, names, source, hessians: dict, mean_abs: dict) -> None:
+    """Scale the inputs of the linears `names` (sharing one input) by AWQ's factors: the weights'
+    columns by s, the operation producing the input (`source`: an RMSNorm weight, or up_proj's rows for
+    down_proj) by 1/s, and the Hessians to match, so the layer computes the same function."""
+    linears = [layer.get_submodule(n) for n in names]
+    s = awq_scales([m.weight.data for m in linears], hessians[names[0]], mean_abs[names[0]])
+    for m, name in zip(linears, names):
+        m.weight.data = (m.weight.data.double() * s).float()
+        hessians[name] /= s[:, None] * s[None, :]
+    source.data = (source.data.double() / (s if source.dim() == 1 else s[:, None])).float()
+
+
+def _input_statistics(layer, names, hidden: list, rotary: list) -> tuple[dict, dict]:
+    """X^T X and |X| summed over the tokens of the inputs of the layer's linears `names`, over one pass
+    of the calibration's hidden states through the layer as it stands."""
+    import torch
+
+    hessians, abs_sums, hooks = {}, {}, []
+    for n in names:
+        m = layer.get_submodule(n)
+        hessians[n] = torch.zeros(m.in_features, m.in_features, dtype=torch.float64)
+        abs_sums[n] = torch.zeros(m.in_features, dtype=torch.float64)
+        hooks.append(m.register_forward_pre_hook(_accumulate_into(hessians, abs_sums, n)))
+    with torch.no_grad():
+        for x, position_embeddings in zip(hidden, rotary):
+            layer(x, attention_mask=None, position_embeddings=position_embeddings)
+    for hook in hooks:
+        hook.remove()
+    return hessians, abs_sums
+
+
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+SEQUENTIAL = True
 
 
 def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128) -> str:
@@ -252,25 +279,38 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
         hidden = [model.model.embed_tokens(torch.tensor([ids])) for ids in calibration]
         rotary = [model.model.rotary_emb(x, torch.arange(x.shape[1])[None]) for x in hidden]
     for index, layer in enumerate(model.model.layers):
-        own = {n: m for n, m in linears.items() if n.startswith(f"model.layers.{index}.")}
-        hessians = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in own.items()}
-        mean_abs = {n: torch.zeros(m.in_features, dtype=torch.float64) for n, m in own.items()}
-        hooks = [m.register_forward_pre_hook(_accumulate_into(hessians, mean_abs, n)) for n, m in own.items()]
-        with torch.no_grad():
-            for x, position_embeddings in zip(hidden, rotary):
-                layer(x, attention_mask=None, position_embeddings=position_embeddings)
-        for hook in hooks:
-            hook.remove()
-        _fold_awq_scales(layer, hessians, mean_abs, f"model.layers.{index}")
-        for n, m in own.items():
-            q, scale, zero = gptq_quantize(m.weight.data, hessians[n], group_size)
-            k = m.in_features
-            groups = torch.arange(k) // group_size
-            m.weight.data = ((q - zero[groups].t()) * scale[groups].t()).float()
-            tensors[f"{n}.qweight"] = pack_gptq_rows(q.t())
-            tensors[f"{n}.qzeros"] = pack_columns((zero - 1).long())  # GPTQ stores zero - 1
-            tensors[f"{n}.scales"] = scale.half().contiguous()
-            tensors[f"{n}.g_idx"] = groups.to(torch.int32)
+        prefix = f"model.layers.{index}."
+
+        def quantize(names, hessians):
+            for n in names:
+                m = layer.get_submodule(n)
+                q, scale, zero = gptq_quantize(m.weight.data, hessians[n], group_size)
+                groups = torch.arange(m.in_features) // group_size
+                m.weight.data = ((q - zero[groups].t()) * scale[groups].t()).float()
+                tensors[f"{prefix}{n}.qweight"] = pack_gptq_rows(q.t())
+                tensors[f"{prefix}{n}.qzeros"] = pack_columns((zero - 1).long())  # GPTQ stores zero - 1
+                tensors[f"{prefix}{n}.scales"] = scale.half().contiguous()
+                tensors[f"{prefix}{n}.g_idx"] = groups.to(torch.int32)
+
+        if SEQUENTIAL:
+            hessians, mean_abs = _input_statistics(layer, QKV, hidden, rotary)
+            _fold_awq_scales(layer, QKV, layer.input_layernorm.weight, hessians, mean_abs)
+            quantize(QKV, hessians)
+            hessians, _ = _input_statistics(layer, ("self_attn.o_proj",), hidden, rotary)
+            quantize(("self_attn.o_proj",), hessians)
+            hessians, mean_abs = _input_statistics(layer, GATE_UP + ("mlp.down_proj",), hidden, rotary)
+            _fold_awq_scales(layer, GATE_UP, layer.post_attention_layernorm.weight, hessians, mean_abs)
+            _fold_awq_scales(layer, ("mlp.down_proj",), layer.mlp.up_proj.weight, hessians, mean_abs)
+            quantize(GATE_UP, hessians)
+            hessians, _ = _input_statistics(layer, ("mlp.down_proj",), hidden, rotary)
+            quantize(("mlp.down_proj",), hessians)
+        else:
+            names = QKV + ("self_attn.o_proj",) + GATE_UP + ("mlp.down_proj",)
+            hessians, mean_abs = _input_statistics(layer, names, hidden, rotary)
+            _fold_awq_scales(layer, QKV, layer.input_layernorm.weight, hessians, mean_abs)
+            _fold_awq_scales(layer, GATE_UP, layer.post_attention_layernorm.weight, hessians, mean_abs)
+            _fold_awq_scales(layer, ("mlp.down_proj",), layer.mlp.up_proj.weight, hessians, mean_abs)
+            quantize(names, hessians)
         with torch.no_grad():  # the next layer's inputs, through this layer quantized
             hidden = [layer(x, attention_mask=None, position_embeddings=p) for x, p in zip(hidden, rotary)]
     for n, param in model.named_parameters():

@@ -23,6 +23,7 @@ from tokenmill.plan.gpus import (
 from tokenmill.plan.memory import KV_DTYPES, WEIGHT_DTYPES, Deployment
 from tokenmill.plan.model_shape import ModelShape
 from tokenmill.plan.report import Plan, build_plan, format_plan, plan_json
+from tokenmill.plan.speculative import plan_speculative
 
 DEFAULT_CONTEXT = 8192
 T = TypeVar("T")
@@ -66,6 +67,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-gb", type=float, help="--gpu custom: memory in GB")
     parser.add_argument("--bandwidth-tbs", type=float, help="--gpu custom: memory bandwidth in TB/s")
     parser.add_argument("--tflops", type=float, help="--gpu custom: dense tensor TFLOP/s")
+    parser.add_argument(
+        "--speculative", type=int, metavar="K", help="speculative decoding: K draft tokens per verify step"
+    )
+    parser.add_argument(
+        "--acceptance", type=float, help="with --speculative: the chance each draft token is accepted"
+    )
+    parser.add_argument(
+        "--draft-cost", type=float, default=0.0,
+        help="with --speculative: one draft token's cost as a fraction of a decode step (0: n-gram)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--verify-cost", type=float,
+        help="with --speculative: a measured verify step / decode step ratio, instead of the roofline's",
+    )  # fmt: skip
     parser.add_argument("--chart", type=Path, metavar="PNG", help="write the roofline chart here")
     parser.add_argument("--calibrate", type=Path, metavar="RESULT.json", help="a `tokenmill bench` result")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -81,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
         given = [f for f in ("memory_gb", "bandwidth_tbs", "tflops") if getattr(args, f) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} applies to --gpu custom only")
+    if args.speculative is None:
+        given = [f for f in ("acceptance", "verify_cost") if getattr(args, f) is not None]
+        if given or args.draft_cost:
+            raise ValueError(f"--{(given or ['draft_cost'])[0].replace('_', '-')} goes with --speculative K")
+    elif args.acceptance is None:
+        raise ValueError("--speculative needs --acceptance (the chance each draft token is accepted)")
     if args.calibrate is not None:
         return run_calibrate(args)
     if args.model is None or args.gpu is None:
@@ -111,6 +132,13 @@ def run(args: argparse.Namespace) -> int:
         decode_context_len=decode_context_len,
         input_len=input_len,
     )
+    if args.speculative is not None:
+        spec = plan_speculative(
+            deployment, ceilings, plan.tp, plan.decode.batch, decode_context_len,
+            num_speculative_tokens=args.speculative, acceptance=args.acceptance,
+            draft_cost=args.draft_cost, measured_verify_cost=args.verify_cost,
+        )  # fmt: skip
+        plan = plan._replace(speculative=spec)
     chart = write_chart(args.chart, plan, []) if args.chart else None
     if args.json:
         print(json.dumps({**plan_json(plan), "chart": str(chart) if chart else None}, indent=2))

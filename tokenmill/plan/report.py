@@ -14,6 +14,7 @@ from tokenmill.plan.roofline import (
     matmul_flops_per_token,
     prefill_point,
 )
+from tokenmill.plan.speculative import SpeculativePlan
 
 
 class Plan(NamedTuple):
@@ -28,6 +29,7 @@ class Plan(NamedTuple):
     compute_bound_batch: int | None  # at the decode context; None: the KV read outgrows compute
     compute_bound_batch_weights_only: int | None  # the same with no KV read (context 0)
     notes: list[str]
+    speculative: SpeculativePlan | None = None  # with --speculative
 
     @property
     def tp(self) -> int:
@@ -144,7 +146,22 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "prefill_bound": prefill.bound,
         "prefill_arithmetic_intensity": prefill.arithmetic_intensity,
         "decode_points": [point_json(p) for p in plan.decode_points],
+        "speculative": None if plan.speculative is None else speculative_json(plan.speculative),
         "notes": plan.notes,
+    }
+
+
+def speculative_json(spec: SpeculativePlan) -> dict[str, Any]:
+    return {
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "acceptance": spec.acceptance,
+        "tokens_per_step": spec.tokens_per_step,
+        "verify": point_json(spec.verify),
+        "verify_cost": spec.verify_cost,
+        "verify_cost_source": spec.verify_cost_source,
+        "draft_cost": spec.draft_cost,
+        "speedup": spec.speedup,
+        "break_even_batch": spec.break_even_batch,
     }
 
 
@@ -207,5 +224,31 @@ def format_plan(plan: Plan) -> str:
         f"{prefill.arithmetic_intensity:,.0f} FLOP/B: {prefill.bound}-bound, TTFT floor "
         f"{format_seconds(prefill.floor_s)}",
     ]
+    if plan.speculative is not None:
+        lines += ["", *format_speculative(plan.speculative, plan.decode.batch)]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def format_speculative(spec: SpeculativePlan, batch: int) -> list[str]:
+    k = spec.num_speculative_tokens
+    stops = (
+        "never (the step stays bandwidth-bound)"
+        if spec.break_even_batch is None
+        else (f"batch {spec.break_even_batch:,}")
+    )
+    draft = (
+        "none (a proposer without a model, e.g. n-gram)"
+        if spec.draft_cost == 0
+        else (f"{spec.draft_cost:.3f} of a decode step per draft token")
+    )
+    cost = f"{spec.verify_cost:.3f}x a decode step"
+    floor = f"roofline floor {format_seconds(spec.verify.floor_s)}, {spec.verify.bound}-bound"
+    return [
+        f"speculative decoding: {k} draft tokens a step, acceptance {spec.acceptance:.2f}",
+        f"  {'tokens per verify step (tau)':<34}{spec.tokens_per_step:.2f}",
+        f"  {f'verify step at batch {batch:,}':<34}{cost} ({spec.verify_cost_source}; {floor})",
+        f"  {'draft cost':<34}{draft}",
+        f"  {f'predicted speed-up at batch {batch:,}':<34}{spec.speedup:.2f}x",
+        f"  {'stops paying at (roofline)':<34}{stops}",
+    ]

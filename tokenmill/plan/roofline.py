@@ -13,9 +13,9 @@ MAX_SEARCHED_BATCH = 1 << 24
 
 
 class RooflinePoint(NamedTuple):
-    phase: str  # "decode" or "prefill"
+    phase: str  # "decode", "verify" (speculative decoding) or "prefill"
     batch: int  # sequences in the step
-    tokens: int  # tokens computed in the step: batch for decode, the prompt for prefill
+    tokens: int  # tokens computed in the step: batch for decode, batch x (k + 1) to verify k drafts
     context_len: int  # KV tokens each sequence attends to at the end of the step
     bytes_moved: float  # per GPU
     flops: float  # per GPU
@@ -90,20 +90,28 @@ def attention_flops_per_context_token(shape: ModelShape, phase: str) -> int:
 
 
 def decode_point(
-    deployment: Deployment, ceilings: RooflineCeilings, tp: int, batch: int, context_len: int
+    deployment: Deployment,
+    ceilings: RooflineCeilings,
+    tp: int,
+    batch: int,
+    context_len: int,
+    tokens_per_seq: int = 1,
 ) -> RooflinePoint:
-    """One decode step: batch sequences, each attending to context_len cached tokens."""
+    """One decode step: batch sequences, each attending to context_len cached tokens. With
+    tokens_per_seq > 1, a speculative verify step: each sequence computes that many tokens (its last
+    token and the drafts) over the same context, reading the weights and its KV once."""
     shape = deployment.shape
     kv_read = batch * context_len * kv_bytes_per_token(shape, deployment.kv_dtype, tp)
-    bytes_moved = weight_bytes_read(deployment, batch) / tp + kv_read
+    tokens = batch * tokens_per_seq
+    bytes_moved = weight_bytes_read(deployment, tokens) / tp + kv_read
     per_token = (
         matmul_flops_per_token(shape) + attention_flops_per_context_token(shape, "decode") * context_len
     )
-    flops = batch * per_token / tp
+    flops = tokens * per_token / tp
     return RooflinePoint(
-        phase="decode",
+        phase="decode" if tokens_per_seq == 1 else "verify",
         batch=batch,
-        tokens=batch,
+        tokens=tokens,
         context_len=context_len,
         bytes_moved=bytes_moved,
         flops=flops,
