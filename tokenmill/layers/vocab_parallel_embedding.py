@@ -107,4 +107,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        packed = getattr(self, "packed_weight", None)  # set on a CPU in bf16 (layers/cpu_packed.py)
+        if packed is not None:
+            from tokenmill.layers.cpu_packed import packed_linear
+
+            return packed_linear(hidden, packed, self.bias)
         return F.linear(hidden, self.weight, self.bias)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import EngineConfig
+from tokenmill.layers.cpu_packed import pack_cpu_linears
 from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
 from tokenmill.layers.quantization import check_fp8_support, checkpoint_quantization, quantize_model
 from tokenmill.loader import ModelSource
@@ -48,6 +49,7 @@ def build_model(
     if config.quantization is not None and stored is None:  # a quantized checkpoint is used as it is
         count = quantize_model(model, config.quantization)
         logger.info("quantized %d linear layers to %s", count, config.quantization)
+    pack_cpu_linears(model, device, dtype)
     return model.eval()
 
 
