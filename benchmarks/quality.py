@@ -5,8 +5,9 @@ INT4 is a compressed-tensors W4A16 checkpoint (group 64, zero points, round-to-n
 makes from the embedded model with the compressed-tensors library (tokenmill/bench/quant_checkpoints.py).
 fp8-kv is the unquantized model with an FP8 KV cache. int4-gptq (not in the default list: about four
 minutes on two CPU cores, half of it writing the calibration text) is a GPTQ-format checkpoint, group 128,
-zero points, desc_act false: AWQ input scaling, then GPTQ with act-order over static groups whose ranges
-come from a clipping search, calibrated on ~18,000 tokens the model writes itself. Each checkpoint is
+zero points, desc_act false: AWQ input scaling, then true-sequential GPTQ (each sublayer calibrated on
+inputs through the ones before it quantized) with act-order over static groups whose ranges come from a
+clipping search, calibrated on ~18,000 tokens the model writes itself. Each checkpoint is
 made once and scored in every dtype.
 Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8,fp8-kv,int4]"""
 

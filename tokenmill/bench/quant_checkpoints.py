@@ -1,7 +1,8 @@
 """Quantized checkpoints of the embedded SmolLM2-135M (the GGUF model dequantized to fp32) for the
 quality benchmark and its tests: `int4_smollm2`, round-to-nearest with the compressed-tensors library
 (a test dependency), saved as llm-compressor would save it; `gptq_smollm2`, a GPTQ-format checkpoint
-calibrated on token ids (AWQ input scaling, then GPTQ with act-order over clipped static groups)."""
+calibrated on token ids (AWQ input scaling, then true-sequential GPTQ with act-order over clipped
+static groups)."""
 
 from __future__ import annotations
 
@@ -118,28 +119,22 @@ def pack_columns(values, order=tuple(range(8))):
 # Shrink ratios of a group's range tried by the clipping search: a narrower range rounds the bulk of the
 # group more finely at the cost of clipping its extremes.
 CLIP_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
-CLIP_FULL = False
 
 
-def group_range(block, hessian, shrinks=None):
+def group_range(block, importance, shrinks=CLIP_SHRINKS):
     """Asymmetric 4-bit (scale, zero) [N] of a group of weights [N, G]: of the range [min, max] (widened
     to hold 0, which integer zero points always represent) shrunk by each ratio, the one whose
     round-to-nearest error, each column weighted by importance [G] (the diagonal of X^T X: how strongly
     its input drives the output), is least. Zero points stay in 1..15: GPTQ stores zero - 1 in 4 bits."""
     import torch
 
-    shrinks = CLIP_SHRINKS if shrinks is None else shrinks
     lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
     best = None
     for ratio in shrinks:
         scale = ((hi - lo) * ratio / 15).clamp(min=1e-8).half().double()  # as the checkpoint stores it
         zero = torch.round(-lo * ratio / scale).clamp(1, 15)
         q = torch.round(block / scale[:, None] + zero[:, None]).clamp(0, 15)
-        delta = (q - zero[:, None]) * scale[:, None] - block
-        if CLIP_FULL:
-            error = ((delta @ hessian) * delta).sum(1)
-        else:
-            error = (delta**2 * torch.diag(hessian)).sum(1)
+        error = (((q - zero[:, None]) * scale[:, None] - block) ** 2 * importance).sum(1)
         if best is None:
             best = (error, scale, zero)
         else:
@@ -148,10 +143,7 @@ def group_range(block, hessian, shrinks=None):
     return best[1], best[2]
 
 
-GPTQ_DAMP = 0.01
-
-
-def gptq_quantize(weight, hessian, group_size: int, damp: float | None = None, block_size: int = 128):
+def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_size: int = 128):
     """GPTQ (Frantar et al., 2022) of one linear weight [N, K] with asymmetric 4-bit groups along K:
     columns are quantized one at a time, each one's rounding error spread over the columns not yet
     quantized through the inverse Hessian of the layer's inputs (H = X^T X). Columns go in order of
@@ -161,7 +153,6 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float | None = None, b
     Returns (q [N, K] in 0..15, scale [G, N], zero [G, N]) with w ~= (q - zero) * scale."""
     import torch
 
-    damp = GPTQ_DAMP if damp is None else damp
     w = weight.double().clone()
     n, k = w.shape
     h = hessian.double().clone()
@@ -170,7 +161,7 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float | None = None, b
     w[:, dead] = 0
     importance = torch.diag(h).clone()
     groups = torch.arange(k) // group_size
-    ranges = [group_range(w[:, groups == g], h[groups == g][:, groups == g]) for g in range(int(groups[-1]) + 1)]
+    ranges = [group_range(w[:, groups == g], importance[groups == g]) for g in range(int(groups[-1]) + 1)]
     scale = torch.stack([r[0] for r in ranges])
     zero = torch.stack([r[1] for r in ranges])
     order = torch.argsort(importance, descending=True)
@@ -226,93 +217,61 @@ def _round_to_nearest(w, group_size: int = 128):
     return torch.cat(blocks, dim=1)
 
 
-def _fold_awq_scales(layer, names, source, hessians: dict, mean_abs: dict) -> None:
-    """Scale the inputs of the linears `names` (sharing one input) by AWQ's factors: the weights'
-    columns by s, the operation producing the input (`source`: an RMSNorm weight, or up_proj's rows for
-    down_proj) by 1/s, and the Hessians to match, so the layer computes the same function."""
-    linears = [layer.get_submodule(n) for n in names]
-    s = awq_scales([m.weight.data for m in linears], hessians[names[0]], mean_abs[names[0]])
-    for m, name in zip(linears, names):
+def _fold_awq_scales(linears: list, source, hessian, mean_abs):
+    """Scale the inputs of `linears` (sharing one input) by AWQ's factors: the weights' columns by s,
+    the operation producing the input (`source`: an RMSNorm weight, or up_proj's rows for down_proj) by
+    1/s, so the layer computes the same function; returns the Hessian of the scaled inputs."""
+    s = awq_scales([m.weight.data for m in linears], hessian, mean_abs)
+    for m in linears:
         m.weight.data = (m.weight.data.double() * s).float()
-        hessians[name] /= s[:, None] * s[None, :]
     source.data = (source.data.double() / (s if source.dim() == 1 else s[:, None])).float()
+    return hessian / (s[:, None] * s[None, :])
 
 
-def _input_statistics(layer, names, hidden: list, rotary: list) -> tuple[dict, dict]:
-    """X^T X and |X| summed over the tokens of the inputs of the layer's linears `names`, over one pass
-    of the calibration's hidden states through the layer as it stands."""
+def _input_statistics(inputs: list) -> tuple:
+    """X^T X and |X| summed over the tokens (AWQ needs only each channel's relative size, so a sum
+    serves as a mean) of a linear's inputs, one tensor per calibration sequence."""
+    hessian = abs_sum = 0
+    for x in inputs:
+        x = x.reshape(-1, x.shape[-1]).double()
+        hessian = hessian + x.t() @ x
+        abs_sum = abs_sum + x.abs().sum(0)
+    return hessian, abs_sum
+
+
+def _quantize_into(tensors: dict, name: str, linear, hessian, group_size: int) -> None:
+    """GPTQ of one linear: its packed tensors into `tensors` under `name`, its weight replaced by the
+    dequantized one, so the sublayers after it calibrate on what the checkpoint will compute."""
     import torch
 
-    hessians, abs_sums, hooks = {}, {}, []
-    for n in names:
-        m = layer.get_submodule(n)
-        hessians[n] = torch.zeros(m.in_features, m.in_features, dtype=torch.float64)
-        abs_sums[n] = torch.zeros(m.in_features, dtype=torch.float64)
-        hooks.append(m.register_forward_pre_hook(_accumulate_into(hessians, abs_sums, n)))
-    with torch.no_grad():
-        for x, position_embeddings in zip(hidden, rotary):
-            layer(x, attention_mask=None, position_embeddings=position_embeddings)
-    for hook in hooks:
-        hook.remove()
-    return hessians, abs_sums
-
-
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-SEQUENTIAL = True
+    q, scale, zero = gptq_quantize(linear.weight.data, hessian, group_size)
+    groups = torch.arange(linear.in_features) // group_size
+    linear.weight.data = ((q - zero[groups].t()) * scale[groups].t()).float()
+    tensors[f"{name}.qweight"] = pack_gptq_rows(q.t())
+    tensors[f"{name}.qzeros"] = pack_columns((zero - 1).long())  # GPTQ stores zero - 1
+    tensors[f"{name}.scales"] = scale.half().contiguous()
+    tensors[f"{name}.g_idx"] = groups.to(torch.int32)
 
 
 def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128) -> str:
     """Save a GPTQ-format (checkpoint_format gptq, desc_act false) 4-bit SmolLM2 at `path`, calibrated
-    on `calibration` (token ids, one sequence each). Layer by layer, each linear's Hessian comes from the
-    inputs it sees with the layers before it already quantized: the calibration's hidden states are
-    kept between layers, so each layer runs once over them. The LM head stays unquantized."""
+    on `calibration` (token ids, one sequence each). Layer by layer and, inside a layer, sublayer by
+    sublayer (true-sequential), each linear's Hessian comes from the inputs it sees with everything
+    before it already quantized: the calibration's hidden states are kept between layers, and each
+    layer's intermediate activations are computed once per sublayer. The LM head stays unquantized."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
     model = _smollm2_fp32()
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     tensors = {}
     with torch.no_grad():
         hidden = [model.model.embed_tokens(torch.tensor([ids])) for ids in calibration]
         rotary = [model.model.rotary_emb(x, torch.arange(x.shape[1])[None]) for x in hidden]
-    for index, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{index}."
-
-        def quantize(names, hessians):
-            for n in names:
-                m = layer.get_submodule(n)
-                q, scale, zero = gptq_quantize(m.weight.data, hessians[n], group_size)
-                groups = torch.arange(m.in_features) // group_size
-                m.weight.data = ((q - zero[groups].t()) * scale[groups].t()).float()
-                tensors[f"{prefix}{n}.qweight"] = pack_gptq_rows(q.t())
-                tensors[f"{prefix}{n}.qzeros"] = pack_columns((zero - 1).long())  # GPTQ stores zero - 1
-                tensors[f"{prefix}{n}.scales"] = scale.half().contiguous()
-                tensors[f"{prefix}{n}.g_idx"] = groups.to(torch.int32)
-
-        if SEQUENTIAL:
-            hessians, mean_abs = _input_statistics(layer, QKV, hidden, rotary)
-            _fold_awq_scales(layer, QKV, layer.input_layernorm.weight, hessians, mean_abs)
-            quantize(QKV, hessians)
-            hessians, _ = _input_statistics(layer, ("self_attn.o_proj",), hidden, rotary)
-            quantize(("self_attn.o_proj",), hessians)
-            hessians, mean_abs = _input_statistics(layer, GATE_UP + ("mlp.down_proj",), hidden, rotary)
-            _fold_awq_scales(layer, GATE_UP, layer.post_attention_layernorm.weight, hessians, mean_abs)
-            _fold_awq_scales(layer, ("mlp.down_proj",), layer.mlp.up_proj.weight, hessians, mean_abs)
-            quantize(GATE_UP, hessians)
-            hessians, _ = _input_statistics(layer, ("mlp.down_proj",), hidden, rotary)
-            quantize(("mlp.down_proj",), hessians)
-        else:
-            names = QKV + ("self_attn.o_proj",) + GATE_UP + ("mlp.down_proj",)
-            hessians, mean_abs = _input_statistics(layer, names, hidden, rotary)
-            _fold_awq_scales(layer, QKV, layer.input_layernorm.weight, hessians, mean_abs)
-            _fold_awq_scales(layer, GATE_UP, layer.post_attention_layernorm.weight, hessians, mean_abs)
-            _fold_awq_scales(layer, ("mlp.down_proj",), layer.mlp.up_proj.weight, hessians, mean_abs)
-            quantize(names, hessians)
-        with torch.no_grad():  # the next layer's inputs, through this layer quantized
-            hidden = [layer(x, attention_mask=None, position_embeddings=p) for x, p in zip(hidden, rotary)]
+        for index, layer in enumerate(model.model.layers):
+            hidden = _quantize_layer(layer, f"model.layers.{index}", hidden, rotary, tensors, group_size)
     for n, param in model.named_parameters():
         if n.rsplit(".", 1)[0] not in linears:
             tensors[n] = param.data.contiguous()
@@ -331,13 +290,44 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
     return path
 
 
-def _accumulate_into(hessians: dict, abs_sums: dict, name: str):
-    """A forward pre-hook adding X^T X of the layer's input to hessians[name] and |X| summed over the
-    tokens to abs_sums[name] (AWQ needs only each channel's relative size, so a sum serves as a mean)."""
-
-    def hook(module, args):
-        x = args[0].reshape(-1, args[0].shape[-1]).double()
-        hessians[name] += x.t() @ x
-        abs_sums[name] += x.abs().sum(0)
-
-    return hook
+def _quantize_layer(layer, prefix: str, hidden: list, rotary: list, tensors: dict, group_size: int) -> list:
+    """Quantize one decoder layer true-sequentially: q/k/v, then o_proj, gate/up, down_proj, each one's
+    Hessian from its inputs through the sublayers before it already quantized (as GPTQ's reference
+    does). AWQ scales the inputs of q/k/v, gate/up and down; o_proj is left alone: its input channels come
+    from value heads shared by several query heads. Returns the next layer's inputs (the calibration's
+    hidden states through this layer quantized)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    hessian, mean_abs = _input_statistics([layer.input_layernorm(x) for x in hidden])
+    hessian = _fold_awq_scales(qkv, layer.input_layernorm.weight, hessian, mean_abs)
+    for name, linear in zip(("q_proj", "k_proj", "v_proj"), qkv):
+        _quantize_into(tensors, f"{prefix}.self_attn.{name}", linear, hessian, group_size)
+    o_inputs = []
+    hook = attn.o_proj.register_forward_pre_hook(lambda module, args: o_inputs.append(args[0]))
+    normed = [layer.input_layernorm(x) for x in hidden]
+    for x, position_embeddings in zip(normed, rotary):
+        attn(x, attention_mask=None, position_embeddings=position_embeddings)
+    hook.remove()
+    _quantize_into(
+        tensors, f"{prefix}.self_attn.o_proj", attn.o_proj, _input_statistics(o_inputs)[0], group_size
+    )
+    residual = [
+        x + attn(y, attention_mask=None, position_embeddings=p)[0] for x, y, p in zip(hidden, normed, rotary)
+    ]
+    mlp_inputs = [layer.post_attention_layernorm(x) for x in residual]
+    hessian, mean_abs = _input_statistics(mlp_inputs)
+    down_hessian, down_mean_abs = _input_statistics(
+        [mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) for x in mlp_inputs]
+    )
+    hessian = _fold_awq_scales(
+        [mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm.weight, hessian, mean_abs
+    )
+    _fold_awq_scales([mlp.down_proj], mlp.up_proj.weight, down_hessian, down_mean_abs)
+    for name in ("gate_proj", "up_proj"):
+        _quantize_into(tensors, f"{prefix}.mlp.{name}", mlp.get_submodule(name), hessian, group_size)
+    mlp_inputs = [layer.post_attention_layernorm(x) for x in residual]
+    down_inputs = [mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) for x in mlp_inputs]
+    _quantize_into(
+        tensors, f"{prefix}.mlp.down_proj", mlp.down_proj, _input_statistics(down_inputs)[0], group_size
+    )
+    return [x + mlp.down_proj(y) for x, y in zip(residual, down_inputs)]
