@@ -3,6 +3,7 @@ the time floor each sets, which binds, and the batch at which decode turns compu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from tokenmill.plan.gpus import RooflineCeilings
@@ -149,24 +150,28 @@ def compute_bound_batch(
     deployment: Deployment, ceilings: RooflineCeilings, tp: int, context_len: int
 ) -> int | None:
     """The smallest decode batch whose compute time reaches its bandwidth time, or None if none does.
-
     compute - bandwidth time is convex in the batch (the expert bytes read are concave in it) and
-    negative at batch 0, so once positive it stays positive: a doubling then bisection search is exact.
-    """
+    negative at batch 0, so once positive it stays positive."""
 
     def is_compute_bound(batch: int) -> bool:
         point = decode_point(deployment, ceilings, tp, batch, context_len)
         return point.compute_time_s >= point.bandwidth_time_s
 
+    return smallest_batch(is_compute_bound)
+
+
+def smallest_batch(holds: Callable[[int], bool]) -> int | None:
+    """The smallest batch >= 1 for which holds(batch) is True, for a condition that stays True once it
+    holds; None if it does not hold by MAX_SEARCHED_BATCH. Doubling, then bisection: exact."""
     high = 1
-    while not is_compute_bound(high):
+    while not holds(high):
         high *= 2
         if high > MAX_SEARCHED_BATCH:
             return None
-    low = high // 2  # not compute-bound (or 0)
+    low = high // 2  # does not hold (or 0)
     while high - low > 1:
         middle = (low + high) // 2
-        if is_compute_bound(middle):
+        if holds(middle):
             high = middle
         else:
             low = middle

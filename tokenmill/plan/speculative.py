@@ -4,12 +4,11 @@ speculation stops paying (where the step turns compute-bound and verifying k dra
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 from tokenmill.plan.gpus import RooflineCeilings
 from tokenmill.plan.memory import Deployment
-from tokenmill.plan.roofline import MAX_SEARCHED_BATCH, RooflinePoint, decode_point
+from tokenmill.plan.roofline import RooflinePoint, decode_point, smallest_batch
 
 
 class SpeculativePlan(NamedTuple):
@@ -71,6 +70,8 @@ def plan_speculative(
     if measured_verify_cost is not None:
         cost = measured_verify_cost
 
+    # The verify cost only grows with the batch (the step drifts from bandwidth- to compute-bound), so
+    # once speculation stops paying it never pays again.
     def pays(b: int) -> bool:
         return speedup(tau, verify_step(deployment, ceilings, tp, b, context_len, k)[1], k, draft_cost) >= 1.0
 
@@ -83,26 +84,5 @@ def plan_speculative(
         verify_cost_source="roofline" if measured_verify_cost is None else "measured",
         draft_cost=draft_cost,
         speedup=speedup(tau, cost, k, draft_cost),
-        break_even_batch=_first_batch_failing(pays),
+        break_even_batch=smallest_batch(lambda b: not pays(b)),
     )
-
-
-def _first_batch_failing(pays: Callable[[int], bool]) -> int | None:
-    """The smallest batch for which pays(batch) is False, or None up to MAX_SEARCHED_BATCH. The verify
-    cost only grows with the batch (the step drifts from bandwidth- to compute-bound), so doubling then
-    bisection finds it."""
-    if not pays(1):
-        return 1
-    high = 2
-    while pays(high):
-        high *= 2
-        if high > MAX_SEARCHED_BATCH:
-            return None
-    low = high // 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        if pays(middle):
-            low = middle
-        else:
-            high = middle
-    return high
