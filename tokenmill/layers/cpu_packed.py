@@ -14,8 +14,13 @@ from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParal
 
 
 def _ops_available() -> bool:
+    """oneDNN's packed linear, and bf16 support for it on this CPU (AVX512-BW or newer; an AVX2-only CPU
+    keeps F.linear, which converts around the matmul instead of failing)."""
     mkldnn = torch.ops.mkldnn
-    return hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")):
+        return False
+    supported = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
+    return hasattr(mkldnn, "_linear_pointwise") and supported is not None and bool(supported())
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
