@@ -121,7 +121,7 @@ def _context(
         k, v = k_cache[first : first + num_blocks], v_cache[first : first + num_blocks]
     else:
         index = blocks.long()
-        k, v = k_cache[index], v_cache[index]
+        k, v = k_cache.index_select(0, index), v_cache.index_select(0, index)
     return k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
 
 
@@ -173,8 +173,8 @@ def _batched_decode(
         return out
     slots, valid, rows = index
     dtype = _attention_dtype(query.dtype)
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(dtype)
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(dtype)
+    k = _gather_slots(k_cache, slots).transpose(1, 2).to(dtype)
+    v = _gather_slots(v_cache, slots).transpose(1, 2).to(dtype)
     attn = F.scaled_dot_product_attention(
         query[:, :, None, :].to(dtype),
         k,
@@ -190,6 +190,14 @@ def _batched_decode(
     else:
         out[rows] = attn[:, :, 0, :].to(out.dtype)[rows]
     return out
+
+
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [blocks, block_size, heads, dim] read at slots [B, S] -> [B, S, heads, dim]. index_select
+    over the flattened slots, not cache[slots]: advanced indexing took 5x as long on a CPU (129 vs 25 us
+    for 16 requests x 200 tokens of SmolLM2's KV)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
 
 
 def _decode_gather_index(
