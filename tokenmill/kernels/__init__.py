@@ -51,6 +51,23 @@ def triton_kernel(module: str, name: str) -> Callable | None:
     return getattr(importlib.import_module(f"tokenmill.kernels.{module}"), name)
 
 
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The CPU interpreter has no multiprocessors; a nominal count keeps the split paths exercised.
+    return 8
+
+
+def k_splits(tiles: int, k: int, block_k: int, device: torch.device, limit: int) -> int:
+    """How many ways a GEMM with `tiles` output tiles splits K (a power of two up to limit): doubled
+    until the grid has two programs per SM, while each split keeps at least two blocks of K."""
+    split = 1
+    while tiles * split < 2 * sm_count(device) and split < limit and k // (block_k * split * 2) >= 2:
+        split *= 2
+    return split
+
+
 SKINNY_MAX_ROWS = 16  # activation rows up to which quantized linears take kernels/skinny_gemm.py
 
 

@@ -4,12 +4,13 @@ with query heads of a KV group packed into one tensor-core tile and split-KV for
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels import sm_count
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
@@ -267,14 +268,6 @@ def _reduce_splits_kernel(
     tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=8)
-def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    # The CPU interpreter has no multiprocessors; a nominal count keeps the split path exercised.
-    return 8
-
-
 def default_num_kv_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
 ) -> int:
@@ -290,9 +283,8 @@ def default_num_kv_splits(
 
 
 def decode_config(group: int, element_size: int, cache_element_size: int | None = None) -> TileConfig:
-    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache
-    (one byte a value) reads 128 keys a tile, so a tile still brings as many bytes as 64 bf16 keys:
-    with 64, a decode at 32k context ran slower on FP8 KV than on bf16 (H200, half the bytes in flight)."""
+    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache reads
+    128 keys a tile, as many bytes as 64 bf16 keys (with 64, FP8 KV ran slower than bf16 at 32k, H200)."""
     block_n = 64 if element_size <= 2 else 32
     if cache_element_size == 1 and element_size <= 2:
         block_n = 128

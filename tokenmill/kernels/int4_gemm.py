@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.attention import sm_count
+from tokenmill.kernels import k_splits
 
 PACK = 8
 
@@ -95,10 +95,7 @@ def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int
     block_k = 64 if k >= 64 else 32
     split_k = 1
     if m <= 16 and device.type == "cuda":
-        sms = sm_count(device)
-        tiles = triton.cdiv(n, block_n)
-        while tiles * split_k < 2 * sms and split_k < 16 and k // (block_k * split_k * 2) >= 2:
-            split_k *= 2
+        split_k = k_splits(triton.cdiv(n, block_n), k, block_k, device, limit=16)
     return block_m, block_n, block_k, split_k
 
 

@@ -115,9 +115,8 @@ def _context(
     """One request's keys and values [seq_len, kv_heads, head_dim]. Blocks that follow each other in the
     cache (a long prompt's usually do: the allocator hands out free blocks in order) are read in place;
     others are gathered, a copy of the whole context in every layer of every chunk."""
-    num_blocks = blocks.shape[0]
-    first = int(blocks[0])
-    if int(blocks[-1]) - first == num_blocks - 1 and bool((blocks.diff() == 1).all()):
+    if bool((blocks.diff() == 1).all()):
+        first, num_blocks = int(blocks[0]), blocks.shape[0]
         k, v = k_cache[first : first + num_blocks], v_cache[first : first + num_blocks]
     else:
         index = blocks.long()
@@ -140,10 +139,8 @@ def _chunk_over_prefix(
     out_p, lse_p = _CPU_FLASH(q, k[:, :, :prefix_len], v[:, :, :prefix_len], 0.0, False, scale=scale)
     out_c, lse_c = _CPU_FLASH(q, k[:, :, prefix_len:], v[:, :, prefix_len:], 0.0, True, scale=scale)
     lse = torch.logaddexp(lse_p, lse_c)
-    merged = (
-        out_p.float() * torch.exp(lse_p - lse)[..., None] + out_c.float() * torch.exp(lse_c - lse)[..., None]
-    )
-    return merged.to(q.dtype)
+    weight_p, weight_c = torch.exp(lse_p - lse)[..., None], torch.exp(lse_c - lse)[..., None]
+    return (out_p.float() * weight_p + out_c.float() * weight_c).to(q.dtype)
 
 
 @functools.lru_cache(maxsize=4)

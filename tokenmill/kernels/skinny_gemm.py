@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels.attention import sm_count
+from tokenmill.kernels import k_splits
 
 
 class SkinnyConfig(NamedTuple):
@@ -38,6 +38,18 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+
+
+@triton.jit
+def _store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K: tl.constexpr):
+    """result [BLOCK_M, BLOCK_N] into out's rows rm and columns rn: stored, or with split K added to the
+    fp32 partial sums of the other programs."""
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    o_offsets = rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(out + o_offsets, result, mask=o_mask)
 
 
 @triton.jit
@@ -125,12 +137,7 @@ def _w4a16_skinny_kernel(
         result = tl.sum(acc, axis=1)[None, :]
     else:
         result = acc
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    o_offsets = rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(out + o_offsets, result, mask=o_mask)
+    _store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
 @triton.jit
@@ -181,12 +188,7 @@ def _w8a16_skinny_kernel(
         result = (tl.sum(acc, axis=1) * s)[None, :]
     else:
         result = acc * s[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    o_offsets = rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(out + o_offsets, result, mask=o_mask)
+    _store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
 def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
@@ -205,18 +207,23 @@ def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> S
         return SkinnyConfig(16, 512, 1, num_warps=8, num_stages=3)
     else:
         config = SkinnyConfig(32, 256, 1, num_warps=4, num_stages=3)
-    split = 1
     tiles = triton.cdiv(n, config.block_n)
-    while tiles * split < 2 * sm_count(device) and split < 8 and k // (config.block_k * split * 2) >= 2:
-        split *= 2
-    return config._replace(split_k=split)
+    return config._replace(split_k=k_splits(tiles, k, config.block_k, device, limit=8))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as [rows, K] with unit stride along K."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
 def _launch(
-    m: int, n: int, x: torch.Tensor, config: SkinnyConfig, kernel, args: tuple, sizes: tuple, **constexprs
-):
-    """Runs `kernel` (args, out, sizes and strides, out's row stride) over the [n] outputs of m rows in
-    config's tiles; the output in x's dtype."""
+    x: torch.Tensor, x2: torch.Tensor, n: int, config: SkinnyConfig, kernel, args: tuple, sizes: tuple,
+    bias: torch.Tensor | None, **constexprs,
+) -> torch.Tensor:  # fmt: skip
+    """Runs `kernel` (args, out, sizes and strides, out's row stride) over the [n] outputs of x2's rows in
+    config's tiles; returns [..., n] in x's dtype, bias added."""
+    m = x2.shape[0]
     if config.split_k > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
@@ -229,7 +236,10 @@ def _launch(
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
         )  # fmt: skip
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
 
 
 def w4a16_skinny(
@@ -242,10 +252,7 @@ def w4a16_skinny(
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype; group_size a multiple of 8."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     m, k = x2.shape
     n = w_packed.shape[0]
     if m > MAX_ROWS or group_size % 8:
@@ -255,13 +262,10 @@ def w4a16_skinny(
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     args = (x2, w_packed, scale, zero if zero is not None else scale)
     strides = (x2.stride(0), w_packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0)
-    out = _launch(
-        m, n, x2, config, _w4a16_skinny_kernel, args, sizes=(m, n, k, *strides),
+    return _launch(
+        x, x2, n, config, _w4a16_skinny_kernel, args, (m, n, k, *strides), bias,
         GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_W=config.block_k // 8,
     )  # fmt: skip
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], n)
 
 
 def w8a16_skinny(
@@ -273,10 +277,7 @@ def w8a16_skinny(
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ (w_q * w_scale)^T -> [..., N] in x's dtype: w_q e4m3 [N, K],
     w_scale fp32 with one value per row ([N] or [N, 1])."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     m, k = x2.shape
     n = w_q.shape[0]
     if m > MAX_ROWS:
@@ -284,11 +285,8 @@ def w8a16_skinny(
     config = config or default_config(m, n, k, 8, x.device)
     if m > 1 and config.block_k < 16:
         raise ValueError("w8a16_skinny: more than one row takes block_k >= 16 (tl.dot's least K)")
-    scale = w_scale.reshape(-1).float()
-    out = _launch(
-        m, n, x2, config, _w8a16_skinny_kernel, (x2, w_q, scale),
-        sizes=(m, n, k, x2.stride(0), w_q.stride(0)), BLOCK_K=config.block_k,
+    args = (x2, w_q, w_scale.reshape(-1).float())
+    return _launch(
+        x, x2, n, config, _w8a16_skinny_kernel, args, (m, n, k, x2.stride(0), w_q.stride(0)), bias,
+        BLOCK_K=config.block_k,
     )  # fmt: skip
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], n)

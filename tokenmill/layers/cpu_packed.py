@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
-from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 def _ops_available() -> bool:
@@ -46,6 +45,8 @@ def pack_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dtype)
     since the embedding keeps gathering rows of the plain table."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not _ops_available():
         return 0
+    from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
     count = 0
     tables = {
         id(m.weight)

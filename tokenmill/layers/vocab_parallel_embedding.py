@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.cpu_packed import packed_linear
 from tokenmill.layers.linear import ShardId, divide
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -109,7 +110,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, "packed_weight", None)  # set on a CPU in bf16 (layers/cpu_packed.py)
         if packed is not None:
-            from tokenmill.layers.cpu_packed import packed_linear
-
             return packed_linear(hidden, packed, self.bias)
         return F.linear(hidden, self.weight, self.bias)

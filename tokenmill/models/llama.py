@@ -4,8 +4,7 @@ Tokens are flat and varlen: hidden states are [num_tokens, hidden_size]."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantization.compressed_tensors import kv_scales_aside
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.utils import load_model_weights
@@ -165,36 +165,12 @@ class LlamaForCausalLM(nn.Module):
         skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if without_head else [])
         # A bare model's checkpoint (Qwen3Model, ...) names its tensors without the "model." prefix.
         named = ((_with_model_prefix(name), tensor) for name, tensor in weights)
-        kv_scales: dict[tuple[int, str], float] = {}
-        named = _kv_scales_aside(named, kv_scales)
-        load_model_weights(self, named, self.stacked_params_mapping, skip_substrs=skip)
-        for index, layer in enumerate(self.model.layers):
-            found = (kv_scales.get((index, "k")), kv_scales.get((index, "v")))
-            if found != (None, None):
-                if None in found:
-                    raise ValueError(f"checkpoint has only one of layer {index}'s k_scale and v_scale.")
-                layer.self_attn.attn.stored_kv_scales = found
-
-
-# Per-tensor FP8 KV scales as llm-compressor saves them, and as older compressed-tensors checkpoints did.
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
-
-
-def _kv_scales_aside(
-    weights: Iterable[tuple[str, torch.Tensor]], into: dict[tuple[int, str], float]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors without its KV cache scales, which go to `into` by (layer, "k" or "v")."""
-    for name, tensor in weights:
-        match = _KV_SCALE.match(name)
-        if match is None:
-            yield name, tensor
-            continue
-        if tensor.numel() != 1:
-            raise ValueError(f"checkpoint tensor {name!r} has {tensor.numel()} values; a KV scale has 1.")
-        value = float(tensor.float().reshape(()))
-        if not value > 0 or value == float("inf"):
-            raise ValueError(f"checkpoint tensor {name!r} is {value}; a KV scale must be positive, finite.")
-        into[(int(match.group(1)), match.group(2) or match.group(3))] = value
+        kv_scales: dict[int, tuple[float, float]] = {}
+        load_model_weights(
+            self, kv_scales_aside(named, kv_scales), self.stacked_params_mapping, skip_substrs=skip
+        )
+        for index, scales in kv_scales.items():
+            self.model.layers[index].self_attn.attn.stored_kv_scales = scales
 
 
 def _with_model_prefix(name: str) -> str:

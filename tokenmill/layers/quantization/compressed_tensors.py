@@ -13,11 +13,13 @@ needs no requantization. A static input scale of a fused layer is the largest of
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from tokenmill.kernels import skinny_kernel
+from tokenmill.kernels.reference import w8a16_gemm
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -39,18 +41,18 @@ class CompressedTensorsConfig:
 
     def __init__(self, config: dict) -> None:
         where = "quantization_config"
+        groups = config.get("config_groups") or {}
+        kv_scales = _kv_cache_scheme(config.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
+        if not groups and kv_scales:  # the KV cache's scales only; the linears as they are
+            self.format, self.input_scheme, self.ignore = "dense", None, []
+            return
         fmt = config.get("format")
-        if fmt not in FORMATS and not (config.get("kv_cache_scheme") and not config.get("config_groups")):
+        if fmt not in FORMATS:
             raise ValueError(
                 f"{where}.format {fmt!r} is not supported for compressed-tensors (supported: "
                 f"{', '.join(FORMATS)})."
             )
         self.format = fmt
-        groups = config.get("config_groups") or {}
-        self.kv_cache_scales = _kv_cache_scheme(config.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
-        if not groups and self.kv_cache_scales:  # the KV cache's scales only; the linears as they are
-            self.format, self.input_scheme, self.ignore = "dense", None, []
-            return
         if len(groups) != 1:
             raise ValueError(f"{where}.config_groups: one group is supported, got {len(groups)}.")
         ((name, group),) = groups.items()
@@ -129,6 +131,33 @@ def _checkpoint_names(prefix: str) -> list[str]:
     return [prefix]
 
 
+# Per-tensor FP8 KV scales as llm-compressor saves them, and as older compressed-tensors checkpoints did.
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+
+
+def kv_scales_aside(
+    weights: Iterable[tuple[str, torch.Tensor]], into: dict[int, tuple[float, float]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors (model names) without its KV cache scales, which fill `into` as
+    {layer: (k_scale, v_scale)} once the weights are consumed; a layer with one of the two is an error."""
+    found: dict[tuple[int, str], float] = {}
+    for name, tensor in weights:
+        match = _KV_SCALE.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        if tensor.numel() != 1:
+            raise ValueError(f"checkpoint tensor {name!r} has {tensor.numel()} values; a KV scale has 1.")
+        value = float(tensor.float().reshape(()))
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"checkpoint tensor {name!r} is {value}; a KV scale must be positive, finite.")
+        found[(int(match.group(1)), match.group(2) or match.group(3))] = value
+    for layer in sorted({layer for layer, _ in found}):
+        if (layer, "k") not in found or (layer, "v") not in found:
+            raise ValueError(f"checkpoint has only one of layer {layer}'s k_scale and v_scale.")
+        into[layer] = (found[(layer, "k")], found[(layer, "v")])
+
+
 def _kv_cache_scheme(scheme: dict | None, where: str) -> bool:
     """Whether the checkpoint stores per-tensor FP8 scales of each layer's K and V (`self_attn.k_scale`,
     `self_attn.v_scale`), which an FP8 KV cache then uses; any other KV scheme is refused."""
@@ -201,13 +230,10 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
             return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         if self.input_scheme == "tensor":
             return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale)
-        # Weight-only: the skinny kernel for decode-sized batches on CUDA, else dequantize to the
-        # activations' dtype and multiply there.
-        skinny = skinny_kernel(x, "w8a16_skinny")
-        if skinny is not None:
-            return skinny(x, layer.weight, layer.weight_scale, bias)
-        weight = (layer.weight.to(torch.float32) * layer.weight_scale).to(x.dtype)
-        return torch.nn.functional.linear(x, weight, bias)
+        # Weight-only: the skinny kernel for decode-sized batches on CUDA, else its reference (dequantize
+        # to the activations' dtype and multiply there).
+        gemm = skinny_kernel(x, "w8a16_skinny") or w8a16_gemm
+        return gemm(x, layer.weight, layer.weight_scale, bias)
 
 
 def _part_rows(layer: nn.Module, shard_id: ShardId) -> int:

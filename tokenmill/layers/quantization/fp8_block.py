@@ -48,7 +48,6 @@ class Fp8BlockConfig:
         self.block_n, self.block_k = block
         self.ignore: list[str] = list(config.get("modules_to_not_convert") or [])
 
-    kv_cache_scales = False  # no KV scheme in these formats
     uses_fp8 = False  # the reference dequantizes: no FP8 tensor cores needed
 
     def linear_method(self) -> LinearMethodBase:

@@ -55,7 +55,6 @@ class GptqAwqConfig:
                 raise ValueError(f"{where}.zero_point false is not supported (AWQ checkpoints have zeros).")
         self.ignore: list[str] = list(config.get("modules_to_not_convert") or [])
 
-    kv_cache_scales = False  # no KV scheme in these formats
     uses_fp8 = False
 
     def linear_method(self) -> LinearMethodBase:
