@@ -10,6 +10,10 @@ Each timing is a CUDA graph of calls over enough weight copies that L2 cannot ho
 time_us). Every case checks its output against the torch reference.
 
     python benchmarks/gpu/bench_quant_gemm.py --out quant_gemm.json [--sweep] [--rows 1,16]
+
+--fp8-gemm instead times the W8A8 GEMMs at decode batches (--rows, e.g. 32,64,128,256,512): bf16 cuBLAS,
+torch._scaled_mm on quantized activations, the per-token quantization alone, and the Triton row-wise FP8
+GEMM (kernels/fp8_gemm.py) over its tile configs, the activations quantized beforehand as for cuBLAS.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_us  # noqa: E402
 
 from tokenmill.kernels import reference  # noqa: E402
+from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
+from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
 from tokenmill.kernels.int4_gemm import w4a16_gemm  # noqa: E402
 from tokenmill.kernels.skinny_gemm import SkinnyConfig, default_config, w4a16_skinny, w8a16_skinny  # noqa: E402
@@ -56,36 +62,48 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def sweep_configs(bits: int, rows: int) -> list[SkinnyConfig]:
-    block_ns = (8, 16, 32, 64) if rows == 1 else (16, 32, 64)
+    """The first pass: tile sizes and K splits at four warps."""
+    if rows == 1:
+        block_ns = (8, 16, 32) if bits == 4 else (16, 32, 64)
+        block_ks = (512, 1024, 2048) if bits == 4 else (256, 512, 1024, 2048)
+        return [SkinnyConfig(n, k, s, 4, 1) for n in block_ns for k in block_ks for s in (1, 2)]
     block_ks = (256, 512, 1024) if bits == 4 else (128, 256, 512)
-    return [SkinnyConfig(n, k, s, 4, 3) for n in block_ns for k in block_ks for s in (1, 2, 4, 8)]
+    return [SkinnyConfig(n, k, s, 4, 3) for n in (16, 32, 64) for k in block_ks for s in (1, 2, 4, 8)]
 
 
-def sweep(fn, bits: int, rows: int, copies: int, nbytes: int, deadline: float) -> dict:
-    """Tile sizes and splits first, then warps and stages for the best three: {config: TB/s}."""
+def refinements(base: SkinnyConfig, bits: int, rows: int) -> list[SkinnyConfig]:
+    """The second pass around one of the best: warps, and stages (several rows) or the unrolling of
+    the K loop (one row)."""
+    if rows > 1:
+        return [base._replace(num_warps=w, num_stages=st) for w in (2, 4, 8) for st in (2, 3, 4, 5)]
+    unrolls = (1, 2) if bits == 4 else (1, 2, 4)
+    return [base._replace(num_warps=w, unroll=u) for w in (2, 4, 8) for u in unrolls]
+
+
+def sweep(fn, bits: int, rows: int, copies: int, nbytes: int, budget_s: float) -> dict:
+    """Tile sizes and splits first, then refinements of the best three: {config: TB/s}."""
+    deadline = time.monotonic() + budget_s
     found: dict[SkinnyConfig, float] = {}
-    for config in sweep_configs(bits, rows):
-        if time.monotonic() > deadline:
-            break
+
+    def measure(config: SkinnyConfig) -> None:
+        if config in found or time.monotonic() > deadline:
+            return
         try:
             found[config] = nbytes / timed(lambda c, cfg=config: fn(c, cfg), copies) / 1e6
         except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
             print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
-    best = sorted(found, key=found.get, reverse=True)[:3]
-    for base, warps, stages in itertools.product(best, (2, 4, 8), (2, 3, 4, 5)):
-        config = base._replace(num_warps=warps, num_stages=stages)
-        if config in found or time.monotonic() > deadline:
-            continue
-        try:
-            found[config] = nbytes / timed(lambda c, cfg=config: fn(c, cfg), copies) / 1e6
-        except Exception as error:  # noqa: BLE001
-            print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
+
+    for config in sweep_configs(bits, rows):
+        measure(config)
+    for base in sorted(found, key=found.get, reverse=True)[:3]:
+        for config in refinements(base, bits, rows):
+            measure(config)
     ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
-    return {"best": list(ranked[0][0]), "best_tb_per_s": ranked[0][1],
+    return {"best": list(ranked[0][0]), "best_tb_per_s": ranked[0][1], "tried": len(found),
             "top": [[list(c), round(v, 3)] for c, v in ranked[:8]]}  # fmt: skip
 
 
-def case(name: str, rows: int, do_sweep: tuple[str, ...], deadline: float) -> dict:
+def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> dict:
     n, k = SHAPES[name]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     bf16_bytes = n * k * 2
@@ -124,7 +142,7 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], deadline: float) -> di
                               "rel_err": rel_err(got, want)}  # fmt: skip
     if "w8" in do_sweep:
         result["w8a16_skinny_sweep"] = sweep(
-            lambda c, cfg: w8a16_skinny(x, *fp8[c], config=cfg), 8, rows, fp8_copies, fp8_bytes, deadline
+            lambda c, cfg: w8a16_skinny(x, *fp8[c], config=cfg), 8, rows, fp8_copies, fp8_bytes, budget_s
         )
 
     # INT4, symmetric groups of 128 (the online int4 scheme's layout).
@@ -147,8 +165,71 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], deadline: float) -> di
     if "w4" in do_sweep:
         result["w4a16_skinny_sweep"] = sweep(
             lambda c, cfg: w4a16_skinny(x, int4[c][0], int4[c][1], None, GROUP, config=cfg),
-            4, rows, int4_copies, int4_bytes, deadline,
+            4, rows, int4_copies, int4_bytes, budget_s,
         )  # fmt: skip
+    return result
+
+
+FP8_GEMM_CONFIGS = [
+    Fp8GemmConfig(bm, bn, 128, warps, stages)
+    for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4, 5)
+    if not (bm == 128 and bn == 256 and stages == 5)  # more shared memory than an SM has
+]  # fmt: skip
+
+
+def fp8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
+    """One shape at `rows` rows: bf16 cuBLAS, _scaled_mm, the quantization launch, the Triton FP8 GEMM
+    at its default tiles and over FP8_GEMM_CONFIGS (us and TB/s of the weight's bytes)."""
+    n, k = SHAPES[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
+    bf16_copies = max(1, math.ceil(POOL_BYTES / (n * k * 2)))
+    w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(bf16_copies)]
+    result["bf16_cublas_us"] = timed(lambda c: F.linear(x, w[c]), bf16_copies)
+    w.clear()  # the bf16 copies go before the FP8 ones are made
+    fp8_bytes = n * k + n * 4
+    copies = max(1, math.ceil(POOL_BYTES / fp8_bytes))
+    fp8 = [quantize_fp8_per_row(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen))
+           for _ in range(copies)]  # fmt: skip
+    x_q, x_scale = quantize_fp8_per_row(x)
+    result["quantize_us"] = timed(lambda c: quantize_fp8_per_row(x), copies)
+
+    def scaled_mm(c: int) -> torch.Tensor:
+        w_q, w_scale = fp8[c]
+        return torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
+        )
+
+    result["scaled_mm_us"] = timed(scaled_mm, copies)
+    want = scaled_mm(0).float()
+    got = fp8_rowwise_gemm(x_q, x_scale, *fp8[0], None, torch.bfloat16).float()
+    result["triton_rel_err_vs_scaled_mm"] = ((got - want).abs().max() / want.abs().max()).item()
+    result["triton_default"] = list(fp8_default_config(rows, n, k))
+    result["triton_default_us"] = timed(
+        lambda c: fp8_rowwise_gemm(x_q, x_scale, *fp8[c], None, torch.bfloat16), copies
+    )
+    deadline = time.monotonic() + budget_s
+    found = {}
+    for config in FP8_GEMM_CONFIGS:
+        if time.monotonic() > deadline:
+            break
+        try:
+            found[config] = timed(
+                lambda c, cfg=config: fp8_rowwise_gemm(x_q, x_scale, *fp8[c], None, torch.bfloat16, cfg),
+                copies,
+            )
+        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
+    ranked = sorted(found.items(), key=lambda kv: kv[1])
+    result["triton_best"] = list(ranked[0][0])
+    result["triton_best_us"] = ranked[0][1]
+    result["triton_top"] = [[list(c), round(us, 2)] for c, us in ranked[:6]]
+    result["weight_tb_per_s"] = {
+        "bf16": n * k * 2 / result["bf16_cublas_us"] / 1e6,
+        "scaled_mm": fp8_bytes / result["scaled_mm_us"] / 1e6,
+        "triton_best": fp8_bytes / result["triton_best_us"] / 1e6,
+    }
     return result
 
 
@@ -159,19 +240,39 @@ def main() -> int:
     parser.add_argument("--sweep-rows", default="1", help="row counts that get the tile sweep")
     parser.add_argument("--sweep-kernels", default="w8,w4", help="which skinny kernels the sweep times")
     parser.add_argument("--rows", default="1,16")
-    parser.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this long")
+    parser.add_argument("--fp8-gemm", action="store_true", help="the W8A8 GEMMs at decode batches")
+    parser.add_argument("--budget-s", type=float, default=300, help="all the sweeps together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1
-    deadline = time.monotonic() + args.budget_s
+    sweep_rows = args.sweep_rows.split(",") if args.sweep else []
+    kernels = tuple(args.sweep_kernels.split(","))
+    # The budget is shared evenly by the (shape, rows, kernel) sweeps.
+    share = args.budget_s / max(1, len(SHAPES) * len(sweep_rows) * len(kernels))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    if args.fp8_gemm:
+        row_counts = [int(r) for r in args.rows.split(",")]
+        for rows in row_counts:
+            for name in SHAPES:
+                try:
+                    report["cases"].append(fp8_gemm_case(name, rows, args.budget_s / len(row_counts) / 4))
+                except Exception as error:  # noqa: BLE001 - one broken case must not end the run
+                    report["cases"].append(
+                        {"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"}
+                    )
+                print(json.dumps(report["cases"][-1]), file=sys.stderr, flush=True)
+                torch.cuda.empty_cache()
+        text = json.dumps(report, indent=2)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return 0
     for rows in (int(r) for r in args.rows.split(",")):
         for name in SHAPES:
             try:
-                swept = args.sweep and str(rows) in args.sweep_rows.split(",")
-                kernels = tuple(args.sweep_kernels.split(",")) if swept else ()
-                report["cases"].append(case(name, rows, kernels, deadline))
+                swept = kernels if str(rows) in sweep_rows else ()
+                report["cases"].append(case(name, rows, swept, share))
             except Exception as error:  # noqa: BLE001 - one broken case must not end the run
                 report["cases"].append(
                     {"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"}

@@ -34,6 +34,10 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
         (1, 64, 128, 32, False, SkinnyConfig(16, 64, 1, 4, 2)),
         (1, 72, 200, 64, True, SkinnyConfig(16, 128, 2, 4, 2)),  # K not a multiple of the tile or of 8
         (1, 130, 1024, 128, True, SkinnyConfig(32, 256, 3, 4, 2)),  # uneven split of K
+        (1, 64, 1024, 128, False, SkinnyConfig(16, 256, 2, 4, 1)),  # even split: no masks along K
+        (1, 50, 512, 16, True, SkinnyConfig(16, 128, 1, 2, 1, unroll=2)),  # scale every 2 words
+        (1, 40, 768, 768, False, SkinnyConfig(8, 256, 1, 4, 1)),  # one group per row (per channel)
+        (1, 24, 256, 8, True, SkinnyConfig(8, 64, 1, 2, 1)),  # a scale per word
         (3, 40, 96, 32, True, SkinnyConfig(32, 128, 1, 4, 2)),
         (MAX_ROWS, 96, 384, 128, False, SkinnyConfig(16, 128, 2, 4, 2)),
         (5, 50, 256, 16, True, None),  # the default tiles
@@ -56,6 +60,8 @@ def test_w4a16_matches_dequantize_then_matmul(m, n, k, group, zeros, config, dty
     [
         (1, 64, 128, SkinnyConfig(16, 64, 1, 4, 2)),
         (1, 72, 200, SkinnyConfig(16, 64, 2, 4, 2)),  # K not a multiple of the tile, split K
+        (1, 64, 1024, SkinnyConfig(16, 128, 2, 4, 1)),  # even split: no masks along K
+        (1, 40, 512, SkinnyConfig(8, 128, 1, 2, 1, unroll=3)),
         (2, 130, 96, SkinnyConfig(32, 32, 1, 4, 2)),
         (MAX_ROWS, 48, 320, SkinnyConfig(16, 64, 3, 4, 2)),
         (7, 33, 64, None),

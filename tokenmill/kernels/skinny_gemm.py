@@ -22,6 +22,7 @@ signatures).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,13 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    unroll: int = 1  # one row: K-loop iterations unrolled, so that their loads are in flight together
+
+
+# The exponent trick's bit pattern: 0x4B000000 | m is the fp32 2^23 + m for m < 2^23. Passed as a kernel
+# argument, not a literal, so that it sits in a register: then (word & mask) | magic is one LOP3 (three
+# operands, one immediate) instead of two.
+MAGIC = 0x4B000000
 
 
 @triton.jit
@@ -50,6 +58,97 @@ def _store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K: tl.constexpr):
         tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=o_mask)
     else:
         tl.atomic_add(out + o_offsets, result, mask=o_mask)
+
+
+@triton.jit
+def _span(units, pid_k, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """[lo, hi) of the `units` (words or values along K) that split pid_k sums, in whole blocks."""
+    span = tl.cdiv(tl.cdiv(units, SPLIT_K), BLOCK) * BLOCK
+    lo = pid_k * span
+    return lo, tl.minimum(lo + span, units)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x,
+    w_packed,
+    scale,
+    zero,
+    out,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    magic,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SUB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """One row of x against BLOCK_N rows of the packed weight; BLOCK_W words (8 values each) per step.
+
+    Per weight value the loop spends three instructions: LOP3 (the nibble where it lies, OR the magic),
+    FFMA ((2^23 + q 2^sh) 2^-sh - (2^23 + 8) = q - 8, exact), FFMA (times x_i into the tile's sum). The
+    scale is applied once per SUB words (one group), the zero point once per SUB words through the sum
+    of x. With EVEN_K no load is masked along K (the loads stay 16-byte vectors); rows past N read row
+    N-1's copy and are not stored."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rn_ld = rn % N
+    lo, hi = _span(tl.cdiv(K, 8), pid_k, SPLIT_K, BLOCK_W)
+    cols = tl.arange(0, BLOCK_W)
+    base = w_packed + rn_ld[:, None] * stride_wn + cols[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
+    for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
+        w0 = tl.multiple_of(w0, BLOCK_W)
+        rw = w0 + cols
+        if EVEN_K:
+            packed = tl.load(base + w0)
+        else:
+            packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
+        # Nibble i is read where it lies, not shifted down: sh = 4i stays below 20 (the mantissa), so
+        # nibbles 5-7 come from the word shifted right by 12.
+        high = packed >> 12
+        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(8):
+            k = rw * 8 + i
+            if EVEN_K:
+                xi = tl.load(x + k).to(tl.float32)
+            else:
+                xi = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
+            if i < 5:
+                bits = (packed & (0xF << (4 * i))) | magic
+                down = 1.0 / (1 << (4 * i))
+            else:
+                bits = (high & (0xF << (4 * i - 12))) | magic
+                down = 1.0 / (1 << (4 * i - 12))
+            if HAS_ZERO:  # q; the zero (stored minus 8) leaves through x's sum below
+                q = bits.to(tl.float32, bitcast=True) * down - 8388608.0 * down
+                x_sum += xi
+            else:  # q - 8
+                q = bits.to(tl.float32, bitcast=True) * down - (8388608.0 * down + 8.0)
+            part += q * xi[None, :]
+        if SUB > 1:
+            part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // SUB, SUB)), axis=2)
+            x_sum = tl.sum(tl.reshape(x_sum, (BLOCK_W // SUB, SUB)), axis=1)
+        rs = w0 + tl.arange(0, BLOCK_W // SUB) * SUB
+        group = (rs * 8) // GROUP
+        s_ok = (rs < hi)[None, :]
+        s = tl.load(scale + rn_ld[:, None] * stride_sn + group[None, :], mask=s_ok, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(zero + rn_ld[:, None] * stride_zn + group[None, :], mask=s_ok, other=0)
+            part -= (z.to(tl.float32) + 8.0) * x_sum[None, :]
+        acc += s.to(tl.float32) * part
+    rm = tl.arange(0, 1)
+    _store(out, tl.sum(acc, axis=1)[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
 
 
 @triton.jit
@@ -67,6 +166,7 @@ def _w4a16_skinny_kernel(
     stride_sn,
     stride_zn,
     stride_om,
+    magic,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -75,20 +175,15 @@ def _w4a16_skinny_kernel(
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """2-16 rows of x: each nibble's [BLOCK_N, BLOCK_W] plane is dequantized and goes through tl.dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    words = tl.cdiv(K, 8)
-    span = tl.cdiv(tl.cdiv(words, SPLIT_K), BLOCK_W) * BLOCK_W
-    lo = pid_k * span
-    hi = tl.minimum(lo + span, words)
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    lo, hi = _span(tl.cdiv(K, 8), pid_k, SPLIT_K, BLOCK_W)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for w0 in range(lo, hi, BLOCK_W):
         rw = w0 + tl.arange(0, BLOCK_W)
         w_ok = rw < hi
@@ -101,43 +196,67 @@ def _w4a16_skinny_kernel(
             z = z + 8.0
         else:
             z = 8.0
-        if BLOCK_M == 1:
-            # Nibble i is read where it lies, not shifted down: (word & 0xF << sh) | 0x4B000000 is the
-            # fp32 2^23 + q * 2^sh, so one LOP3 and one FADD make q * 2^sh, and x_i * 2^-sh (once per x
-            # element, not per weight) undoes the power. sh stays below 20 (the mantissa): nibbles 5-7
-            # come from the word shifted right by 12.
-            high = packed >> 12
-            part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-            x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
-            for i in tl.static_range(8):
-                k = rw * 8 + i
-                xi = tl.load(x + k, mask=w_ok & (k < K), other=0.0).to(tl.float32)
-                x_sum += xi
-                if i < 5:
-                    bits = (packed & (0xF << (4 * i))) | 0x4B000000
-                    xi = xi * (1.0 / (1 << (4 * i)))
-                else:
-                    bits = (high & (0xF << (4 * i - 12))) | 0x4B000000
-                    xi = xi * (1.0 / (1 << (4 * i - 12)))
-                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xi[None, :]
-            # sum_i (q_i - z) x_i s = s (sum_i q_i x_i - z sum_i x_i): the zero leaves the inner loop.
-            acc += s * (part - z * x_sum[None, :])
+        for i in tl.static_range(8):
+            k = rw * 8 + i
+            xi = tl.load(
+                x + rm[:, None] * stride_xm + k[None, :],
+                mask=m_ok[:, None] & (w_ok & (k < K))[None, :],
+                other=0.0,
+            )
+            q = (((packed >> (4 * i)) & 0xF) | magic).to(tl.float32, bitcast=True) - 8388608.0
+            w = ((q - z) * s).to(xi.dtype)
+            acc = tl.dot(xi, tl.trans(w), acc, input_precision=PRECISION)
+    _store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _w8a16_gemv_kernel(
+    x,
+    w,
+    w_scale,
+    out,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """One row of x against BLOCK_N rows of e4m3 weights: products summed in fp32 registers and reduced
+    across threads once at the end; the row scale applied to the sum. (A tile of 8-bit values carried
+    across iterations, as a register prefetch would, is held a byte per register: the repacking costs
+    more than the overlap gains, seen in the SASS. Unrolling puts the loads in flight together instead.)"""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rn_ld = rn % N
+    lo, hi = _span(K, pid_k, SPLIT_K, BLOCK_K)
+    cols = tl.arange(0, BLOCK_K)
+    base = w + rn_ld[:, None] * stride_wn + cols[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
+    for k0 in tl.range(lo, hi, BLOCK_K, loop_unroll_factor=UNROLL):
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        rk = k0 + cols
+        # x is loaded as a [BLOCK_N, BLOCK_K] tile (each thread reads the x values of its own weight
+        # values; copies for other rows hit L1): in the weight's layout, with no exchange through
+        # shared memory and no barrier, which would keep the unrolled iterations' loads apart.
+        x_ptr = x + tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
+        if EVEN_K:
+            wt = tl.load(base + k0)
+            xk = tl.load(x_ptr)
         else:
-            for i in tl.static_range(8):
-                k = rw * 8 + i
-                xi = tl.load(
-                    x + rm[:, None] * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & (w_ok & (k < K))[None, :],
-                    other=0.0,
-                )
-                q = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                w = ((q - z) * s).to(xi.dtype)
-                acc = tl.dot(xi, tl.trans(w), acc, input_precision=PRECISION)
-    if BLOCK_M == 1:
-        result = tl.sum(acc, axis=1)[None, :]
-    else:
-        result = acc
-    _store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+            wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
+            xk = tl.load(x_ptr, mask=(rk < hi)[None, :], other=0.0)
+        # Each thread holds 16 consecutive values (one 16-byte load): summed there, the tile that is
+        # carried across iterations is a sixteenth of the loaded one.
+        product = wt.to(tl.float32) * xk.to(tl.float32)
+        acc += tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+    s = tl.load(w_scale + rn_ld)
+    rm = tl.arange(0, 1)
+    _store(out, (tl.sum(acc, axis=1) * s)[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
 
 
 @triton.jit
@@ -158,53 +277,36 @@ def _w8a16_skinny_kernel(
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """2-16 rows of x: the e4m3 tile goes to x's dtype and through tl.dot; the row scale at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    lo = pid_k * span
-    hi = tl.minimum(lo + span, K)
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    lo, hi = _span(K, pid_k, SPLIT_K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < hi
         wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if BLOCK_M == 1:
-            xk = tl.load(x + rk, mask=k_ok, other=0.0).to(tl.float32)
-            acc += wt.to(tl.float32) * xk[None, :]
-        else:
-            xk = tl.load(
-                x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
+        xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
     s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
-    if BLOCK_M == 1:
-        result = (tl.sum(acc, axis=1) * s)[None, :]
-    else:
-        result = acc * s[None, :]
-    _store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+    _store(out, acc * s[None, :], rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
 def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
-    """Tiles for m rows of a [n, k] weight, from the H200 sweep of benchmarks/gpu/bench_quant_gemm.py
-    (Llama-3.1-8B's linears at one row): many small programs, each reading wide rows along K; K split
-    only for long rows over few outputs (down_proj), where the grid would otherwise be too small."""
-    if bits == 4:
-        if m == 1:
-            return SkinnyConfig(8, 1024, 1, num_warps=2, num_stages=4)
+    """Tiles for m rows of a [n, k] weight, from the H200 sweeps of benchmarks/gpu/bench_quant_gemm.py
+    (Llama-3.1-8B's linears): at one row, many small programs, each reading wide rows along K; K split
+    only where the grid would otherwise be too small for the GPU."""
+    if m == 1:
+        if bits == 4:
+            config = SkinnyConfig(32, 512, 1, num_warps=4, num_stages=1)
+        else:
+            config = SkinnyConfig(32, 256, 1, num_warps=8, num_stages=1)
+    elif bits == 4:
         config = SkinnyConfig(32, 512, 1, num_warps=4, num_stages=3)
-    elif m == 1:
-        if k >= 8192:
-            return SkinnyConfig(32, 256, 4, num_warps=4, num_stages=3)
-        if n >= 16384:
-            return SkinnyConfig(16, 256, 1, num_warps=4, num_stages=3)
-        return SkinnyConfig(16, 512, 1, num_warps=8, num_stages=3)
     else:
         config = SkinnyConfig(32, 256, 1, num_warps=4, num_stages=3)
     tiles = triton.cdiv(n, config.block_n)
@@ -218,28 +320,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, x2: torch.Tensor, n: int, config: SkinnyConfig, kernel, args: tuple, sizes: tuple,
-    bias: torch.Tensor | None, **constexprs,
-) -> torch.Tensor:  # fmt: skip
-    """Runs `kernel` (args, out, sizes and strides, out's row stride) over the [n] outputs of x2's rows in
-    config's tiles; returns [..., n] in x's dtype, bias added."""
-    m = x2.shape[0]
+    x: torch.Tensor, m: int, n: int, config: SkinnyConfig, launch, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Calls launch(out, grid) over the [n] outputs of m rows in config's tiles (out fp32 and zeroed when
+    K is split); returns [..., n] in x's dtype, bias added."""
     if config.split_k > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(n, config.block_n), config.split_k)
-        kernel[grid](
-            *args, out, *sizes, out.stride(0),
-            BLOCK_M=1 if m == 1 else MAX_ROWS, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
-        )  # fmt: skip
+        launch(out, (triton.cdiv(n, config.block_n), config.split_k))
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
+
+
+def _even(units: int, block: int, config: SkinnyConfig) -> bool:
+    """Whether every split of `units` along K is whole blocks: the one-row kernels then mask no load."""
+    return units % (block * config.split_k) == 0
 
 
 def w4a16_skinny(
@@ -258,14 +357,33 @@ def w4a16_skinny(
     if m > MAX_ROWS or group_size % 8:
         raise ValueError(f"w4a16_skinny takes at most {MAX_ROWS} rows and groups of a multiple of 8")
     config = config or default_config(m, n, k, 4, x.device)
-    if m > 1 and config.block_k < 128:
+    block_w = config.block_k // 8
+    if m > 1 and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
-    args = (x2, w_packed, scale, zero if zero is not None else scale)
-    strides = (x2.stride(0), w_packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0)
-    return _launch(
-        x, x2, n, config, _w4a16_skinny_kernel, args, (m, n, k, *strides), bias,
-        GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_W=config.block_k // 8,
-    )  # fmt: skip
+    zero_arg = zero if zero is not None else scale
+    z_stride = zero.stride(0) if zero is not None else 0
+
+    def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
+        common = dict(
+            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=config.block_n, BLOCK_W=block_w,
+            SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        if m == 1:
+            # The scale is looked up once per SUB words: at most 4, and never across a group's end.
+            sub = math.gcd(4, group_size // 8, block_w)
+            even = k % 8 == 0 and _even(k // 8, block_w, config)
+            _w4a16_gemv_kernel[grid](
+                x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
+                MAGIC, SUB=sub, EVEN_K=even, UNROLL=config.unroll, **common,
+            )  # fmt: skip
+        else:
+            _w4a16_skinny_kernel[grid](
+                x2, w_packed, scale, zero_arg, out, m, n, k, x2.stride(0), w_packed.stride(0),
+                scale.stride(0), z_stride, out.stride(0), MAGIC,
+                BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common,
+            )  # fmt: skip
+
+    return _launch(x, m, n, config, launch, bias)
 
 
 def w8a16_skinny(
@@ -285,8 +403,26 @@ def w8a16_skinny(
     config = config or default_config(m, n, k, 8, x.device)
     if m > 1 and config.block_k < 16:
         raise ValueError("w8a16_skinny: more than one row takes block_k >= 16 (tl.dot's least K)")
-    args = (x2, w_q, w_scale.reshape(-1).float())
-    return _launch(
-        x, x2, n, config, _w8a16_skinny_kernel, args, (m, n, k, x2.stride(0), w_q.stride(0)), bias,
-        BLOCK_K=config.block_k,
-    )  # fmt: skip
+    w_scale = w_scale.reshape(-1)
+    if w_scale.dtype != torch.float32:
+        w_scale = w_scale.float()
+
+    def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
+        common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+                      num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+        if m == 1:
+            _w8a16_gemv_kernel[grid](
+                x2, w_q, w_scale, out, n, k, w_q.stride(0),
+                EVEN_K=_even(k, config.block_k, config), UNROLL=config.unroll, **common,
+            )  # fmt: skip
+        else:
+            _w8a16_skinny_kernel[grid](
+                x2, w_q, w_scale, out, m, n, k, x2.stride(0), w_q.stride(0), out.stride(0),
+                BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common,
+            )  # fmt: skip
+
+    return _launch(x, m, n, config, launch, bias)
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
