@@ -38,7 +38,8 @@ def test_matches_dequantize_then_matmul(m, n, k, config, out_dtype, with_bias) -
     args = [t.to(DEVICE) for t in (a, a_scale, w, w_scale)]
     got = fp8_rowwise_gemm(*args, bias.to(DEVICE, out_dtype) if with_bias else None, out_dtype, config)
     assert got.shape == (m, n) and got.dtype == out_dtype
-    tol = 1e-4 if out_dtype == torch.float32 else 2e-2
+    # On a GPU the products go through FP8 tensor cores, whose partial sums keep fewer bits than fp32.
+    tol = (1e-3 if DEVICE.type == "cuda" else 1e-4) if out_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu().double(), want, atol=tol * want.abs().max().item(), rtol=tol)
 
 

@@ -67,7 +67,9 @@ def _fp8_rowwise_kernel(
             at = tl.load(a_ptr, mask=k_ok, other=0.0)
             wt = tl.load(w_ptr, mask=k_ok, other=0.0)
         if FP8_DOT:
-            acc = tl.dot(at, tl.trans(wt), acc)
+            # Hopper's FP8 tensor cores sum with fewer bits than fp32; each tile's products join the
+            # fp32 sum after BLOCK_K of them (as cuBLAS does without fast accumulation).
+            acc = tl.dot(at, tl.trans(wt), acc, max_num_imprecise_acc=BLOCK_K)
         else:  # e4m3 is exact in fp32: the interpreter and pre-Hopper paths multiply there
             acc = tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
         a_ptr += BLOCK_K
@@ -83,10 +85,16 @@ def _fp8_rowwise_kernel(
 
 def default_config(m: int, n: int, k: int) -> Fp8GemmConfig:
     """Tiles from the H200 sweep of benchmarks/gpu/bench_quant_gemm.py --fp8-gemm (Llama-3.1-8B's
-    linears at 32-512 rows)."""
-    if m <= 64:
+    linears at 32-256 rows): narrow tiles, so that even a 4096-column weight gives every SM a program,
+    and deep pipelines; wide ones for the widest weights (gate/up) once the batch passes 64."""
+    if n >= 16384:
+        if m <= 64:
+            return Fp8GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
+        # (128, 256) was 10% faster at 256 rows before the fp32 promotion; with it, it spills.
+        return Fp8GemmConfig(128, 128, 128, num_warps=8, num_stages=4)
+    if m <= 128:
         return Fp8GemmConfig(64, 64, 128, num_warps=4, num_stages=5)
-    return Fp8GemmConfig(128, 128, 128, num_warps=8, num_stages=4)
+    return Fp8GemmConfig(64, 128, 128, num_warps=4, num_stages=5)
 
 
 @functools.lru_cache(maxsize=8)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import k_splits
+from tokenmill.kernels import k_splits, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -298,13 +298,23 @@ def _w8a16_skinny_kernel(
 
 def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
     """Tiles for m rows of a [n, k] weight, from the H200 sweeps of benchmarks/gpu/bench_quant_gemm.py
-    (Llama-3.1-8B's linears): at one row, many small programs, each reading wide rows along K; K split
-    only where the grid would otherwise be too small for the GPU."""
+    (Llama-3.1-8B's linears, docs/performance.md): at one row, small programs reading wide rows along K,
+    the loop unrolled; K split only where the grid would otherwise leave SMs without a program."""
     if m == 1:
         if bits == 4:
-            config = SkinnyConfig(32, 512, 1, num_warps=4, num_stages=1)
+            if n >= 16384:
+                config = SkinnyConfig(16, 1024, 1, num_warps=4, num_stages=1, unroll=2)
+            else:
+                config = SkinnyConfig(8 if n <= 4096 else 16, 2048, 1, num_warps=4, num_stages=1, unroll=2)
+        elif n >= 16384:
+            config = SkinnyConfig(16, 256, 1, num_warps=4, num_stages=1)
+        elif k >= 8192:
+            config = SkinnyConfig(16, 2048, 1, num_warps=8, num_stages=1, unroll=2)
         else:
-            config = SkinnyConfig(32, 256, 1, num_warps=8, num_stages=1)
+            config = SkinnyConfig(16, 1024, 1, num_warps=8, num_stages=1, unroll=4)
+        tiles = triton.cdiv(n, config.block_n)
+        if tiles >= sm_count(device):
+            return config
     elif bits == 4:
         config = SkinnyConfig(32, 512, 1, num_warps=4, num_stages=3)
     else:

@@ -8,10 +8,12 @@ in fp32, so quality measured on a CPU is the quality of the FP8 scheme, not of a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from tokenmill.kernels import skinny_kernel, triton_kernel
+from tokenmill.kernels import FP8_GEMM_MAX_ROWS, skinny_kernel, triton_kernel
 from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX, quantize_fp8_per_row
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
 
@@ -68,7 +70,8 @@ def fp8_linear(
     """y = x W^T + b with W stored as (w_q, w_scale); x [..., K] quantized per token, or with a
     calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given.
     Decode-sized batches on CUDA skip the activation quantization: the skinny W8A16 kernel multiplies
-    the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two."""
+    the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two. Up to
+    256 rows the Triton FP8 GEMM takes the quantized rows, above that cuBLAS (torch._scaled_mm)."""
     skinny = skinny_kernel(x, "w8a16_skinny")
     if skinny is not None:
         return skinny(x, w_q, w_scale, bias)
@@ -79,7 +82,10 @@ def fp8_linear(
     else:
         x_q = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
-    if _scaled_mm_fits(x2, w_q):
+    triton_gemm = _triton_fp8_gemm(x2)
+    if triton_gemm is not None:
+        y = triton_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+    elif _scaled_mm_fits(x2, w_q):
         y = torch._scaled_mm(
             x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
         ).to(x.dtype)
@@ -88,6 +94,15 @@ def fp8_linear(
     else:
         y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
     return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def _triton_fp8_gemm(x: torch.Tensor) -> Callable | None:
+    """kernels/fp8_gemm.py's GEMM for the batches decode runs at (up to FP8_GEMM_MAX_ROWS rows) on CUDA,
+    where it outruns cuBLAS's FP8 GEMM (docs/performance.md); None elsewhere. (FP8 weights on a GPU
+    passed check_fp8_support at load: it has FP8 tensor cores.)"""
+    if not x.is_cuda or x.shape[0] > FP8_GEMM_MAX_ROWS:
+        return None
+    return triton_kernel("fp8_gemm", "fp8_rowwise_gemm")
 
 
 def _scaled_mm_fits(x: torch.Tensor, w_q: torch.Tensor) -> bool:
