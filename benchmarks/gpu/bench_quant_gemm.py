@@ -221,7 +221,9 @@ def fp8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
             )
         except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
             print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
-    ranked = sorted(found.items(), key=lambda kv: kv[1])
+    ranked = sorted(found.items(), key=lambda kv: kv[1]) or [(fp8_default_config(rows, n, k), None)]
+    if ranked[0][1] is None:  # no sweep (--budget-s 0): the default tiles stand for the best
+        ranked = [(ranked[0][0], result["triton_default_us"])]
     result["triton_best"] = list(ranked[0][0])
     result["triton_best_us"] = ranked[0][1]
     result["triton_top"] = [[list(c), round(us, 2)] for c, us in ranked[:6]]
