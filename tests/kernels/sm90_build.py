@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import activation, attention, kv_cache, norm, rotary
+from tokenmill.kernels import activation, attention, kv_cache, norm, rotary, skinny_gemm
 
 SM90 = GPUTarget("cuda", 90, 32)
 _TRITON_TYPES = {
@@ -29,6 +29,7 @@ _TRITON_TYPES = {
     torch.float16: "fp16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -124,11 +125,27 @@ def _small_launches(dtype: torch.dtype) -> None:
     activation.silu_and_mul(torch.empty(5, 2 * 14336, dtype=dtype))
 
 
+def _skinny_launches(dtype: torch.dtype) -> None:
+    """The quantized decode GEMMs at their default tiles, for Llama-3.1-8B's qkv and down projections."""
+    for n, k in ((6144, 4096), (4096, 14336)):
+        packed = torch.empty(n, k // 8, dtype=torch.int32)
+        scale = torch.empty(n, k // 128, dtype=dtype)
+        w_q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        w_scale = torch.empty(n, 1, dtype=torch.float32)
+        for rows in (1, 16):
+            x = torch.empty(rows, k, dtype=dtype)
+            skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
+            skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+
+
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     builds: list[Build] = []
     kernels = [
         (attention, "_paged_attention_kernel"),
-        (attention, "_reduce_splits_kernel"),
+        (skinny_gemm, "_w4a16_gemv_kernel"),
+        (skinny_gemm, "_w4a16_skinny_kernel"),
+        (skinny_gemm, "_w8a16_gemv_kernel"),
+        (skinny_gemm, "_w8a16_skinny_kernel"),
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
@@ -140,6 +157,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     try:
         _attention_launches(dtype)
         _small_launches(dtype)
+        _skinny_launches(dtype)
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)

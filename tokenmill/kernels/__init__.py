@@ -69,7 +69,7 @@ def k_splits(tiles: int, k: int, block_k: int, device: torch.device, limit: int)
 
 
 SKINNY_MAX_ROWS = 16  # activation rows up to which quantized linears take kernels/skinny_gemm.py
-FP8_GEMM_MAX_ROWS = 256  # and up to which FP8 W8A8 linears take kernels/fp8_gemm.py, not cuBLAS
+FP8_GEMM_MAX_ROWS = 64  # and up to which FP8 W8A8 linears take kernels/fp8_gemm.py, not cuBLAS
 
 
 def skinny_kernel(x: torch.Tensor, name: str) -> Callable | None:

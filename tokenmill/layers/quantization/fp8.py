@@ -71,7 +71,8 @@ def fp8_linear(
     calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given.
     Decode-sized batches on CUDA skip the activation quantization: the skinny W8A16 kernel multiplies
     the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two. Up to
-    256 rows the Triton FP8 GEMM takes the quantized rows, above that cuBLAS (torch._scaled_mm)."""
+    FP8_GEMM_MAX_ROWS rows the Triton FP8 GEMM takes the quantized rows, above that cuBLAS
+    (torch._scaled_mm)."""
     skinny = skinny_kernel(x, "w8a16_skinny")
     if skinny is not None:
         return skinny(x, w_q, w_scale, bias)
