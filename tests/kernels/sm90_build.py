@@ -122,6 +122,12 @@ def _small_launches(dtype: torch.dtype) -> None:
     norm.fused_add_rms_norm(x, x, weight, 1e-6)
     positions = torch.zeros(5, dtype=torch.int64)
     rotary.rotary_embedding(positions, torch.empty(5, 32, 128, dtype=dtype), tokens, torch.empty(10, 128))
+    for cache_dtype in (dtype, torch.float8_e4m3fn):
+        kv = torch.empty(4, 16, 8, 128, dtype=cache_dtype)
+        rotary.rotary_and_write_kv_cache(
+            positions, torch.empty(5, 32, 128, dtype=dtype), tokens, tokens, torch.empty(10, 128), kv, kv,
+            torch.zeros(5, dtype=torch.int64),
+        )  # fmt: skip
     activation.silu_and_mul(torch.empty(5, 2 * 14336, dtype=dtype))
 
 
@@ -149,6 +155,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
+        (rotary, "_rotary_kv_kernel"),
         (activation, "_silu_and_mul_kernel"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]

@@ -30,6 +30,7 @@ class Kernels(NamedTuple):
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_and_write_kv_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
 
 
@@ -107,6 +108,7 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
             rms_norm=reference.rms_norm,
             fused_add_rms_norm=reference.fused_add_rms_norm,
             rotary_embedding=reference.rotary_embedding,
+            rotary_and_write_kv_cache=reference.rotary_and_write_kv_cache,
             silu_and_mul=reference.silu_and_mul,
         )
     from tokenmill.kernels import activation, attention, kv_cache, norm, rotary
@@ -118,5 +120,6 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
         rms_norm=norm.rms_norm,
         fused_add_rms_norm=norm.fused_add_rms_norm,
         rotary_embedding=rotary.rotary_embedding,
+        rotary_and_write_kv_cache=rotary.rotary_and_write_kv_cache,
         silu_and_mul=activation.silu_and_mul,
     )

@@ -275,6 +275,25 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
+def rotary_and_write_kv_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding, then write_kv_cache of the rotated key and the value; returns the rotated
+    (query, key). One launch on the GPU (kernels/rotary.py)."""
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return query, key
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = gate || up  ->  silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.layers.rotary import RotaryEmbedding
 
 # Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
 _DENSE_BACKENDS = [
@@ -66,10 +67,19 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: Kernels | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        kernels: Kernels | None = None,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels or get_kernels()
+        # With a rotary embedding, forward and attend take the positions and rotate q and k themselves,
+        # in the launch that stores K/V. Held in a tuple: the owning attention block registers it.
+        self.rotary = (rotary,) if rotary is not None else ()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -90,8 +100,15 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """q, k, v of this step's tokens -> [T, H * D]. With a rotary embedding, q and k arrive unrotated
+        and positions [T] must be given."""
         if self.split is not None:
             return self.split(self, q, k, v)
         num_tokens = q.shape[0]
@@ -99,13 +116,35 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if attn_metadata.dense_prefill:
-            self.kernels.write_kv_cache(
-                k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale
-            )
+            q, k = self.store_kv(q, k, v, attn_metadata, positions)
             return dense_causal_attention(q, k, v, self.scale).view(
                 num_tokens, self.num_heads * self.head_dim
             )
-        return self.attend(q, k, v, attn_metadata).view(num_tokens, self.num_heads * self.head_dim)
+        return self.attend(q, k, v, attn_metadata, positions=positions).view(
+            num_tokens, self.num_heads * self.head_dim
+        )
+
+    def store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        positions: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's K/V into the cache, rotating q and k first when this layer has a rotary
+        embedding (one launch for both); returns (q, k) as attention reads them."""
+        if self.rotary:
+            if positions is None:
+                raise ValueError("this attention layer applies rotary embeddings: pass the positions")
+            return self.kernels.rotary_and_write_kv_cache(
+                positions, q, k, v, self.rotary[0].cos_sin_cache, self.k_cache, self.v_cache,
+                attn_metadata.slot_mapping, self.k_scale, self.v_scale,
+            )  # fmt: skip
+        self.kernels.write_kv_cache(
+            k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale
+        )
+        return q, k
 
     def attend(
         self,
@@ -114,12 +153,11 @@ class Attention(nn.Module):
         v: torch.Tensor,
         attn_metadata: AttentionMetadata,
         out: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then paged attention of q [T, H, D] over each request's
-        context; into `out` when given. Returns [T, H, D]."""
-        self.kernels.write_kv_cache(
-            k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale
-        )
+        """Write this step's K/V into the cache (see store_kv), then paged attention of q [T, H, D] over
+        each request's context; into `out` when given. Returns [T, H, D]."""
+        q, _ = self.store_kv(q, k, v, attn_metadata, positions)
         return self.kernels.paged_attention(
             q,
             self.k_cache,

@@ -52,7 +52,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position, kernels)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels, self.rotary_emb
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -61,8 +63,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, md))
+        # The attention layer rotates q and k in the launch that stores K and V.
+        return self.o_proj(self.attn(q, k, v, md, positions))
 
 
 class LlamaMLP(nn.Module):

@@ -134,7 +134,7 @@ class PiecewiseGraphs:
         pieces = self.pieces[size]
         for piece, layer in zip(pieces, self.layers, strict=False):
             piece.replay()
-            layer.attend(q, k, v, md, out=out.view(q.shape))
+            layer.attend(q, k, v, md, out=out.view(q.shape), positions=self.positions[:num_tokens])
         pieces[-1].replay()
         return self.hidden[size][:num_tokens]
 
