@@ -102,7 +102,8 @@ def decode(args) -> dict:
     mean_context = args.input_len + args.output_len / 2
     kv_element = 1 if args.kv_cache_dtype == "fp8" else 2
     kv_bytes = kv_bytes_per_token(args.shape) // 2 * kv_element * mean_context * args.batch
-    bytes_per_step = decode_weight_bytes(args.shape) + kv_bytes
+    weight_dtype = {"fp8": "fp8", "int4": "int4"}.get(args.quantization or "", "bf16")
+    bytes_per_step = decode_weight_bytes(args.shape, weight_dtype) + kv_bytes
     return {
         "shape": args.shape,
         "batch": args.batch,

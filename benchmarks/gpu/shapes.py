@@ -71,10 +71,11 @@ def _plan_shape(name: str) -> ModelShape:
     return from_hf_config(SHAPES[name], name)
 
 
-def decode_weight_bytes(name: str) -> int:
-    """Bytes one bf16 decode step must read: the planner's figure (an untied input table is gathered
-    row by row, so it is not counted)."""
-    return weight_bytes(_plan_shape(name), "bf16").read_every_step
+def decode_weight_bytes(name: str, weight_dtype: str = "bf16") -> int:
+    """Bytes one decode step must read with weights in weight_dtype (bf16, fp8 or int4, the LM head
+    kept in bf16 as the engine keeps it): the planner's figure (an untied input table is gathered row by
+    row, so it is not counted)."""
+    return weight_bytes(_plan_shape(name), weight_dtype).read_every_step
 
 
 def kv_bytes_per_token(name: str) -> int:
