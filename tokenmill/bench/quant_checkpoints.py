@@ -185,6 +185,35 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_si
     return unordered, scale, zero
 
 
+def refit_scales(weight, hessian, q, scale, zero, group_size: int):
+    """The groups' scales [G, N] that, with GPTQ's codes q [N, K] and zero points fixed, minimise the
+    layer's output error on the calibration inputs, tr((W - W') H (W - W')^T) with W' = (q - zero) *
+    scale: a least-squares problem of G unknowns per output row (GPTQ chose the codes column by column;
+    the scales were fixed before it). A row whose system is singular, or a scale that comes out not
+    positive, keeps the old one."""
+    import torch
+
+    w, h = weight.double(), hessian.double()
+    n, k = w.shape
+    groups = torch.arange(k) // group_size
+    count = int(groups[-1]) + 1
+    codes = (q - zero[groups].t()).double()  # [N, K]
+    a = torch.zeros(n, count, count, dtype=torch.float64)
+    for g in range(count):
+        rows_g = groups == g
+        cross = codes[:, rows_g] @ h[rows_g]  # [N, K]
+        for g2 in range(count):
+            a[:, g, g2] = (cross[:, groups == g2] * codes[:, groups == g2]).sum(1)
+    wh = w @ h
+    b = torch.stack([(wh[:, groups == g] * codes[:, groups == g]).sum(1) for g in range(count)], 1)
+    ridge = 1e-9 * a.diagonal(dim1=1, dim2=2).mean(1).clamp(min=1e-30)
+    a = a + ridge[:, None, None] * torch.eye(count, dtype=torch.float64)
+    solved, info = torch.linalg.solve_ex(a, b[:, :, None])
+    new = solved[:, :, 0].t()  # [G, N]
+    ok = (info == 0)[None, :] & torch.isfinite(new) & (new > 0)
+    return torch.where(ok, new, scale.double())
+
+
 def awq_scales(weights, hessian, mean_abs, grid: int = 20):
     """AWQ (Lin et al., 2023): per-input-channel scales s = mean|x|^alpha (normalised to geometric mean
     1) for linears sharing one input, with alpha in [0, 1) chosen on the calibration data to minimise
@@ -239,12 +268,17 @@ def _input_statistics(inputs: list) -> tuple:
     return hessian, abs_sum
 
 
+REFIT_SCALES = True  # least-squares scales for GPTQ's codes (refit_scales)
+
+
 def _quantize_into(tensors: dict, name: str, linear, hessian, group_size: int) -> None:
     """GPTQ of one linear: its packed tensors into `tensors` under `name`, its weight replaced by the
     dequantized one, so the sublayers after it calibrate on what the checkpoint will compute."""
     import torch
 
     q, scale, zero = gptq_quantize(linear.weight.data, hessian, group_size)
+    if REFIT_SCALES:
+        scale = refit_scales(linear.weight.data, hessian, q, scale, zero, group_size).half().double()
     groups = torch.arange(linear.in_features) // group_size
     linear.weight.data = ((q - zero[groups].t()) * scale[groups].t()).float()
     tensors[f"{name}.qweight"] = pack_gptq_rows(q.t())
