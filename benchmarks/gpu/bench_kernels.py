@@ -7,6 +7,10 @@ CUDA graph of several calls, replayed after a warm-up, median of many replays (C
 that fails is reported with its error and the run goes on.
 
     python benchmarks/gpu/bench_kernels.py --out kernels.json [--sweep]
+    python benchmarks/gpu/bench_kernels.py --decode-only --decode-cases 16x32768 --kv-dtype fp8 --sweep
+
+--kv-dtype fp8 stores the decode cases' KV cache in e4m3 (bf16 queries, as the engine runs an FP8 cache),
+and the sweep then also tries the tiles and warp counts an FP8 cache may want.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ DECODE_CONFIG_SWEEP = (
     attention.TileConfig(16, 64, 4, 4),
     attention.TileConfig(16, 128, 4, 3),
     attention.TileConfig(16, 64, 8, 3),
+    # Fewer warps: with 16 query rows and 4 warps each key tile is split across warps, so the row max and
+    # the probabilities cross warps (shared memory and barriers) every step; one or two warps keep
+    # them in registers (seen in the FP8 kernel's SASS: 2 barriers and ~200 shared loads a tile).
+    attention.TileConfig(16, 64, 1, 3),
+    attention.TileConfig(16, 128, 2, 3),
+    attention.TileConfig(16, 128, 1, 3),
+    attention.TileConfig(16, 256, 4, 3),
 )
 PREFILL_CONFIG_SWEEP = (
     attention.TileConfig(128, 64, 8, 3),
@@ -94,13 +105,14 @@ def run_case(results: list[dict], case: dict, body: Callable[[], dict]) -> None:
     print(json.dumps(case), file=sys.stderr, flush=True)
 
 
-def decode_case(batch: int, context: int, sweep: bool) -> dict:
+def decode_case(batch: int, context: int, sweep: bool, kv_dtype: torch.dtype = DTYPE) -> dict:
     blocks_per_seq = math.ceil(context / KV_BLOCK_SIZE)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     copies = max(1, math.ceil(MIN_KV_POOL_BYTES / kv_bytes))
     num_blocks = copies * batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, KV_BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
+    shape = (num_blocks, KV_BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE).to(kv_dtype)
+    v_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE).to(kv_dtype)
     # Each copy's requests own scattered pages, as in a long-running server.
     pages = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int64).to(torch.int32)
     block_tables = pages.view(copies, batch, blocks_per_seq)
@@ -135,18 +147,20 @@ def decode_case(batch: int, context: int, sweep: bool) -> dict:
     )
     result["max_abs_err_vs_reference"] = (got.float() - want.float()).abs().max().item()
 
-    # The same attention by SDPA over contiguous KV (no paging), the bar from GPU_FACTS.md.
-    k = torch.randn(copies, batch, NUM_KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    # The same attention by SDPA over contiguous bf16 KV (no paging), the bar from GPU_FACTS.md.
+    sdpa_bytes = kv_bytes * DTYPE.itemsize // kv_dtype.itemsize
+    sdpa_copies = max(1, math.ceil(MIN_KV_POOL_BYTES / sdpa_bytes))
+    k = torch.randn(sdpa_copies, batch, NUM_KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     v = torch.randn_like(k)
     q = query.view(batch, NUM_HEADS, 1, HEAD_DIM)
     sdpa_calls = itertools.count()
 
     def sdpa_step() -> None:
-        copy = next(sdpa_calls) % copies
+        copy = next(sdpa_calls) % sdpa_copies
         F.scaled_dot_product_attention(q, k[copy], v[copy], enable_gqa=True)
 
-    sdpa_us = time_us(sdpa_step, calls_per_graph, replays=50)
-    result.update(sdpa_contiguous_us=sdpa_us, sdpa_contiguous_kv_tb_per_s=kv_bytes / sdpa_us / 1e6)
+    sdpa_us = time_us(sdpa_step, max(sdpa_copies, 8), replays=50)
+    result.update(sdpa_contiguous_us=sdpa_us, sdpa_contiguous_kv_tb_per_s=sdpa_bytes / sdpa_us / 1e6)
     if sweep:
         result["us_by_num_kv_splits"] = {str(n): measure(n) for n in DECODE_SPLIT_SWEEP}
         by_config = {}
@@ -283,6 +297,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time other KV splits and tile configs")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the decode cases' cache")
+    parser.add_argument("--decode-cases", default="1x2048,1x8192,32x2048,32x8192,128x2048,128x8192",
+                        help="BATCHxCONTEXT,...")  # fmt: skip
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill and small kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
@@ -304,16 +322,18 @@ def main() -> int:
         "prefill": [],
         "elementwise": [],
     }
-    for batch in (1, 32, 128):
-        for context in (2048, 8192):
-            run_case(report["decode"], {"batch": batch, "context": context},
-                     lambda b=batch, c=context: decode_case(b, c, args.sweep))  # fmt: skip
-            torch.cuda.empty_cache()
-    for query_len, context_len in ((8192, 0), (2048, 6144)):
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
+    report["layout"]["kv_dtype"] = str(kv_dtype)
+    for case in args.decode_cases.split(","):
+        batch, context = (int(v) for v in case.split("x"))
+        run_case(report["decode"], {"batch": batch, "context": context},
+                 lambda b=batch, c=context: decode_case(b, c, args.sweep, kv_dtype))  # fmt: skip
+        torch.cuda.empty_cache()
+    for query_len, context_len in () if args.decode_only else ((8192, 0), (2048, 6144)):
         run_case(report["prefill"], {"query_len": query_len, "cached_prefix": context_len},
                  lambda q=query_len, c=context_len: prefill_case(q, c, args.sweep))  # fmt: skip
         torch.cuda.empty_cache()
-    for num_tokens in (128, 8192):
+    for num_tokens in () if args.decode_only else (128, 8192):
         for name, body in elementwise_cases(num_tokens).items():
             run_case(report["elementwise"], {"kernel": name, "num_tokens": num_tokens}, body)
     text = json.dumps(report, indent=2)

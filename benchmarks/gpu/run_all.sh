@@ -29,6 +29,9 @@ for stage in $stages; do
            timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
+    # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
+    attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
+                     --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \
                      --output-len 128 --out "$out/profile_decode_8b_$q.json" | head -16; done
                    for q in none fp8; do timeout 150 $py benchmarks/gpu/profile_decode.py --batch 128 --output-len 64 \
