@@ -253,34 +253,23 @@ def main() -> int:
     # The budget is shared evenly by the (shape, rows, kernel) sweeps.
     share = args.budget_s / max(1, len(SHAPES) * len(sweep_rows) * len(kernels))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    row_counts = [int(r) for r in args.rows.split(",")]
     if args.fp8_gemm:
-        row_counts = [int(r) for r in args.rows.split(",")]
-        for rows in row_counts:
-            for name in SHAPES:
-                try:
-                    report["cases"].append(fp8_gemm_case(name, rows, args.budget_s / len(row_counts) / 4))
-                except Exception as error:  # noqa: BLE001 - one broken case must not end the run
-                    report["cases"].append(
-                        {"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"}
-                    )
-                print(json.dumps(report["cases"][-1]), file=sys.stderr, flush=True)
-                torch.cuda.empty_cache()
-        text = json.dumps(report, indent=2)
-        print(text)
-        if args.out:
-            args.out.write_text(text + "\n")
-        return 0
-    for rows in (int(r) for r in args.rows.split(",")):
-        for name in SHAPES:
-            try:
-                swept = kernels if str(rows) in sweep_rows else ()
-                report["cases"].append(case(name, rows, swept, share))
-            except Exception as error:  # noqa: BLE001 - one broken case must not end the run
-                report["cases"].append(
-                    {"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"}
-                )
-            print(json.dumps(report["cases"][-1]), file=sys.stderr, flush=True)
-            torch.cuda.empty_cache()
+        budget = args.budget_s / len(row_counts) / len(SHAPES)
+        cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in SHAPES]
+    else:
+        cases = [
+            (n, r, lambda n=n, r=r: case(n, r, kernels if str(r) in sweep_rows else (), share))
+            for r in row_counts
+            for n in SHAPES
+        ]
+    for name, rows, body in cases:
+        try:
+            report["cases"].append(body())
+        except Exception as error:  # noqa: BLE001 - one broken case must not end the run
+            report["cases"].append({"shape": name, "rows": rows, "error": f"{type(error).__name__}: {error}"})
+        print(json.dumps(report["cases"][-1]), file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

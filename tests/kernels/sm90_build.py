@@ -155,7 +155,6 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
-        (rotary, "_rotary_kv_kernel"),
         (activation, "_silu_and_mul_kernel"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]

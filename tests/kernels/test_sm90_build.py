@@ -35,7 +35,6 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "_write_kv_cache_kernel",
         "_rms_norm_kernel",
         "_rotary_kernel",
-        "_rotary_kv_kernel",
         "_silu_and_mul_kernel",
     }
     assert [build for build in builds if build["spill_bytes"]] == []

@@ -55,7 +55,8 @@ def _fp8_block_kernel(
 
 
 @functools.lru_cache(maxsize=8)
-def _has_fp8_mma(device: torch.device) -> bool:
+def has_fp8_mma(device: torch.device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) and up."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -79,7 +80,7 @@ def fp8_block_gemm(
         raise ValueError(f"the weight's column block ({block_k}) must be a power of two of 16 or more")
     # Tiles of 64 rows; each row finds its own scale block, so tiles need not align with them.
     tile_m, tile_n = (16 if m <= 16 else 64), 64
-    fp8_dot = a_q.is_cuda and _has_fp8_mma(a_q.device)
+    fp8_dot = a_q.is_cuda and has_fp8_mma(a_q.device)
     grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
     _fp8_block_kernel[grid](
         a_q, a_scale.contiguous(), w_q, w_scale.contiguous(), out, m, n, k,

@@ -13,12 +13,13 @@ when it is not a multiple of the tile. Its reference is layers/quantization/fp8.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels.fp8_block_gemm import has_fp8_mma
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -100,11 +101,6 @@ def default_config(m: int, n: int, k: int) -> Fp8GemmConfig:
     return Fp8GemmConfig(64, 128, 128, num_warps=4, num_stages=5)
 
 
-@functools.lru_cache(maxsize=8)
-def _has_fp8_mma(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def fp8_rowwise_gemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -129,7 +125,7 @@ def fp8_rowwise_gemm(
         a_q, a_scale.reshape(-1), w_q, w_scale.reshape(-1), bias if bias is not None else out, out, m, n, k,
         a_q.stride(0), w_q.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, FP8_DOT=a_q.is_cuda and _has_fp8_mma(a_q.device),
+        EVEN_K=k % config.block_k == 0, FP8_DOT=a_q.is_cuda and has_fp8_mma(a_q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -40,57 +40,6 @@ def _rotary_kernel(
     positions,
     query,
     key,
-    cos_sin_cache,
-    stride_query_tok,
-    stride_query_head,
-    stride_key_tok,
-    stride_key_head,
-    stride_cache_pos,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    Q_HEADS_PAD: tl.constexpr,
-    KV_HEADS_PAD: tl.constexpr,
-    HALF_DIM: tl.constexpr,
-    HALF_DIM_PAD: tl.constexpr,
-):
-    """One program per token: its cos/sin row is read once for every query and key head."""
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + tok).to(tl.int64)
-    cols = tl.arange(0, HALF_DIM_PAD)
-    col_ok = cols < HALF_DIM
-    cos = tl.load(cos_sin_cache + pos * stride_cache_pos + cols, mask=col_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_cache + pos * stride_cache_pos + HALF_DIM + cols, mask=col_ok, other=0.0)
-    sin = sin.to(tl.float32)
-    cos, sin = cos[None, :], sin[None, :]
-    _rotate_heads(
-        query + tok * stride_query_tok,
-        stride_query_head,
-        cos,
-        sin,
-        cols,
-        col_ok,
-        NUM_Q_HEADS,
-        Q_HEADS_PAD,
-        HALF_DIM,
-    )
-    _rotate_heads(
-        key + tok * stride_key_tok,
-        stride_key_head,
-        cos,
-        sin,
-        cols,
-        col_ok,
-        NUM_KV_HEADS,
-        KV_HEADS_PAD,
-        HALF_DIM,
-    )
-
-
-@triton.jit
-def _rotary_kv_kernel(
-    positions,
-    query,
-    key,
     value,
     cos_sin_cache,
     k_cache,
@@ -116,9 +65,11 @@ def _rotary_kv_kernel(
     HALF_DIM_PAD: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
-    """One program per token: query and key rotated in place, then the rotated key and the value stored
-    at the token's slot (none for slot -1, padding). FP8: stored as x / scale, saturated to e4m3."""
+    """One program per token, its cos/sin row read once for every head: query and key rotated in place;
+    with WRITE_KV the rotated key and the value are then stored at the token's slot (none for slot -1,
+    padding). FP8: stored as x / scale, saturated to e4m3."""
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + tok).to(tl.int64)
     cols = tl.arange(0, HALF_DIM_PAD)
@@ -134,6 +85,8 @@ def _rotary_kv_kernel(
         key + tok * stride_key_tok, stride_key_head, cos, sin, cols, col_ok,
         NUM_KV_HEADS, KV_HEADS_PAD, HALF_DIM,
     )  # fmt: skip
+    if not WRITE_KV:
+        return
     slot = tl.load(slot_mapping + tok).to(tl.int64)
     if slot < 0:
         return
@@ -157,6 +110,22 @@ def _rotary_kv_kernel(
     tl.store(v_cache + cache_offsets + HALF_DIM, v2.to(v_cache.dtype.element_ty), mask=mask)
 
 
+def _launch(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+            write_kv: bool) -> None:  # fmt: skip
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    half_dim = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF_DIM=half_dim, HALF_DIM_PAD=triton.next_power_of_2(half_dim), KV_BLOCK_SIZE=k_cache.shape[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn, WRITE_KV=write_kv, num_warps=4,
+    )  # fmt: skip
+
+
 def rotary_and_write_kv_cache(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -171,24 +140,13 @@ def rotary_and_write_kv_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding (in place), then write_kv_cache of the rotated key and the value, in one launch;
     returns (query, key). value [T, Hkv, D] may be strided along its tokens."""
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
     if query.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError("rotary_and_write_kv_cache needs a contiguous last dimension on its tensors")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
-    if num_tokens == 0:
-        return query, key
-    half_dim = head_dim // 2
-    _rotary_kv_kernel[(num_tokens,)](
-        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF_DIM=half_dim, HALF_DIM_PAD=triton.next_power_of_2(half_dim), KV_BLOCK_SIZE=k_cache.shape[1],
-        FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
-    )  # fmt: skip
+    if query.shape[0]:
+        _launch(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                write_kv=True)  # fmt: skip
     return query, key
 
 
@@ -199,18 +157,12 @@ def rotary_embedding(
 
     cos_sin_cache [max_position, D] holds cos in its first D/2 columns and sin in the last D/2.
     """
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
     if query.stride(2) != 1 or key.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError("rotary_embedding needs a contiguous last dimension on query, key and cache")
-    if num_tokens == 0:
-        return query, key
-    half_dim = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        positions, query, key, cos_sin_cache,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF_DIM=half_dim, HALF_DIM_PAD=triton.next_power_of_2(half_dim), num_warps=4,
-    )  # fmt: skip
+    if query.shape[0]:
+        # No cache to write: the key stands in for the value and for both caches, never touched.
+        unused = key[:, None]
+        _launch(
+            positions, query, key, key, cos_sin_cache, unused, unused, positions, 1.0, 1.0, write_kv=False
+        )
     return query, key
