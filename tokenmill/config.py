@@ -53,6 +53,9 @@ class EngineConfig:
     # "fp8": the KV cache in e4m3 with per-tensor K and V scales (half the bytes of bf16: twice the
     # tokens, half of attention's reads). "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # Speculative decoding, as a dict in vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4,
+    # ...}; tokenmill.spec_decode.SpeculativeConfig); parsed and checked here. None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -93,6 +96,17 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.runner not in _RUNNERS:
             raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}.")
+        if self.speculative_config is not None:
+            from tokenmill.spec_decode import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[assignment]
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling does not work with speculative_config yet: leave it unset (or "
+                    "--no-async-scheduling), or turn speculation off."
+                )
+            if self.runner == "pooling":
+                raise ValueError("speculative_config applies to generation, not to runner='pooling'.")
         if self.pooling_type is not None:
             self.pooling_type = self.pooling_type.lower()
             if self.pooling_type not in _POOLING_TYPES:

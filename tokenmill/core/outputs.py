@@ -19,8 +19,8 @@ class TokenLogprobs(NamedTuple):
 class ModelRunnerOutput:
     # One row per scheduled request, in the step's order.
     req_ids: list[str]
-    # The tokens each row sampled that count: empty for a prompt chunk, one token for now (more with
-    # speculative decoding).
+    # The tokens each row sampled that count: empty for a prompt chunk, one token, or with speculative
+    # decoding the accepted drafts and the target's own next token.
     sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprobs | None] | None = None
     # request id -> (position of the first prompt token scored, one entry per prompt token from there)
@@ -28,6 +28,8 @@ class ModelRunnerOutput:
     # The pooling runner's vector per row (float32 little-endian bytes, L2-normalised): set for the rows
     # whose prompt this step finished, None for the others.
     pooled: list[bytes | None] | None = None
+    # Speculative decoding: per row, the drafts proposed for the request's next step ([] for none).
+    spec_token_ids: list[list[int]] | None = None
 
     def result(self) -> ModelRunnerOutput:
         """Executors may return a pending output whose result() waits for the device; this one is ready."""

@@ -59,6 +59,7 @@ class Request:
         # planned while this one runs. Tokens such a step will sample are placeholders until it returns.
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # drafts for the next step (speculative decoding)
         self.block_ids: list[int] = []
         # Chained hashes of this request's full blocks, and how many of them are in the prefix cache.
         self.block_hashes: list[int] = []

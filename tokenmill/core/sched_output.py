@@ -39,6 +39,9 @@ class SchedulerOutput:
     # Tokens each request computes this step, in the order of the batch's rows.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    # Speculative decoding: the draft tokens a request's step verifies, after its one known input token
+    # (they count in num_scheduled_tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

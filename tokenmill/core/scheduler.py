@@ -45,6 +45,12 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._preempted_since_last_step: list[str] = []
         self.num_preemptions = 0
+        # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted, and
+        # accepted drafts by position (index 0: the first draft of a step).
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_position: list[int] = []
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -97,6 +103,7 @@ class Scheduler:
         self._preempted_since_last_step.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(request)
@@ -109,6 +116,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cost_of: dict[str, int] = {}  # each scheduled request's share of the budget
         new_block_ids: dict[str, list[int]] = {}
+        spec_decode: dict[str, list[int]] = {}  # the drafts each scheduled decode verifies
 
         # While a request waits for a seat, running prompt chunks share at most half of the step, so a
         # long prompt cannot hold every other request back for all of its chunks; what the newcomers
@@ -130,9 +138,13 @@ class Scheduler:
             room = budget
             if num_wanted > 1:  # a prompt chunk: within the prefill cap and the half-step room
                 room = min(budget, prefill_room, budget if chunk_room is None else chunk_room)
-            num_new, cost = self._chunk(
-                request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
-            )
+            drafts = self._drafts(request, num_wanted, budget)
+            if drafts:  # a decode verifying drafts: one token and the drafts, at decode cost
+                num_new = cost = 1 + len(drafts)
+            else:
+                num_new, cost = self._chunk(
+                    request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
+                )
             if num_wanted > 1 and num_new < num_wanted:
                 cut.append(request)
             if chunk_room is not None and num_wanted > 1:
@@ -145,6 +157,7 @@ class Scheduler:
                 position = self.running.index(victim)
                 if num_scheduled.pop(victim.request_id, None) is not None:
                     new_block_ids.pop(victim.request_id)
+                    spec_decode.pop(victim.request_id, None)
                     freed = cost_of.pop(victim.request_id)
                     budget += freed
                     if victim.num_tokens_with_placeholders - victim.num_computed_tokens > 1:
@@ -159,6 +172,8 @@ class Scheduler:
                 num_scheduled[request.request_id] = num_new
                 cost_of[request.request_id] = cost
                 new_block_ids[request.request_id] = allocated
+                if drafts:
+                    spec_decode[request.request_id] = drafts
                 budget -= cost
                 if num_wanted > 1:
                     prefill_room -= cost
@@ -229,6 +244,7 @@ class Scheduler:
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_decode,
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
@@ -236,9 +252,24 @@ class Scheduler:
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            request.spec_token_ids = []  # consumed (or stale): the worker proposes again after the step
+            num_drafts = len(spec_decode.get(request_id, ()))
+            if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _drafts(self, request: Request, num_wanted: int, budget: int) -> list[int]:
+        """The request's drafts this step verifies: only for a decode with nothing in flight, and only as
+        many as the step budget, max_model_len and max_tokens leave room for after the target's own
+        token."""
+        drafts = request.spec_token_ids
+        if not drafts or num_wanted != 1 or request.num_output_placeholders:
+            return []
+        room = min(len(drafts), budget - 1, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
 
     def _chunk(self, start: int, num_wanted: int, budget: int, fresh: bool = False) -> tuple[int, int]:
         """(tokens, cost) of the longest run of at most num_wanted tokens from position `start` whose cost
@@ -337,15 +368,26 @@ class Scheduler:
                 )  # fmt: skip
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 continue
-            request.append_output_token(new_token_ids[0])
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._count_accepted(len(drafts), len(new_token_ids) - 1)
+                if running:  # the KV of the rejected drafts' positions is overwritten from here on
+                    request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+            status = None
+            appended = 0
+            for token_id in new_token_ids:  # a stop among accepted drafts ends the request there
+                request.append_output_token(token_id)
+                appended += 1
+                status = self._check_stop(request)
+                if status is not None:
+                    break
             if running:
                 self.kv.cache_full_blocks(request)
-            status = self._check_stop(request)
             logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
-                    new_token_ids=new_token_ids,
+                    new_token_ids=new_token_ids[:appended],
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
@@ -360,7 +402,18 @@ class Scheduler:
             )
             if status is not None:
                 self._finish(request, status)
+            elif running and runner_output.spec_token_ids:
+                request.spec_token_ids = runner_output.spec_token_ids[row]
         return outputs
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_position = self.spec_accepted_per_position
+        per_position.extend([0] * (num_drafts - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
 
     @staticmethod
     def _add_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -45,6 +46,10 @@ _HELP = {
     "reads; scales 1.0 unless the checkpoint has them",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
     "config, else last)",
+    "speculative_config": "speculative decoding as a JSON object, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (ngram: drafts from the request\'s own text, '
+    "prompt_lookup_min/max tokens matched; greedy output is unchanged, sampled output keeps its "
+    "distribution)",
 }
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -58,7 +63,20 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-_PARSERS: dict[str, Callable[[str], object]] = {"kv_cache_memory": parse_bytes}
+def parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({error})") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
+_PARSERS: dict[str, Callable[[str], object]] = {
+    "kv_cache_memory": parse_bytes,
+    "speculative_config": parse_json_object,
+}
 
 
 def _value_type(annotation: object) -> type:

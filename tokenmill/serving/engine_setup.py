@@ -139,7 +139,8 @@ def create_engine(config: EngineConfig) -> EngineParts:
         torch.cuda.empty_cache()
     async_scheduling = config.async_scheduling
     if async_scheduling is None:
-        async_scheduling = runner.device.type == "cuda"
+        # Speculation needs each step's accepted tokens before it plans the next (not yet overlapped).
+        async_scheduling = runner.device.type == "cuda" and config.speculative_config is None
     core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
     parts = EngineParts(core, runner, source, max_model_len, num_blocks, pooling_type)
     if config.warmup and runner.device.type == "cuda":

@@ -61,6 +61,7 @@ class StepInputs(NamedTuple):
     num_decodes: int  # requests with one query token this step
     max_seq_len: int
     samples: list[bool]  # per row: does the token sampled this step count (False for a prompt chunk)
+    num_drafts: list[int]  # per row: draft tokens verified after the row's one known input token
     # Input tokens sampled by the previous step, still on the device: (flat index here, row there).
     pending_dst: list[int]
     pending_src_req_ids: list[str]
@@ -109,13 +110,15 @@ class InputBatch:
                 state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
-    def record_sampled(self, req_ids: list[str], samples: list[bool], token_ids: list[int]) -> None:
-        """A step's sampled tokens reached the host: they stop being pending."""
-        for request_id, keeps, token_id in zip(req_ids, samples, token_ids):
+    def record_sampled(self, req_ids: list[str], samples: list[bool], token_ids: list[list[int]]) -> None:
+        """A step's sampled tokens (one per row, or the accepted drafts and one more after a verified
+        step) reached the host: they stop being pending."""
+        for request_id, keeps, row_tokens in zip(req_ids, samples, token_ids):
             state = self.requests.get(request_id)
             if keeps and state is not None:  # None: finished while the step ran
                 state.num_pending_tokens -= 1
-                state.append_output_token(token_id)
+                for token_id in row_tokens:
+                    state.append_output_token(token_id)
 
     # ---- one step's inputs ------------------------------------------------------------------
 
@@ -133,6 +136,7 @@ class InputBatch:
     def prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """Build the step's inputs and advance each request's computed and pending counts."""
         num_scheduled = scheduler_output.num_scheduled_tokens
+        spec_decode = scheduler_output.scheduled_spec_decode_tokens
         count = len(num_scheduled)
         req_ids = list(num_scheduled)
         states = [self.requests[request_id] for request_id in req_ids]
@@ -146,11 +150,17 @@ class InputBatch:
         pending_dst: list[int] = []
         pending_src: list[str] = []
         samples: list[bool] = []
+        num_drafts: list[int] = []
         token_chunks: list[list[int]] = []
         for row, (state, start, n) in enumerate(zip(states, starts.tolist(), num_new.tolist())):
             end = start + n
             known = len(state.all_token_ids)
-            if end > known:  # the last input token was sampled by the step in flight
+            drafts = spec_decode.get(state.req_id) if spec_decode else None
+            num_drafts.append(len(drafts) if drafts else 0)
+            if drafts:  # the last known token, then the drafts to verify (nothing is in flight)
+                token_chunks.append(state.all_token_ids[start:known] + drafts)
+                end -= len(drafts)
+            elif end > known:  # the last input token was sampled by the step in flight
                 pending_dst.append(int(query_start_loc[row]) + n - 1)
                 pending_src.append(state.req_id)
                 token_chunks.append(state.all_token_ids[start:known] + [0])
@@ -158,7 +168,7 @@ class InputBatch:
                 token_chunks.append(state.all_token_ids[start:end])
             keeps = end == state.num_tokens_with_pending
             samples.append(keeps)
-            state.num_computed_tokens = end
+            state.num_computed_tokens = end + num_drafts[-1]
             if keeps:
                 state.num_pending_tokens += 1
         if max_query_len == 1:
@@ -188,6 +198,7 @@ class InputBatch:
             num_decodes=int(np.count_nonzero(num_new == 1)),
             max_seq_len=int(seq_lens.max()),
             samples=samples,
+            num_drafts=num_drafts,
             pending_dst=pending_dst,
             pending_src_req_ids=pending_src,
         )

@@ -4,6 +4,7 @@ pass and samples on the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -21,7 +22,14 @@ from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
+from tokenmill.worker.sampler import (
+    LogprobTensors,
+    Sampler,
+    SamplingBatch,
+    Verified,
+    resolve_drafts,
+    score_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +50,20 @@ class PendingRunnerOutput:
         logprob_ks: list[int | None],
         prompt_logprobs: dict | None,
         pooled: tuple[list[int], torch.Tensor] | None = None,
+        verified: Verified | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> None:
-        """pooled: the pooling runner's (rows, one vector per row) for the prompts this step finished."""
+        """pooled: the pooling runner's (rows, one vector per row) for the prompts this step finished.
+        verified and drafts: a step that verified drafts (then `sampled` is unused)."""
         self.runner = runner
         self.req_ids = inputs.req_ids
         self.samples = inputs.samples
         non_blocking = sampled.is_cuda
         self.sampled = sampled.to("cpu", non_blocking=non_blocking)
+        self.verified = None
+        self.drafts = drafts
+        if verified is not None:
+            self.verified = Verified(*(t.to("cpu", non_blocking=non_blocking) for t in verified))
         self.logprobs = logprobs.to_host(non_blocking) if logprobs is not None else None
         self.logprob_ks = logprob_ks
         self.prompt_logprobs = prompt_logprobs
@@ -64,7 +79,12 @@ class PendingRunnerOutput:
         if self._result is None:
             if self.ready is not None:
                 self.ready.synchronize()
-            token_ids = self.sampled.tolist()
+            if self.verified is None:
+                token_ids = [[t] for t in self.sampled.tolist()]
+            else:
+                first_rows = np.cumsum([0] + [len(d) + 1 for d in self.drafts[:-1]]).tolist()
+                verified = [t.tolist() for t in self.verified]
+                token_ids = resolve_drafts(verified, self.drafts, first_rows)
             self.runner.input_batch.record_sampled(self.req_ids, self.samples, token_ids)
             prompt_logprobs = None
             if self.prompt_logprobs:
@@ -80,12 +100,27 @@ class PendingRunnerOutput:
                     pooled[row] = vector.tobytes()  # fp32 from the pooler; little-endian hosts only
             self._result = ModelRunnerOutput(
                 req_ids=self.req_ids,
-                sampled_token_ids=[[t] if keeps else [] for t, keeps in zip(token_ids, self.samples)],
+                sampled_token_ids=[t if keeps else [] for t, keeps in zip(token_ids, self.samples)],
                 logprobs=self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None,
                 prompt_logprobs=prompt_logprobs,
                 pooled=pooled,
+                spec_token_ids=self.runner.propose(self.req_ids, self.samples),
             )
         return self._result
+
+
+def _speculates(state) -> bool:
+    """Whether a request takes drafts: verification resamples each position from one distribution, so
+    requests whose distribution depends on the tokens before it within the step (penalties,
+    min_tokens), that ask for logprobs, or that draw from their own seeded generator do not (yet)."""
+    params = state.sampling_params
+    return not (
+        params.uses_penalties
+        or params.logit_bias
+        or params.logprobs is not None
+        or state.num_output_tokens < params.min_tokens
+        or (params.seed is not None and not params.greedy)
+    )
 
 
 # The largest step the piecewise graphs cover, in tokens.
@@ -115,6 +150,14 @@ class ModelRunner:
         self.model = build_model(config, source, max_model_len, self.device, self.dtype, pooling_type is None)
         self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype, self.model)
         self.sampler = Sampler()
+        self.proposer = None
+        spec = config.speculative_config
+        if spec is not None and pooling_type is None:
+            from tokenmill.spec_decode import NgramProposer
+
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
@@ -291,20 +334,104 @@ class ModelRunner:
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
         else:
-            last_rows = md.query_start_loc[1:].long() - 1
+            drafts = scheduler_output.scheduled_spec_decode_tokens
+            if drafts:  # every verified position's logits, not only each request's last
+                logit_rows, draft_ids, last_of_row = self._verify_rows(inputs, drafts)
+            else:
+                logit_rows = md.query_start_loc[1:].long() - 1
             piecewise = self.piecewise_graphs
             if piecewise is not None and not scoring and piecewise.can_run(input_ids.shape[0], md):
                 hidden = piecewise.run(input_ids, positions, md)
             else:
                 hidden = self.model(input_ids, positions, md)
-            logits = self.model.compute_logits(hidden[last_rows])
+            logits = self.model.compute_logits(hidden[logit_rows])
             if scoring:
                 prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
+            if drafts:
+                return self._verify(
+                    inputs, sampling_batch, logits, draft_ids, last_of_row, prompt_logprobs, drafts
+                )
         sampled, logprobs = self.sampler(logits, sampling_batch)
         self._last_sampled = sampled
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         logprob_ks = [r.sampling_params.logprobs for r in sampling_batch.requests]
         return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, prompt_logprobs)
+
+    # ---- speculative decoding ---------------------------------------------------------------
+
+    def _verify_rows(
+        self, inputs: StepInputs, drafts: dict[str, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """(the hidden rows whose logits verification needs: each row's drafts' positions and its last;
+        the draft each such row checks, -1 at a row's last; each request's last logit row)."""
+        ends = inputs.query_start_loc[1:].astype(np.int64)
+        counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
+        rows = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, counts)])
+        draft_ids = np.full(rows.shape[0], -1, dtype=np.int64)
+        last_of_row = np.cumsum(counts) - 1
+        for first, request_id, n in zip(last_of_row - counts + 1, inputs.req_ids, counts):
+            if n > 1:
+                draft_ids[first : first + n - 1] = drafts[request_id]
+        logit_rows, draft_tensor = self._staged([rows, draft_ids], np.int64)
+        return logit_rows, draft_tensor, last_of_row
+
+    def _verify(
+        self,
+        inputs: StepInputs,
+        batch: SamplingBatch,
+        logits: torch.Tensor,
+        draft_ids: torch.Tensor,
+        last_of_row: np.ndarray,
+        prompt_logprobs: dict | None,
+        drafts: dict[str, list[int]],
+    ) -> PendingRunnerOutput:
+        """Verify a step's drafts: the sampling batch repeated for every logit row of a request (the
+        requests that speculate use no per-token state: no penalties, bias, min_tokens, seeds or
+        logprobs), then the accepted prefix and the next token per request, resolved on the host."""
+        counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
+        row_of = np.repeat(np.arange(len(counts)), counts)
+        index = torch.from_numpy(row_of).to(logits.device)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        expanded = dataclasses.replace(
+            batch,
+            requests=[batch.requests[r] for r in row_of.tolist()],
+            temperature=take(batch.temperature),
+            top_k=take(batch.top_k),
+            top_p=take(batch.top_p),
+            min_p=take(batch.min_p),
+            generators={int(last_of_row[r]): g for r, g in batch.generators.items()},
+        )
+        verified, logprobs = self.sampler.verify(logits, expanded, draft_ids)
+        if logprobs is not None:  # one entry per request: at its last row (only requests without drafts ask)
+            logprobs = LogprobTensors(*(t[torch.from_numpy(last_of_row).to(t.device)] for t in logprobs))
+        # Nothing is in flight while speculating: no later step reads these from the device.
+        self._last_sampled = verified.target
+        self._last_row_of = {}
+        row_drafts = [drafts.get(request_id, []) for request_id in inputs.req_ids]
+        logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
+        return PendingRunnerOutput(
+            self, inputs, verified.target, logprobs, logprob_ks, prompt_logprobs,
+            verified=verified, drafts=row_drafts,
+        )  # fmt: skip
+
+    def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]] | None:
+        """Drafts for each row's next step (after its tokens reached the host), [] where the request does
+        not speculate; None without a proposer."""
+        if self.proposer is None:
+            return None
+        out = []
+        for request_id, keeps in zip(req_ids, samples):
+            state = self.input_batch.requests.get(request_id)
+            if not keeps or state is None or not _speculates(state):
+                out.append([])
+                continue
+            params = state.sampling_params
+            room = None if params.max_tokens is None else params.max_tokens - state.num_output_tokens - 1
+            out.append(self.proposer.propose(state.all_token_ids, room))
+        return out
 
     def _execute_pooling(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """One step of the pooling runner: the forward pass, then a vector for every request whose

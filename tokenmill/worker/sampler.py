@@ -120,11 +120,21 @@ class LogprobTensors(NamedTuple):
         ]
 
 
+class Verified(NamedTuple):
+    """Speculative verification, one entry per logit row (a request's drafts' positions, then its
+    last), on the device: resolved per request on the host (resolve_drafts)."""
+
+    target: torch.Tensor  # [L] the target's own token at the row (greedy or sampled)
+    accepted: torch.Tensor  # [L] bool: the row's draft stands (False where there is none)
+    recovered: torch.Tensor  # [L] the token that replaces a rejected draft
+
+
 class Sampler:
-    def __call__(
+    def _process(
         self, logits: torch.Tensor, batch: SamplingBatch
-    ) -> tuple[torch.Tensor, LogprobTensors | None]:
-        """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(greedy tokens [B], the sampling distribution [B, V] or None when every row is greedy)
+        after the logit processors, temperature, top-k, top-p and min-p."""
         raw_logits = logits
         logits = logits.float()
         if batch.needs_logit_edits or batch.needs_penalties:
@@ -138,18 +148,77 @@ class Sampler:
         # included) and on a CPU takes a third of argmax's time (16 x 49,152 fp32: 162 vs 511 us).
         greedy = logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
         if batch.all_greedy:
+            return greedy, None
+        temperature = batch.temperature
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        if batch.needs_top_k_p:
+            scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
+        probs = scaled.softmax(dim=-1)
+        if batch.needs_min_p:
+            max_prob = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < batch.min_p[:, None] * max_prob, 0.0)
+        return greedy, probs
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device."""
+        greedy, probs = self._process(logits, batch)
+        if probs is None:
             sampled = greedy
         else:
-            temperature = batch.temperature
-            scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-            if batch.needs_top_k_p:
-                scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
-            probs = scaled.softmax(dim=-1)
-            if batch.needs_min_p:
-                max_prob = probs.max(dim=-1, keepdim=True).values
-                probs = probs.masked_fill(probs < batch.min_p[:, None] * max_prob, 0.0)
-            sampled = torch.where(temperature > 0, _random_sample(probs, batch.generators), greedy)
-        logprobs = None
-        if batch.max_num_logprobs >= 0:
-            logprobs = score_tokens(raw_logits.float().log_softmax(dim=-1), sampled, batch.max_num_logprobs)
-        return sampled, logprobs
+            sampled = torch.where(batch.temperature > 0, _random_sample(probs, batch.generators), greedy)
+        return sampled, self._logprobs(logits, sampled, batch)
+
+    def verify(
+        self, logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor
+    ) -> tuple[Verified, LogprobTensors | None]:
+        """Speculative verification over logit rows (batch expanded to one entry per row; drafts [L],
+        -1 where a row has no draft). A greedy row accepts its draft when it is the target's argmax, and
+        replaces it by the argmax. A sampled row accepts draft d with probability p(d), p the target's
+        distribution there (the draft came from a deterministic proposer: q is one-hot), and replaces a
+        rejected one by a sample of p without d: together exactly p (Leviathan et al., 2023)."""
+        greedy, probs = self._process(logits, batch)
+        has_draft = drafts >= 0
+        safe = drafts.clamp(min=0)
+        if probs is None:
+            target = recovered = greedy
+            accepted = has_draft & (greedy == drafts)
+        else:
+            sampled = batch.temperature > 0
+            target = torch.where(sampled, _random_sample(probs, batch.generators), greedy)
+            p_draft = probs.gather(1, safe[:, None])[:, 0]
+            coin = torch.rand(p_draft.shape, device=p_draft.device)
+            accepted = has_draft & torch.where(sampled, coin < p_draft, greedy == drafts)
+            residual = probs.scatter(1, safe[:, None], 0.0)
+            # A draft of probability 1 is always accepted; its residual (all zero) is never read. Seeded
+            # rows never have drafts: their generators draw once a step, as without speculation.
+            recovered = torch.where(sampled, _random_sample(residual, {}), greedy)
+        return Verified(target, accepted, recovered), self._logprobs(logits, target, batch)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> LogprobTensors | None:
+        if batch.max_num_logprobs < 0:
+            return None
+        return score_tokens(logits.float().log_softmax(dim=-1), sampled, batch.max_num_logprobs)
+
+
+def resolve_drafts(
+    verified: list[list[int]], drafts: list[list[int]], first_rows: list[int]
+) -> list[list[int]]:
+    """Per request: its accepted drafts, then the target's own token (at the first rejected draft, or
+    after the last draft). verified is (target, accepted, recovered) as host lists; first_rows[r] is
+    request r's first logit row."""
+    target, accepted, recovered = verified
+    tokens = []
+    for first, row_drafts in zip(first_rows, drafts):
+        out = []
+        for j, draft in enumerate(row_drafts):
+            if not accepted[first + j]:
+                out.append(recovered[first + j])
+                break
+            out.append(draft)
+        else:
+            out.append(target[first + len(row_drafts)])
+        tokens.append(out)
+    return tokens

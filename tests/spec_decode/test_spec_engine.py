@@ -1,0 +1,116 @@
+"""N-gram speculative decoding end to end on the CPU: greedy output is token for token what the engine
+gives without speculation, on every architecture, with chunked prefill, preemption, prefix hits, aborts,
+stop tokens among accepted drafts and max_tokens ending inside them; drafts are really accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ARCHS
+from tests.models.test_llama_equivalence import make_llm, random_prompts
+from tests.serving.test_async_scheduling import run
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode import ReplayProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def copying_prompts() -> list[list[int]]:
+    """Random prompts, and prompts that repeat a run of tokens (where random weights also tend to loop):
+    the proposer finds matches in both."""
+    loop = random_prompts([7], seed=9)[0]
+    return random_prompts([5, 30, 17, 2], seed=2) + [loop * 4, (loop + [11]) * 3 + loop[:3]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -> None:
+    prompts = copying_prompts()
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.9, seed=5, n=2, ignore_eos=True),  # seeded: no drafts
+        SamplingParams(max_tokens=25, temperature=0, frequency_penalty=1.0, ignore_eos=True),  # no drafts
+        SamplingParams(max_tokens=37, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=23, temperature=0, min_tokens=3),
+    ]
+    # Small blocks, budget and cache: chunked prefill and preemption; one abort mid-run.
+    engine_args = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=20, max_model_len=128)
+    expected = run(make_llm(hf_model_dirs[arch][0], **engine_args), prompts, params, abort_at_step=4)
+    spec = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
+    assert run(spec, prompts, params, abort_at_step=4) == expected
+    assert spec.engine.scheduler.num_preemptions > 0
+    # Random weights seldom copy their context, so n-gram drafts are mostly rejected: replaying the
+    # plain run's tokens, a third of them corrupted, gives accepted runs, rejections at every position
+    # and drafts that reach max_tokens.
+    recorded = [prompts[int(k)] + r[0][0] for k, r in expected.items() if k != "0"]
+    replay = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
+    replay.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+    assert run(replay, prompts, params, abort_at_step=4) == expected
+    scheduler = replay.engine.scheduler
+    assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
+    assert all(count > 0 for count in scheduler.spec_accepted_per_position)
+
+    # Stop on a token each greedy request produces (its 6th), which the drafts may carry past.
+    stops = {i: r[0][0][5] for i, r in ((int(k), v) for k, v in expected.items())
+             if len(r[0][0]) > 6 and params[i].min_tokens == 0 and params[i].temperature == 0}  # fmt: skip
+    stopped = [
+        p if i not in stops else SamplingParams(**{**p.__dict__, "stop_token_ids": [stops[i]]})
+        for i, p in enumerate(params)
+    ]
+    plain = run(make_llm(hf_model_dirs[arch][0], **engine_args), prompts, stopped)
+    assert run(replay, prompts, stopped) == plain
+    for i in stops:
+        tokens, reason, _ = plain[str(i)][0]
+        assert reason == "stop" and tokens[-1] == stops[i]
+
+
+def test_prefix_hits_and_max_tokens_inside_the_drafts(hf_model_dirs) -> None:
+    """The same prompt again reads its prefix from the cache; max_tokens that ends inside a step's
+    accepted drafts cuts there (the scheduler never verifies drafts past it)."""
+    loop = random_prompts([6], seed=4)[0]
+    prompt = loop * 5
+    engine_args = dict(block_size=4, max_model_len=128)
+    plain = make_llm(hf_model_dirs["llama"][0], **engine_args)
+    spec = make_llm(hf_model_dirs["llama"][0], **engine_args, speculative_config=NGRAM)
+    for max_tokens in (3, 9, 40):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+        # Drafts that are all right (the plain run replayed), so max_tokens ends inside accepted ones.
+        recorded = prompt + want[0].outputs[0].token_ids + [0] * 8
+        spec.engine.runner.proposer = ReplayProposer([recorded], 4)
+        for _ in range(2):  # the second time from the prefix cache
+            got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+            assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+            assert len(got[0].outputs[0].token_ids) == max_tokens
+    assert spec.engine.scheduler.kv.prefix_cache_hits > 0
+    assert spec.engine.scheduler.spec_num_accepted_tokens > 0
+
+
+def test_smollm2_copying_and_chat_with_stop_strings() -> None:
+    """The embedded model: a prompt that asks for a copy of a passage (most drafts accepted) and free
+    chat, with stop strings; the same texts as without speculation."""
+    passage = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long."
+    prompts = [f"Repeat this sentence exactly: {passage}\nRepeated: {passage[:20]}", "Once upon a time"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0, max_tokens=40, stop=[" was"]),
+    ]
+    results = []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(dtype="float32", max_model_len=512, speculative_config=speculative_config)
+        results.append(run(llm, prompts, params))
+    assert results[0] == results[1]
+    scheduler = llm.engine.scheduler
+    assert scheduler.spec_num_accepted_tokens > 0
+
+
+def test_sampled_requests_speculate_and_stay_valid(hf_model_dirs) -> None:
+    """Unseeded sampled requests take drafts (accepted by rejection sampling); their outputs have the
+    asked length and only vocabulary tokens."""
+    loop = random_prompts([5], seed=3)[0]
+    spec = make_llm(hf_model_dirs["qwen3"][0], block_size=4, max_model_len=128, speculative_config=NGRAM)
+    params = SamplingParams(max_tokens=30, temperature=0.3, ignore_eos=True, n=4)
+    outputs = spec.generate(prompt_token_ids=[loop * 6], sampling_params=params, use_tqdm=False)
+    for sample in outputs[0].outputs:
+        assert len(sample.token_ids) == 30 and all(0 <= t < 1003 for t in sample.token_ids)
+    assert spec.engine.scheduler.spec_num_drafts > 0

@@ -1,0 +1,53 @@
+"""`speculative_config` as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
+"prompt_lookup_min": 1, "prompt_lookup_max": 4}."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+_METHODS = ("ngram",)
+_PLANNED = ("draft_model", "layer_skip", "eagle", "eagle3")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram: the proposer looks for the request's last n tokens earlier in its own text, for n from
+    # prompt_lookup_max down to prompt_lookup_min, and proposes what followed the latest match.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """From a dict (LLM(speculative_config=...), the --speculative-config JSON); ValueError naming
+        the key on anything it does not take."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}.")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config needs {key!r}.")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method in _PLANNED:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported yet; supported: {_METHODS}."
+            )
+        if self.method not in _METHODS:
+            raise ValueError(f"speculative_config method must be one of {_METHODS}, got {self.method!r}.")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {key} must be a positive integer, got {value!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                f"prompt_lookup_max ({self.prompt_lookup_max})."
+            )

@@ -1,0 +1,34 @@
+"""A proposer for measuring the speculation machinery itself: it proposes the tokens an earlier run of
+the same requests produced (recorded greedy outputs), so every draft is accepted, or corrupts each draft
+at a set rate to give a chosen acceptance. Benchmarks and tests only: it knows the answer."""
+
+from __future__ import annotations
+
+import random
+
+
+class ReplayProposer:
+    def __init__(
+        self,
+        sequences: list[list[int]],
+        num_speculative_tokens: int,
+        corrupt_rate: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        """sequences: full token sequences (prompt then output) of the earlier run. A draft token is
+        replaced by another one with probability corrupt_rate."""
+        if not 0.0 <= corrupt_rate <= 1.0:
+            raise ValueError(f"corrupt_rate must be in [0, 1], got {corrupt_rate!r}.")
+        self.sequences = [list(s) for s in sequences]
+        self.k = num_speculative_tokens
+        self.corrupt_rate = corrupt_rate
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        limit = self.k if max_tokens is None else min(self.k, max_tokens)
+        length = len(token_ids)
+        for sequence in self.sequences:
+            if len(sequence) > length and sequence[:length] == list(token_ids):
+                drafts = sequence[length : length + max(limit, 0)]
+                return [t + 1 if self.rng.random() < self.corrupt_rate else t for t in drafts]
+        return []
