@@ -110,3 +110,16 @@ def test_several_api_processes_add_up_in_one_scrape(tmp_path):
     assert scraped("inter_token_latency_seconds_bucket", le="+Inf") == 18
     assert scraped("inter_token_latency_seconds_count") == 18
     assert scraped("request_success_total", finished_reason="length") == 3
+
+
+def test_speculative_decoding_counters():
+    metrics = ServerMetrics("m")
+    metrics.record_stats(SchedulerStats(1, 0, 0.1, 2, 0, 0, 0, [], 3, 12, 7, [3, 2, 2]))
+    metrics.record_stats(SchedulerStats(1, 0, 0.1, 2, 0, 0, 0, [], 5, 20, 10, [5, 3, 2, 0]))
+    assert value(metrics, "spec_decode_num_drafts_total") == 5
+    assert value(metrics, "spec_decode_num_draft_tokens_total") == 20
+    assert value(metrics, "spec_decode_num_accepted_tokens_total") == 10
+    per_position = [
+        value(metrics, "spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)
+    ]
+    assert per_position == [5, 3, 2]

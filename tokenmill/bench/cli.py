@@ -10,6 +10,7 @@ from tokenmill.bench.arrivals import ARRIVAL_PROCESSES
 from tokenmill.bench.client import ENDPOINTS
 from tokenmill.bench.datasets import DATASET_NAMES
 from tokenmill.bench.metrics import METRICS
+from tokenmill.entrypoints.engine_args import parse_json_object
 
 
 def add_parser(subparsers: Any) -> None:
@@ -196,6 +197,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int)
     engine.add_argument("--max-num-batched-tokens", type=int)
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int)
+    engine.add_argument(
+        "--speculative-config",
+        type=parse_json_object,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (the output '
+        "then reports the drafts' acceptance)",
+    )
     engine.add_argument(
         "--skip-tokenizer-init", action="store_true", help="engine works on token ids only (no detokenizing)"
     )

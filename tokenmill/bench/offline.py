@@ -58,6 +58,7 @@ def throughput_main(args: argparse.Namespace) -> int:
         "tokens_per_second": (input_tokens + output_tokens) / elapsed,
         "input_tokens_per_second": input_tokens / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
+        "speculative_decoding": speculation_stats(llm),
     }
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -215,9 +216,28 @@ def _make_llm(args: argparse.Namespace, **engine_overrides: Any) -> Any:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_tokens_with_decodes": args.max_prefill_tokens_with_decodes,
         "skip_tokenizer_init": args.skip_tokenizer_init or None,
+        "speculative_config": getattr(args, "speculative_config", None),
         **engine_overrides,
     }
     return LLM(**{k: v for k, v in engine_args.items() if v is not None})
+
+
+def speculation_stats(llm: Any) -> dict[str, Any] | None:
+    """The drafts' acceptance over the run (vLLM's names), None without speculation: mean accepted
+    length counts the target's own token, so it is the tokens each verifying step produced."""
+    scheduler = llm.engine.scheduler
+    if not scheduler.spec_num_drafts:
+        return None
+    drafts, proposed = scheduler.spec_num_drafts, scheduler.spec_num_draft_tokens
+    accepted = scheduler.spec_num_accepted_tokens
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": proposed,
+        "num_accepted_tokens": accepted,
+        "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts,
+        "accepted_per_position": [count / drafts for count in scheduler.spec_accepted_per_position],
+    }
 
 
 def _write_json(path: str | None, result: dict[str, Any]) -> None:

@@ -187,6 +187,10 @@ class EngineCoreProc:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
             queue_times=queue_times,
+            spec_num_drafts=scheduler.spec_num_drafts,
+            spec_num_draft_tokens=scheduler.spec_num_draft_tokens,
+            spec_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
+            spec_accepted_per_position=list(scheduler.spec_accepted_per_position),
         )
 
     def _send(self, message: object, client_index: int = 0) -> None:

@@ -63,6 +63,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int  # cumulative tokens found
     num_preemptions: int  # cumulative
     queue_times: list[float]  # seconds waited by each request first scheduled in this step
+    # Speculative decoding, cumulative: steps that verified drafts, drafts, accepted drafts, and
+    # accepted drafts by position in their step.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

@@ -61,6 +61,7 @@ class ServerMetrics:
         # Set by the launcher of several API processes before any of them imported prometheus_client.
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         labels = {"model_name": model_name, "engine": "0"}
+        self._labels = labels
         names = list(labels)
 
         def gauge(name: str, doc: str):
@@ -91,6 +92,19 @@ class ServerMetrics:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Steps of a request that verified drafts."
+        )
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._accepted_per_position = Counter(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the step's drafts (0: the first).",
+            [*names, "position"],
+            registry=self.registry,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         success = Counter(
@@ -128,6 +142,16 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.spec_decode_num_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
+        self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(
+            stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+        )
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            before = last.spec_accepted_per_position
+            delta = count - (before[position] if position < len(before) else 0)
+            if delta:
+                self._accepted_per_position.labels(**self._labels, position=str(position)).inc(delta)
         for seconds in stats.queue_times:
             self.request_queue_time.observe(seconds)
         self._last_stats = stats
