@@ -114,3 +114,39 @@ def test_sampled_requests_speculate_and_stay_valid(hf_model_dirs) -> None:
     for sample in outputs[0].outputs:
         assert len(sample.token_ids) == 30 and all(0 <= t < 1003 for t in sample.token_ids)
     assert spec.engine.scheduler.spec_num_drafts > 0
+
+
+def test_dynamic_speculation_by_batch_size_and_by_acceptance(hf_model_dirs) -> None:
+    """A step with disable_by_batch_size running requests verifies no drafts; a request whose drafts
+    keep being rejected stops taking them except for a probe every few steps; output unchanged."""
+    prompts = copying_prompts()[:4]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine_args = dict(block_size=4, max_model_len=128)
+    plain = make_llm(hf_model_dirs["llama"][0], **engine_args)
+    want = [
+        o.outputs[0].token_ids
+        for o in plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    ]
+    recorded = [p + w for p, w in zip(prompts, want)]
+
+    def spec_run(corrupt: float = 0.0, **spec_keys) -> tuple[LLM, list[list[int]]]:
+        llm = make_llm(hf_model_dirs["llama"][0], **engine_args, speculative_config={**NGRAM, **spec_keys})
+        llm.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=corrupt)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outputs]
+
+    # Four requests at once, speculation off from 4 running: only steps with fewer running speculate.
+    llm, got = spec_run(disable_by_batch_size=4)
+    assert got == want and llm.engine.scheduler.spec_num_drafts == 0
+    llm, got = spec_run(disable_by_batch_size=5)
+    assert got == want and llm.engine.scheduler.spec_num_drafts > 0
+
+    # Every draft wrong: after the running average drops below min_acceptance, a probe every 8 steps.
+    llm, got = spec_run(corrupt=1.0)
+    scheduler = llm.engine.scheduler
+    assert got == want and scheduler.spec_num_accepted_tokens == 0
+    steps_per_request = 40  # at one token per step, nothing being accepted
+    assert 0 < scheduler.spec_num_drafts < len(prompts) * (6 + steps_per_request // 8)
+    llm, got = spec_run(corrupt=1.0, min_acceptance=0.0)  # never gives up
+    # Every decode step verifies drafts but the last (max_tokens leaves no room for one).
+    assert got == want and llm.engine.scheduler.spec_num_drafts == len(prompts) * (steps_per_request - 2)

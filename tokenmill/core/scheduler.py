@@ -15,6 +15,11 @@ from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
+# Dynamic speculation: the weight of a verifying step's acceptance in a request's running average, and
+# how often (in decode steps) a request whose average fell below the minimum tries drafts again.
+ACCEPTANCE_WEIGHT = 0.3
+PROBE_INTERVAL = 8
+
 
 class Scheduler:
     def __init__(
@@ -25,6 +30,8 @@ class Scheduler:
         max_model_len: int,
         context_cost: float = 0.0,
         max_prefill_tokens_with_decodes: int | None = None,
+        spec_disable_by_batch_size: int | None = None,
+        spec_min_acceptance: float = 0.0,
     ) -> None:
         """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
@@ -51,6 +58,8 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_position: list[int] = []
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.spec_min_acceptance = spec_min_acceptance
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -117,6 +126,8 @@ class Scheduler:
         cost_of: dict[str, int] = {}  # each scheduled request's share of the budget
         new_block_ids: dict[str, list[int]] = {}
         spec_decode: dict[str, list[int]] = {}  # the drafts each scheduled decode verifies
+        limit = self.spec_disable_by_batch_size
+        speculating = limit is None or len(self.running) < limit
 
         # While a request waits for a seat, running prompt chunks share at most half of the step, so a
         # long prompt cannot hold every other request back for all of its chunks; what the newcomers
@@ -138,7 +149,7 @@ class Scheduler:
             room = budget
             if num_wanted > 1:  # a prompt chunk: within the prefill cap and the half-step room
                 room = min(budget, prefill_room, budget if chunk_room is None else chunk_room)
-            drafts = self._drafts(request, num_wanted, budget)
+            drafts = self._drafts(request, num_wanted, budget) if speculating else []
             if drafts:  # a decode verifying drafts: one token and the drafts, at decode cost
                 num_new = cost = 1 + len(drafts)
             else:
@@ -265,6 +276,12 @@ class Scheduler:
         drafts = request.spec_token_ids
         if not drafts or num_wanted != 1 or request.num_output_placeholders:
             return []
+        if request.spec_acceptance < self.spec_min_acceptance:
+            # Drafts have not been paying for this request: one verifying step now and then, to notice
+            # when its text starts copying again.
+            request.spec_steps_off += 1
+            if request.spec_steps_off % PROBE_INTERVAL:
+                return []
         room = min(len(drafts), budget - 1, self.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
@@ -371,6 +388,8 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
                 self._count_accepted(len(drafts), len(new_token_ids) - 1)
+                rate = (len(new_token_ids) - 1) / len(drafts)
+                request.spec_acceptance += ACCEPTANCE_WEIGHT * (rate - request.spec_acceptance)
                 if running:  # the KV of the rejected drafts' positions is overwritten from here on
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
             status = None

@@ -27,8 +27,10 @@ def test_speculative_server_matches_the_plain_one(client, tmp_path) -> None:
         assert text == want.choices[0].message.content
         metrics = process.metrics()
         assert metrics["tokenmill:spec_decode_num_drafts_total"] > 0
-        assert 0 < metrics["tokenmill:spec_decode_num_accepted_tokens_total"] <= (
-            metrics["tokenmill:spec_decode_num_draft_tokens_total"]
+        assert (
+            0
+            < metrics["tokenmill:spec_decode_num_accepted_tokens_total"]
+            <= (metrics["tokenmill:spec_decode_num_draft_tokens_total"])
         )
     finally:
         process.stop()
