@@ -3,7 +3,7 @@ workload that copies from its prompt (rewriting or summarising passages of tests
 and on free chat, and the decode speed against the same requests without speculation, in one process.
 Greedy; prints one JSON document.
 
-    python benchmarks/spec_acceptance.py [--k 4] [--max-tokens 128] [--dtype bfloat16]
+    python benchmarks/spec_acceptance.py [--k 4] [--max-tokens 128] [--dtype bfloat16] [--min-acceptance 0.2]
 """
 
 from __future__ import annotations
@@ -57,9 +57,15 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--min-acceptance", type=float, default=0.0, help="speculative_config min_acceptance")
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
-    report = {"k": args.k, "dtype": args.dtype, "max_tokens": args.max_tokens, "workloads": {}}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": 4,
+        "min_acceptance": args.min_acceptance,
+    }
+    report = {"speculative_config": spec, "dtype": args.dtype, "max_tokens": args.max_tokens, "workloads": {}}
     for name, prompts in (("copying", copying_prompts()), ("chat", CHAT)):
         row = {"num_prompts": len(prompts)}
         results = {}

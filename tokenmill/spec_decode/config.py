@@ -23,9 +23,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # A request whose recent drafts were accepted less often than this (a running average over its
     # verifying steps) stops taking drafts, and tries one step of them again every PROBE_INTERVAL
-    # steps. At 1.2x the cost of a plain step for 4 drafts (batch 1, measured), acceptance under ~0.2
-    # loses time.
-    min_acceptance: float = 0.2
+    # steps. 0: never. On the CPU, 0.2 cost more than it saved (docs/speculative.md), so it is off
+    # until a cost model sets it.
+    min_acceptance: float = 0.0
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
