@@ -42,7 +42,7 @@ def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -
     # Random weights seldom copy their context, so n-gram drafts are mostly rejected: replaying the
     # plain run's tokens, a third of them corrupted, gives accepted runs, rejections at every position
     # and drafts that reach max_tokens.
-    recorded = [prompts[int(k)] + r[0][0] for k, r in expected.items() if k != "0"]
+    recorded = [(prompts[int(k)], r[0][0]) for k, r in expected.items() if k != "0"]
     replay = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
     replay.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
     assert run(replay, prompts, params, abort_at_step=4) == expected
@@ -76,7 +76,7 @@ def test_prefix_hits_and_max_tokens_inside_the_drafts(hf_model_dirs) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
         # Drafts that are all right (the plain run replayed), so max_tokens ends inside accepted ones.
-        recorded = prompt + want[0].outputs[0].token_ids + [0] * 8
+        recorded = (prompt, want[0].outputs[0].token_ids + [0] * 8)
         spec.engine.runner.proposer = ReplayProposer([recorded], 4)
         for _ in range(2):  # the second time from the prefix cache
             got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
@@ -127,7 +127,7 @@ def test_dynamic_speculation_by_batch_size_and_by_acceptance(hf_model_dirs) -> N
         o.outputs[0].token_ids
         for o in plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     ]
-    recorded = [p + w for p, w in zip(prompts, want)]
+    recorded = list(zip(prompts, want))
 
     def spec_run(corrupt: float = 0.0, **spec_keys) -> tuple[LLM, list[list[int]]]:
         llm = make_llm(hf_model_dirs["llama"][0], **engine_args, speculative_config={**NGRAM, **spec_keys})

@@ -225,8 +225,8 @@ def _make_llm(args: argparse.Namespace, **engine_overrides: Any) -> Any:
 def speculation_stats(llm: Any) -> dict[str, Any] | None:
     """The drafts' acceptance over the run (vLLM's names), None without speculation: mean accepted
     length counts the target's own token, so it is the tokens each verifying step produced."""
-    scheduler = llm.engine.scheduler
-    if not scheduler.spec_num_drafts:
+    scheduler = getattr(llm.engine, "scheduler", None)
+    if not getattr(scheduler, "spec_num_drafts", 0):
         return None
     drafts, proposed = scheduler.spec_num_drafts, scheduler.spec_num_draft_tokens
     accepted = scheduler.spec_num_accepted_tokens
