@@ -150,3 +150,43 @@ def test_dynamic_speculation_by_batch_size_and_by_acceptance(hf_model_dirs) -> N
     llm, got = spec_run(corrupt=1.0)  # the default never gives up
     # Every decode step verifies drafts but the last (max_tokens leaves no room for one).
     assert got == want and llm.engine.scheduler.spec_num_drafts == len(prompts) * (steps_per_request - 2)
+
+
+class ConstantProposer:
+    """Proposes the same drafts for every request: a sampled request then meets drafts that are right
+    sometimes, wrong other times, and outside its top-k now and then."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, token_ids, max_tokens=None) -> list[int]:
+        return self.drafts[: self.drafts.__len__() if max_tokens is None else max_tokens]
+
+
+def test_sampled_tokens_keep_their_distribution_through_the_engine(hf_model_dirs) -> None:
+    """2,000 sampled requests (temperature 1, top-k 5) with and without drafts: the second and third
+    tokens, which speculation produces by rejection sampling, have the same distribution (two-sample
+    chi-square), and the drafts were both accepted and rejected."""
+    import torch
+
+    from tests.spec_decode.test_verify import two_sample_chi_square_p
+
+    prompt = random_prompts([6], seed=11)[0]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True)
+    engine_args = dict(block_size=4, max_model_len=64, max_num_seqs=256)
+    counts = []
+    for speculative in (False, True):
+        llm = make_llm(
+            hf_model_dirs["qwen2"][0], **engine_args, speculative_config=NGRAM if speculative else None
+        )
+        if speculative:
+            # Two of the likeliest second tokens as drafts (from the plain run's samples).
+            top = counts[0][0].argsort(descending=True)
+            llm.engine.runner.proposer = ConstantProposer([int(top[0]), int(top[1])])
+        outputs = llm.generate(prompt_token_ids=[prompt] * 2000, sampling_params=params, use_tqdm=False)
+        tokens = torch.tensor([o.outputs[0].token_ids for o in outputs])
+        counts.append([torch.bincount(tokens[:, i], minlength=1003).double() for i in (1, 2)])
+    scheduler = llm.engine.scheduler
+    assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
+    for plain, spec in zip(*counts):
+        assert two_sample_chi_square_p(plain, spec) > 1e-3

@@ -74,3 +74,11 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
             counts = torch.bincount(tokens, minlength=vocab).double()
             assert chi_square_p(counts, target.double()) > 1e-3, (temperature, draft)
             assert abs(verified.accepted.double().mean() - target[draft]) < 0.01
+
+
+def two_sample_chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """p-value that two histograms of equal totals come from one distribution (cells seen >= 10 times)."""
+    keep = (a + b) >= 10
+    a, b = a[keep], b[keep]
+    stat = (((a - b) ** 2) / (a + b)).sum()
+    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0), stat / 2))
