@@ -22,14 +22,21 @@ def copying_prompts() -> list[list[int]]:
     return random_prompts([5, 30, 17, 2], seed=2) + [loop * 4, (loop + [11]) * 3 + loop[:3]]
 
 
+def greedy_only(results: dict, params: list[SamplingParams]) -> dict:
+    return {k: v for k, v in results.items() if params[int(k)].temperature == 0}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -> None:
+    """Greedy requests (with a frequency penalty and min_tokens too: they see the drafts before each
+    position as output) give the plain engine's tokens; a seeded sampled request gives the same tokens
+    in two speculative runs (its generator draws in another order than without drafts)."""
     prompts = copying_prompts()
     params = [
         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=25, temperature=0.9, seed=5, n=2, ignore_eos=True),  # seeded: no drafts
-        SamplingParams(max_tokens=25, temperature=0, frequency_penalty=1.0, ignore_eos=True),  # no drafts
+        SamplingParams(max_tokens=25, temperature=0.9, seed=5, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0, frequency_penalty=1.0, ignore_eos=True),
         SamplingParams(max_tokens=37, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=23, temperature=0, min_tokens=3),
     ]
@@ -37,7 +44,8 @@ def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -
     engine_args = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=20, max_model_len=128)
     expected = run(make_llm(hf_model_dirs[arch][0], **engine_args), prompts, params, abort_at_step=4)
     spec = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
-    assert run(spec, prompts, params, abort_at_step=4) == expected
+    got = run(spec, prompts, params, abort_at_step=4)
+    assert greedy_only(got, params) == greedy_only(expected, params)
     assert spec.engine.scheduler.num_preemptions > 0
     # Random weights seldom copy their context, so n-gram drafts are mostly rejected: replaying the
     # plain run's tokens, a third of them corrupted, gives accepted runs, rejections at every position
@@ -45,7 +53,11 @@ def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -
     recorded = [(prompts[int(k)], r[0][0]) for k, r in expected.items() if k != "0"]
     replay = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
     replay.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
-    assert run(replay, prompts, params, abort_at_step=4) == expected
+    replayed = run(replay, prompts, params, abort_at_step=4)
+    assert greedy_only(replayed, params) == greedy_only(expected, params)
+    again = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
+    again.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+    assert run(again, prompts, params, abort_at_step=4) == replayed  # seeded: reproducible
     scheduler = replay.engine.scheduler
     assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
     assert all(count > 0 for count in scheduler.spec_accepted_per_position)
@@ -58,7 +70,7 @@ def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -
         for i, p in enumerate(params)
     ]
     plain = run(make_llm(hf_model_dirs[arch][0], **engine_args), prompts, stopped)
-    assert run(replay, prompts, stopped) == plain
+    assert greedy_only(run(replay, prompts, stopped), params) == greedy_only(plain, params)
     for i in stops:
         tokens, reason, _ = plain[str(i)][0]
         assert reason == "stop" and tokens[-1] == stops[i]
@@ -190,3 +202,23 @@ def test_sampled_tokens_keep_their_distribution_through_the_engine(hf_model_dirs
     assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
     for plain, spec in zip(*counts):
         assert two_sample_chi_square_p(plain, spec) > 1e-3
+
+
+def test_logprobs_come_for_every_token_of_a_verifying_step(hf_model_dirs) -> None:
+    """A request asking for logprobs speculates too: one entry per token, each token's logprob and top
+    alternatives as the plain engine reports them (fp32, to rounding)."""
+    loop = random_prompts([6], seed=4)[0]
+    prompt = loop * 4
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    plain = make_llm(hf_model_dirs["qwen3"][0], max_model_len=128)
+    want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    spec = make_llm(hf_model_dirs["qwen3"][0], max_model_len=128, speculative_config=NGRAM)
+    spec.engine.runner.proposer = ReplayProposer([(prompt, want.token_ids)], 4, corrupt_rate=0.25, seed=3)
+    got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs) == 12
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert list(a) == list(b)  # the same top tokens, in order
+        for token_id in a:
+            assert abs(a[token_id].logprob - b[token_id].logprob) < 1e-4
+    scheduler = spec.engine.scheduler
+    assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens

@@ -407,7 +407,13 @@ class Scheduler:
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids[:appended],
-                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    new_logprobs=(
+                        None
+                        if logprobs is None
+                        else logprobs[:appended]
+                        if isinstance(logprobs, list)
+                        else [logprobs]
+                    ),
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,

@@ -98,29 +98,22 @@ class PendingRunnerOutput:
                 rows, vectors = self.pooled
                 for row, vector in zip(rows, vectors.numpy()):
                     pooled[row] = vector.tobytes()  # fp32 from the pooler; little-endian hosts only
+            logprobs = self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None
+            if logprobs is not None and self.verified is not None:
+                # One entry per logit row: each request's tokens take the entries of their rows.
+                logprobs = [
+                    None if logprobs[first] is None else logprobs[first : first + len(tokens)]
+                    for first, tokens in zip(first_rows, token_ids)
+                ]
             self._result = ModelRunnerOutput(
                 req_ids=self.req_ids,
                 sampled_token_ids=[t if keeps else [] for t, keeps in zip(token_ids, self.samples)],
-                logprobs=self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None,
+                logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 pooled=pooled,
                 spec_token_ids=self.runner.propose(self.req_ids, self.samples),
             )
         return self._result
-
-
-def _speculates(state) -> bool:
-    """Whether a request takes drafts: verification resamples each position from one distribution, so
-    requests whose distribution depends on the tokens before it within the step (penalties,
-    min_tokens), that ask for logprobs, or that draw from their own seeded generator do not (yet)."""
-    params = state.sampling_params
-    return not (
-        params.uses_penalties
-        or params.logit_bias
-        or params.logprobs is not None
-        or state.num_output_tokens < params.min_tokens
-        or (params.seed is not None and not params.greedy)
-    )
 
 
 # The largest step the piecewise graphs cover, in tokens.
@@ -385,9 +378,10 @@ class ModelRunner:
         prompt_logprobs: dict | None,
         drafts: dict[str, list[int]],
     ) -> PendingRunnerOutput:
-        """Verify a step's drafts: the sampling batch repeated for every logit row of a request (the
-        requests that speculate use no per-token state: no penalties, bias, min_tokens, seeds or
-        logprobs), then the accepted prefix and the next token per request, resolved on the host."""
+        """Verify a step's drafts: the sampling batch repeated for every logit row of a request, each row
+        seeing the drafts before it as output tokens (penalties, min_tokens) and a seeded request's
+        rows drawing from its generator in turn; then the accepted prefix and the next token per
+        request, resolved on the host, with a logprob entry per token for requests that ask."""
         counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
         row_of = np.repeat(np.arange(len(counts)), counts)
         index = torch.from_numpy(row_of).to(logits.device)
@@ -395,23 +389,25 @@ class ModelRunner:
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, index)
 
+        row_drafts = [drafts.get(request_id, []) for request_id in inputs.req_ids]
+        rows = row_of.tolist()
+        first_of_row = (last_of_row - counts + 1).tolist()
         expanded = dataclasses.replace(
             batch,
-            requests=[batch.requests[r] for r in row_of.tolist()],
+            requests=[batch.requests[r] for r in rows],
             temperature=take(batch.temperature),
             top_k=take(batch.top_k),
             top_p=take(batch.top_p),
             min_p=take(batch.min_p),
-            generators={int(last_of_row[r]): g for r, g in batch.generators.items()},
+            # A seeded request's rows draw, in order, from its one generator.
+            generators={i: batch.generators[r] for i, r in enumerate(rows) if r in batch.generators},
+            draft_prefixes=[row_drafts[r][: i - first_of_row[r]] for i, r in enumerate(rows)],
         )
         verified, logprobs = self.sampler.verify(logits, expanded, draft_ids)
-        if logprobs is not None:  # one entry per request: at its last row (only requests without drafts ask)
-            logprobs = LogprobTensors(*(t[torch.from_numpy(last_of_row).to(t.device)] for t in logprobs))
         # Nothing is in flight while speculating: no later step reads these from the device.
         self._last_sampled = verified.target
         self._last_row_of = {}
-        row_drafts = [drafts.get(request_id, []) for request_id in inputs.req_ids]
-        logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
+        logprob_ks = [r.sampling_params.logprobs for r in expanded.requests]  # one per logit row
         return PendingRunnerOutput(
             self, inputs, verified.target, logprobs, logprob_ks, prompt_logprobs,
             verified=verified, drafts=row_drafts,
@@ -425,7 +421,7 @@ class ModelRunner:
         out = []
         for request_id, keeps in zip(req_ids, samples):
             state = self.input_batch.requests.get(request_id)
-            if not keeps or state is None or not _speculates(state):
+            if not keeps or state is None:
                 out.append([])
                 continue
             params = state.sampling_params

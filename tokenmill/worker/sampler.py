@@ -32,6 +32,9 @@ class SamplingBatch:
     max_num_logprobs: int  # -1 when no row asks for logprobs
     # row -> its last output token, sampled by the step in flight and still only on the device
     pending_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Speculative verification, per logit row: the drafts before this row's position, which count as
+    # output tokens there if they stand (penalties and min_tokens see them). None outside verification.
+    draft_prefixes: list[list[int]] | None = None
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -40,7 +43,8 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         params = request.sampling_params
         if not params.uses_penalties:
             continue
-        output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
+        prefix = batch.draft_prefixes[row] if batch.draft_prefixes else []
+        output_ids = torch.tensor(request.output_token_ids + prefix, dtype=torch.int64, device=logits.device)
         if row in batch.pending_tokens:
             output_ids = torch.cat([output_ids, batch.pending_tokens[row]])
         counts = torch.zeros(vocab_size, dtype=logits.dtype, device=logits.device)
@@ -59,14 +63,17 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         )
 
 
-def _apply_bias_and_min_tokens(logits: torch.Tensor, requests: list[CachedRequestState]) -> None:
+def _apply_bias_and_min_tokens(
+    logits: torch.Tensor, requests: list[CachedRequestState], draft_prefixes: list[list[int]] | None
+) -> None:
     for row, request in enumerate(requests):
         params = request.sampling_params
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64, device=logits.device)
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             logits[row].index_add_(0, ids, bias)
-        if request.num_output_tokens < params.min_tokens:
+        num_before = len(draft_prefixes[row]) if draft_prefixes else 0
+        if request.num_output_tokens + num_before < params.min_tokens:
             banned = set(params.stop_token_ids)
             if not params.ignore_eos:
                 banned |= request.eos_token_ids
@@ -141,7 +148,7 @@ class Sampler:
             if logits is raw_logits:  # fp32 logits: edit a copy, logprobs are of the raw ones
                 logits = logits.clone()
             if batch.needs_logit_edits:
-                _apply_bias_and_min_tokens(logits, batch.requests)
+                _apply_bias_and_min_tokens(logits, batch.requests, batch.draft_prefixes)
             if batch.needs_penalties:
                 _apply_penalties(logits, batch)
         # The first index of the largest logit, as argmax; max(dim).indices gives the same (ties
@@ -189,12 +196,15 @@ class Sampler:
             target = torch.where(sampled, _random_sample(probs, batch.generators), greedy)
             p_draft = probs.gather(1, safe[:, None])[:, 0]
             coin = torch.rand(p_draft.shape, device=p_draft.device)
+            for row, generator in batch.generators.items():  # a seeded request draws from its own
+                coin[row] = torch.rand((), device=coin.device, generator=generator)
             accepted = has_draft & torch.where(sampled, coin < p_draft, greedy == drafts)
             residual = probs.scatter(1, safe[:, None], 0.0)
-            # A draft of probability 1 is always accepted; its residual (all zero) is never read. Seeded
-            # rows never have drafts: their generators draw once a step, as without speculation.
-            recovered = torch.where(sampled, _random_sample(residual, {}), greedy)
-        return Verified(target, accepted, recovered), self._logprobs(logits, target, batch)
+            # A draft of probability 1 is always accepted; its residual (all zero) is never read.
+            recovered = torch.where(sampled, _random_sample(residual, batch.generators), greedy)
+        # The token that stands at each row if the drafts before it stood: its logprob is reported.
+        chosen = torch.where(has_draft, torch.where(accepted, drafts, recovered), target)
+        return Verified(target, accepted, recovered), self._logprobs(logits, chosen, batch)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> LogprobTensors | None:
