@@ -53,3 +53,32 @@ def test_command_line_takes_json() -> None:
     assert engine_config_from_args(args).speculative_config == SpeculativeConfig("ngram", 5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "ngram"])
+
+
+def naive_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, spelled out: the longest suffix first, its latest earlier occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_matches_the_definition_on_random_texts_and_keeps_a_request_array() -> None:
+    import random
+
+    rng = random.Random(0)
+    for trial in range(400):
+        k, min_n = rng.randint(1, 5), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(1, 60))]  # small vocabulary: many matches
+        proposer = NgramProposer(k, min_n, max_n)
+        assert proposer.propose(tokens) == naive_propose(tokens, k, min_n, max_n), (trial, tokens)
+    proposer = NgramProposer(3, 1, 3)
+    text = [rng.randint(0, 6) for _ in range(20)]
+    for _ in range(1, 40):  # the text grows a token at a time, as a request's does
+        text.append(rng.randint(0, 6))
+        assert proposer.propose(text, request_id="r") == naive_propose(text, 3, 1, 3)
+    proposer.forget("r")
+    assert proposer.propose([1, 2, 1], request_id="r") == [2, 1]  # a fresh array after forget

@@ -171,8 +171,11 @@ class ConstantProposer:
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 
-    def propose(self, token_ids, max_tokens=None) -> list[int]:
-        return self.drafts[: self.drafts.__len__() if max_tokens is None else max_tokens]
+    def propose(self, token_ids, max_tokens=None, request_id=None) -> list[int]:
+        return self.drafts[: len(self.drafts) if max_tokens is None else max_tokens]
+
+    def forget(self, request_id) -> None:
+        pass
 
 
 def test_sampled_tokens_keep_their_distribution_through_the_engine(hf_model_dirs) -> None:

@@ -26,7 +26,12 @@ class ReplayProposer:
         self.corrupt_rate = corrupt_rate
         self.rng = random.Random(seed)
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def forget(self, request_id: str) -> None:
+        """Nothing kept per request."""
+
+    def propose(
+        self, token_ids: list[int], max_tokens: int | None = None, request_id: str | None = None
+    ) -> list[int]:
         limit = self.k if max_tokens is None else min(self.k, max_tokens)
         length = len(token_ids)
         for prompt, sequence in self.runs:

@@ -309,6 +309,8 @@ class ModelRunner:
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
         if self.pooling_type is not None:
             return self._execute_pooling(scheduler_output)
         states = self.input_batch.requests
@@ -426,7 +428,7 @@ class ModelRunner:
                 continue
             params = state.sampling_params
             room = None if params.max_tokens is None else params.max_tokens - state.num_output_tokens - 1
-            out.append(self.proposer.propose(state.all_token_ids, room))
+            out.append(self.proposer.propose(state.all_token_ids, room, request_id=request_id))
         return out
 
     def _execute_pooling(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
