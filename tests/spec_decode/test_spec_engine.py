@@ -225,3 +225,38 @@ def test_logprobs_come_for_every_token_of_a_verifying_step(hf_model_dirs) -> Non
             assert abs(a[token_id].logprob - b[token_id].logprob) < 1e-4
     scheduler = spec.engine.scheduler
     assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
+
+
+LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_skip_keeps_greedy_output_on_every_architecture(arch, hf_model_dirs) -> None:
+    """Self-speculation (the first layer of two drafts, writing its KV past the computed tokens into the
+    slots allocated ahead): the plain engine's greedy tokens, with chunked prefill, preemption, an
+    abort and every block freed at the end; its drafts are accepted now and then."""
+    prompts = copying_prompts()
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0, frequency_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=37, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=23, temperature=0, min_tokens=3),
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+    ]
+    engine_args = dict(block_size=4, num_kv_blocks=34, max_num_batched_tokens=20, max_model_len=128)
+    expected = run(make_llm(hf_model_dirs[arch][0], **engine_args), prompts, params, abort_at_step=4)
+    spec = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=LAYER_SKIP)
+    assert run(spec, prompts, params, abort_at_step=4) == expected
+    scheduler = spec.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.spec_num_drafts > 0
+
+
+def test_layer_skip_needs_fewer_draft_layers_than_the_model(hf_model_dirs) -> None:
+    with pytest.raises(ValueError, match="draft_layers"):
+        make_llm(hf_model_dirs["llama"][0], speculative_config={**LAYER_SKIP, "draft_layers": 2})
+    with pytest.raises(ValueError, match="needs draft_layers"):
+        make_llm(
+            hf_model_dirs["llama"][0],
+            speculative_config={"method": "layer_skip", "num_speculative_tokens": 2},
+        )

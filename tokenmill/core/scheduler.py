@@ -32,6 +32,7 @@ class Scheduler:
         max_prefill_tokens_with_decodes: int | None = None,
         spec_disable_by_batch_size: int | None = None,
         spec_min_acceptance: float = 0.0,
+        spec_lookahead: int = 0,
     ) -> None:
         """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
@@ -60,6 +61,9 @@ class Scheduler:
         self.spec_accepted_per_position: list[int] = []
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.spec_min_acceptance = spec_min_acceptance
+        # Slots allocated past a step's tokens, for drafts the worker writes into the KV cache before
+        # the next step (a model-based proposer); never past max_model_len.
+        self.spec_lookahead = spec_lookahead
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -163,7 +167,9 @@ class Scheduler:
             if num_new <= 0 or self._reaches_limit_in_flight(request):
                 index += 1
                 continue
-            while (allocated := self.kv.allocate_slots(request, num_new)) is None:
+            while (
+                allocated := self.kv.allocate_slots(request, self._with_lookahead(request, num_new))
+            ) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                 position = self.running.index(victim)
                 if num_scheduled.pop(victim.request_id, None) is not None:
@@ -210,7 +216,12 @@ class Scheduler:
                 min(budget, prefill_room),
                 fresh=not num_scheduled,
             )
-            if num_new <= 0 or self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if num_new <= 0 or (
+                self.kv.allocate_slots(
+                    request, self._with_lookahead(request, num_new, num_hit_tokens), computed_blocks
+                )
+                is None
+            ):
                 break
             heapq.heappop(self._waiting)
             request.num_computed_tokens = num_hit_tokens
@@ -237,7 +248,7 @@ class Scheduler:
             longer, longer_cost = self._chunk(request.num_computed_tokens, num_wanted, room + cost)
             if longer <= num_new:
                 continue
-            allocated = self.kv.allocate_slots(request, longer)
+            allocated = self.kv.allocate_slots(request, self._with_lookahead(request, longer))
             if allocated is None:
                 continue
             num_scheduled[request.request_id], cost_of[request.request_id] = longer, longer_cost
@@ -268,6 +279,13 @@ class Scheduler:
             if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _with_lookahead(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """num_new tokens from `start` (the computed ones by default), plus the drafting lookahead."""
+        if not self.spec_lookahead:
+            return num_new
+        end = (request.num_computed_tokens if start is None else start) + num_new
+        return num_new + max(0, min(self.spec_lookahead, self.max_model_len - end))
 
     def _drafts(self, request: Request, num_wanted: int, budget: int) -> list[int]:
         """The request's drafts this step verifies: only for a decode with nothing in flight, and only as

@@ -113,10 +113,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """Hidden states after the final norm; with num_layers, after only the first num_layers layers
+        (self-speculation drafts with them)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden, residual = layer(positions, hidden, residual, md)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -162,4 +162,5 @@ def _speculation_limits(spec) -> dict:
     return {
         "spec_disable_by_batch_size": spec.disable_by_batch_size,
         "spec_min_acceptance": spec.min_acceptance,
+        "spec_lookahead": spec.lookahead,
     }

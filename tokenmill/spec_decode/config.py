@@ -1,12 +1,13 @@
 """`speculative_config` as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 1, "prompt_lookup_max": 4}."""
+"prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"method": "layer_skip", "num_speculative_tokens": k,
+"draft_layers": n}."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-_METHODS = ("ngram",)
-_PLANNED = ("draft_model", "layer_skip", "eagle", "eagle3")
+_METHODS = ("ngram", "layer_skip")
+_PLANNED = ("draft_model", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,9 @@ class SpeculativeConfig:
     # prompt_lookup_max down to prompt_lookup_min, and proposes what followed the latest match.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # layer_skip: the target's first draft_layers layers, its final norm and its LM head draft (greedy)
+    # for the whole model; they share the target's weights and its KV cache.
+    draft_layers: int | None = None
     # Dynamic speculation. A step with at least this many running requests verifies no drafts (vLLM's
     # speculative_disable_by_batch_size): from there decode is compute-bound and drafts cost what
     # they save. None: every batch size speculates.
@@ -66,8 +70,26 @@ class SpeculativeConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {key} must be a positive integer, got {value!r}.")
+        if self.method == "layer_skip":
+            if (
+                not isinstance(self.draft_layers, int)
+                or isinstance(self.draft_layers, bool)
+                or self.draft_layers < 1
+            ):
+                raise ValueError(
+                    f"speculative_config method 'layer_skip' needs draft_layers, a positive integer (the "
+                    f"target's layers that draft), got {self.draft_layers!r}."
+                )
+        elif self.draft_layers is not None:
+            raise ValueError("speculative_config draft_layers applies to method 'layer_skip' only.")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                 f"prompt_lookup_max ({self.prompt_lookup_max})."
             )
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a request needs past the tokens it computes, for drafts the worker writes into the
+        cache before the next step (layer_skip); 0 for proposers that read no model."""
+        return self.num_speculative_tokens if self.method == "layer_skip" else 0

@@ -144,13 +144,24 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype, self.model)
         self.sampler = Sampler()
         self.proposer = None
+        self.draft_layers: int | None = None  # layer_skip: the target's layers that draft
         spec = config.speculative_config
         if spec is not None and pooling_type is None:
             from tokenmill.spec_decode import NgramProposer
 
-            self.proposer = NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
+            if spec.method == "layer_skip":
+                num_layers = len(self.model.model.layers)
+                if spec.draft_layers >= num_layers:
+                    raise ValueError(
+                        f"speculative_config draft_layers ({spec.draft_layers}) must be fewer than the "
+                        f"model's {num_layers} layers."
+                    )
+                self.draft_layers = spec.draft_layers
+                self.num_speculative_tokens = spec.num_speculative_tokens
+            else:
+                self.proposer = NgramProposer(
+                    spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+                )
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
@@ -354,6 +365,59 @@ class ModelRunner:
 
     # ---- speculative decoding ---------------------------------------------------------------
 
+    @torch.inference_mode()
+    def _draft_with_layers(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
+        """layer_skip: the first draft_layers layers, the final norm and the LM head draft k tokens
+        greedily, one batched step per token. The draft reads the KV those layers already hold for the
+        request (the target's own, same weights) and writes its drafts' KV into the slots past them,
+        which the scheduler allocated ahead and the verifying step overwrites in every layer."""
+        k = self.num_speculative_tokens
+        states = self.input_batch.requests
+        rows, budgets, tokens, positions = [], [], [], []
+        for row, (request_id, keeps) in enumerate(zip(req_ids, samples)):
+            state = states.get(request_id)
+            if not keeps or state is None:
+                continue
+            position = len(state.all_token_ids) - 1  # the last token: its KV is not written yet
+            params = state.sampling_params
+            room = k if params.max_tokens is None else min(k, params.max_tokens - state.num_output_tokens - 1)
+            room = min(
+                room, len(state.block_ids) * self.block_size - position, self.max_model_len - position - 1
+            )
+            if room > 0:
+                rows.append(row)
+                budgets.append(room)
+                tokens.append(state.all_token_ids[-1])
+                positions.append(position)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        bs = self.block_size
+        for step in range(max(budgets, default=0)):
+            active = [i for i, budget in enumerate(budgets) if budget > step]
+            table_rows = np.asarray(
+                [self.input_batch.row_of[req_ids[rows[i]]] for i in active], dtype=np.int64
+            )
+            pos = np.asarray([positions[i] + step for i in active], dtype=np.int64)
+            slots = self.input_batch.block_table[table_rows, pos // bs].astype(np.int64) * bs + pos % bs
+            max_blocks = int(self.input_batch.num_blocks_in_row[table_rows].max())
+            ids_t, pos_t, slot_t = self._staged(
+                [np.asarray([tokens[i] for i in active]), pos, slots], np.int64
+            )
+            seq_lens = (pos + 1).astype(np.int32)
+            qsl_t, seq_t, tables_t = self._staged(
+                [np.arange(len(active) + 1, dtype=np.int32), seq_lens,
+                 self.input_batch.block_table[table_rows, :max_blocks]], np.int32,
+            )  # fmt: skip
+            md = AttentionMetadata(
+                slot_mapping=slot_t, block_tables=tables_t, seq_lens=seq_t, query_start_loc=qsl_t,
+                max_query_len=1, max_seq_len=int(seq_lens.max()), num_decodes=len(active),
+            )  # fmt: skip
+            hidden = self.model.model(ids_t, pos_t, md, num_layers=self.draft_layers)
+            next_tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            for i, token in zip(active, next_tokens):
+                drafts[rows[i]].append(token)
+                tokens[i] = token
+        return drafts
+
     def _verify_rows(
         self, inputs: StepInputs, drafts: dict[str, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
@@ -418,6 +482,8 @@ class ModelRunner:
     def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]] | None:
         """Drafts for each row's next step (after its tokens reached the host), [] where the request does
         not speculate; None without a proposer."""
+        if self.draft_layers is not None and self.proposer is None:
+            return self._draft_with_layers(req_ids, samples)
         if self.proposer is None:
             return None
         out = []
