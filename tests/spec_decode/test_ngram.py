@@ -30,6 +30,12 @@ def test_config_is_checked_and_named() -> None:
     assert config.speculative_config == SpeculativeConfig("ngram", 3)
     bad = [
         ({"method": "eagle", "num_speculative_tokens": 3}, "not supported yet"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "applies to method 'draft_model'"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "draft_layers": 2},
+            "applies to method 'layer_skip'",
+        ),
+        ({"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 0}, "needs draft_layers"),
         ({"method": "medusa", "num_speculative_tokens": 3}, "method must be one of"),
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),

@@ -260,3 +260,38 @@ def test_layer_skip_needs_fewer_draft_layers_than_the_model(hf_model_dirs) -> No
             hf_model_dirs["llama"][0],
             speculative_config={"method": "layer_skip", "num_speculative_tokens": 2},
         )
+
+
+@pytest.mark.parametrize("draft_arch", ["qwen2", "llama"])
+def test_draft_model_keeps_greedy_output(draft_arch, hf_model_dirs) -> None:
+    """A separate draft model with its own KV cache in the same blocks: a different small model (drafts
+    mostly rejected) or the target itself (drafts all but always accepted), with chunked prefill,
+    preemption and an abort: the plain engine's greedy tokens, and every block freed."""
+    prompts = copying_prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 1, 25, 37, 23, 30)]
+    engine_args = dict(block_size=4, num_kv_blocks=34, max_num_batched_tokens=20, max_model_len=128)
+    target = hf_model_dirs["llama"][0]
+    expected = run(make_llm(target, **engine_args), prompts, params, abort_at_step=4)
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "model": hf_model_dirs[draft_arch][0]}
+    spec = make_llm(target, **engine_args, speculative_config=config)
+    assert run(spec, prompts, params, abort_at_step=4) == expected
+    scheduler = spec.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.spec_num_drafts > 0
+    if draft_arch == "llama":  # the target drafting for itself
+        assert scheduler.spec_num_accepted_tokens > 0.9 * scheduler.spec_num_draft_tokens
+
+
+def test_draft_model_must_share_the_vocabulary(hf_model_dirs, tmp_path) -> None:
+    from tests.conftest import make_hf_model
+
+    model = make_hf_model("qwen2")
+    model.resize_token_embeddings(1100)
+    model.save_pretrained(tmp_path)
+    config = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(tmp_path)}
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        make_llm(hf_model_dirs["llama"][0], speculative_config=config)
+    with pytest.raises(ValueError, match="needs model"):
+        make_llm(
+            hf_model_dirs["llama"][0],
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
+        )

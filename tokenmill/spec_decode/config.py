@@ -1,13 +1,13 @@
 """`speculative_config` as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"method": "layer_skip", "num_speculative_tokens": k,
-"draft_layers": n}."""
+"prompt_lookup_min": 1, "prompt_lookup_max": 4}, {"method": "layer_skip", "num_speculative_tokens": k,
+"draft_layers": n} or {"method": "draft_model", "num_speculative_tokens": k, "model": path}."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-_METHODS = ("ngram", "layer_skip")
-_PLANNED = ("draft_model", "eagle", "eagle3")
+_METHODS = ("ngram", "layer_skip", "draft_model")
+_PLANNED = ("eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,9 @@ class SpeculativeConfig:
     # layer_skip: the target's first draft_layers layers, its final norm and its LM head draft (greedy)
     # for the whole model; they share the target's weights and its KV cache.
     draft_layers: int | None = None
+    # draft_model: a smaller model with the same tokenizer (a directory, a .gguf or "default"), run by the
+    # same engine with its own KV cache in the same blocks; it drafts greedily.
+    model: str | None = None
     # Dynamic speculation. A step with at least this many running requests verifies no drafts (vLLM's
     # speculative_disable_by_batch_size): from there decode is compute-bound and drafts cost what
     # they save. None: every batch size speculates.
@@ -82,6 +85,13 @@ class SpeculativeConfig:
                 )
         elif self.draft_layers is not None:
             raise ValueError("speculative_config draft_layers applies to method 'layer_skip' only.")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    "speculative_config method 'draft_model' needs model, the draft model's path."
+                )
+        elif self.model is not None:
+            raise ValueError("speculative_config model applies to method 'draft_model' only.")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
@@ -92,4 +102,4 @@ class SpeculativeConfig:
     def lookahead(self) -> int:
         """KV slots a request needs past the tokens it computes, for drafts the worker writes into the
         cache before the next step (layer_skip); 0 for proposers that read no model."""
-        return self.num_speculative_tokens if self.method == "layer_skip" else 0
+        return self.num_speculative_tokens if self.method in ("layer_skip", "draft_model") else 0

@@ -145,11 +145,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.proposer = None
         self.draft_layers: int | None = None  # layer_skip: the target's layers that draft
+        self.draft_model: torch.nn.Module | None = None  # draft_model: runs beside the target
         spec = config.speculative_config
         if spec is not None and pooling_type is None:
             from tokenmill.spec_decode import NgramProposer
 
-            if spec.method == "layer_skip":
+            self.num_speculative_tokens = spec.num_speculative_tokens
+            if spec.method == "draft_model":
+                self.draft_model = self._build_draft_model(config, spec.model, max_model_len)
+            elif spec.method == "layer_skip":
                 num_layers = len(self.model.model.layers)
                 if spec.draft_layers >= num_layers:
                     raise ValueError(
@@ -157,7 +161,6 @@ class ModelRunner:
                         f"model's {num_layers} layers."
                     )
                 self.draft_layers = spec.draft_layers
-                self.num_speculative_tokens = spec.num_speculative_tokens
             else:
                 self.proposer = NgramProposer(
                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -173,6 +176,27 @@ class ModelRunner:
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
+
+    def _build_draft_model(self, config: EngineConfig, path: str, max_model_len: int) -> torch.nn.Module:
+        """The draft model, in the target's dtype, unquantized; its vocabulary must be the target's."""
+        from tokenmill.loader import resolve_model
+
+        source = resolve_model(path, "auto", None)
+        if source.hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(
+                f"speculative_config model {path!r} has a vocabulary of {source.hf_config.vocab_size} "
+                f"tokens, the target {self.hf_config.vocab_size}: a draft model must share the target's "
+                "tokenizer."
+            )
+        draft_config = dataclasses.replace(config, model=path, quantization=None, speculative_config=None)
+        return build_model(draft_config, source, max_model_len, self.device, self.dtype, True)
+
+    def _attention_layers(self) -> list:
+        """Every attention layer whose KV cache the engine allocates: the target's, then the draft's."""
+        layers = list(self.model.attention_layers())
+        if self.draft_model is not None:
+            layers += self.draft_model.attention_layers()
+        return layers
 
     def capture_cuda_graphs(self, max_num_batched_tokens: int) -> None:
         """Capture decode graphs once the KV cache exists (the graphs bake in its addresses), and the
@@ -192,7 +216,7 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        layers = self.model.attention_layers()
+        layers = self._attention_layers()
         element = torch.empty((), dtype=self.kv_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * element for a in layers)
 
@@ -208,7 +232,7 @@ class ModelRunner:
         return attention / matmul
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        for attn in self.model.attention_layers():
+        for attn in self._attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Left uninitialised: attention uses only slots a request has written and masks (or zeroes)
             # the rest of its blocks, so zeroing gigabytes would buy nothing.
@@ -337,6 +361,10 @@ class ModelRunner:
         sampling_batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
         input_ids, positions, md = self.to_device(inputs)
         prompt_logprobs = None
+        if self.draft_model is not None:
+            # The draft model sees every token the target computes, so its own KV cache (in the same
+            # blocks) holds the request's whole text when it drafts.
+            self.draft_model(input_ids, positions, md)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
         else:
@@ -370,7 +398,8 @@ class ModelRunner:
         """layer_skip: the first draft_layers layers, the final norm and the LM head draft k tokens
         greedily, one batched step per token. The draft reads the KV those layers already hold for the
         request (the target's own, same weights) and writes its drafts' KV into the slots past them,
-        which the scheduler allocated ahead and the verifying step overwrites in every layer."""
+        which the scheduler allocated ahead and the verifying step overwrites in every layer.
+        draft_model: the same, with the draft model and its own cache (same slots)."""
         k = self.num_speculative_tokens
         states = self.input_batch.requests
         rows, budgets, tokens, positions = [], [], [], []
@@ -411,8 +440,13 @@ class ModelRunner:
                 slot_mapping=slot_t, block_tables=tables_t, seq_lens=seq_t, query_start_loc=qsl_t,
                 max_query_len=1, max_seq_len=int(seq_lens.max()), num_decodes=len(active),
             )  # fmt: skip
-            hidden = self.model.model(ids_t, pos_t, md, num_layers=self.draft_layers)
-            next_tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            if self.draft_model is not None:
+                logits = self.draft_model.compute_logits(self.draft_model(ids_t, pos_t, md))
+            else:
+                logits = self.model.compute_logits(
+                    self.model.model(ids_t, pos_t, md, num_layers=self.draft_layers)
+                )
+            next_tokens = logits.argmax(dim=-1).tolist()
             for i, token in zip(active, next_tokens):
                 drafts[rows[i]].append(token)
                 tokens[i] = token
@@ -482,7 +516,7 @@ class ModelRunner:
     def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]] | None:
         """Drafts for each row's next step (after its tokens reached the host), [] where the request does
         not speculate; None without a proposer."""
-        if self.draft_layers is not None and self.proposer is None:
+        if (self.draft_layers is not None or self.draft_model is not None) and self.proposer is None:
             return self._draft_with_layers(req_ids, samples)
         if self.proposer is None:
             return None
