@@ -295,3 +295,31 @@ def test_draft_model_must_share_the_vocabulary(hf_model_dirs, tmp_path) -> None:
             hf_model_dirs["llama"][0],
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
         )
+
+
+@pytest.mark.parametrize("method", ["layer_skip", "draft_model"])
+def test_model_drafts_after_a_prefix_hit(method, hf_model_dirs) -> None:
+    """A second request over the same prompt reads its prefix from the cache, where the drafting layers
+    (or the draft model, in the same blocks) find the KV the first request left: same greedy tokens, and
+    the target drafting for itself keeps its drafts right after the hit (the draft's cached KV is
+    its own, not garbage)."""
+    loop = random_prompts([6], seed=5)[0]
+    prompt = loop * 5 + [7, 8]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine_args = dict(block_size=4, max_model_len=128)
+    target = hf_model_dirs["qwen3"][0]
+    want = make_llm(target, **engine_args).generate(
+        prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False
+    )
+    config = {"method": method, "num_speculative_tokens": 3}
+    config.update({"draft_layers": 1} if method == "layer_skip" else {"model": target})
+    spec = make_llm(target, **engine_args, speculative_config=config)
+    scheduler = spec.engine.scheduler
+    for _ in range(2):
+        before = (scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens)
+        got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert scheduler.kv.prefix_cache_hits > 0 and scheduler.spec_num_drafts > 0
+    if method == "draft_model":
+        drafted = scheduler.spec_num_draft_tokens - before[0]
+        assert scheduler.spec_num_accepted_tokens - before[1] > 0.9 * drafted
