@@ -26,7 +26,7 @@ for stage in $stages; do
     # marked gpu elsewhere.
     tests) timeout 420 $py -m pytest -q tests/kernels -p no:cacheprovider --junitxml="$out/kernel_tests.xml" \
              2>&1 | tail -15
-           timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker -p no:cacheprovider \
+           timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.

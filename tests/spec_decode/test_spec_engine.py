@@ -5,6 +5,7 @@ stop tokens among accepted drafts and max_tokens ending inside them; drafts are 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import ARCHS
 from tests.models.test_llama_equivalence import make_llm, random_prompts
@@ -323,3 +324,30 @@ def test_model_drafts_after_a_prefix_hit(method, hf_model_dirs) -> None:
     if method == "draft_model":
         drafted = scheduler.spec_num_draft_tokens - before[0]
         assert scheduler.spec_num_accepted_tokens - before[1] > 0.9 * drafted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_method_on_the_gpu(hf_model_dirs) -> None:
+    """On CUDA (Triton kernels, decode CUDA graphs for plain steps, piecewise graphs around the verify
+    steps' attention), fp32: each method gives the plain engine's greedy tokens and accepts drafts."""
+    prompts = copying_prompts()
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    target = hf_model_dirs["llama"][0]
+    engine_args = dict(block_size=16, max_model_len=256)
+    want = [o.outputs[0].token_ids for o in make_llm(target, **engine_args).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]  # fmt: skip
+    recorded = list(zip(prompts, want))
+    for config in (
+        NGRAM,
+        {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1},
+        {"method": "draft_model", "num_speculative_tokens": 3, "model": target},
+    ):
+        spec = make_llm(target, **engine_args, speculative_config=config)
+        if config is NGRAM:
+            spec.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+        outputs = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want, config["method"]
+        assert spec.engine.scheduler.spec_num_accepted_tokens > 0, config["method"]
+        del spec
+        torch.cuda.empty_cache()
