@@ -253,7 +253,7 @@ def speculative(args) -> dict:
     )
     result = {"k": k, "plain_tok_s": args.output_len / plain_s, "runs": []}
     for corrupt in (0.0, 0.2, 0.5):
-        spec.engine.runner.proposer = ReplayProposer([recorded], k, corrupt_rate=corrupt, seed=1)
+        spec.engine.runner.drafter.proposer = ReplayProposer([recorded], k, corrupt_rate=corrupt, seed=1)
         scheduler = spec.engine.scheduler
         timed_generate(spec, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         before = (

@@ -53,11 +53,11 @@ def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -
     # and drafts that reach max_tokens.
     recorded = [(prompts[int(k)], r[0][0]) for k, r in expected.items() if k != "0"]
     replay = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
-    replay.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+    replay.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
     replayed = run(replay, prompts, params, abort_at_step=4)
     assert greedy_only(replayed, params) == greedy_only(expected, params)
     again = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=NGRAM)
-    again.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+    again.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
     assert run(again, prompts, params, abort_at_step=4) == replayed  # seeded: reproducible
     scheduler = replay.engine.scheduler
     assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
@@ -90,7 +90,7 @@ def test_prefix_hits_and_max_tokens_inside_the_drafts(hf_model_dirs) -> None:
         want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
         # Drafts that are all right (the plain run replayed), so max_tokens ends inside accepted ones.
         recorded = (prompt, want[0].outputs[0].token_ids + [0] * 8)
-        spec.engine.runner.proposer = ReplayProposer([recorded], 4)
+        spec.engine.runner.drafter.proposer = ReplayProposer([recorded], 4)
         for _ in range(2):  # the second time from the prefix cache
             got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
             assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
@@ -144,7 +144,7 @@ def test_dynamic_speculation_by_batch_size_and_by_acceptance(hf_model_dirs) -> N
 
     def spec_run(corrupt: float = 0.0, **spec_keys) -> tuple[LLM, list[list[int]]]:
         llm = make_llm(hf_model_dirs["llama"][0], **engine_args, speculative_config={**NGRAM, **spec_keys})
-        llm.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=corrupt)
+        llm.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=corrupt)
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return llm, [o.outputs[0].token_ids for o in outputs]
 
@@ -198,7 +198,7 @@ def test_sampled_tokens_keep_their_distribution_through_the_engine(hf_model_dirs
         if speculative:
             # Two of the likeliest second tokens as drafts (from the plain run's samples).
             top = counts[0][0].argsort(descending=True)
-            llm.engine.runner.proposer = ConstantProposer([int(top[0]), int(top[1])])
+            llm.engine.runner.drafter.proposer = ConstantProposer([int(top[0]), int(top[1])])
         outputs = llm.generate(prompt_token_ids=[prompt] * 2000, sampling_params=params, use_tqdm=False)
         tokens = torch.tensor([o.outputs[0].token_ids for o in outputs])
         counts.append([torch.bincount(tokens[:, i], minlength=1003).double() for i in (1, 2)])
@@ -217,7 +217,9 @@ def test_logprobs_come_for_every_token_of_a_verifying_step(hf_model_dirs) -> Non
     plain = make_llm(hf_model_dirs["qwen3"][0], max_model_len=128)
     want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
     spec = make_llm(hf_model_dirs["qwen3"][0], max_model_len=128, speculative_config=NGRAM)
-    spec.engine.runner.proposer = ReplayProposer([(prompt, want.token_ids)], 4, corrupt_rate=0.25, seed=3)
+    spec.engine.runner.drafter.proposer = ReplayProposer(
+        [(prompt, want.token_ids)], 4, corrupt_rate=0.25, seed=3
+    )
     got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs) == 12
     for a, b in zip(got.logprobs, want.logprobs):
@@ -345,7 +347,7 @@ def test_every_method_on_the_gpu(hf_model_dirs) -> None:
     ):
         spec = make_llm(target, **engine_args, speculative_config=config)
         if config is NGRAM:
-            spec.engine.runner.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+            spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
         outputs = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want, config["method"]
         assert spec.engine.scheduler.spec_num_accepted_tokens > 0, config["method"]

@@ -50,7 +50,7 @@ def test_greedy_accepts_exactly_the_argmax_path() -> None:
     # Request 0: three drafts over rows 0-2 and its own row 3; request 1: no draft, row 4.
     tokens = resolve_drafts(host, [drafts[:3].tolist(), []], [0, 4])
     assert tokens == [[int(argmax[0]), int(argmax[1]), int(argmax[2])], [int(argmax[4])]]
-    all_accepted = resolve_drafts([host[0], [True] * 5, host[2]], [drafts[:3].tolist(), []], [0, 4])
+    all_accepted = resolve_drafts([[True] * 5, host[1]], [drafts[:3].tolist(), []], [0, 4])
     assert all_accepted[0] == drafts[:3].tolist() + [int(argmax[3])]
 
 
@@ -70,7 +70,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
         for draft in (int(order[0]), int(order[3]), int(order[-1])):
             logits = logits_row.expand(rows, vocab).clone()
             verified, _ = sampler.verify(logits, batch, torch.full((rows,), draft))
-            tokens = torch.where(verified.accepted, torch.tensor(draft), verified.recovered)
+            tokens = torch.where(verified.accepted, torch.tensor(draft), verified.token)
             counts = torch.bincount(tokens, minlength=vocab).double()
             assert chi_square_p(counts, target.double()) > 1e-3, (temperature, draft)
             assert abs(verified.accepted.double().mean() - target[draft]) < 0.01

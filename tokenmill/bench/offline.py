@@ -58,7 +58,7 @@ def throughput_main(args: argparse.Namespace) -> int:
         "tokens_per_second": (input_tokens + output_tokens) / elapsed,
         "input_tokens_per_second": input_tokens / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
-        "speculative_decoding": speculation_stats(llm),
+        "speculative_decoding": speculation_stats(llm) if getattr(args, "speculative_config", None) else None,
     }
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -225,8 +225,8 @@ def _make_llm(args: argparse.Namespace, **engine_overrides: Any) -> Any:
 def speculation_stats(llm: Any) -> dict[str, Any] | None:
     """The drafts' acceptance over the run (vLLM's names), None without speculation: mean accepted
     length counts the target's own token, so it is the tokens each verifying step produced."""
-    scheduler = getattr(llm.engine, "scheduler", None)
-    if not getattr(scheduler, "spec_num_drafts", 0):
+    scheduler = llm.engine.scheduler
+    if not scheduler.spec_num_drafts:
         return None
     drafts, proposed = scheduler.spec_num_drafts, scheduler.spec_num_draft_tokens
     accepted = scheduler.spec_num_accepted_tokens

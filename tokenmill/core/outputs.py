@@ -22,8 +22,8 @@ class ModelRunnerOutput:
     # The tokens each row sampled that count: empty for a prompt chunk, one token, or with speculative
     # decoding the accepted drafts and the target's own next token.
     sampled_token_ids: list[list[int]]
-    # Per row: the sampled token's logprobs, or a list of them (one per token) after a verifying step.
-    logprobs: list[TokenLogprobs | list[TokenLogprobs] | None] | None = None
+    # Per row: the logprobs of each token in sampled_token_ids (None for rows that asked none).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     # request id -> (position of the first prompt token scored, one entry per prompt token from there)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     # The pooling runner's vector per row (float32 little-endian bytes, L2-normalised): set for the rows

@@ -14,6 +14,7 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.spec_decode.config import SpeculativeConfig
 
 # Dynamic speculation: the weight of a verifying step's acceptance in a request's running average, and
 # how often (in decode steps) a request whose average fell below the minimum tries drafts again.
@@ -30,9 +31,7 @@ class Scheduler:
         max_model_len: int,
         context_cost: float = 0.0,
         max_prefill_tokens_with_decodes: int | None = None,
-        spec_disable_by_batch_size: int | None = None,
-        spec_min_acceptance: float = 0.0,
-        spec_lookahead: int = 0,
+        speculation: SpeculativeConfig | None = None,
     ) -> None:
         """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
@@ -59,11 +58,12 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_position: list[int] = []
-        self.spec_disable_by_batch_size = spec_disable_by_batch_size
-        self.spec_min_acceptance = spec_min_acceptance
-        # Slots allocated past a step's tokens, for drafts the worker writes into the KV cache before
-        # the next step (a model-based proposer); never past max_model_len.
-        self.spec_lookahead = spec_lookahead
+        # Dynamic speculation (SpeculativeConfig's disable_by_batch_size and min_acceptance), and the
+        # slots allocated past a step's tokens for drafts the worker writes into the KV cache before the
+        # next step (a model-based proposer; never past max_model_len).
+        self.spec_disable_by_batch_size = speculation.disable_by_batch_size if speculation else None
+        self.spec_min_acceptance = speculation.min_acceptance if speculation else 0.0
+        self.spec_lookahead = speculation.lookahead if speculation else 0
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -425,13 +425,7 @@ class Scheduler:
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids[:appended],
-                    new_logprobs=(
-                        None
-                        if logprobs is None
-                        else logprobs[:appended]
-                        if isinstance(logprobs, list)
-                        else [logprobs]
-                    ),
+                    new_logprobs=logprobs[:appended] if logprobs is not None else None,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,

@@ -432,16 +432,15 @@ def paged_attention(
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
     """The split-KV decode's ticket counters (one per request and KV head), zero between launches: each
     merging program resets its own. Kept per device and grown, never per call: a fresh zeroed tensor
-    would cost a launch, and a CUDA graph needs the same address every replay (the warm-up before
-    capture allocates it at the largest batch)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < needed:
-        counters = torch.zeros(max(needed, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+    would cost a launch. A buffer outgrown stays allocated: a CUDA graph captured with it keeps using
+    its address."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < needed:
+        buffers.append(torch.zeros(max(needed, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]

@@ -134,7 +134,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
         max_model_len,
         context_cost,
         config.max_prefill_tokens_with_decodes,
-        **_speculation_limits(config.speculative_config),
+        config.speculative_config,
     )
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -153,14 +153,3 @@ def create_engine(config: EngineConfig) -> EngineParts:
     gc.collect()
     gc.freeze()
     return parts
-
-
-def _speculation_limits(spec) -> dict:
-    """The scheduler's dynamic-speculation knobs from the speculative config (none without one)."""
-    if spec is None:
-        return {}
-    return {
-        "spec_disable_by_batch_size": spec.disable_by_batch_size,
-        "spec_min_acceptance": spec.min_acceptance,
-        "spec_lookahead": spec.lookahead,
-    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
+from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
@@ -52,9 +54,11 @@ class PendingRunnerOutput:
         pooled: tuple[list[int], torch.Tensor] | None = None,
         verified: Verified | None = None,
         drafts: list[list[int]] | None = None,
+        first_rows: list[int] | None = None,
     ) -> None:
         """pooled: the pooling runner's (rows, one vector per row) for the prompts this step finished.
-        verified and drafts: a step that verified drafts (then `sampled` is unused)."""
+        verified, drafts and first_rows (each request's first logit row): a step that verified drafts
+        (then `sampled` is unused)."""
         self.runner = runner
         self.req_ids = inputs.req_ids
         self.samples = inputs.samples
@@ -62,6 +66,7 @@ class PendingRunnerOutput:
         self.sampled = sampled.to("cpu", non_blocking=non_blocking)
         self.verified = None
         self.drafts = drafts
+        self.first_rows = first_rows
         if verified is not None:
             self.verified = Verified(*(t.to("cpu", non_blocking=non_blocking) for t in verified))
         self.logprobs = logprobs.to_host(non_blocking) if logprobs is not None else None
@@ -82,9 +87,8 @@ class PendingRunnerOutput:
             if self.verified is None:
                 token_ids = [[t] for t in self.sampled.tolist()]
             else:
-                first_rows = np.cumsum([0] + [len(d) + 1 for d in self.drafts[:-1]]).tolist()
                 verified = [t.tolist() for t in self.verified]
-                token_ids = resolve_drafts(verified, self.drafts, first_rows)
+                token_ids = resolve_drafts(verified, self.drafts, self.first_rows)
             self.runner.input_batch.record_sampled(self.req_ids, self.samples, token_ids)
             prompt_logprobs = None
             if self.prompt_logprobs:
@@ -98,13 +102,16 @@ class PendingRunnerOutput:
                 rows, vectors = self.pooled
                 for row, vector in zip(rows, vectors.numpy()):
                     pooled[row] = vector.tobytes()  # fp32 from the pooler; little-endian hosts only
-            logprobs = self.logprobs.tolist(self.logprob_ks) if self.logprobs is not None else None
-            if logprobs is not None and self.verified is not None:
-                # One entry per logit row: each request's tokens take the entries of their rows.
-                logprobs = [
-                    None if logprobs[first] is None else logprobs[first : first + len(tokens)]
-                    for first, tokens in zip(first_rows, token_ids)
-                ]
+            logprobs = None
+            if self.logprobs is not None:  # a list per row: one entry per token the row produced
+                entries = self.logprobs.tolist(self.logprob_ks)
+                if self.verified is None:
+                    logprobs = [None if entry is None else [entry] for entry in entries]
+                else:  # one entry per logit row: each request's tokens take the entries of their rows
+                    logprobs = [
+                        None if entries[first] is None else entries[first : first + len(tokens)]
+                        for first, tokens in zip(self.first_rows, token_ids)
+                    ]
             self._result = ModelRunnerOutput(
                 req_ids=self.req_ids,
                 sampled_token_ids=[t if keeps else [] for t, keeps in zip(token_ids, self.samples)],
@@ -114,6 +121,17 @@ class PendingRunnerOutput:
                 spec_token_ids=self.runner.propose(self.req_ids, self.samples),
             )
         return self._result
+
+
+class VerifyRows(NamedTuple):
+    """A verifying step's logit rows: each request's drafts' positions, then its last."""
+
+    logit_rows: torch.Tensor  # [L] rows of the step's hidden states
+    draft_ids: torch.Tensor  # [L] the draft each row checks, -1 at a request's last row
+    request_of: torch.Tensor  # [L] each row's request (its row in the sampling batch)
+    request_list: list[int]  # the same, on the host
+    first_rows: list[int]  # per request, its first logit row
+    drafts: list[list[int]]  # per request, its drafts
 
 
 # The largest step the piecewise graphs cover, in tokens.
@@ -143,31 +161,11 @@ class ModelRunner:
         self.model = build_model(config, source, max_model_len, self.device, self.dtype, pooling_type is None)
         self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype, self.model)
         self.sampler = Sampler()
-        self.proposer = None
-        self.draft_layers: int | None = None  # layer_skip: the target's layers that draft
-        self.draft_model: torch.nn.Module | None = None  # draft_model: runs beside the target
-        spec = config.speculative_config
-        if spec is not None and pooling_type is None:
-            from tokenmill.spec_decode import NgramProposer
-
-            self.num_speculative_tokens = spec.num_speculative_tokens
-            if spec.method == "draft_model":
-                self.draft_model = self._build_draft_model(config, spec.model, max_model_len)
-            elif spec.method == "layer_skip":
-                num_layers = len(self.model.model.layers)
-                if spec.draft_layers >= num_layers:
-                    raise ValueError(
-                        f"speculative_config draft_layers ({spec.draft_layers}) must be fewer than the "
-                        f"model's {num_layers} layers."
-                    )
-                self.draft_layers = spec.draft_layers
-            else:
-                self.proposer = NgramProposer(
-                    spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-                )
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, self.block_size)
+        # Speculative decoding's proposals for each request's next step (worker/drafter.py).
+        self.drafter = make_drafter(self, config.speculative_config if pooling_type is None else None)
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         # The last launched step's sampled tokens on the device, and each request's row in it.
@@ -177,25 +175,11 @@ class ModelRunner:
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
-    def _build_draft_model(self, config: EngineConfig, path: str, max_model_len: int) -> torch.nn.Module:
-        """The draft model, in the target's dtype, unquantized; its vocabulary must be the target's."""
-        from tokenmill.loader import resolve_model
-
-        source = resolve_model(path, "auto", None)
-        if source.hf_config.vocab_size != self.hf_config.vocab_size:
-            raise ValueError(
-                f"speculative_config model {path!r} has a vocabulary of {source.hf_config.vocab_size} "
-                f"tokens, the target {self.hf_config.vocab_size}: a draft model must share the target's "
-                "tokenizer."
-            )
-        draft_config = dataclasses.replace(config, model=path, quantization=None, speculative_config=None)
-        return build_model(draft_config, source, max_model_len, self.device, self.dtype, True)
-
     def _attention_layers(self) -> list:
         """Every attention layer whose KV cache the engine allocates: the target's, then the draft's."""
         layers = list(self.model.attention_layers())
-        if self.draft_model is not None:
-            layers += self.draft_model.attention_layers()
+        if self.drafter is not None and self.drafter.draft_model is not None:
+            layers += self.drafter.draft_model.attention_layers()
         return layers
 
     def capture_cuda_graphs(self, max_num_batched_tokens: int) -> None:
@@ -344,8 +328,8 @@ class ModelRunner:
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
-            if self.proposer is not None:
-                self.proposer.forget(request_id)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
         if self.pooling_type is not None:
             return self._execute_pooling(scheduler_output)
         states = self.input_batch.requests
@@ -361,16 +345,17 @@ class ModelRunner:
         sampling_batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
         input_ids, positions, md = self.to_device(inputs)
         prompt_logprobs = None
-        if self.draft_model is not None:
+        if self.drafter is not None and self.drafter.draft_model is not None:
             # The draft model sees every token the target computes, so its own KV cache (in the same
             # blocks) holds the request's whole text when it drafts.
-            self.draft_model(input_ids, positions, md)
+            self.drafter.draft_model(input_ids, positions, md)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
         else:
             drafts = scheduler_output.scheduled_spec_decode_tokens
             if drafts:  # every verified position's logits, not only each request's last
-                logit_rows, draft_ids, last_of_row = self._verify_rows(inputs, drafts)
+                rows = self._verify_rows(inputs, drafts)
+                logit_rows = rows.logit_rows
             else:
                 logit_rows = md.query_start_loc[1:].long() - 1
             piecewise = self.piecewise_graphs
@@ -382,9 +367,7 @@ class ModelRunner:
             if scoring:
                 prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
             if drafts:
-                return self._verify(
-                    inputs, sampling_batch, logits, draft_ids, last_of_row, prompt_logprobs, drafts
-                )
+                return self._verify(inputs, sampling_batch, logits, rows, prompt_logprobs)
         sampled, logprobs = self.sampler(logits, sampling_batch)
         self._last_sampled = sampled
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
@@ -393,143 +376,70 @@ class ModelRunner:
 
     # ---- speculative decoding ---------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _draft_with_layers(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
-        """layer_skip: the first draft_layers layers, the final norm and the LM head draft k tokens
-        greedily, one batched step per token. The draft reads the KV those layers already hold for the
-        request (the target's own, same weights) and writes its drafts' KV into the slots past them,
-        which the scheduler allocated ahead and the verifying step overwrites in every layer.
-        draft_model: the same, with the draft model and its own cache (same slots)."""
-        k = self.num_speculative_tokens
-        states = self.input_batch.requests
-        rows, budgets, tokens, positions = [], [], [], []
-        for row, (request_id, keeps) in enumerate(zip(req_ids, samples)):
-            state = states.get(request_id)
-            if not keeps or state is None:
-                continue
-            position = len(state.all_token_ids) - 1  # the last token: its KV is not written yet
-            params = state.sampling_params
-            room = k if params.max_tokens is None else min(k, params.max_tokens - state.num_output_tokens - 1)
-            room = min(
-                room, len(state.block_ids) * self.block_size - position, self.max_model_len - position - 1
-            )
-            if room > 0:
-                rows.append(row)
-                budgets.append(room)
-                tokens.append(state.all_token_ids[-1])
-                positions.append(position)
-        drafts: list[list[int]] = [[] for _ in req_ids]
-        bs = self.block_size
-        for step in range(max(budgets, default=0)):
-            active = [i for i, budget in enumerate(budgets) if budget > step]
-            table_rows = np.asarray(
-                [self.input_batch.row_of[req_ids[rows[i]]] for i in active], dtype=np.int64
-            )
-            pos = np.asarray([positions[i] + step for i in active], dtype=np.int64)
-            slots = self.input_batch.block_table[table_rows, pos // bs].astype(np.int64) * bs + pos % bs
-            max_blocks = int(self.input_batch.num_blocks_in_row[table_rows].max())
-            ids_t, pos_t, slot_t = self._staged(
-                [np.asarray([tokens[i] for i in active]), pos, slots], np.int64
-            )
-            seq_lens = (pos + 1).astype(np.int32)
-            qsl_t, seq_t, tables_t = self._staged(
-                [np.arange(len(active) + 1, dtype=np.int32), seq_lens,
-                 self.input_batch.block_table[table_rows, :max_blocks]], np.int32,
-            )  # fmt: skip
-            md = AttentionMetadata(
-                slot_mapping=slot_t, block_tables=tables_t, seq_lens=seq_t, query_start_loc=qsl_t,
-                max_query_len=1, max_seq_len=int(seq_lens.max()), num_decodes=len(active),
-            )  # fmt: skip
-            if self.draft_model is not None:
-                logits = self.draft_model.compute_logits(self.draft_model(ids_t, pos_t, md))
-            else:
-                logits = self.model.compute_logits(
-                    self.model.model(ids_t, pos_t, md, num_layers=self.draft_layers)
-                )
-            next_tokens = logits.argmax(dim=-1).tolist()
-            for i, token in zip(active, next_tokens):
-                drafts[rows[i]].append(token)
-                tokens[i] = token
-        return drafts
-
-    def _verify_rows(
-        self, inputs: StepInputs, drafts: dict[str, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """(the hidden rows whose logits verification needs: each row's drafts' positions and its last;
-        the draft each such row checks, -1 at a row's last; each request's last logit row)."""
-        ends = inputs.query_start_loc[1:].astype(np.int64)
+    def _verify_rows(self, inputs: StepInputs, drafts: dict[str, list[int]]) -> VerifyRows:
+        """The logit rows verification needs (each request's drafts' positions and its last) and how
+        they map back to the requests, staged to the device in one copy."""
         counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
-        rows = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, counts)])
-        draft_ids = np.full(rows.shape[0], -1, dtype=np.int64)
-        last_of_row = np.cumsum(counts) - 1
-        for first, request_id, n in zip(last_of_row - counts + 1, inputs.req_ids, counts):
-            if n > 1:
-                draft_ids[first : first + n - 1] = drafts[request_id]
-        logit_rows, draft_tensor = self._staged([rows, draft_ids], np.int64)
-        return logit_rows, draft_tensor, last_of_row
+        ends = inputs.query_start_loc[1:].astype(np.int64)
+        hidden_rows = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, counts)])
+        request_of = np.repeat(np.arange(len(counts)), counts)
+        first_rows = np.cumsum(counts) - counts
+        row_drafts = [drafts.get(request_id, []) for request_id in inputs.req_ids]
+        draft_ids = np.full(hidden_rows.shape[0], -1, dtype=np.int64)
+        for first, row in zip(first_rows, row_drafts):
+            draft_ids[first : first + len(row)] = row
+        logit_rows, draft_tensor, request_tensor = self._staged(
+            [hidden_rows, draft_ids, request_of], np.int64
+        )
+        return VerifyRows(
+            logit_rows, draft_tensor, request_tensor, request_of.tolist(), first_rows.tolist(), row_drafts
+        )
 
     def _verify(
         self,
         inputs: StepInputs,
         batch: SamplingBatch,
         logits: torch.Tensor,
-        draft_ids: torch.Tensor,
-        last_of_row: np.ndarray,
+        rows: VerifyRows,
         prompt_logprobs: dict | None,
-        drafts: dict[str, list[int]],
     ) -> PendingRunnerOutput:
         """Verify a step's drafts: the sampling batch repeated for every logit row of a request, each row
         seeing the drafts before it as output tokens (penalties, min_tokens) and a seeded request's
         rows drawing from its generator in turn; then the accepted prefix and the next token per
         request, resolved on the host, with a logprob entry per token for requests that ask."""
-        counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
-        row_of = np.repeat(np.arange(len(counts)), counts)
-        index = torch.from_numpy(row_of).to(logits.device)
 
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, index)
+            return None if t is None else t.index_select(0, rows.request_of)
 
-        row_drafts = [drafts.get(request_id, []) for request_id in inputs.req_ids]
-        rows = row_of.tolist()
-        first_of_row = (last_of_row - counts + 1).tolist()
         expanded = dataclasses.replace(
             batch,
-            requests=[batch.requests[r] for r in rows],
+            requests=[batch.requests[r] for r in rows.request_list],
             temperature=take(batch.temperature),
             top_k=take(batch.top_k),
             top_p=take(batch.top_p),
             min_p=take(batch.min_p),
             # A seeded request's rows draw, in order, from its one generator.
-            generators={i: batch.generators[r] for i, r in enumerate(rows) if r in batch.generators},
-            draft_prefixes=[row_drafts[r][: i - first_of_row[r]] for i, r in enumerate(rows)],
+            generators={
+                i: batch.generators[r] for i, r in enumerate(rows.request_list) if r in batch.generators
+            },
+            draft_prefixes=[
+                rows.drafts[r][: i - rows.first_rows[r]] for i, r in enumerate(rows.request_list)
+            ],
         )
-        verified, logprobs = self.sampler.verify(logits, expanded, draft_ids)
+        verified, logprobs = self.sampler.verify(logits, expanded, rows.draft_ids)
         # Nothing is in flight while speculating: no later step reads these from the device.
-        self._last_sampled = verified.target
+        self._last_sampled = verified.token
         self._last_row_of = {}
         logprob_ks = [r.sampling_params.logprobs for r in expanded.requests]  # one per logit row
         return PendingRunnerOutput(
-            self, inputs, verified.target, logprobs, logprob_ks, prompt_logprobs,
-            verified=verified, drafts=row_drafts,
+            self, inputs, verified.token, logprobs, logprob_ks, prompt_logprobs,
+            verified=verified, drafts=rows.drafts, first_rows=rows.first_rows,
         )  # fmt: skip
 
     def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]] | None:
-        """Drafts for each row's next step (after its tokens reached the host), [] where the request does
-        not speculate; None without a proposer."""
-        if (self.draft_layers is not None or self.draft_model is not None) and self.proposer is None:
-            return self._draft_with_layers(req_ids, samples)
-        if self.proposer is None:
-            return None
-        out = []
-        for request_id, keeps in zip(req_ids, samples):
-            state = self.input_batch.requests.get(request_id)
-            if not keeps or state is None:
-                out.append([])
-                continue
-            params = state.sampling_params
-            room = None if params.max_tokens is None else params.max_tokens - state.num_output_tokens - 1
-            out.append(self.proposer.propose(state.all_token_ids, room, request_id=request_id))
-        return out
+        """Drafts for each row's next step (after its tokens reached the host), [] where the request takes
+        none; None without speculation."""
+        return None if self.drafter is None else self.drafter.propose(req_ids, samples)
 
     def _execute_pooling(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """One step of the pooling runner: the forward pass, then a vector for every request whose

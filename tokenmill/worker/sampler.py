@@ -131,9 +131,8 @@ class Verified(NamedTuple):
     """Speculative verification, one entry per logit row (a request's drafts' positions, then its
     last), on the device: resolved per request on the host (resolve_drafts)."""
 
-    target: torch.Tensor  # [L] the target's own token at the row (greedy or sampled)
     accepted: torch.Tensor  # [L] bool: the row's draft stands (False where there is none)
-    recovered: torch.Tensor  # [L] the token that replaces a rejected draft
+    token: torch.Tensor  # [L] the target's token there: a rejected draft's replacement, or the next one
 
 
 class Sampler:
@@ -187,24 +186,24 @@ class Sampler:
         rejected one by a sample of p without d: together exactly p (Leviathan et al., 2023)."""
         greedy, probs = self._process(logits, batch)
         has_draft = drafts >= 0
-        safe = drafts.clamp(min=0)
         if probs is None:
-            target = recovered = greedy
+            token = greedy
             accepted = has_draft & (greedy == drafts)
         else:
             sampled = batch.temperature > 0
-            target = torch.where(sampled, _random_sample(probs, batch.generators), greedy)
+            safe = drafts.clamp(min=0)
             p_draft = probs.gather(1, safe[:, None])[:, 0]
             coin = torch.rand(p_draft.shape, device=p_draft.device)
             for row, generator in batch.generators.items():  # a seeded request draws from its own
                 coin[row] = torch.rand((), device=coin.device, generator=generator)
             accepted = has_draft & torch.where(sampled, coin < p_draft, greedy == drafts)
-            residual = probs.scatter(1, safe[:, None], 0.0)
-            # A draft of probability 1 is always accepted; its residual (all zero) is never read.
-            recovered = torch.where(sampled, _random_sample(residual, batch.generators), greedy)
+            # One draw per row: from p without the draft where there is one (only read if it is
+            # rejected; a draft of probability 1 never is), from p itself at a request's last row.
+            residual = torch.where(has_draft[:, None], probs.scatter(1, safe[:, None], 0.0), probs)
+            token = torch.where(sampled, _random_sample(residual, batch.generators), greedy)
         # The token that stands at each row if the drafts before it stood: its logprob is reported.
-        chosen = torch.where(has_draft, torch.where(accepted, drafts, recovered), target)
-        return Verified(target, accepted, recovered), self._logprobs(logits, chosen, batch)
+        chosen = torch.where(accepted, drafts, token)
+        return Verified(accepted, token), self._logprobs(logits, chosen, batch)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch) -> LogprobTensors | None:
@@ -217,18 +216,13 @@ def resolve_drafts(
     verified: list[list[int]], drafts: list[list[int]], first_rows: list[int]
 ) -> list[list[int]]:
     """Per request: its accepted drafts, then the target's own token (at the first rejected draft, or
-    after the last draft). verified is (target, accepted, recovered) as host lists; first_rows[r] is
-    request r's first logit row."""
-    target, accepted, recovered = verified
+    after the last draft). verified is (accepted, token) as host lists; first_rows[r] is request r's
+    first logit row."""
+    accepted, token = verified
     tokens = []
     for first, row_drafts in zip(first_rows, drafts):
-        out = []
-        for j, draft in enumerate(row_drafts):
-            if not accepted[first + j]:
-                out.append(recovered[first + j])
-                break
-            out.append(draft)
-        else:
-            out.append(target[first + len(row_drafts)])
-        tokens.append(out)
+        count = 0
+        while count < len(row_drafts) and accepted[first + count]:
+            count += 1
+        tokens.append(row_drafts[:count] + [token[first + count]])
     return tokens
