@@ -331,8 +331,8 @@ def test_model_drafts_after_a_prefix_hit(method, hf_model_dirs) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_method_on_the_gpu(hf_model_dirs) -> None:
-    """On CUDA (Triton kernels, decode CUDA graphs for plain steps, piecewise graphs around the verify
-    steps' attention), fp32: each method gives the plain engine's greedy tokens and accepts drafts."""
+    """On CUDA (Triton kernels, decode CUDA graphs for plain steps, verify graphs for the verify steps),
+    fp32: each method gives the plain engine's greedy tokens and accepts drafts."""
     prompts = copying_prompts()
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     target = hf_model_dirs["llama"][0]
@@ -348,8 +348,13 @@ def test_every_method_on_the_gpu(hf_model_dirs) -> None:
         spec = make_llm(target, **engine_args, speculative_config=config)
         if config is NGRAM:
             spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+        graphs = spec.engine.runner.verify_graphs
+        replays = []
+        run = graphs.run
+        graphs.run = lambda *args: replays.append(1) or run(*args)
         outputs = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want, config["method"]
         assert spec.engine.scheduler.spec_num_accepted_tokens > 0, config["method"]
+        assert replays, config["method"]  # the verify steps ran as whole-step graphs
         del spec
         torch.cuda.empty_cache()

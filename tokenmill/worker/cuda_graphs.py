@@ -1,6 +1,12 @@
-"""CUDA graphs for decode steps: one graph per batch size of a ladder, captured after warm-up over
-static input buffers. A step of B decodes replays the smallest graph of size >= B; its padding rows
-have no query tokens (attention skips them) and slot -1 (their K/V are never written)."""
+"""CUDA graphs for decode and verify steps: one graph per batch size of a ladder, captured after warm-up
+over static input buffers. A step of B requests replays the smallest graph of size >= B; its padding
+requests have no query tokens (attention skips them) and its padding tokens slot -1 (their K/V are never
+written).
+
+Decode graphs take one query token per request. Verify graphs (speculative decoding) take up to
+query_len = 1 + k per request, any mix of lengths up to that: their attention is the varlen kernel,
+whose grid covers every layout of size * query_len tokens, and they return the logits of every token
+row, since verification reads each draft's position."""
 
 from __future__ import annotations
 
@@ -29,14 +35,17 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_model_len: int,
         device: torch.device,
+        query_len: int = 1,
     ) -> None:
         self.model = model
         self.max_model_len = max_model_len
+        self.query_len = query_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        tokens = n * query_len
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
@@ -46,24 +55,26 @@ class DecodeGraphs:
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[: size * self.query_len],
             block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
-            max_query_len=1,
+            max_query_len=self.query_len,
             # Fixes the split-KV grid for the graph; each split's length adapts to the real seq_len.
             max_seq_len=self.max_model_len,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self._metadata(size))
+        tokens = size * self.query_len
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], self._metadata(size))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        # Warm-up inputs: every row decodes one token at position 0 into no slot.
-        self.query_start_loc.copy_(torch.arange(self.query_start_loc.numel(), dtype=torch.int32))
-        self.seq_lens.fill_(1)
+        # Warm-up inputs: every request's query_len tokens at positions 0.. into no slot.
+        q = self.query_len
+        self.query_start_loc.copy_(torch.arange(self.query_start_loc.numel(), dtype=torch.int32) * q)
+        self.seq_lens.fill_(q)
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             for _ in range(2):
                 self._forward(size)
@@ -77,26 +88,31 @@ class DecodeGraphs:
         for graph in self.graphs.values():
             graph.replay()  # the first launch uploads the graph: not on a request's path
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.graphs), self.sizes)
+        kind = "decode" if q == 1 else f"verify ({q} tokens a request)"
+        logger.info("captured %d %s CUDA graphs for batch sizes %s", len(self.graphs), kind, self.sizes)
 
     def can_run(self, inputs: StepInputs) -> bool:
-        return inputs.max_query_len == 1 and len(inputs.seq_lens) <= self.sizes[-1]
+        if self.query_len == 1:
+            return inputs.max_query_len == 1 and len(inputs.seq_lens) <= self.sizes[-1]
+        return 1 < inputs.max_query_len <= self.query_len and len(inputs.seq_lens) <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """Replay the graph for this decode step (its inputs already on the device); returns logits
-        [num_seqs, vocab]."""
+        """Replay the graph for this step (its inputs already on the device); returns logits [T, vocab],
+        a row per token of the step (for a decode step, one per request)."""
         num_seqs = md.seq_lens.shape[0]
+        num_tokens = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
         num_blocks = md.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(md.slot_mapping)
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(md.slot_mapping)
         self.seq_lens[:num_seqs].copy_(md.seq_lens)
         self.block_tables[:num_seqs, :num_blocks].copy_(md.block_tables)
         self.query_start_loc[: num_seqs + 1].copy_(md.query_start_loc)
+        if size * self.query_len > num_tokens:
+            self.slot_mapping[num_tokens : size * self.query_len].fill_(-1)
         if size > num_seqs:
-            self.slot_mapping[num_seqs:size].fill_(-1)
             self.seq_lens[num_seqs:size].fill_(0)
-            self.query_start_loc[num_seqs + 1 : size + 1].fill_(num_seqs)
+            self.query_start_loc[num_seqs + 1 : size + 1].fill_(num_tokens)
         self.graphs[size].replay()
-        return self.logits[size][:num_seqs]
+        return self.logits[size][:num_tokens]

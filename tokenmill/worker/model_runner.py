@@ -136,6 +136,9 @@ class VerifyRows(NamedTuple):
 
 # The largest step the piecewise graphs cover, in tokens.
 PIECEWISE_MAX_TOKENS = 8192
+# The largest batch whose verify steps replay a whole-step graph (larger ones use the piecewise graphs):
+# speculation pays at small batches, and each graph keeps logits for all its token rows.
+VERIFY_GRAPH_MAX_SEQS = 64
 
 
 class ModelRunner:
@@ -167,6 +170,7 @@ class ModelRunner:
         # Speculative decoding's proposals for each request's next step (worker/drafter.py).
         self.drafter = make_drafter(self, config.speculative_config if pooling_type is None else None)
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -191,6 +195,18 @@ class ModelRunner:
             self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
         )
         self.decode_graphs.capture()
+        spec = self.config.speculative_config
+        if spec is not None:
+            # Verify steps of up to VERIFY_GRAPH_MAX_SEQS requests, each with its drafts and one token
+            # more.
+            max_seqs = min(self.config.max_num_seqs, VERIFY_GRAPH_MAX_SEQS)
+            if spec.disable_by_batch_size is not None:
+                max_seqs = min(max_seqs, spec.disable_by_batch_size)
+            self.verify_graphs = DecodeGraphs(
+                self.model, max_seqs, self.max_blocks_per_seq, self.max_model_len, self.device,
+                query_len=1 + spec.num_speculative_tokens,
+            )  # fmt: skip
+            self.verify_graphs.capture()
         if self.model.kernels.backend == "triton":
             # Larger steps are device-bound: their launches hide behind the arithmetic.
             max_tokens = min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
@@ -358,14 +374,19 @@ class ModelRunner:
                 logit_rows = rows.logit_rows
             else:
                 logit_rows = md.query_start_loc[1:].long() - 1
-            piecewise = self.piecewise_graphs
-            if piecewise is not None and not scoring and piecewise.can_run(input_ids.shape[0], md):
-                hidden = piecewise.run(input_ids, positions, md)
+            verify_graphs = self.verify_graphs
+            if verify_graphs is not None and not scoring and verify_graphs.can_run(inputs):
+                # Logits of every token row, whole steps in one graph.
+                logits = verify_graphs.run(input_ids, positions, md)[logit_rows]
             else:
-                hidden = self.model(input_ids, positions, md)
-            logits = self.model.compute_logits(hidden[logit_rows])
-            if scoring:
-                prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
+                piecewise = self.piecewise_graphs
+                if piecewise is not None and not scoring and piecewise.can_run(input_ids.shape[0], md):
+                    hidden = piecewise.run(input_ids, positions, md)
+                else:
+                    hidden = self.model(input_ids, positions, md)
+                logits = self.model.compute_logits(hidden[logit_rows])
+                if scoring:
+                    prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
             if drafts:
                 return self._verify(inputs, sampling_batch, logits, rows, prompt_logprobs)
         sampled, logprobs = self.sampler(logits, sampling_batch)
