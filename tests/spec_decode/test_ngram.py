@@ -29,8 +29,8 @@ def test_config_is_checked_and_named() -> None:
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert config.speculative_config == SpeculativeConfig("ngram", 3)
     bad = [
-        ({"method": "eagle", "num_speculative_tokens": 3}, "not supported yet"),
-        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "applies to method 'draft_model'"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "needs model, the EAGLE head's directory"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "model applies to methods"),
         (
             {"method": "ngram", "num_speculative_tokens": 3, "draft_layers": 2},
             "applies to method 'layer_skip'",

@@ -350,8 +350,7 @@ def test_every_method_on_the_gpu(hf_model_dirs) -> None:
             spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
         graphs = spec.engine.runner.verify_graphs
         replays = []
-        run = graphs.run
-        graphs.run = lambda *args: replays.append(1) or run(*args)
+        graphs.run = lambda *args, replay=graphs.run, replays=replays: replays.append(1) or replay(*args)
         outputs = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want, config["method"]
         assert spec.engine.scheduler.spec_num_accepted_tokens > 0, config["method"]

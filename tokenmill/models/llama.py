@@ -5,6 +5,7 @@ Tokens are flat and varlen: hidden states are [num_tokens, hidden_size]."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from tokenmill.layers.quantization.compressed_tensors import kv_scales_aside
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.utils import load_model_weights
+
+if TYPE_CHECKING:
+    from tokenmill.models.eagle import FeatureSink
 
 
 class ArchFlags:
@@ -111,6 +115,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, flags, max_position, kernels) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # Set by an EAGLE drafter (models/eagle.py): every full forward leaves the head's features there.
+        self.feature_sink: FeatureSink | None = None
 
     def forward(
         self,
@@ -121,10 +127,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm; with num_layers, after only the first num_layers layers
         (self-speculation drafts with them)."""
+        sink = self.feature_sink if num_layers is None else None
+        taps = (sink.layers or ()) if sink is not None else ()
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers[:num_layers]:
+        for index, layer in enumerate(self.layers[:num_layers]):
+            if index in taps:  # the residual stream entering this layer
+                sink.tap(index, hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, md)
+        if len(self.layers) in taps:  # the stream after the last layer, before the final norm
+            sink.tap(len(self.layers), hidden + residual)
         hidden, _ = self.norm(hidden, residual)
+        if sink is not None and not taps:
+            sink.put(0, hidden)
         return hidden
 
 

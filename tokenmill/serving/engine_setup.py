@@ -19,13 +19,6 @@ from tokenmill.worker.model_runner import ModelRunner
 logger = logging.getLogger("tokenmill")
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-# Default token budget of a step. On a CPU a step costs its tokens at full price (no idle device to
-# fill), so a small budget keeps every step short and lets a request that arrives behind a long prompt
-# in within a step or two. 512: an 8k-token prompt on the embedded model prefills in 38 chunks of about
-# 0.2 s each on two AMX cores in bf16 (8.3 s in all; 256 took 76 chunks and 11.4 s, 1024 19 chunks of
-# 0.4 s and 7.2 s), against one 34 s step at 8192; fp32 steps take about twice as long.
-_GPU_DEFAULT_BATCHED_TOKENS = 8192
-_CPU_DEFAULT_BATCHED_TOKENS = 512
 
 
 class EngineParts(NamedTuple):
@@ -96,9 +89,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
     max_model_len = resolve_max_model_len(config, source.hf_config)
     pooling_type = resolve_pooling(config, source)
     runner = ModelRunner(config, source, max_model_len, pooling_type)
-    batched_tokens = config.max_num_batched_tokens or (
-        _GPU_DEFAULT_BATCHED_TOKENS if runner.device.type == "cuda" else _CPU_DEFAULT_BATCHED_TOKENS
-    )
+    batched_tokens = runner.max_num_batched_tokens
     num_blocks = _num_kv_blocks(config, runner, batched_tokens)
     capacity = num_blocks * config.block_size
     if capacity < max_model_len:

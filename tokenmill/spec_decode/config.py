@@ -1,13 +1,15 @@
 """`speculative_config` as vLLM spells it: {"method": "ngram", "num_speculative_tokens": k,
 "prompt_lookup_min": 1, "prompt_lookup_max": 4}, {"method": "layer_skip", "num_speculative_tokens": k,
-"draft_layers": n} or {"method": "draft_model", "num_speculative_tokens": k, "model": path}."""
+"draft_layers": n}, {"method": "draft_model", "num_speculative_tokens": k, "model": path}, or
+{"method": "eagle" | "eagle3", "num_speculative_tokens": k, "model": path to the EAGLE head}."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-_METHODS = ("ngram", "layer_skip", "draft_model")
-_PLANNED = ("eagle", "eagle3")
+_METHODS = ("ngram", "layer_skip", "draft_model", "eagle", "eagle3")
+# Methods whose proposer is a model with its own KV cache, at `model`.
+_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class SpeculativeConfig:
     draft_layers: int | None = None
     # draft_model: a smaller model with the same tokenizer (a directory, a .gguf or "default"), run by the
     # same engine with its own KV cache in the same blocks; it drafts greedily.
+    # eagle / eagle3: the EAGLE head's directory (config.json and its weights; models/eagle.py).
     model: str | None = None
     # Dynamic speculation. A step with at least this many running requests verifies no drafts (vLLM's
     # speculative_disable_by_batch_size): from there decode is compute-bound and drafts cost what
@@ -52,10 +55,6 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self) -> None:
-        if self.method in _PLANNED:
-            raise ValueError(
-                f"speculative_config method {self.method!r} is not supported yet; supported: {_METHODS}."
-            )
         if self.method not in _METHODS:
             raise ValueError(f"speculative_config method must be one of {_METHODS}, got {self.method!r}.")
         if self.disable_by_batch_size is not None and (
@@ -85,13 +84,14 @@ class SpeculativeConfig:
                 )
         elif self.draft_layers is not None:
             raise ValueError("speculative_config draft_layers applies to method 'layer_skip' only.")
-        if self.method == "draft_model":
+        if self.method in _WITH_MODEL:
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError(
-                    "speculative_config method 'draft_model' needs model, the draft model's path."
+                what = (
+                    "the draft model's path" if self.method == "draft_model" else "the EAGLE head's directory"
                 )
+                raise ValueError(f"speculative_config method {self.method!r} needs model, {what}.")
         elif self.model is not None:
-            raise ValueError("speculative_config model applies to method 'draft_model' only.")
+            raise ValueError(f"speculative_config model applies to methods {_WITH_MODEL} only.")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
@@ -101,5 +101,5 @@ class SpeculativeConfig:
     @property
     def lookahead(self) -> int:
         """KV slots a request needs past the tokens it computes, for drafts the worker writes into the
-        cache before the next step (layer_skip); 0 for proposers that read no model."""
-        return self.num_speculative_tokens if self.method in ("layer_skip", "draft_model") else 0
+        cache before the next step (the model-based methods); 0 for n-gram, which reads no model."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens

@@ -8,6 +8,12 @@ drafts for every request's next step. Two kinds:
   second model with its own KV cache in the same blocks, fed every step's inputs so its cache holds the
   request's text). The drafts' own KV goes into slots past the computed ones, which the scheduler
   allocates ahead (SpeculativeConfig.lookahead) and the verifying step overwrites.
+- EagleDrafter: an EAGLE head (models/eagle.py) drafts from the target's hidden states of the step just
+  run: one forward over every token of the step whose next token is known (writing the head's KV
+  cache for them), then one per further draft, all on the device until the drafts are read.
+
+Every drafter tells the runner which attention layers need KV cache (attention_layers) and sees the
+step's inputs before (before_target) and after (after_target) the target's forward.
 
 Verification of the drafts is the sampler's (Sampler.verify)."""
 
@@ -21,7 +27,7 @@ import torch
 
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.spec_decode import NgramProposer, SpeculativeConfig
-from tokenmill.worker.input_batch import CachedRequestState
+from tokenmill.worker.input_batch import CachedRequestState, StepInputs
 from tokenmill.worker.model_loader import build_model
 
 if TYPE_CHECKING:
@@ -38,11 +44,26 @@ def draft_room(state: CachedRequestState, k: int | None) -> int | None:
     return room if k is None else min(k, room)
 
 
-class TextDrafter:
+class _Drafter:
+    draft_model: torch.nn.Module | None = None
+
+    def attention_layers(self) -> list:
+        """Attention layers of the proposer's own, whose KV cache the runner allocates with the target's."""
+        return []
+
+    def before_target(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> None:
+        """Sees a step's device inputs before the target's forward."""
+
+    def after_target(self, inputs: StepInputs) -> None:
+        """Sees a step's host inputs once the target's forward is launched."""
+
+    def forget(self, request_id: str) -> None:
+        """Drops what is kept for a finished request."""
+
+
+class TextDrafter(_Drafter):
     """Drafts from the request's own tokens. `proposer` has propose(token_ids, max_tokens, request_id)
     and forget(request_id): NgramProposer, or a ReplayProposer set in its place."""
-
-    draft_model = None
 
     def __init__(self, runner: ModelRunner, proposer) -> None:
         self.runner = runner
@@ -64,7 +85,7 @@ class TextDrafter:
         self.proposer.forget(request_id)
 
 
-class ModelDrafter:
+class ModelDrafter(_Drafter):
     def __init__(self, runner: ModelRunner, spec: SpeculativeConfig) -> None:
         self.runner = runner
         self.k = spec.num_speculative_tokens
@@ -96,8 +117,14 @@ class ModelDrafter:
         config = dataclasses.replace(runner.config, model=path, quantization=None, speculative_config=None)
         return build_model(config, source, runner.max_model_len, runner.device, runner.dtype, True)
 
-    def forget(self, request_id: str) -> None:
-        """Nothing is kept per request."""
+    def attention_layers(self) -> list:
+        return self.draft_model.attention_layers() if self.draft_model is not None else []
+
+    def before_target(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> None:
+        if self.draft_model is not None:
+            # The draft model sees every token the target computes, so its own KV cache (in the same
+            # blocks) holds the request's whole text when it drafts.
+            self.draft_model(input_ids, positions, md)
 
     @torch.inference_mode()
     def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
@@ -152,10 +179,145 @@ class ModelDrafter:
         return drafts
 
 
-def make_drafter(runner: ModelRunner, spec: SpeculativeConfig | None) -> TextDrafter | ModelDrafter | None:
+class EagleDrafter(_Drafter):
+    def __init__(self, runner: ModelRunner, spec: SpeculativeConfig) -> None:
+        from tokenmill.models.eagle import FeatureSink, build_eagle_head
+
+        self.runner = runner
+        self.k = spec.num_speculative_tokens
+        target = runner.model
+        self.head = build_eagle_head(
+            spec.method, spec.model, target, runner.max_model_len, runner.device, runner.dtype
+        )
+        # Every forward of the target (eager, piecewise or whole-step graph) leaves its features here.
+        max_tokens = max(runner.max_num_batched_tokens, runner.config.max_num_seqs * (1 + self.k))
+        self.sink = FeatureSink(
+            self.head.feature_layers, target.config.hidden_size, max_tokens, runner.dtype, runner.device
+        )
+        target.model.feature_sink = self.sink
+        self._inputs: StepInputs | None = None
+
+    def attention_layers(self) -> list:
+        return self.head.attention_layers()
+
+    def after_target(self, inputs: StepInputs) -> None:
+        self._inputs = inputs
+
+    @torch.inference_mode()
+    def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
+        """The head's KV for every token of the step just run whose next token is now known (the
+        accepted ones, and prompt tokens), and up to k drafts for each request that sampled: the first
+        from that forward, each further one from a one-token step over the previous draft."""
+        runner, inputs = self.runner, self._inputs
+        self._inputs = None
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if inputs is None or inputs.req_ids != req_ids:
+            return drafts
+        batch, bs = runner.input_batch, runner.block_size
+        rows, tokens, positions, slots, counts, seq_lens, table_rows = [], [], [], [], [], [], []
+        drafting, budgets, bases = [], [], []  # per drafting request: its row in req_ids, k, next position
+        for r, request_id in enumerate(req_ids):
+            state = batch.requests.get(request_id)
+            if state is None:
+                continue
+            start, end = int(inputs.query_start_loc[r]), int(inputs.query_start_loc[r + 1])
+            first = int(inputs.positions[start])
+            known = state.all_token_ids
+            valid = min(end - start, len(known) - first - 1)  # rows whose next token is known
+            if valid <= 0:
+                continue
+            rows.extend(range(start, start + valid))
+            tokens.extend(known[first + 1 : first + 1 + valid])
+            positions.extend(range(first, first + valid))
+            slots.extend(inputs.slot_mapping[start : start + valid].tolist())
+            counts.append(valid)
+            seq_lens.append(first + valid)
+            table_rows.append(batch.row_of[request_id])
+            if samples[r]:
+                base = len(known) - 1  # the first draft's KV position after the first forward's
+                budget = min(
+                    draft_room(state, self.k),
+                    len(state.block_ids) * bs - base + 1,  # the slots allocated ahead
+                    runner.max_model_len - len(known),
+                )
+                if budget > 0:
+                    drafting.append((r, len(counts) - 1))
+                    budgets.append(budget)
+                    bases.append(base)
+        if not rows:
+            return drafts
+        head = self.head
+        table_rows_np = np.asarray(table_rows, dtype=np.int64)
+        max_blocks = int(batch.num_blocks_in_row[table_rows_np].max())
+        counts_np = np.asarray(counts, dtype=np.int64)
+        ends = np.cumsum(counts_np)
+        last_rows = ends[[i for _, i in drafting]] - 1 if drafting else np.zeros(0, dtype=np.int64)
+        rows_t, ids_t, pos_t, slot_t, last_t = runner._staged(
+            [np.asarray(rows), np.asarray(tokens), np.asarray(positions), np.asarray(slots), last_rows],
+            np.int64,
+        )
+        qsl_t, seq_t, tables_t = runner._staged(
+            [np.concatenate([[0], ends]).astype(np.int32), np.asarray(seq_lens, dtype=np.int32),
+             batch.block_table[table_rows_np, :max_blocks]], np.int32,
+        )  # fmt: skip
+        md = AttentionMetadata(
+            slot_mapping=slot_t, block_tables=tables_t, seq_lens=seq_t, query_start_loc=qsl_t,
+            max_query_len=int(counts_np.max()), max_seq_len=max(seq_lens),
+            num_decodes=int((counts_np == 1).sum()),
+        )  # fmt: skip
+        features = self.sink.buffer.index_select(0, rows_t)
+        hidden, features = head(ids_t, pos_t, md, features)
+        if not drafting:
+            return drafts
+        token = head.draft_tokens(hidden.index_select(0, last_t))
+        features = features.index_select(0, last_t)
+        steps = [token]
+        more = max(budgets) - 1
+        if more > 0:
+            steps += self._more_drafts(token, features, drafting, budgets, bases, table_rows_np, more)
+        drafted = torch.stack(steps).tolist()  # [steps, drafting requests]: the one sync
+        for i, ((r, _), budget) in enumerate(zip(drafting, budgets)):
+            drafts[r] = [drafted[s][i] for s in range(budget)]
+        return drafts
+
+    def _more_drafts(
+        self, token, features, drafting, budgets, bases, table_rows, steps
+    ) -> list[torch.Tensor]:
+        """Drafts 2..: one-token steps over every drafting request (a request past its budget computes
+        into no slot, and its drafts are dropped). Their metadata, known ahead, goes in one copy."""
+        runner, batch, bs = self.runner, self.runner.input_batch, self.runner.block_size
+        rows = table_rows[[i for _, i in drafting]]
+        budgets_np, bases_np = np.asarray(budgets), np.asarray(bases, dtype=np.int64)
+        step = np.arange(steps)[:, None]  # [steps, 1]; step s computes the (s + 2)-th draft
+        pos = bases_np[None, :] + step
+        active = budgets_np[None, :] > step + 1
+        blocks = batch.block_table[rows[None, :], np.minimum(pos // bs, batch.block_table.shape[1] - 1)]
+        slots = np.where(active, blocks.astype(np.int64) * bs + pos % bs, -1)
+        seq_lens = np.where(active, pos + 1, 1).astype(np.int32)
+        max_blocks = int(batch.num_blocks_in_row[rows].max())
+        pos_t, slot_t = runner._staged([pos, slots], np.int64)
+        seq_t, tables_t, qsl_t = runner._staged(
+            [seq_lens, batch.block_table[rows, :max_blocks], np.arange(len(rows) + 1, dtype=np.int32)],
+            np.int32,
+        )
+        out = []
+        for s in range(steps):
+            md = AttentionMetadata(
+                slot_mapping=slot_t[s], block_tables=tables_t, seq_lens=seq_t[s], query_start_loc=qsl_t,
+                max_query_len=1, max_seq_len=int(seq_lens[s].max()), num_decodes=len(rows),
+            )  # fmt: skip
+            hidden, features = self.head(token, pos_t[s], md, features)
+            token = self.head.draft_tokens(hidden)
+            out.append(token)
+        return out
+
+
+def make_drafter(runner: ModelRunner, spec: SpeculativeConfig | None) -> _Drafter | None:
     if spec is None:
         return None
     if spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         return TextDrafter(runner, proposer)
+    if spec.method in ("eagle", "eagle3"):
+        return EagleDrafter(runner, spec)
     return ModelDrafter(runner, spec)
