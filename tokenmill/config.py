@@ -100,11 +100,6 @@ class EngineConfig:
             from tokenmill.spec_decode import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[assignment]
-            if self.async_scheduling:
-                raise ValueError(
-                    "async_scheduling does not work with speculative_config yet: leave it unset (or "
-                    "--no-async-scheduling), or turn speculation off."
-                )
             if self.runner == "pooling":
                 raise ValueError("speculative_config applies to generation, not to runner='pooling'.")
         if self.pooling_type is not None:

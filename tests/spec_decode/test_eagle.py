@@ -237,8 +237,8 @@ def test_drafts_match_the_reference_head(kind, target, tmp_path) -> None:
     rounds = []
     propose = drafter.propose
 
-    def spy(req_ids, samples):
-        drafts = propose(req_ids, samples)
+    def spy(req_ids, samples, wanted):
+        drafts = propose(req_ids, samples, wanted)
         for request_id, row in zip(req_ids, drafts):
             if row:
                 rounds.append((list(drafter.runner.input_batch.requests[request_id].all_token_ids), row))
@@ -269,6 +269,37 @@ def test_greedy_output_is_unchanged(kind, target, tmp_path) -> None:
     scheduler = spec.engine.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.spec_num_drafts > 0
     assert scheduler.kv.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_async_scheduling_keeps_the_heads_features(kind, target, tmp_path) -> None:
+    """Async scheduling launches a step before the last one's drafts are proposed (at a batch of
+    disable_by_batch_size or more): the head still writes its KV from that step's own features, so the
+    drafts after the batch shrinks are the reference's, and greedy tokens the plain engine's."""
+    head, taps = write_head(tmp_path, kind)
+    path, model = target
+    prompts = random_prompts([5, 30, 17, 2, 21, 9], seed=2)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 3, 6, 8, 5, 34)]
+    engine_args = dict(block_size=4, max_num_batched_tokens=24, max_model_len=128)
+    expected = run(make_llm(path, **engine_args), prompts, params)
+    config = {**spec_config(kind, tmp_path), "disable_by_batch_size": 3}
+    spec = make_llm(path, **engine_args, async_scheduling=True, speculative_config=config)
+    drafter = spec.engine.runner.drafter
+    rounds = []
+    propose = drafter.propose
+
+    def spy(req_ids, samples, wanted):
+        drafts = propose(req_ids, samples, wanted)
+        for request_id, row in zip(req_ids, drafts):
+            if row:
+                rounds.append((list(drafter.runner.input_batch.requests[request_id].all_token_ids), row))
+        return drafts
+
+    drafter.propose = spy
+    assert run(spec, prompts, params) == expected
+    assert rounds
+    for tokens, drafts in rounds:
+        assert drafts == reference_drafts(head, model, tokens, len(drafts), taps)
 
 
 def test_bad_heads_are_named(target, tmp_path) -> None:

@@ -46,10 +46,6 @@ def test_config_is_checked_and_named() -> None:
     for value, message in bad:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=value)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=True
-        )
 
 
 def test_command_line_takes_json() -> None:

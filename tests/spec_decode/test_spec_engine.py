@@ -328,6 +328,33 @@ def test_model_drafts_after_a_prefix_hit(method, hf_model_dirs) -> None:
         assert scheduler.spec_num_accepted_tokens - before[1] > 0.9 * drafted
 
 
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
+def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(method, hf_model_dirs) -> None:
+    """With async scheduling, steps at a batch of disable_by_batch_size or more overlap the next (two in
+    flight, no drafts proposed) and smaller ones speculate synchronously; the batch crosses the limit
+    both ways as requests arrive, finish and are preempted. Greedy tokens are the plain engine's."""
+    prompts = copying_prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 3, 25, 37, 23, 30)]
+    engine_args = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=20, max_model_len=128)
+    target = hf_model_dirs["llama"][0]
+    expected = run(make_llm(target, **engine_args), prompts, params, abort_at_step=4)
+    config = {"ngram": NGRAM, "layer_skip": LAYER_SKIP, "draft_model": {
+        "method": "draft_model", "num_speculative_tokens": 3, "model": target}}[method]  # fmt: skip
+    spec = make_llm(target, **engine_args, async_scheduling=True,
+                    speculative_config={**config, "disable_by_batch_size": 4})  # fmt: skip
+    if method == "ngram":
+        recorded = [(prompts[int(k)], r[0][0]) for k, r in expected.items()]
+        spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+    core = spec.engine.core
+    depths = []
+    execute = core.executor.execute
+    core.executor.execute = lambda out, execute=execute: depths.append(len(core.batch_queue)) or execute(out)
+    assert run(spec, prompts, params, abort_at_step=4) == expected
+    scheduler = spec.engine.scheduler
+    assert scheduler.spec_num_accepted_tokens > 0 and scheduler.num_preemptions > 0
+    assert 1 in depths  # a step launched while another was in flight
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_method_on_the_gpu(hf_model_dirs) -> None:

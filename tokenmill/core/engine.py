@@ -4,7 +4,8 @@ ModelRunnerOutput), so the core itself never touches a tensor.
 
 With async scheduling the queue holds two steps: step N+1 is scheduled and launched while step N runs
 on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
-step and the loop is synchronous. The offline `LLM` and the server's core process run this same loop.
+step and the loop is synchronous; so does a step that speculates, since the next step verifies the
+drafts proposed from its tokens. The offline `LLM` and the server's core process run this same loop.
 """
 
 from __future__ import annotations
@@ -44,15 +45,20 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
+    def _in_flight(self) -> int:
+        """Steps the queue may hold: one while the scheduler speculates (the next step's drafts come
+        from this one's tokens), else two with async scheduling."""
+        return 1 if self.scheduler.spec_active else self.max_steps_in_flight
+
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step if there is room and work, then (when the queue is full or nothing new could be
         launched) wait for the oldest step in flight and return its outputs."""
-        if len(self.batch_queue) < self.max_steps_in_flight and self.scheduler.has_unfinished_requests():
+        if len(self.batch_queue) < self._in_flight() and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 self.num_steps += 1
                 self.batch_queue.append((scheduler_output, self.executor.execute(scheduler_output)))
-                if len(self.batch_queue) < self.max_steps_in_flight:
+                if len(self.batch_queue) < self._in_flight():
                     return []
         if not self.batch_queue:
             return []

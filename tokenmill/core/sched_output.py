@@ -42,6 +42,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens a request's step verifies, after its one known input token
     # (they count in num_scheduled_tokens).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculation is on at this step's batch: the worker proposes drafts for the next step once this
+    # step's tokens are known (off, it skips the work).
+    propose_drafts: bool = False
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

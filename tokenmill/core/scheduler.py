@@ -15,6 +15,7 @@ from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.policy import BatchLimit
 
 # Dynamic speculation: the weight of a verifying step's acceptance in a request's running average, and
 # how often (in decode steps) a request whose average fell below the minimum tries drafts again.
@@ -32,12 +33,14 @@ class Scheduler:
         context_cost: float = 0.0,
         max_prefill_tokens_with_decodes: int | None = None,
         speculation: SpeculativeConfig | None = None,
+        spec_policy: BatchLimit | None = None,
     ) -> None:
         """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
         is not its arithmetic). max_prefill_tokens_with_decodes: the share of a step prompt chunks may
         take while requests are decoding (None: the whole budget), which bounds the inter-token gap a
-        wave of new prompts inflicts on running streams."""
+        wave of new prompts inflicts on running streams. spec_policy: when speculation stops paying
+        as the batch grows (spec_decode/policy.py), unless the config fixes disable_by_batch_size."""
         self.kv = kv_cache_manager
         self.context_cost = context_cost
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
@@ -64,6 +67,11 @@ class Scheduler:
         self.spec_disable_by_batch_size = speculation.disable_by_batch_size if speculation else None
         self.spec_min_acceptance = speculation.min_acceptance if speculation else 0.0
         self.spec_lookahead = speculation.lookahead if speculation else 0
+        self.spec_policy = spec_policy if speculation and speculation.disable_by_batch_size is None else None
+        # Whether the last scheduled step speculates: the engine core then waits for its tokens before
+        # planning the next (whose drafts they decide) instead of overlapping it.
+        self.spec_enabled = speculation is not None
+        self.spec_active = self.spec_enabled
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -130,8 +138,7 @@ class Scheduler:
         cost_of: dict[str, int] = {}  # each scheduled request's share of the budget
         new_block_ids: dict[str, list[int]] = {}
         spec_decode: dict[str, list[int]] = {}  # the drafts each scheduled decode verifies
-        limit = self.spec_disable_by_batch_size
-        speculating = limit is None or len(self.running) < limit
+        speculating = self._speculates()
 
         # While a request waits for a seat, running prompt chunks share at most half of the step, so a
         # long prompt cannot hold every other request back for all of its chunks; what the newcomers
@@ -267,6 +274,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_decode,
+            propose_drafts=speculating,
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
@@ -279,6 +287,22 @@ class Scheduler:
             if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _speculates(self) -> bool:
+        """Whether this step verifies drafts (and the worker proposes after it): never without a
+        speculative config; else below disable_by_batch_size, or where the policy finds it pays."""
+        if not self.spec_enabled:
+            return False
+        limit, running = self.spec_disable_by_batch_size, self.running
+        if limit is not None:
+            active = len(running) < limit
+        elif self.spec_policy is not None and running:
+            context = sum(r.num_computed_tokens for r in running) / len(running)
+            active = self.spec_policy.speculates(len(running), context)
+        else:
+            active = True
+        self.spec_active = active
+        return active
 
     def _with_lookahead(self, request: Request, num_new: int, start: int | None = None) -> int:
         """num_new tokens from `start` (the computed ones by default), plus the drafting lookahead."""
@@ -447,6 +471,8 @@ class Scheduler:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += num_accepted
+        if self.spec_policy is not None:
+            self.spec_policy.observe(num_accepted)
         per_position = self.spec_accepted_per_position
         per_position.extend([0] * (num_drafts - len(per_position)))
         for position in range(num_accepted):

@@ -117,7 +117,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if attn_metadata.dense_prefill:
             q, k = self.store_kv(q, k, v, attn_metadata, positions)
-            return dense_causal_attention(q, k, v, self.scale).view(
+            # reshape: the [T, H, D] view is contiguous from cuDNN (bf16/fp16), not from the fp32 backends.
+            return dense_causal_attention(q, k, v, self.scale).reshape(
                 num_tokens, self.num_heads * self.head_dim
             )
         return self.attend(q, k, v, attn_metadata, positions=positions).view(

@@ -86,3 +86,10 @@ def plan_speculative(
         speedup=speedup(tau, cost, k, draft_cost),
         break_even_batch=smallest_batch(lambda b: not pays(b)),
     )
+
+
+def verify_costs(
+    deployment: Deployment, ceilings: RooflineCeilings, tp: int, context_len: int, k: int, max_batch: int
+) -> list[float]:
+    """The verify step's roofline cost over a plain decode step's, for batches 1..max_batch (index b-1)."""
+    return [verify_step(deployment, ceilings, tp, b, context_len, k)[1] for b in range(1, max_batch + 1)]

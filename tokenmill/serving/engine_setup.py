@@ -14,6 +14,7 @@ from tokenmill.core.kv_cache import KVCacheManager, cdiv
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.loader import ModelSource, resolve_model
 from tokenmill.models.registry import is_bare_model
+from tokenmill.spec_decode.policy import batch_limit_for
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -118,6 +119,14 @@ def create_engine(config: EngineConfig) -> EngineParts:
     # On a CPU a step's time is its arithmetic: the budget counts attention too, so chunks deep into a
     # long prompt shrink and steps stay short. A GPU step is not (decode steps are memory-bound).
     context_cost = 0.0 if runner.device.type == "cuda" else runner.context_cost()
+    spec = config.speculative_config
+    spec_policy = None
+    if spec is not None and spec.disable_by_batch_size is None and runner.device.type == "cuda":
+        spec_policy = batch_limit_for(
+            source.hf_config, torch.cuda.get_device_name(runner.device), spec.num_speculative_tokens,
+            runner.drafter.draft_cost(), config.max_num_seqs, max_model_len,
+            weight_dtype={"fp8": "fp8", "int4": "int4"}.get(config.quantization or "", "bf16"),
+        )  # fmt: skip
     scheduler = Scheduler(
         kv,
         config.max_num_seqs,
@@ -126,13 +135,14 @@ def create_engine(config: EngineConfig) -> EngineParts:
         context_cost,
         config.max_prefill_tokens_with_decodes,
         config.speculative_config,
+        spec_policy,
     )
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
     async_scheduling = config.async_scheduling
     if async_scheduling is None:
-        # Speculation needs each step's accepted tokens before it plans the next (not yet overlapped).
-        async_scheduling = runner.device.type == "cuda" and config.speculative_config is None
+        # (Steps that speculate run synchronously either way: see EngineCore.)
+        async_scheduling = runner.device.type == "cuda"
     core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
     parts = EngineParts(core, runner, source, max_model_len, num_blocks, pooling_type)
     if config.warmup and runner.device.type == "cuda":

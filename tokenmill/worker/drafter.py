@@ -20,6 +20,7 @@ Verification of the drafts is the sampler's (Sampler.verify)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,6 +61,10 @@ class _Drafter:
     def forget(self, request_id: str) -> None:
         """Drops what is kept for a finished request."""
 
+    def draft_cost(self) -> float:
+        """One draft token's cost as a fraction of a decode step of the target (by parameters read)."""
+        return 0.0
+
 
 class TextDrafter(_Drafter):
     """Drafts from the request's own tokens. `proposer` has propose(token_ids, max_tokens, request_id)
@@ -69,7 +74,9 @@ class TextDrafter(_Drafter):
         self.runner = runner
         self.proposer = proposer
 
-    def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
+    def propose(self, req_ids: list[str], samples: list[bool], wanted: bool = True) -> list[list[int]]:
+        if not wanted:
+            return [[] for _ in req_ids]
         states = self.runner.input_batch.requests
         out = []
         for request_id, keeps in zip(req_ids, samples):
@@ -120,6 +127,12 @@ class ModelDrafter(_Drafter):
     def attention_layers(self) -> list:
         return self.draft_model.attention_layers() if self.draft_model is not None else []
 
+    def draft_cost(self) -> float:
+        target = self.runner.model
+        if self.draft_model is None:
+            return self.draft_layers / len(target.model.layers)
+        return _num_params(self.draft_model) / _num_params(target)
+
     def before_target(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> None:
         if self.draft_model is not None:
             # The draft model sees every token the target computes, so its own KV cache (in the same
@@ -127,9 +140,12 @@ class ModelDrafter(_Drafter):
             self.draft_model(input_ids, positions, md)
 
     @torch.inference_mode()
-    def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
+    def propose(self, req_ids: list[str], samples: list[bool], wanted: bool = True) -> list[list[int]]:
         """k greedy drafts per request, one batched forward per draft, each reading the KV of the ones
-        before it."""
+        before it. Not wanted, nothing runs: with a step in flight (async scheduling), layer_skip's
+        drafts would write the KV that step's target layers are writing."""
+        if not wanted:
+            return [[] for _ in req_ids]
         runner = self.runner
         batch = runner.input_batch
         bs = runner.block_size
@@ -195,24 +211,39 @@ class EagleDrafter(_Drafter):
             self.head.feature_layers, target.config.hidden_size, max_tokens, runner.dtype, runner.device
         )
         target.model.feature_sink = self.sink
-        self._inputs: StepInputs | None = None
+        self._inputs: deque[tuple[StepInputs, torch.Tensor]] = deque()
 
     def attention_layers(self) -> list:
         return self.head.attention_layers()
 
+    def draft_cost(self) -> float:
+        target = self.runner.model
+        head = _num_params(self.head)
+        if not getattr(self.head, "own_lm_head", False):  # drafts through the target's LM head
+            head += target.lm_head.weight.numel()
+        return head / _num_params(target)
+
     def after_target(self, inputs: StepInputs) -> None:
-        self._inputs = inputs
+        # The step's features, copied before a step launched behind it (async scheduling) overwrites
+        # the buffer.
+        features = self.sink.buffer[: len(inputs.input_ids)].clone()
+        self._inputs.append((inputs, features))
 
     @torch.inference_mode()
-    def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]]:
+    def propose(self, req_ids: list[str], samples: list[bool], wanted: bool = True) -> list[list[int]]:
         """The head's KV for every token of the step just run whose next token is now known (the
-        accepted ones, and prompt tokens), and up to k drafts for each request that sampled: the first
-        from that forward, each further one from a one-token step over the previous draft."""
-        runner, inputs = self.runner, self._inputs
-        self._inputs = None
+        accepted ones, and prompt tokens), always; and, when wanted, up to k drafts for each request that
+        sampled: the first from that forward, each further one from a one-token step over the
+        previous draft."""
+        runner = self.runner
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if inputs is None or inputs.req_ids != req_ids:
+        # Steps launched since are queued behind this one (async scheduling); a step whose result is
+        # never read leaves its entry behind, dropped here.
+        while self._inputs and self._inputs[0][0].req_ids is not req_ids:
+            self._inputs.popleft()
+        if not self._inputs:
             return drafts
+        inputs, step_features = self._inputs.popleft()
         batch, bs = runner.input_batch, runner.block_size
         rows, tokens, positions, slots, counts, seq_lens, table_rows = [], [], [], [], [], [], []
         drafting, budgets, bases = [], [], []  # per drafting request: its row in req_ids, k, next position
@@ -233,7 +264,7 @@ class EagleDrafter(_Drafter):
             counts.append(valid)
             seq_lens.append(first + valid)
             table_rows.append(batch.row_of[request_id])
-            if samples[r]:
+            if wanted and samples[r]:
                 base = len(known) - 1  # the first draft's KV position after the first forward's
                 budget = min(
                     draft_room(state, self.k),
@@ -265,7 +296,7 @@ class EagleDrafter(_Drafter):
             max_query_len=int(counts_np.max()), max_seq_len=max(seq_lens),
             num_decodes=int((counts_np == 1).sum()),
         )  # fmt: skip
-        features = self.sink.buffer.index_select(0, rows_t)
+        features = step_features.index_select(0, rows_t)
         hidden, features = head(ids_t, pos_t, md, features)
         if not drafting:
             return drafts
@@ -310,6 +341,10 @@ class EagleDrafter(_Drafter):
             token = self.head.draft_tokens(hidden)
             out.append(token)
         return out
+
+
+def _num_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def make_drafter(runner: ModelRunner, spec: SpeculativeConfig | None) -> _Drafter | None:

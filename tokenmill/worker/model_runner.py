@@ -60,6 +60,7 @@ class PendingRunnerOutput:
         verified, drafts and first_rows (each request's first logit row): a step that verified drafts
         (then `sampled` is unused)."""
         self.runner = runner
+        self.inputs = inputs
         self.req_ids = inputs.req_ids
         self.samples = inputs.samples
         non_blocking = sampled.is_cuda
@@ -75,6 +76,8 @@ class PendingRunnerOutput:
         self.pooled = None
         if pooled is not None:
             self.pooled = (pooled[0], pooled[1].to("cpu", non_blocking=non_blocking))
+        # Whether the step speculates, so the drafter proposes for the next (SchedulerOutput.propose_drafts).
+        self.propose_drafts = False
         self.ready = torch.cuda.Event() if non_blocking else None
         if self.ready is not None:
             self.ready.record()
@@ -118,7 +121,7 @@ class PendingRunnerOutput:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 pooled=pooled,
-                spec_token_ids=self.runner.propose(self.req_ids, self.samples),
+                spec_token_ids=self.runner.propose(self.req_ids, self.samples, self.propose_drafts),
             )
         return self._result
 
@@ -348,9 +351,16 @@ class ModelRunner:
             pending_tokens=pending_tokens,
         )
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """Launch one step on the device; the returned output's result() waits for the tokens."""
+        pending = self._execute(scheduler_output)
+        pending.propose_drafts = scheduler_output.propose_drafts
+        if self.drafter is not None:
+            self.drafter.after_target(pending.inputs)
+        return pending
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
@@ -373,7 +383,6 @@ class ModelRunner:
         prompt_logprobs = None
         if self.drafter is not None:
             self.drafter.before_target(input_ids, positions, md)
-            self.drafter.after_target(inputs)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
         else:
@@ -466,10 +475,10 @@ class ModelRunner:
             verified=verified, drafts=rows.drafts, first_rows=rows.first_rows,
         )  # fmt: skip
 
-    def propose(self, req_ids: list[str], samples: list[bool]) -> list[list[int]] | None:
+    def propose(self, req_ids: list[str], samples: list[bool], wanted: bool) -> list[list[int]] | None:
         """Drafts for each row's next step (after its tokens reached the host), [] where the request takes
-        none; None without speculation."""
-        return None if self.drafter is None else self.drafter.propose(req_ids, samples)
+        none or none are wanted; None without speculation."""
+        return None if self.drafter is None else self.drafter.propose(req_ids, samples, wanted)
 
     def _execute_pooling(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
         """One step of the pooling runner: the forward pass, then a vector for every request whose
