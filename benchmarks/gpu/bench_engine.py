@@ -250,6 +250,23 @@ def greedy_stable(llm) -> None:
         embed.mul_(50)
 
 
+def replay_ms(graphs) -> float | None:
+    """Device time of one replay of the batch-1 graph (on whatever its buffers hold): the step's GPU cost
+    without the host's share."""
+    if graphs is None or not torch.cuda.is_available():
+        return None
+    graph = graphs.graphs[graphs.sizes[0]]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20
+
+
 def speculative(args) -> dict:
     """Batch 1 with the replay proposer (an earlier greedy run's tokens, corrupted at a set rate) on
     greedy-stable dummy weights: tok/s, acceptance, the verify step's cost and the planner's speed-up at
@@ -306,6 +323,10 @@ def speculative(args) -> dict:
             ),
             "speedup_if_all_accepted": (k + 1) / verify_cost if verify_cost else None,
         })  # fmt: skip
+    result["graph_replay_ms"] = {
+        "decode_batch1": replay_ms(plain.engine.runner.decode_graphs),
+        "verify_batch1": replay_ms(spec.engine.runner.verify_graphs),
+    }
     spec.engine.runner.drafter.proposer = NgramProposer(k, 1, 4)
     for batch in args.spec_batches:
         prompts = [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(batch)]

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
-# Stages: tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
+# Stages: tests gpu-tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
 #         server-scale server-burst mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
-#         --no-async-scheduling, so async and sync are compared in the same call. The server stage needs
+#         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
+#         marked gpu, without the kernel tests. The server stage needs
 #         the wheels in .whl installed (README of the device tool) and a tokenizer in .gpu_assets/tokenizer.
 set -u
 out=${1:?usage: run_all.sh OUTDIR [STAGE ...]}
@@ -28,6 +29,8 @@ for stage in $stages; do
              2>&1 | tail -15
            timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
+    gpu-tests) timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode \
+                 -p no:cacheprovider --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
