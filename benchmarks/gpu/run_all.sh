@@ -44,7 +44,7 @@ for stage in $stages; do
                   2>&1 | tail -5 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
     decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
-    speculative) timeout 300 $bench speculative --shape llama-3.1-8b --out "$out/speculative_8b.json" ;;
+    speculative) timeout 480 $bench speculative --shape llama-3.1-8b --out "$out/speculative_8b.json" ;;
     decode-fp8) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization fp8 \
                   --out "$out/decode_8b_fp8.json" ;;
     throughput-8b-fp8) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
