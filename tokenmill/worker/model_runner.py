@@ -167,9 +167,6 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            # Memory that others (other processes, earlier engines in this one) hold before we start.
-            free, total = torch.cuda.mem_get_info()
-            self._memory_used_before = total - free
             self._allocated_before = torch.cuda.memory_allocated()
         self.model = build_model(config, source, max_model_len, self.device, self.dtype, pooling_type is None)
         self.kv_dtype = kv_cache_dtype(config, self.device, self.dtype, self.model)
@@ -544,9 +541,13 @@ class ModelRunner:
         torch.cuda.synchronize()
         # Weights plus the activation peak, this engine's own share of the allocator.
         peak = torch.cuda.max_memory_allocated() - self._allocated_before - scratch_bytes
-        _, total = torch.cuda.mem_get_info()
         self.allocate_kv_cache(0)
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
         # Headroom for the CUDA graphs' private pool and allocator fragmentation.
         reserve = 512 << 20
-        return int(total * self.config.gpu_memory_utilization - self._memory_used_before - peak - reserve)
+        # gpu_memory_utilization is this engine's share of the card, as in vLLM: two engines at 0.45
+        # each fit one GPU. What others hold (other processes, engines built before) only caps it
+        # through what is free now.
+        budget = total * self.config.gpu_memory_utilization - peak - reserve
+        return int(min(budget, free - reserve))
