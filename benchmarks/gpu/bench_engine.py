@@ -235,12 +235,12 @@ def throughput(args) -> dict:
 
 
 def greedy_stable(llm) -> None:
-    """Dummy weights whose greedy path no rounding can change: the embeddings scaled up until they
-    dominate the residual stream, and the LM head's row j the embedding of token perm[j], so the next
-    token is a fixed permutation of the last (a margin of ~60x the logits' spread). The shapes, and so
-    every kernel and its cost, are the model's. With plain dummy weights the top logits are near ties,
-    and a verify step's different rounding moves the greedy path off a replayed run within a few tokens
-    (measured: 0.1% of replayed drafts accepted)."""
+    """Dummy weights whose greedy path no rounding can change: every layer's output projections (o_proj,
+    down_proj) scaled by 1e-3 and the embeddings by 50, so the residual stream is the token's embedding,
+    and the LM head's row j the embedding of token perm[j], so the next token is a fixed permutation of
+    the last with a wide margin. The shapes, and so every kernel and its cost, are the model's. With
+    plain dummy weights the top logits are near ties, and a verify step's different rounding moves the
+    greedy path off a replayed run within a few tokens (measured: 0.1% of replayed drafts accepted)."""
     model = llm.engine.runner.model
     vocab = model.config.vocab_size
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
@@ -248,6 +248,9 @@ def greedy_stable(llm) -> None:
     with torch.no_grad():
         head[:vocab].copy_(embed[:vocab][perm])
         embed.mul_(50)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight.mul_(1e-3)
 
 
 def replay_ms(graphs) -> float | None:

@@ -71,6 +71,7 @@ class Scheduler:
         # Whether the last scheduled step speculates: the engine core then waits for its tokens before
         # planning the next (whose drafts they decide) instead of overlapping it.
         self.spec_enabled = speculation is not None
+        self._step_verified = self._step_accepted = 0
         self.spec_active = self.spec_enabled
 
     # ---- queue management -------------------------------------------------------------------
@@ -138,7 +139,7 @@ class Scheduler:
         cost_of: dict[str, int] = {}  # each scheduled request's share of the budget
         new_block_ids: dict[str, list[int]] = {}
         spec_decode: dict[str, list[int]] = {}  # the drafts each scheduled decode verifies
-        speculating = self._speculates()
+        speculating, proposing = self._speculates()
 
         # While a request waits for a seat, running prompt chunks share at most half of the step, so a
         # long prompt cannot hold every other request back for all of its chunks; what the newcomers
@@ -274,7 +275,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_decode,
-            propose_drafts=speculating,
+            propose_drafts=proposing,
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
@@ -288,21 +289,22 @@ class Scheduler:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
 
-    def _speculates(self) -> bool:
-        """Whether this step verifies drafts (and the worker proposes after it): never without a
-        speculative config; else below disable_by_batch_size, or where the policy finds it pays."""
+    def _speculates(self) -> tuple[bool, bool]:
+        """(whether this step verifies drafts, whether the worker proposes after it): never without a
+        speculative config; else below disable_by_batch_size, or as the policy finds it pays (and a step
+        before one of its probes proposes). A step that proposes runs synchronously (spec_active)."""
         if not self.spec_enabled:
-            return False
+            return False, False
         limit, running = self.spec_disable_by_batch_size, self.running
         if limit is not None:
-            active = len(running) < limit
+            verifying = proposing = len(running) < limit
         elif self.spec_policy is not None and running:
             context = sum(r.num_computed_tokens for r in running) / len(running)
-            active = self.spec_policy.speculates(len(running), context)
+            verifying, proposing = self.spec_policy.speculates(len(running), context)
         else:
-            active = True
-        self.spec_active = active
-        return active
+            verifying = proposing = True
+        self.spec_active = proposing
+        return verifying, proposing
 
     def _with_lookahead(self, request: Request, num_new: int, start: int | None = None) -> int:
         """num_new tokens from `start` (the computed ones by default), plus the drafting lookahead."""
@@ -401,6 +403,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs = []
         prompt_logprobs = runner_output.prompt_logprobs
+        self._step_verified = self._step_accepted = 0  # this step's verifying requests, for the policy
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted while the step ran
@@ -465,14 +468,16 @@ class Scheduler:
                 self._finish(request, status)
             elif running and runner_output.spec_token_ids:
                 request.spec_token_ids = runner_output.spec_token_ids[row]
+        if self._step_verified and self.spec_policy is not None:
+            self.spec_policy.observe(1 + self._step_accepted / self._step_verified)
         return outputs
 
     def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += num_accepted
-        if self.spec_policy is not None:
-            self.spec_policy.observe(num_accepted)
+        self._step_verified += 1
+        self._step_accepted += num_accepted
         per_position = self.spec_accepted_per_position
         per_position.extend([0] * (num_drafts - len(per_position)))
         for position in range(num_accepted):

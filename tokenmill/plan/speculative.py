@@ -89,7 +89,19 @@ def plan_speculative(
 
 
 def verify_costs(
-    deployment: Deployment, ceilings: RooflineCeilings, tp: int, context_len: int, k: int, max_batch: int
+    deployment: Deployment,
+    ceilings: RooflineCeilings,
+    tp: int,
+    context_len: int,
+    k: int,
+    max_batch: int,
+    overhead_s: float = 0.0,
 ) -> list[float]:
-    """The verify step's roofline cost over a plain decode step's, for batches 1..max_batch (index b-1)."""
-    return [verify_step(deployment, ceilings, tp, b, context_len, k)[1] for b in range(1, max_batch + 1)]
+    """The verify step's cost over a plain decode step's, for batches 1..max_batch (index b-1): their
+    roofline floors, each plus overhead_s (what any step costs beyond its floor)."""
+    costs = []
+    for b in range(1, max_batch + 1):
+        verify = decode_point(deployment, ceilings, tp, b, context_len, tokens_per_seq=k + 1).floor_s
+        plain = decode_point(deployment, ceilings, tp, b, context_len).floor_s
+        costs.append((verify + overhead_s) / (plain + overhead_s))
+    return costs

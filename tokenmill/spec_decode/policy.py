@@ -6,10 +6,10 @@ At small batches decode reads the weights and leaves the compute idle, so a veri
 per request costs about one plain step; as the batch grows the step turns compute-bound and its cost
 approaches k + 1 plain steps, later the longer the context (reading the KV cache keeps a step
 bandwidth-bound). Speculation pays at batch b while tau / (cost(b) + k * draft_cost) stays above
-MARGIN; tau is a running average of the tokens each verifying request got (1 + accepted drafts),
-starting from its value at acceptance 0.5. While speculation is off tau is not measured, so where a
+MARGIN; tau is a running average over verifying steps of the tokens their requests got (1 + accepted
+drafts), starting from its value at acceptance 0.5. While speculation is off tau is not measured, so where a
 verify step is nearly free (its cost within MARGIN of a plain step) one step in PROBE_INTERVAL
-speculates anyway and measures it again."""
+speculates anyway and measures it again. Both steps' costs carry STEP_OVERHEAD_S beside their floors."""
 
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ logger = logging.getLogger("tokenmill")
 # Wanted speed-up over plain decode before a step speculates: the roofline leaves out the verify step's
 # host work and the sampler's extra rows.
 MARGIN = 1.05
-# Weight of each verifying request's tokens in the running tau.
-TAU_WEIGHT = 0.02
+# Weight of each verifying step's mean tokens per request in the running tau.
+TAU_WEIGHT = 0.2
 PROBE_INTERVAL = 16
+# What a step costs beyond its roofline floor, whatever its shape: kernel launch gaps and tails, the
+# sampler, the host's share (an 8B decode step on an H200: 4.77 ms against a 3.59 ms floor). It pulls
+# a small model's verify cost towards 1, as measured, where the bare roofline would put it near k + 1.
+STEP_OVERHEAD_S = 1e-3
 # Contexts the cost tables are computed at; a step uses the nearest one at or above its mean context.
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -41,8 +45,9 @@ class BatchLimit:
         self.tau = (1 - a ** (self.k + 1)) / (1 - a)
         self.steps_off = 0
 
-    def observe(self, num_accepted: int) -> None:
-        self.tau += TAU_WEIGHT * (1 + num_accepted - self.tau)
+    def observe(self, tokens_per_request: float) -> None:
+        """A verifying step's mean of 1 + accepted drafts over its verifying requests."""
+        self.tau += TAU_WEIGHT * (tokens_per_request - self.tau)
 
     def _costs(self, context_len: float) -> list[float]:
         index = min(bisect.bisect_left(self.contexts, context_len), len(self.contexts) - 1)
@@ -53,16 +58,18 @@ class BatchLimit:
         cost = costs[min(batch, len(costs)) - 1]
         return self.tau >= MARGIN * (cost + self.k * self.draft_cost)
 
-    def speculates(self, batch: int, context_len: float) -> bool:
-        """Whether this step verifies drafts (called once per step)."""
+    def speculates(self, batch: int, context_len: float) -> tuple[bool, bool]:
+        """(whether this step verifies drafts, whether the worker proposes after it); called once per
+        step. A probe takes two steps: the one before proposes, the probe verifies."""
         if batch < 1 or self.pays(batch, context_len):
             self.steps_off = 0
-            return True
+            return True, True
         costs = self._costs(context_len)
         if costs[min(batch, len(costs)) - 1] > MARGIN:
-            return False
+            return False, False
         self.steps_off += 1
-        return self.steps_off % PROBE_INTERVAL == 0
+        phase = self.steps_off % PROBE_INTERVAL
+        return phase == 0, phase == PROBE_INTERVAL - 1
 
     def limit(self, context_len: float) -> int:
         """The smallest batch that does not speculate at the current tau (past the table: never)."""
@@ -93,7 +100,7 @@ def batch_limit_for(hf_config, device_name: str, k: int, draft_cost: float, max_
     costs = {}
     for context in contexts:
         deployment = Deployment(shape, gpu, weight_dtype=weight_dtype, context_len=max_model_len)
-        costs[context] = verify_costs(deployment, ceilings, 1, context, k, max_batch)
+        costs[context] = verify_costs(deployment, ceilings, 1, context, k, max_batch, STEP_OVERHEAD_S)
     policy = BatchLimit(costs, k, draft_cost)
     logger.info(
         "speculation off from batch %d at 1k context and tau %.2f (k=%d, %s roofline, draft cost %.3f of "
