@@ -15,8 +15,6 @@ from tokenmill.kernels import sm_count
 
 # Under TRITON_INTERPRET=1 programs run one after another on the CPU: no fences (nor inline PTX).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Inline PTX exists only on a device (Triton's interpreter runs the plain conversion).
-_ASM_UPCAST = tl.constexpr(not _INTERPRETED)
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
@@ -48,22 +46,6 @@ def _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo
-
-
-@triton.jit
-def _upcast(x, dtype: tl.constexpr):
-    """A loaded K or V tile in the query's dtype. An e4m3 tile meeting fp16 converts in inline PTX, four
-    values a call: opaque to Triton, the conversion stays where the tile is loaded, and the fp16 tile
-    reaches the tensor cores through ldmatrix as a bf16 cache's does (converted by Triton itself, it
-    moves past the shared-memory layout change, which then reads the e4m3 tile a byte at a time:
-    2.5x the instructions per byte of a bf16 cache in its sm_90 SASS; this way 1.3x)."""
-    if x.dtype == tl.float8e4nv and dtype == tl.float16 and _ASM_UPCAST:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
-        )  # fmt: skip
-    return x.to(dtype)
 
 
 @triton.jit
@@ -115,7 +97,7 @@ def _attend_kv_range(
             + kv_head_offset
         )
         kv_offsets = slot_offset[:, None] + dims[None, :]
-        k = _upcast(tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other), q.dtype)
+        k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if CAUSAL_MASK:
             visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
@@ -124,7 +106,7 @@ def _attend_kv_range(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _upcast(tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other), q.dtype)
+        v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
