@@ -333,11 +333,13 @@ def test_eagle_on_the_gpu(kind, target, tmp_path) -> None:
     path, _ = target
     prompts = random_prompts([5, 30, 17, 2, 21], seed=2)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in make_llm(path, block_size=16).generate(
+    # Engines stay allocated after use (the engine freezes the garbage collector): a share each.
+    plain = make_llm(path, block_size=16, gpu_memory_utilization=0.2)
+    want = [o.outputs[0].token_ids for o in plain.generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]  # fmt: skip
     # A fixed batch limit: on a model this small the cost model finds drafting too dear to speculate.
     config = {**spec_config(kind, tmp_path), "disable_by_batch_size": 64}
-    spec = make_llm(path, block_size=16, speculative_config=config)
+    spec = make_llm(path, block_size=16, gpu_memory_utilization=0.2, speculative_config=config)
     graphs = spec.engine.runner.verify_graphs
     replays = []
     graphs.run = lambda *args, replay=graphs.run: replays.append(1) or replay(*args)
