@@ -148,6 +148,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     builds: list[Build] = []
     kernels = [
         (attention, "_paged_attention_kernel"),
+        (attention, "_reduce_splits_kernel"),
         (skinny_gemm, "_w4a16_gemv_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (skinny_gemm, "_w8a16_gemv_kernel"),

@@ -139,16 +139,13 @@ def test_decode_matches_reference(
 
 
 @pytest.mark.parametrize("num_kv_splits", [4, 8])
-def test_long_decodes_merge_their_splits_in_the_last_program(num_kv_splits: int) -> None:
-    """Requests long enough to split (a split per 256 keys, up to the launch's count) next to short ones
-    that use one: each request's last split to finish merges the others, and leaves its ticket counter
-    at zero for the next launch."""
+def test_short_requests_beside_long_ones_leave_splits_empty(num_kv_splits: int) -> None:
+    """A launch's split count is fixed (a CUDA graph's): requests shorter than it leave splits without
+    keys, which the merge weighs at nothing; every request matches the reference."""
     seq_lens = [5, 300, 700, 1500, 256]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 6, 2, 64, seed=3)
-    for _ in range(2):  # the second launch finds the counters the first one reset
-        got, want = both(batch, max_query_len=1, num_kv_splits=num_kv_splits)
-        torch.testing.assert_close(got, want, **FP32_TOL)
-    assert int(attention._split_counters(DEVICE, 1)[: len(seq_lens) * 2].abs().sum()) == 0
+    got, want = both(batch, max_query_len=1, num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(got, want, **FP32_TOL)
 
 
 @pytest.mark.parametrize(("group", "head_dim"), [(4, 80), (8, 96)])

@@ -28,6 +28,7 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
     builds = [json.loads(line) for line in result.stdout.splitlines()]
     assert {build["kernel"] for build in builds} == {
         "_paged_attention_kernel",
+        "_reduce_splits_kernel",
         "_w4a16_gemv_kernel",
         "_w4a16_skinny_kernel",
         "_w8a16_gemv_kernel",

@@ -4,7 +4,6 @@ with query heads of a KV group packed into one tensor-core tile and split-KV for
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -12,9 +11,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import sm_count
-
-# Under TRITON_INTERPRET=1 programs run one after another on the CPU: no fences (nor inline PTX).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
@@ -123,7 +119,6 @@ def _paged_attention_kernel(
     out,
     partial_out,
     partial_lse,
-    split_counters,
     block_tables,
     seq_lens,
     query_start_loc,
@@ -150,8 +145,6 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     SEQ_FILTER: tl.constexpr = 0,
     DOT_FP16: tl.constexpr = False,
-    MIN_SPLIT: tl.constexpr = 256,
-    FENCE: tl.constexpr = True,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
@@ -201,12 +194,7 @@ def _paged_attention_kernel(
     first_pos = context_len + q_tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     if NUM_SPLITS > 1:
-        # This request's own split count: NUM_SPLITS is the launch's (fixed in a CUDA graph), but a
-        # request shorter than NUM_SPLITS * MIN_SPLIT keys uses fewer; the programs past it stop here.
-        splits = tl.minimum(tl.maximum(tl.cdiv(kv_end, MIN_SPLIT), 1), NUM_SPLITS)
-        if split >= splits:
-            return
-        split_len = tl.cdiv(tl.cdiv(kv_end, splits), BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_lo = split * split_len
         kv_hi = tl.minimum(kv_lo + split_len, kv_end)
     else:
@@ -237,69 +225,47 @@ def _paged_attention_kernel(
     # v_scale: an FP8 cache holds V / v_scale; the weighted sum is linear in V, so one multiply here.
     result = acc * (v_scale / l_safe)[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]
-    o_offsets = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
-    if NUM_SPLITS == 1:  # noqa: SIM114 (a constexpr test alone: `splits` exists only with splits)
-        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=store_mask)
-    elif splits == 1:
+    if NUM_SPLITS == 1:
+        o_offsets = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
         tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=store_mask)
     else:
-        # Each split leaves its output and log-sum-exp; the last of the request's splits to finish
-        # (a ticket counter per request and KV head) merges them: no second launch to reduce them.
         num_heads = GROUP * tl.num_programs(1)
-        first_row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
-        tl.store(
-            partial_out + (first_row + split)[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask
-        )
+        partial_row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_out + partial_row[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(partial_lse + first_row + split, lse, mask=row_ok)
-        _fence(FENCE)
-        tl.debug_barrier()
-        counter = split_counters + seq * tl.num_programs(1) + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == splits - 1:
-            _fence(FENCE)
-            merged = _merge_splits(
-                partial_out, partial_lse, first_row, splits, row_ok, store_mask, dims, BLOCK_M, HEAD_DIM
-            )
-            tl.store(out + o_offsets, merged.to(out.dtype.element_ty), mask=store_mask)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        tl.store(partial_lse + partial_row, lse, mask=row_ok)
 
 
 @triton.jit
-def _fence(ON: tl.constexpr):
-    """Every thread's earlier global writes visible GPU-wide before its later accesses (a release and
-    acquire fence; the interpreter, which runs programs one after another, needs none)."""
-    if ON:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-
-@triton.jit
-def _merge_splits(
-    partial_out, partial_lse, first_row, splits, row_ok, store_mask, dims,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """The rows' outputs over all their splits, each split weighted by its share of the softmax sum
-    (2^lse). Read from L2 (.cg): L1 is not coherent, and may hold these lines from an earlier step. An
-    empty split wrote lse -inf and a zero output, so it weighs nothing."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros(store_mask.shape, dtype=tl.float32)
-    for s in range(0, splits):
-        lse = tl.load(partial_lse + first_row + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(
-            partial_out + (first_row + s)[:, None] * HEAD_DIM + dims[None, :],
-            mask=store_mask, other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        m_new = tl.maximum(m, lse)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        weight = tl.exp2(lse - m_ref)
-        total = total * alpha + weight
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        m = m_new
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
+def _reduce_splits_kernel(
+    partial_out,
+    partial_lse,
+    out,
+    query_start_loc,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Merge the splits of one (request, head) of a decode by their log-sum-exp weights."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) == q_start:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
+    # An empty split wrote lse -inf and a zero output, so it weighs nothing here.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+    part = tl.load(partial_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_mask, other=0.0)
+    result = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    o_offsets = q_start * stride_o_tok + head * stride_o_head + dims
+    tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def default_num_kv_splits(
@@ -397,19 +363,17 @@ def paged_attention(
     # An FP8 cache is read into the query's dtype (exact: e4m3 fits in bf16, fp16 and fp32), into fp16
     # under bf16 queries; its per-tensor scales fold into the softmax scale (K) and the output (V).
     dot_fp16 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16
-    counters = _split_counters(query.device, num_seqs * num_kv_heads if num_kv_splits > 1 else 1)
 
     def launch(grid, partial_out, partial_lse, tile: TileConfig, block_q: int, num_splits: int, decode: bool,
                seq_filter: int) -> None:  # fmt: skip
         _paged_attention_kernel[grid](
-            query, k_cache, v_cache, out, partial_out, partial_lse, counters,
+            query, k_cache, v_cache, out, partial_out, partial_lse,
             block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * _LOG2_E, v_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
             DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
-            MIN_SPLIT=_MIN_TOKENS_PER_SPLIT, FENCE=not _INTERPRETED,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
 
@@ -429,18 +393,10 @@ def paged_attention(
     else:
         partial_out = partial_lse = out
     launch(grid, partial_out, partial_lse, config, block_q, num_kv_splits, decode, 2 if split_mixed else 0)
+    if num_kv_splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_kv_splits, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+        )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The split-KV decode's ticket counters (one per request and KV head), zero between launches: each
-    merging program resets its own. Kept per device and grown, never per call: a fresh zeroed tensor
-    would cost a launch. A buffer outgrown stays allocated: a CUDA graph captured with it keeps using
-    its address."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < needed:
-        buffers.append(torch.zeros(max(needed, 1024), dtype=torch.int32, device=device))
-    return buffers[-1]
