@@ -8,6 +8,49 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of a JSON
+    schema (`json`, a dict or its text), any JSON object (`json_object`), a regular expression (`regex`),
+    one of a list of strings (`choice`) or a Lark grammar as llguidance reads it (`grammar`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must give exactly one of json, json_object, regex, choice or grammar, "
+                f"got {given or 'none'}."
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs choice must be a non-empty list of strings, got {self.choice!r}."
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string, got {value!r}.")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs json must be a JSON schema (an object), got {self.json!r}.")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -28,8 +71,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -47,8 +47,10 @@ class EngineCore:
 
     def _in_flight(self) -> int:
         """Steps the queue may hold: one while the scheduler speculates (the next step's drafts come
-        from this one's tokens), else two with async scheduling."""
-        return 1 if self.scheduler.spec_active else self.max_steps_in_flight
+        from this one's tokens) or a request decodes under a grammar (its next mask needs this step's
+        token), else two with async scheduling."""
+        scheduler = self.scheduler
+        return 1 if scheduler.spec_active or scheduler.grammar_active else self.max_steps_in_flight
 
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step if there is room and work, then (when the queue is full or nothing new could be

@@ -16,6 +16,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.policy import BatchLimit
+from tokenmill.structured_outputs import StructuredOutputs
 
 # Dynamic speculation: the weight of a verifying step's acceptance in a request's running average, and
 # how often (in decode steps) a request whose average fell below the minimum tries drafts again.
@@ -34,13 +35,16 @@ class Scheduler:
         max_prefill_tokens_with_decodes: int | None = None,
         speculation: SpeculativeConfig | None = None,
         spec_policy: BatchLimit | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """context_cost: what attending to one earlier token costs a prompt token, as a fraction of the
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
         is not its arithmetic). max_prefill_tokens_with_decodes: the share of a step prompt chunks may
         take while requests are decoding (None: the whole budget), which bounds the inter-token gap a
         wave of new prompts inflicts on running streams. spec_policy: when speculation stops paying
-        as the batch grows (spec_decode/policy.py), unless the config fixes disable_by_batch_size."""
+        as the batch grows (spec_decode/policy.py), unless the config fixes disable_by_batch_size.
+        structured: grammar compilation and masks for requests with structured_outputs (None: the
+        engine has no tokenizer, and such requests are refused)."""
         self.kv = kv_cache_manager
         self.context_cost = context_cost
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
@@ -70,6 +74,10 @@ class Scheduler:
         self.spec_policy = spec_policy if speculation and speculation.disable_by_batch_size is None else None
         # Whether the last scheduled step speculates: the engine core then waits for its tokens before
         # planning the next (whose drafts they decide) instead of overlapping it.
+        self.structured = structured
+        # Whether a running request decodes under a grammar: its next mask needs this step's token, so
+        # the engine core then waits for each step before planning the next.
+        self.grammar_active = False
         self.spec_enabled = speculation is not None
         self._step_verified = self._step_accepted = 0
         self.spec_active = self.spec_enabled
@@ -79,6 +87,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine.")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured is None:
+                raise ValueError(
+                    "structured_outputs needs the model's tokenizer: the engine was started without one "
+                    "(skip_tokenizer_init)."
+                )
+            request.grammar = self.structured.matcher(constraint)
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
@@ -276,6 +292,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_decode,
             propose_drafts=proposing,
+            **self._grammar_masks(num_scheduled),
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
@@ -288,6 +305,24 @@ class Scheduler:
             if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _grammar_masks(self, num_scheduled: dict[str, int]) -> dict:
+        """The bitmask rows of the step's requests that sample under a grammar (before the step's counts
+        move), and whether any running request has one."""
+        self.grammar_active = any(r.grammar is not None for r in self.running)
+        if not self.grammar_active:
+            return {}
+        sampling = [
+            request
+            for request in (self.requests[r] for r in num_scheduled)
+            if request.grammar is not None
+            and request.num_computed_tokens + num_scheduled[request.request_id]
+            >= request.num_tokens_with_placeholders
+        ]
+        if not sampling:
+            return {}
+        mask = self.structured.fill_bitmask([r.grammar for r in sampling])
+        return {"grammar_req_ids": [r.request_id for r in sampling], "grammar_bitmask": mask.tobytes()}
 
     def _speculates(self) -> tuple[bool, bool]:
         """(whether this step verifies drafts, whether the worker proposes after it): never without a
@@ -318,7 +353,7 @@ class Scheduler:
         many as the step budget, max_model_len and max_tokens leave room for after the target's own
         token."""
         drafts = request.spec_token_ids
-        if not drafts or num_wanted != 1 or request.num_output_placeholders:
+        if not drafts or num_wanted != 1 or request.num_output_placeholders or request.grammar is not None:
             return []
         if request.spec_acceptance < self.spec_min_acceptance:
             # Drafts have not been paying for this request: one verifying step now and then, to notice
@@ -443,6 +478,11 @@ class Scheduler:
                 request.append_output_token(token_id)
                 appended += 1
                 status = self._check_stop(request)
+                if request.grammar is not None and status is None:
+                    # The mask let only this token through; a grammar that is complete ends the request.
+                    request.grammar.consume_token(token_id)
+                    if request.grammar.is_stopped():
+                        status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     break
             if running:

@@ -15,6 +15,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.loader import ModelSource, resolve_model
 from tokenmill.models.registry import is_bare_model
 from tokenmill.spec_decode.policy import batch_limit_for
+from tokenmill.structured_outputs import StructuredOutputs
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -127,6 +128,9 @@ def create_engine(config: EngineConfig) -> EngineParts:
             runner.drafter.draft_cost(), config.max_num_seqs, max_model_len,
             weight_dtype={"fp8": "fp8", "int4": "int4"}.get(config.quantization or "", "bf16"),
         )  # fmt: skip
+    structured = None
+    if not config.skip_tokenizer_init and pooling_type is None:
+        structured = StructuredOutputs(source.load_tokenizer, source.hf_config.vocab_size)
     scheduler = Scheduler(
         kv,
         config.max_num_seqs,
@@ -136,6 +140,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
         config.max_prefill_tokens_with_decodes,
         config.speculative_config,
         spec_policy,
+        structured,
     )
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serving.prompt import render_prompt
+from tokenmill.structured_outputs import StructuredOutputs
 
 
 class InputProcessor:
@@ -12,6 +13,16 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # Compiles each new output constraint once, so a bad one fails here, not in the engine core.
+        self.structured = StructuredOutputs(lambda: tokenizer, vocab_size) if tokenizer is not None else None
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """A request's output constraint compiles against this tokenizer (cached by its text)."""
+        if params.structured_outputs is None:
+            return
+        if self.structured is None:
+            raise ValueError("structured_outputs needs the model's tokenizer (skip_tokenizer_init is set).")
+        self.structured.grammar(params.structured_outputs)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return render_prompt(self.tokenizer, prompt).token_ids
@@ -33,6 +44,7 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
+        self.check_structured(params)
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         prompt_token_ids = self.tokenize(prompt)

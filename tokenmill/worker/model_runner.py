@@ -17,6 +17,7 @@ from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
+from tokenmill.structured_outputs import apply_bitmask
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.drafter import make_drafter
@@ -382,6 +383,8 @@ class ModelRunner:
             self.drafter.before_target(input_ids, positions, md)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
+            if scheduler_output.grammar_req_ids:
+                self._mask_grammar(scheduler_output, inputs, logits, None)
         else:
             drafts = scheduler_output.scheduled_spec_decode_tokens
             if drafts:  # every verified position's logits, not only each request's last
@@ -402,6 +405,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[logit_rows])
                 if scoring:
                     prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
+            if scheduler_output.grammar_req_ids:
+                self._mask_grammar(scheduler_output, inputs, logits, rows if drafts else None)
             if drafts:
                 return self._verify(inputs, sampling_batch, logits, rows, prompt_logprobs)
         sampled, logprobs = self.sampler(logits, sampling_batch)
@@ -409,6 +414,26 @@ class ModelRunner:
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         logprob_ks = [r.sampling_params.logprobs for r in sampling_batch.requests]
         return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, prompt_logprobs)
+
+    def _mask_grammar(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        logits: torch.Tensor,
+        rows: VerifyRows | None,
+    ) -> None:
+        """-inf, in place, at the tokens each constrained request's grammar forbids: at its logit row (a
+        verifying step's: its last, since constrained requests take no drafts)."""
+        position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
+        logit_rows = []
+        for request_id in scheduler_output.grammar_req_ids:
+            i = position[request_id]
+            logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
+        words = (self.hf_config.vocab_size + 31) // 32
+        bitmask = np.frombuffer(bytearray(scheduler_output.grammar_bitmask), dtype=np.int32).reshape(
+            -1, words
+        )
+        apply_bitmask(logits, logit_rows, bitmask)
 
     # ---- speculative decoding ---------------------------------------------------------------
 

@@ -82,6 +82,17 @@ def render_input(tokenizer, prompt: str | list[int], index: int, param: str) -> 
     return rendered
 
 
+async def check_constraint(state: ServerState, request, params) -> None:
+    """The request's output constraint compiled off the event loop (cached by its text): a schema,
+    regex or grammar llguidance rejects is a 400 naming the request field it came from."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await state.off_loop(state.engine.input_processor.check_structured, params)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=request.constraint[0]) from None
+
+
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, what: str) -> int:
     """max_tokens as given (or all the room left); a prompt plus completion over the context is a 400."""
     if requested is None:

@@ -62,6 +62,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineDeadError):
         return unavailable(str(exc), "engine_dead")
+    if isinstance(exc, ParamError):
+        return bad_request(str(exc), param=exc.param)
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     logger.error("internal error", exc_info=exc)

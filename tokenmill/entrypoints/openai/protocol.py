@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .errors import ParamError
 
@@ -61,6 +61,41 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs, as vLLM takes them: one object, or the older guided_* fields.
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        """(request field, StructuredOutputsParams fields) for every constraint the request gives."""
+        found = []
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", {kind: value}))
+        return found
+
+    @property
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request's one constraint and the field it came from; ParamError for two or a bad one."""
+        found = self.constraints()
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ParamError(found[1][0], f"give one output constraint, got {', '.join(f for f, _ in found)}")
+        field_name, fields = found[0]
+        known = {"json", "json_object", "regex", "choice", "grammar"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ParamError(field_name, f"{field_name}: unknown key(s) {unknown}; known: {sorted(known)}")
+        try:
+            return field_name, StructuredOutputsParams(**fields)
+        except ValueError as exc:
+            raise ParamError(field_name, str(exc)) from None
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
@@ -78,6 +113,7 @@ class SamplingFields(OpenAIModel):
             raise ParamError("stop", f"at most 16 stop strings, got {len(stops)}")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        self.constraint  # noqa: B018 (raises ParamError for a bad or second output constraint)
         return self
 
     @property
@@ -107,6 +143,7 @@ class SamplingFields(OpenAIModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint[1] if self.constraint else None,
         )
 
 
@@ -156,11 +193,33 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ParamError("response_format", "response_format other than 'text' is not supported")
         if self.tools:
             raise ParamError("tools", "tool calling is not supported")
         return self
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        """OpenAI's response_format (json_object, or json_schema with its schema) beside vLLM's fields."""
+        found = super().constraints()
+        response_format = self.response_format
+        if response_format is None:
+            return found
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            found.insert(0, ("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ParamError(
+                    "response_format", "response_format json_schema needs json_schema.schema, an object"
+                )
+            found.insert(0, ("response_format", {"json": schema}))
+        elif kind != "text":
+            raise ParamError(
+                "response_format",
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            )
+        return found
 
     @property
     def requested_max_tokens(self) -> int | None:

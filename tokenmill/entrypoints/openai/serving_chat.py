@@ -20,6 +20,7 @@ from .common import (
     ServerState,
     aborted_error,
     chat_logprobs,
+    check_constraint,
     error_event,
     final_outputs,
     reported_tokens,
@@ -64,6 +65,7 @@ class ChatServing:
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"
         )
         params = request.sampling_params(max_tokens, request.num_logprobs)
+        await check_constraint(state, request, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add_request(request_id, prompt_ids, params, prompt_text)
         head = {"id": request_id, "created": int(time.time()), "model": model}

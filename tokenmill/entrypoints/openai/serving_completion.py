@@ -20,6 +20,7 @@ from .common import (
     DisconnectWatcher,
     ServerState,
     aborted_error,
+    check_constraint,
     completion_logprobs,
     echo_logprobs,
     error_event,
@@ -84,6 +85,8 @@ class CompletionServing:
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         # Check every prompt before submitting any, so a bad one leaves nothing half-submitted.
         all_params = []
+        if request.constraint is not None:
+            await check_constraint(state, request, request.sampling_params(1, None))
         for prompt in prompts:
             max_tokens = resolve_max_tokens(
                 len(prompt.token_ids), request.max_tokens or None, engine.max_model_len, "prompt"

@@ -1,0 +1,142 @@
+"""Structured outputs on the embedded SmolLM2 (a real model, CPU): what it writes under a JSON schema
+validates against the schema, under a regex fullmatches it, under a choice is a member, under a Lark
+grammar parses; constrained and unconstrained requests share batches; a grammar that allows everything
+changes nothing; bad constraints are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import StructuredOutputsParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "email", "address", "role", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # fp32: the comparisons with unconstrained runs are exact (bf16 rounds differently across batch
+    # shapes and prefix-cache hits).
+    return LLM("default", max_model_len=2048, max_num_batched_tokens=256, dtype="float32")
+
+
+def chat(llm, content: str, params: SamplingParams | list[SamplingParams], n: int = 1) -> list[str]:
+    messages = [[{"role": "user", "content": content}]] * n
+    return [o.outputs[0].text for o in llm.chat(messages, params, use_tqdm=False)]
+
+
+def test_json_schema_with_nested_objects_arrays_and_enums(llm) -> None:
+    """Greedy and sampled (seeded) requests under the schema, beside unconstrained ones in the same steps:
+    every constrained output parses and validates; the unconstrained ones are what they are alone."""
+    constrained = SamplingParams(max_tokens=400, temperature=0, structured_outputs={"json": PERSON})
+    sampled = [
+        SamplingParams(max_tokens=400, temperature=0.9, seed=s, structured_outputs={"json": PERSON})
+        for s in range(3)
+    ]
+    free = SamplingParams(max_tokens=40, temperature=0)
+    prompt = "Describe a user of our website as JSON."
+    alone = chat(llm, prompt, free)
+    texts = chat(llm, prompt, [constrained, *sampled, free], n=5)
+    for text in texts[:4]:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert texts[4] == alone[0]
+
+
+def test_regex_choice_grammar_and_json_object(llm) -> None:
+    params = [
+        SamplingParams(
+            max_tokens=30, temperature=0.7, seed=1, structured_outputs={"regex": r"[0-9]{3}-[a-z]{2,4}"}
+        ),
+        SamplingParams(
+            max_tokens=10, temperature=0, structured_outputs={"choice": ["Paris", "London", "Rome"]}
+        ),
+        SamplingParams(
+            max_tokens=40,
+            temperature=0,
+            structured_outputs={
+                "grammar": 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no" | /[0-9]+/'
+            },
+        ),  # fmt: skip
+        SamplingParams(
+            max_tokens=80, temperature=0, structured_outputs=StructuredOutputsParams(json_object=True)
+        ),
+    ]
+    texts = chat(llm, "What is the capital of France?", params, n=4)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", texts[0])
+    assert texts[1] in ("Paris", "London", "Rome")  # greedy by token: "L" outweighs "Paris" here
+    assert re.fullmatch(r"The answer is (yes|no|[0-9]+)\.", texts[2])
+    assert isinstance(json.loads(texts[3]), dict)
+
+
+def test_n_sequences_each_follow_the_grammar(llm) -> None:
+    params = SamplingParams(
+        n=3, max_tokens=12, temperature=1.0, seed=7, structured_outputs={"regex": "(yes|no)!{1,3}"}
+    )
+    output = llm.chat([{"role": "user", "content": "Say yes or no."}], params, use_tqdm=False)[0]
+    assert len(output.outputs) == 3
+    assert all(re.fullmatch("(yes|no)!{1,3}", o.text) for o in output.outputs)
+
+
+def test_a_grammar_that_allows_everything_changes_nothing(llm) -> None:
+    prompt = "Write one sentence about the sea."
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    free = chat(llm, prompt, SamplingParams(max_tokens=30, temperature=0))
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    anything = chat(
+        llm, prompt, SamplingParams(max_tokens=30, temperature=0, structured_outputs={"regex": "(?s:.*)"})
+    )
+    assert anything == free
+
+
+def test_bad_constraints_name_the_field(llm) -> None:
+    cases = [
+        ({"regex": "a("}, "structured_outputs regex"),
+        ({"json": {"type": "objectx"}}, "structured_outputs json"),
+        ({"grammar": "start: undefined_rule"}, "structured_outputs grammar"),
+    ]
+    for constraint, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate("x", SamplingParams(structured_outputs=constraint), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        SamplingParams(structured_outputs={"choice": []})
+    # The engine keeps serving.
+    assert (
+        chat(
+            llm, "Hi", SamplingParams(max_tokens=5, temperature=0, structured_outputs={"choice": ["a", "b"]})
+        )[0]
+        in "ab"
+    )
+
+
+def test_without_a_tokenizer_constraints_are_refused() -> None:
+    llm = LLM("default", max_model_len=256, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(
+            prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(structured_outputs={"regex": "a"})
+        )
