@@ -32,6 +32,8 @@ def warm_up(parts: EngineParts) -> None:
     batches, greedy and sampled. The requests leave no trace: the prefix cache and counters are reset."""
     start = time.perf_counter()
     core, runner, scheduler = parts.core, parts.runner, parts.core.scheduler
+    if scheduler.structured is not None:
+        scheduler.structured.ll_tokenizer  # noqa: B018 (llguidance's view of the tokenizer: ~0.3 s once)
     budget = scheduler.max_num_batched_tokens
     longest = min(budget, parts.max_model_len - 4)
     buckets = sorted({dense_bucket(n) for n in range(1, longest + 1)})

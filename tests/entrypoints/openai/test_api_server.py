@@ -115,7 +115,12 @@ CHAT_BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"messages": None}, "messages"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"guided_regex": "a("}, "guided_regex"),
+    ({"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs"),
+    ({"structured_outputs": {"jsonx": {}}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages.0.content",
