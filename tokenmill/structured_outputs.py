@@ -24,7 +24,12 @@ _CACHE_SIZE = 512
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
 # small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
 # (format, title...) are ignored rather than refused. A schema's own "x-guidance" overrides these.
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+_JSON_DEFAULTS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -37,7 +42,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults=_JSON_DEFAULTS
+            )
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":

@@ -56,6 +56,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "is spent on HTTP and detokenizing (default: 1)",
     )
     server.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral"),
+        help="how to find tool calls in what the model writes, for tool_choice 'auto' (vLLM's names)",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="answer tool_choice 'auto' (the default with tools) with --tool-call-parser; required and named "
+        "tool choices work without it",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
     )
     server.add_argument(
@@ -75,5 +86,8 @@ def _positive_int(text: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     # Imported here so that `tokenmill --help` and the other subcommands start without FastAPI and torch.
     from tokenmill.entrypoints.openai.api_server import run_server
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
 
     return run_server(args)

@@ -23,6 +23,7 @@ def render_prompt(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     add_special_tokens: bool = True,
+    tools: list[dict] | None = None,
 ) -> RenderedPrompt:
     """Render and tokenize exactly one of `prompt` (text or token ids) or `messages` (a chat conversation).
 
@@ -35,12 +36,14 @@ def render_prompt(
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; drop skip_tokenizer_init=True (--skip-tokenizer-init).")
         try:
+            extra = {"tools": tools} if tools else {}
             text = tokenizer.apply_chat_template(
                 list(messages),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                **extra,
             )
         except Exception as exc:  # a template may raise anything on a conversation it does not accept
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc

@@ -302,7 +302,11 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
     gc.collect()
     gc.freeze()
     try:
-        state = ServerState(engine, names, metrics, api_key=args.api_key)
+        state = ServerState(
+            engine, names, metrics, api_key=args.api_key,
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        )  # fmt: skip
         uvicorn_config = uvicorn.Config(
             build_app(state, args.max_request_body_bytes),
             log_level=args.log_level,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .errors import ParamError
+from .tool_calls import check_tools
 
 _MAX_LOGPROBS = 20
 _MAX_EMBEDDING_INPUTS = 2048  # OpenAI's cap on the items of one embeddings request
@@ -156,6 +157,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as OpenAI returned them
+    tool_call_id: str | None = None  # a tool result's call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -176,7 +179,12 @@ class ChatMessage(OpenAIModel):
             content = "".join(part.text for part in content)
         # Templates written before the "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -188,14 +196,29 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     response_format: dict | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
-        if self.tools:
-            raise ParamError("tools", "tool calling is not supported")
+        check_tools(self.tools, self.tool_choice)
+        if self.tool_mode in ("required", "named") and self.constraints():
+            raise ParamError(
+                "tool_choice",
+                "a required or named tool_choice constrains the output itself: drop response_format",
+            )
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named (a function given in tool_choice)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice in (None, "auto"):
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
 
     def constraints(self) -> list[tuple[str, dict]]:
         """OpenAI's response_format (json_object, or json_schema with its schema) beside vLLM's fields."""

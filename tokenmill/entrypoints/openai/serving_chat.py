@@ -30,17 +30,69 @@ from .common import (
 )
 from .errors import bad_request, to_openai_error
 from .protocol import ChatCompletionRequest, ChatMessage
+from .tool_calls import (
+    PARSERS,
+    calls_from_constrained,
+    messages_without_tool_support,
+    template_knows_tools,
+    tool_constraint,
+)
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> RenderedPrompt:
+def render_chat(
+    tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, tools: list | None = None
+) -> RenderedPrompt:
+    """The conversation through the model's chat template; tools (and earlier calls and results) go where
+    the template puts them, or into the system message when it has no place for them."""
+    dicts = [m.template_dict() for m in messages]
+    uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+    if uses_tools and tokenizer is not None and not template_knows_tools(tokenizer):
+        dicts, tools = messages_without_tool_support(dicts, tools), None
     try:
         return render_prompt(
-            tokenizer,
-            messages=[m.template_dict() for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            tokenizer, messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools
         )
     except ValueError as exc:
         raise bad_request(str(exc), param="messages" if tokenizer is not None else None) from exc
+
+
+class ToolAnswer:
+    """A choice's text as the answer tool_choice asks for: plain content, or tool calls (a grammar's
+    output under required or a named function, a parser's find under auto) with finish_reason
+    tool_calls."""
+
+    def __init__(self, request: ChatCompletionRequest, parser_name: str | None) -> None:
+        self.mode = request.tool_mode
+        self.tool_choice = request.tool_choice
+        self.parallel = request.parallel_tool_calls
+        self.parser = PARSERS[parser_name]() if self.mode == "auto" and parser_name else None
+
+    @property
+    def buffers(self) -> bool:
+        """Whether a stream holds the text back until the end (it may turn out to be tool calls)."""
+        return self.mode != "none"
+
+    def split(self, text: str) -> tuple[str | None, list]:
+        if self.mode in ("required", "named"):
+            try:
+                return None, calls_from_constrained(text, self.tool_choice)
+            except (ValueError, KeyError, TypeError):  # cut by max_tokens: not a complete call
+                return text, []
+        if self.parser is not None:
+            return self.parser.parse(text)
+        return text, []
+
+    def message(self, text: str, finish_reason: str | None) -> dict:
+        """{"message": ..., "finish_reason": ...} of a finished choice."""
+        content, calls = self.split(text)
+        if not calls:
+            return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        calls = calls if self.parallel else calls[:1]
+        message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+        return {
+            "message": message,
+            "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason,
+        }
 
 
 def _usage(final: RequestOutput) -> dict:
@@ -58,31 +110,42 @@ class ChatServing:
         state.check_generates()
         state.check_accepting()
         engine = state.engine
+        mode = request.tool_mode
+        if mode == "auto" and not (state.enable_auto_tool_choice and state.tool_call_parser):
+            raise bad_request(
+                "tool_choice 'auto' (the default with tools) needs the server started with "
+                "--enable-auto-tool-choice and --tool-call-parser; or pass tool_choice 'none', 'required' "
+                "or a named function",
+                param="tool_choice",
+            )
         prompt_text, prompt_ids = await state.off_loop(
-            render_chat, engine.tokenizer, request.messages, request.add_generation_prompt
+            render_chat, engine.tokenizer, request.messages, request.add_generation_prompt, request.tools
         )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"
         )
         params = request.sampling_params(max_tokens, request.num_logprobs)
+        if mode in ("required", "named"):
+            params.structured_outputs = tool_constraint(request.tools, request.tool_choice)
         await check_constraint(state, request, params)
+        tools = ToolAnswer(request, state.tool_call_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add_request(request_id, prompt_ids, params, prompt_text)
         head = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
             return StreamingResponse(
-                self._stream(head, request, request_id, stream, raw_request), media_type="text/event-stream"
+                self._stream(head, request, request_id, stream, raw_request, tools),
+                media_type="text/event-stream",
             )
         (final,) = await final_outputs(engine, {request_id: stream}, raw_request)
         k = request.num_logprobs
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                **tools.message(c.text, c.finish_reason),
                 "logprobs": chat_logprobs(*reported_tokens(c, c.token_ids, c.logprobs), k)
                 if k is not None and c.logprobs
                 else None,
-                "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
             for c in final.outputs
@@ -96,6 +159,7 @@ class ChatServing:
         request_id: str,
         stream: AsyncIterator[RequestOutput],
         raw_request: Request,
+        tools: ToolAnswer,
     ) -> AsyncIterator[str]:
         engine = self.state.engine
         watcher = DisconnectWatcher(raw_request, lambda: engine.abort(request_id))
@@ -122,12 +186,22 @@ class ChatServing:
                         continue
                     token_ids, token_logprobs = reported_tokens(c, c.delta_token_ids, c.delta_logprobs)
                     logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
-                    if c.delta_text or logprobs:
+                    if (c.delta_text or logprobs) and not tools.buffers:
                         yield chunk([choice(c.index, {"content": c.delta_text}, logprobs)])
                     if c.finish_reason is not None:
                         finished.add(c.index)
+                        finish_reason = c.finish_reason
+                        if tools.buffers:  # the whole text was held back: content, or tool calls
+                            answer = tools.message(c.text, c.finish_reason)
+                            message, finish_reason = answer["message"], answer["finish_reason"]
+                            delta = {"content": message["content"]}
+                            if "tool_calls" in message:
+                                delta["tool_calls"] = [
+                                    {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                                ]
+                            yield chunk([choice(c.index, delta)])
                         yield chunk(
-                            [{**choice(c.index, {}, None, c.finish_reason), "stop_reason": c.stop_reason}]
+                            [{**choice(c.index, {}, None, finish_reason), "stop_reason": c.stop_reason}]
                         )
             if final is None or not final.finished:
                 if not watcher.disconnected:

@@ -1,0 +1,251 @@
+"""Tool calling on chat completions: how tools reach the prompt, how tool_choice constrains the output,
+and the parsers that find tool calls in what a model wrote.
+
+- `required` and a named function are enforced with a grammar (structured outputs), so the arguments
+  always parse against the tool's schema, whatever the model: a named function's output is its
+  arguments object; `required` writes a JSON list of {"name", "parameters"} items, one per call.
+- `auto` lets the model write freely and a parser (`--tool-call-parser`) finds the calls in its text:
+  `hermes` (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen2.5/Qwen3, Hermes, SmolLM2),
+  `llama3_json` (a JSON object `{"name": ..., "parameters": ...}`, after `<|python_tag|>` or alone) and
+  `mistral` (`[TOOL_CALLS] [{"name": ..., "arguments": ...}]`).
+- A chat template that renders tools gets them as `tools`; one that does not (the embedded SmolLM2's)
+  gets them in a system message, with earlier calls and results written in the hermes form."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import NamedTuple
+
+from tokenmill.sampling_params import StructuredOutputsParams
+
+from .errors import ParamError
+
+
+class ToolCall(NamedTuple):
+    name: str
+    arguments: str  # a JSON object's text
+
+    def to_openai(self) -> dict:
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def check_tools(tools: list | None, tool_choice: str | dict | None) -> None:
+    """The request's tools and tool_choice are well formed and agree; ParamError naming the field."""
+    for index, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ParamError(f"tools.{index}", "each tool must be {'type': 'function', 'function': {...}}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ParamError(f"tools.{index}.function.name", "a tool's function needs a name")
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise ParamError(
+                f"tools.{index}.function.parameters", "a function's parameters are a JSON schema"
+            )
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return
+    if tool_choice == "required":
+        if not tools:
+            raise ParamError("tool_choice", "tool_choice 'required' needs tools")
+        return
+    name = named_choice(tool_choice)
+    if name is None:
+        raise ParamError(
+            "tool_choice", "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', ...}"
+        )
+    if name not in [t["function"]["name"] for t in tools or []]:
+        raise ParamError("tool_choice", f"tool_choice names the function {name!r}, which is not in tools")
+
+
+def named_choice(tool_choice: str | dict | None) -> str | None:
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return function["name"]
+    return None
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_constraint(tools: list, tool_choice: str | dict | None) -> StructuredOutputsParams | None:
+    """The grammar that enforces `required` or a named function (None for none and auto)."""
+    name = named_choice(tool_choice)
+    if name is not None:
+        tool = next(t for t in tools if t["function"]["name"] == name)
+        return StructuredOutputsParams(json=_parameters(tool))
+    if tool_choice != "required":
+        return None
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+
+
+def calls_from_constrained(text: str, tool_choice: str | dict) -> list[ToolCall]:
+    """What a grammar-enforced output means: the named function's arguments, or `required`'s list."""
+    name = named_choice(tool_choice)
+    if name is not None:
+        return [ToolCall(name, text)]
+    return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in json.loads(text)]
+
+
+# ---- parsers for tool_choice auto ------------------------------------------------------------
+
+
+def _call_from_object(item: object, arguments_key: str) -> ToolCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", {})))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(item["name"], json.dumps(arguments))
+
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them kept."""
+
+    marker = "<tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls = []
+        for body in self._block.findall(text):
+            try:
+                call = _call_from_object(json.loads(body), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is not None:
+                calls.append(call)
+        if not calls:
+            return text, []
+        content = text[: text.index(self.marker)].strip()
+        return content or None, calls
+
+
+class Llama3JsonParser:
+    """Llama 3.x's JSON tool calls: `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or as the
+    whole message), several separated by `;`."""
+
+    marker = "{"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.split("<|python_tag|>", 1)[-1].strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        position = 0
+        while position < len(body):
+            try:
+                item, end = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call_from_object(item, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+            position = end
+            while position < len(body) and body[position] in " \n\t;":
+                position += 1
+        return None, calls
+
+
+class MistralParser:
+    """`[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, text before it kept."""
+
+    marker = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.marker not in text:
+            return text, []
+        head, tail = text.split(self.marker, 1)
+        try:
+            items = json.JSONDecoder().raw_decode(tail.strip())[0]
+        except json.JSONDecodeError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [c for c in (_call_from_object(i, "arguments") for i in items) if c is not None]
+        if not calls:
+            return text, []
+        return head.strip() or None, calls
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def template_knows_tools(tokenizer, chat_template: str | None = None) -> bool:
+    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return "tools" in template
+
+
+def tools_system_prompt(tools: list) -> str:
+    """The tools described for a model whose chat template has no place for them (hermes form)."""
+    listed = "\n".join(json.dumps(t["function"]) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query. The functions are described "
+        f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a "
+        "JSON object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def messages_without_tool_support(messages: list[dict], tools: list | None) -> list[dict]:
+    """Messages for a template that knows no tools: the tools in the system message, an assistant's
+    calls as hermes blocks in its content, a tool's result as a `<tool_response>` from the user."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        if calls:
+            blocks = [
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})
+                + "\n</tool_call>"
+                for c in calls
+            ]  # fmt: skip
+            message["content"] = "\n".join(filter(None, [message.get("content") or "", *blocks]))
+        if message["role"] == "tool":
+            message = {
+                "role": "user",
+                "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>",
+            }
+        message.pop("tool_call_id", None)
+        out.append(message)
+    if tools:
+        prompt = tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments(call: dict) -> object:
+    arguments = call["function"].get("arguments", "{}")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments
