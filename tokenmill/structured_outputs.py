@@ -32,6 +32,28 @@ _JSON_DEFAULTS = {
 }
 
 
+def closed(schema: object) -> object:
+    """The schema with every object that lists its properties closed to others (additionalProperties
+    false) unless it says otherwise: what OpenAI's strict mode requires and xgrammar, vLLM's default
+    backend, assumes. Open, a model fills the object with keys of its own (pydantic's schemas, as
+    LangChain and the openai client send them, leave it unsaid)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint as llguidance's grammar text; ValueError naming the field when it is malformed."""
     import llguidance
@@ -39,8 +61,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if kind == "json":
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(closed(schema)), defaults=_JSON_DEFAULTS
+            )
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
                 '{"type": "object"}', defaults=_JSON_DEFAULTS
