@@ -67,6 +67,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "tool choices work without it",
     )
     server.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        help="put a model's <think>...</think> into message.reasoning_content (vLLM's names)",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
     )
     server.add_argument(
@@ -88,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.api_server import run_server
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+        raise SystemExit(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)"
+        )
 
     return run_server(args)

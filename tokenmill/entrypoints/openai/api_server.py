@@ -306,6 +306,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
             engine, names, metrics, api_key=args.api_key,
             tool_call_parser=getattr(args, "tool_call_parser", None),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
         )  # fmt: skip
         uvicorn_config = uvicorn.Config(
             build_app(state, args.max_request_body_bytes),

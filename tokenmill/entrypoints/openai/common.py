@@ -33,6 +33,7 @@ class ServerState:
     draining: bool = False
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None  # --reasoning-parser
     # Chat templates, tokenizing and detokenizing run on one worker thread, not on the event loop: a
     # megabyte prompt takes seconds, and every other stream and /health would wait for it.
     text_worker: ThreadPoolExecutor = field(

@@ -30,6 +30,7 @@ from .common import (
 )
 from .errors import bad_request, to_openai_error
 from .protocol import ChatCompletionRequest, ChatMessage
+from .reasoning import ReasoningParser, StreamSplitter
 from .tool_calls import (
     PARSERS,
     calls_from_constrained,
@@ -61,11 +62,15 @@ class ToolAnswer:
     output under required or a named function, a parser's find under auto) with finish_reason
     tool_calls."""
 
-    def __init__(self, request: ChatCompletionRequest, parser_name: str | None) -> None:
+    def __init__(
+        self, request: ChatCompletionRequest, parser_name: str | None, reasoning_parser: str | None = None
+    ) -> None:
         self.mode = request.tool_mode
         self.tool_choice = request.tool_choice
         self.parallel = request.parallel_tool_calls
         self.parser = PARSERS[parser_name]() if self.mode == "auto" and parser_name else None
+        # A model's thinking goes to reasoning_content, only its answer on to the tool parser.
+        self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
 
     @property
     def buffers(self) -> bool:
@@ -84,11 +89,17 @@ class ToolAnswer:
 
     def message(self, text: str, finish_reason: str | None) -> dict:
         """{"message": ..., "finish_reason": ...} of a finished choice."""
+        thinking = {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+            thinking = {"reasoning_content": reasoning}
         content, calls = self.split(text)
         if not calls:
-            return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text, **thinking}
+            return {"message": message, "finish_reason": finish_reason}
         calls = calls if self.parallel else calls[:1]
-        message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+        message = {"role": "assistant", "content": content, **thinking}
+        message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "message": message,
             "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason,
@@ -128,7 +139,7 @@ class ChatServing:
         if mode in ("required", "named"):
             params.structured_outputs = tool_constraint(request.tools, request.tool_choice)
         await check_constraint(state, request, params)
-        tools = ToolAnswer(request, state.tool_call_parser)
+        tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.add_request(request_id, prompt_ids, params, prompt_text)
         head = {"id": request_id, "created": int(time.time()), "model": model}
@@ -179,6 +190,8 @@ class ChatServing:
             for index in range(request.n):  # one choice per chunk, as clients reading choices[0] expect
                 yield chunk([choice(index, {"role": "assistant", "content": ""})])
             final, finished = None, set()
+            texts: dict[int, str] = {}
+            splitters: dict[int, StreamSplitter] = {}
             async for output in stream:
                 final = output
                 for c in output.outputs:
@@ -186,15 +199,24 @@ class ChatServing:
                         continue
                     token_ids, token_logprobs = reported_tokens(c, c.delta_token_ids, c.delta_logprobs)
                     logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
-                    if (c.delta_text or logprobs) and not tools.buffers:
-                        yield chunk([choice(c.index, {"content": c.delta_text}, logprobs)])
+                    texts[c.index] = texts.get(c.index, "") + c.delta_text
+                    flush = tools.reasoning is not None and c.finish_reason is not None
+                    if (c.delta_text or logprobs or flush) and not tools.buffers:
+                        delta = {"content": c.delta_text}
+                        if tools.reasoning is not None:
+                            splitter = splitters.setdefault(c.index, StreamSplitter(tools.reasoning))
+                            delta = splitter.delta(texts[c.index], c.finish_reason is not None)
+                        if delta or logprobs:
+                            yield chunk([choice(c.index, delta, logprobs)])
                     if c.finish_reason is not None:
                         finished.add(c.index)
                         finish_reason = c.finish_reason
                         if tools.buffers:  # the whole text was held back: content, or tool calls
-                            answer = tools.message(c.text, c.finish_reason)
+                            answer = tools.message(texts[c.index], c.finish_reason)
                             message, finish_reason = answer["message"], answer["finish_reason"]
                             delta = {"content": message["content"]}
+                            if message.get("reasoning_content"):
+                                delta["reasoning_content"] = message["reasoning_content"]
                             if "tool_calls" in message:
                                 delta["tool_calls"] = [
                                     {"index": i, **call} for i, call in enumerate(message["tool_calls"])
