@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
-# Stages: tests gpu-tests kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
+# Stages: tests gpu-tests structured kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
 #         server-scale server-burst mixed-step embeddings poisson (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
@@ -31,6 +31,18 @@ for stage in $stages; do
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     gpu-tests) timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode \
                  -p no:cacheprovider --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
+    # Every request under a JSON schema against none, batch 64 (Qwen3-0.6B shape, SmolLM2's tokenizer):
+    # throughput and the masks' host time per step.
+    structured) model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
+print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
+                cp .gpu_assets/tokenizer/* "$model/"
+                schema='{"json": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "maximum": 150}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8}}, "required": ["name", "age", "tags"]}}'
+                for so in none json; do
+                  extra=(); [ $so = json ] && extra=(--structured-outputs "$schema")
+                  timeout 200 $py -m tokenmill.entrypoints.cli bench throughput --model "$model" --load-format dummy \
+                    --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 64 \
+                    --max-num-seqs 64 "${extra[@]}" --output-json "$out/structured_$so.json" 2>&1 | tail -2
+                done ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \

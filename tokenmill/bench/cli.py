@@ -198,6 +198,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int)
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int)
     engine.add_argument(
+        "--structured-outputs",
+        type=parse_json_object,
+        help='throughput: every request under this constraint, e.g. \'{"json": {"type": "object"}}\' (the '
+        "output then reports the masks' host time per step)",
+    )
+    engine.add_argument(
         "--speculative-config",
         type=parse_json_object,
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (the output '

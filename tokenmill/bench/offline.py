@@ -28,10 +28,14 @@ def throughput_main(args: argparse.Namespace) -> int:
     args.prompts_as_token_ids = True  # the engine takes ids; no detokenize/retokenize round trip
     samples = samples_from_args(args, tokenizer)
     llm = _make_llm(args)
+    constraint = getattr(args, "structured_outputs", None)
     params = [
-        SamplingParams(max_tokens=s.expected_output_len, temperature=args.temperature, ignore_eos=True)
+        SamplingParams(
+            max_tokens=s.expected_output_len, temperature=args.temperature, ignore_eos=True,
+            structured_outputs=constraint,
+        )
         for s in samples
-    ]
+    ]  # fmt: skip
     prompts = [list(s.prompt) for s in samples]
     # Warm-up at full prompt length, not timed: the first batch meets new kernel variants.
     warm = prompts[: args.num_warmups]
@@ -59,6 +63,7 @@ def throughput_main(args: argparse.Namespace) -> int:
         "input_tokens_per_second": input_tokens / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
         "speculative_decoding": speculation_stats(llm) if getattr(args, "speculative_config", None) else None,
+        "structured_outputs": structured_stats(llm) if constraint else None,
     }
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -69,6 +74,16 @@ def throughput_main(args: argparse.Namespace) -> int:
     )
     _write_json(args.output_json, result)
     return 0
+
+
+def structured_stats(llm) -> dict:
+    """The host time spent filling grammar masks (the step waits for it), per step that needed one."""
+    scheduler = llm.engine.scheduler
+    steps = scheduler.grammar_mask_steps
+    return {
+        "steps_with_masks": steps,
+        "mask_ms_per_step": scheduler.grammar_mask_seconds / steps * 1e3 if steps else None,
+    }
 
 
 def latency_main(args: argparse.Namespace) -> int:

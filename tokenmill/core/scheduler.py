@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -78,6 +79,8 @@ class Scheduler:
         # Whether a running request decodes under a grammar: its next mask needs this step's token, so
         # the engine core then waits for each step before planning the next.
         self.grammar_active = False
+        self.grammar_mask_seconds = 0.0  # host time filling masks, and the steps that needed them
+        self.grammar_mask_steps = 0
         self.spec_enabled = speculation is not None
         self._step_verified = self._step_accepted = 0
         self.spec_active = self.spec_enabled
@@ -321,7 +324,10 @@ class Scheduler:
         ]
         if not sampling:
             return {}
+        start = time.perf_counter()
         mask = self.structured.fill_bitmask([r.grammar for r in sampling])
+        self.grammar_mask_seconds += time.perf_counter() - start
+        self.grammar_mask_steps += 1
         return {"grammar_req_ids": [r.request_id for r in sampling], "grammar_bitmask": mask.tobytes()}
 
     def _speculates(self) -> tuple[bool, bool]:
