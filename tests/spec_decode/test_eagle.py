@@ -225,15 +225,8 @@ def spec_config(kind: str, path) -> dict:
     return {"method": method, "num_speculative_tokens": 3, "model": str(path)}
 
 
-@pytest.mark.parametrize("kind", ["eagle-bin", "eagle", "eagle3", "eagle3-ids"])
-def test_drafts_match_the_reference_head(kind, target, tmp_path) -> None:
-    """Every round of drafts for two requests decoding together (the head's KV written over prompt
-    chunks, accepted tokens and drafts): the reference's, recomputed from the request's tokens."""
-    head, taps = write_head(tmp_path, kind)
-    path, model = target
-    llm = make_llm(path, block_size=4, max_model_len=128, max_num_batched_tokens=24,
-                   speculative_config=spec_config(kind, tmp_path))  # fmt: skip
-    drafter = llm.engine.runner.drafter
+def record_rounds(drafter) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, its drafts) for every proposal the drafter makes from now on."""
     rounds = []
     propose = drafter.propose
 
@@ -245,6 +238,18 @@ def test_drafts_match_the_reference_head(kind, target, tmp_path) -> None:
         return drafts
 
     drafter.propose = spy
+    return rounds
+
+
+@pytest.mark.parametrize("kind", ["eagle-bin", "eagle", "eagle3", "eagle3-ids"])
+def test_drafts_match_the_reference_head(kind, target, tmp_path) -> None:
+    """Every round of drafts for two requests decoding together (the head's KV written over prompt
+    chunks, accepted tokens and drafts): the reference's, recomputed from the request's tokens."""
+    head, taps = write_head(tmp_path, kind)
+    path, model = target
+    llm = make_llm(path, block_size=4, max_model_len=128, max_num_batched_tokens=24,
+                   speculative_config=spec_config(kind, tmp_path))  # fmt: skip
+    rounds = record_rounds(llm.engine.runner.drafter)
     prompts = random_prompts([30, 9], seed=4)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -284,18 +289,7 @@ def test_async_scheduling_keeps_the_heads_features(kind, target, tmp_path) -> No
     expected = run(make_llm(path, **engine_args), prompts, params)
     config = {**spec_config(kind, tmp_path), "disable_by_batch_size": 3}
     spec = make_llm(path, **engine_args, async_scheduling=True, speculative_config=config)
-    drafter = spec.engine.runner.drafter
-    rounds = []
-    propose = drafter.propose
-
-    def spy(req_ids, samples, wanted):
-        drafts = propose(req_ids, samples, wanted)
-        for request_id, row in zip(req_ids, drafts):
-            if row:
-                rounds.append((list(drafter.runner.input_batch.requests[request_id].all_token_ids), row))
-        return drafts
-
-    drafter.propose = spy
+    rounds = record_rounds(spec.engine.runner.drafter)
     assert run(spec, prompts, params) == expected
     assert rounds
     for tokens, drafts in rounds:
