@@ -140,3 +140,28 @@ def test_without_a_tokenizer_constraints_are_refused() -> None:
         llm.generate(
             prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(structured_outputs={"regex": "a"})
         )
+
+
+def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
+    """The core launches a constrained step, then fills its masks (on a GPU the forward pass runs
+    meanwhile), then has it sampled: the step's sampling waits for the masks, nothing else does."""
+    core = llm.engine.core
+    events = []
+    execute, bitmask = core.executor.execute, core.scheduler.grammar_bitmask
+
+    def launched(out):
+        events.append(("execute", bool(out.grammar_req_ids)))
+        return execute(out)
+
+    def masks(out):
+        events.append(("masks", len(out.grammar_req_ids)))
+        return bitmask(out)
+
+    core.executor.execute, core.scheduler.grammar_bitmask = launched, masks
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "[a-z]{6}"})
+        (text,) = chat(llm, "Name a fruit.", params)
+    finally:
+        core.executor.execute, core.scheduler.grammar_bitmask = execute, bitmask
+    assert re.fullmatch("[a-z]{6}", text)
+    assert len(events) >= 4 and events == [("execute", True), ("masks", 1)] * (len(events) // 2)

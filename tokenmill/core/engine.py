@@ -59,7 +59,10 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 self.num_steps += 1
-                self.batch_queue.append((scheduler_output, self.executor.execute(scheduler_output)))
+                pending = self.executor.execute(scheduler_output)
+                if scheduler_output.grammar_req_ids:  # filled while the device runs the forward pass
+                    pending = pending.with_grammar(self.scheduler.grammar_bitmask(scheduler_output))
+                self.batch_queue.append((scheduler_output, pending))
                 if len(self.batch_queue) < self._in_flight():
                     return []
         if not self.batch_queue:

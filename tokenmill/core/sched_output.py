@@ -45,10 +45,10 @@ class SchedulerOutput:
     # Speculation is on at this step's batch: the worker proposes drafts for the next step once this
     # step's tokens are known (off, it skips the work).
     propose_drafts: bool = False
-    # Structured outputs: the requests of this step that sample under a grammar, and their rows of
-    # allowed tokens (int32 words, a bit per vocabulary entry, little-endian, rows back to back).
+    # Structured outputs: the requests of this step that sample under a grammar. Their masks follow
+    # the launch (Scheduler.grammar_bitmask, int32 words of a bit per vocabulary entry, little-endian,
+    # a row per request): the worker samples them once they come.
     grammar_req_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: bytes = b""
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

@@ -295,7 +295,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_decode,
             propose_drafts=proposing,
-            **self._grammar_masks(num_scheduled),
+            **self._grammar_requests(num_scheduled),
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
@@ -309,26 +309,30 @@ class Scheduler:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
 
-    def _grammar_masks(self, num_scheduled: dict[str, int]) -> dict:
-        """The bitmask rows of the step's requests that sample under a grammar (before the step's counts
-        move), and whether any running request has one."""
+    def _grammar_requests(self, num_scheduled: dict[str, int]) -> dict:
+        """The step's requests that sample under a grammar (before the step's counts move), and whether
+        any running request has one."""
         self.grammar_active = any(r.grammar is not None for r in self.running)
         if not self.grammar_active:
             return {}
         sampling = [
-            request
-            for request in (self.requests[r] for r in num_scheduled)
+            request_id
+            for request_id, request in ((r, self.requests[r]) for r in num_scheduled)
             if request.grammar is not None
-            and request.num_computed_tokens + num_scheduled[request.request_id]
+            and request.num_computed_tokens + num_scheduled[request_id]
             >= request.num_tokens_with_placeholders
         ]
-        if not sampling:
-            return {}
+        return {"grammar_req_ids": sampling} if sampling else {}
+
+    def grammar_bitmask(self, out: SchedulerOutput) -> bytes:
+        """The allowed-token rows of a scheduled step's constrained requests (grammar_req_ids), from their
+        matchers as they stand: the engine core calls it after launching the step, so the host fills
+        them while the device runs the forward pass."""
         start = time.perf_counter()
-        mask = self.structured.fill_bitmask([r.grammar for r in sampling])
+        mask = self.structured.fill_bitmask([self.requests[r].grammar for r in out.grammar_req_ids])
         self.grammar_mask_seconds += time.perf_counter() - start
         self.grammar_mask_steps += 1
-        return {"grammar_req_ids": [r.request_id for r in sampling], "grammar_bitmask": mask.tobytes()}
+        return mask.tobytes()
 
     def _speculates(self) -> tuple[bool, bool]:
         """(whether this step verifies drafts, whether the worker proposes after it): never without a

@@ -138,6 +138,32 @@ class VerifyRows(NamedTuple):
     drafts: list[list[int]]  # per request, its drafts
 
 
+class _Launched(NamedTuple):
+    """A step whose forward pass is on the device, up to its logits."""
+
+    scheduler_output: SchedulerOutput
+    inputs: StepInputs
+    sampling_batch: SamplingBatch
+    logits: torch.Tensor
+    rows: VerifyRows | None  # a verifying step's logit rows
+    prompt_logprobs: dict | None
+
+
+class AwaitingGrammar:
+    """A launched step that samples under grammars: with_grammar(masks) applies them and samples. The
+    core fills the masks on the host while the device runs the forward pass."""
+
+    def __init__(self, runner: ModelRunner, step: _Launched) -> None:
+        self.runner = runner
+        self.step = step
+        self.inputs = step.inputs
+
+    def with_grammar(self, grammar_bitmask: bytes) -> PendingRunnerOutput:
+        pending = self.runner._sample(self.step, grammar_bitmask)
+        pending.propose_drafts = self.step.scheduler_output.propose_drafts
+        return pending
+
+
 # Default token budget of a step. On a CPU a step costs its tokens at full price (no idle device to
 # fill), so a small budget keeps every step short and lets a request that arrives behind a long prompt
 # in within a step or two. 512: an 8k-token prompt on the embedded model prefills in 38 chunks of about
@@ -349,16 +375,20 @@ class ModelRunner:
             pending_tokens=pending_tokens,
         )
 
-    def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
-        """Launch one step on the device; the returned output's result() waits for the tokens."""
-        pending = self._execute(scheduler_output)
-        pending.propose_drafts = scheduler_output.propose_drafts
+    def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput | AwaitingGrammar:
+        """Launch one step on the device; the returned output's result() waits for the tokens. A step
+        that samples under a grammar stops before sampling: its AwaitingGrammar takes the step's masks
+        (which the core computes while the forward pass runs) and returns the pending output."""
+        launched = self._execute(scheduler_output)
         if self.drafter is not None:
-            self.drafter.after_target(pending.inputs)
-        return pending
+            self.drafter.after_target(launched.inputs)
+        if isinstance(launched, AwaitingGrammar):
+            return launched
+        launched.propose_drafts = scheduler_output.propose_drafts
+        return launched
 
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput | AwaitingGrammar:
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
@@ -379,12 +409,11 @@ class ModelRunner:
         sampling_batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
         input_ids, positions, md = self.to_device(inputs)
         prompt_logprobs = None
+        rows = None
         if self.drafter is not None:
             self.drafter.before_target(input_ids, positions, md)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
-            if scheduler_output.grammar_req_ids:
-                self._mask_grammar(scheduler_output, inputs, logits, None)
         else:
             drafts = scheduler_output.scheduled_spec_decode_tokens
             if drafts:  # every verified position's logits, not only each request's last
@@ -405,34 +434,42 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[logit_rows])
                 if scoring:
                     prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
-            if scheduler_output.grammar_req_ids:
-                self._mask_grammar(scheduler_output, inputs, logits, rows if drafts else None)
-            if drafts:
-                return self._verify(inputs, sampling_batch, logits, rows, prompt_logprobs)
-        sampled, logprobs = self.sampler(logits, sampling_batch)
+        step = _Launched(scheduler_output, inputs, sampling_batch, logits, rows, prompt_logprobs)
+        if scheduler_output.grammar_req_ids:
+            return AwaitingGrammar(self, step)
+        return self._sample(step)
+
+    @torch.inference_mode()
+    def _sample(self, step: _Launched, grammar_bitmask: bytes = b"") -> PendingRunnerOutput:
+        """The sampling half of a step: the grammar's masks first, then verification or sampling."""
+        inputs, batch, logits, rows = step.inputs, step.sampling_batch, step.logits, step.rows
+        if grammar_bitmask:
+            self._mask_grammar(step.scheduler_output, inputs, logits, rows, grammar_bitmask)
+        if rows is not None:
+            return self._verify(inputs, batch, logits, rows, step.prompt_logprobs)
+        sampled, logprobs = self.sampler(logits, batch)
         self._last_sampled = sampled
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
-        logprob_ks = [r.sampling_params.logprobs for r in sampling_batch.requests]
-        return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, prompt_logprobs)
+        logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
+        return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, step.prompt_logprobs)
 
     def _mask_grammar(
         self,
-        scheduler_output: SchedulerOutput,
+        out: SchedulerOutput,
         inputs: StepInputs,
         logits: torch.Tensor,
         rows: VerifyRows | None,
+        grammar_bitmask: bytes,
     ) -> None:
         """-inf, in place, at the tokens each constrained request's grammar forbids: at its logit row (a
         verifying step's: its last, since constrained requests take no drafts)."""
         position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
         logit_rows = []
-        for request_id in scheduler_output.grammar_req_ids:
+        for request_id in out.grammar_req_ids:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
         words = (self.hf_config.vocab_size + 31) // 32
-        bitmask = np.frombuffer(bytearray(scheduler_output.grammar_bitmask), dtype=np.int32).reshape(
-            -1, words
-        )
+        bitmask = np.frombuffer(bytearray(grammar_bitmask), dtype=np.int32).reshape(-1, words)
         apply_bitmask(logits, logit_rows, bitmask)
 
     # ---- speculative decoding ---------------------------------------------------------------
