@@ -13,7 +13,7 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MAIN_SERVER_ARGS, ServerProcess
 from tests.entrypoints.openai.test_api_server import assert_error
-from tokenmill.entrypoints.openai.tool_calls import HermesParser, Llama3JsonParser, MistralParser
+from tokenmill.entrypoints.openai.tool_calls import HermesParser, Llama3JsonParser, MistralParser, ToolStream
 
 WEATHER = {
     "type": "function",
@@ -76,8 +76,10 @@ def test_named_function_round_trip(client) -> None:
     )  # fmt: skip
     deltas = [c.choices[0] for c in stream if c.choices]
     streamed = [t for d in deltas for t in d.delta.tool_calls or []]
-    assert [t.function.name for t in streamed] == ["get_weather"]
-    assert streamed[0].function.arguments == call.function.arguments
+    # The first delta names the call, the rest carry the arguments as they are written.
+    assert [t.function.name for t in streamed if t.function.name] == ["get_weather"] and streamed[0].id
+    assert len(streamed) > 2 and all(t.index == 0 for t in streamed)
+    assert "".join(t.function.arguments or "" for t in streamed) == call.function.arguments
     assert deltas[-1].finish_reason == "tool_calls"
 
 
@@ -181,3 +183,37 @@ def test_parsers(parser, text, content, calls) -> None:
     got_content, got_calls = parser.parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+def _replay(stream: ToolStream, text: str) -> tuple[str, dict]:
+    deltas = []
+    for end in range(1, len(text) + 1):
+        deltas += stream.feed(text[:end], final=False)
+    deltas += stream.feed(text, final=True)
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], ["", ""])
+            entry[0] += call.get("function", {}).get("name") or ""
+            entry[1] += call.get("function", {}).get("arguments", "")
+    return content, {i: (name, json.loads(arguments)) for i, (name, arguments) in calls.items()}
+
+
+@pytest.mark.parametrize(
+    ("mode", "parser", "text", "content", "calls"),
+    [
+        ("named", None, '{"a": 1}', "", {0: ("f", {"a": 1})}),
+        ("required", None, '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', "",
+         {0: ("f", {"a": 1}), 1: ("g", {})}),
+        ("auto", "hermes", f"Sure.\n<tool_call>\n{F1}\n</tool_call>", "Sure.\n", {0: ("f", {"a": 1})}),
+        ("auto", "hermes", "No tools here, a < b.", "No tools here, a < b.", {}),
+        ("auto", "llama3_json", '{"name": "f", "parameters": {"x": 2}}', "", {0: ("f", {"x": 2})}),
+        ("auto", "llama3_json", "Four.", "Four.", {}),
+        ("auto", "mistral", 'Ok [TOOL_CALLS] [{"name": "f", "arguments": {}}]', "Ok ", {0: ("f", {})}),
+    ],
+)  # fmt: skip
+def test_streamed_deltas_add_up(mode, parser, text, content, calls) -> None:
+    """Fed a character at a time: the content deltas and the calls' fragments add up to the answer."""
+    choice = {"type": "function", "function": {"name": "f"}} if mode == "named" else mode
+    assert _replay(ToolStream(mode, choice, parser, True), text) == (content, calls)

@@ -33,6 +33,7 @@ from .protocol import ChatCompletionRequest, ChatMessage
 from .reasoning import ReasoningParser, StreamSplitter
 from .tool_calls import (
     PARSERS,
+    ToolStream,
     calls_from_constrained,
     messages_without_tool_support,
     template_knows_tools,
@@ -68,14 +69,18 @@ class ToolAnswer:
         self.mode = request.tool_mode
         self.tool_choice = request.tool_choice
         self.parallel = request.parallel_tool_calls
+        self.parser_name = parser_name
         self.parser = PARSERS[parser_name]() if self.mode == "auto" and parser_name else None
         # A model's thinking goes to reasoning_content, only its answer on to the tool parser.
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
 
     @property
-    def buffers(self) -> bool:
-        """Whether a stream holds the text back until the end (it may turn out to be tool calls)."""
-        return self.mode != "none"
+    def streams(self) -> bool | None:
+        """True where a stream's text goes through a ToolStream (tools in play), None where it is plain."""
+        return True if self.mode != "none" else None
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self.mode, self.tool_choice, self.parser_name, self.parallel)
 
     def split(self, text: str) -> tuple[str | None, list]:
         if self.mode in ("required", "named"):
@@ -192,6 +197,7 @@ class ChatServing:
             final, finished = None, set()
             texts: dict[int, str] = {}
             splitters: dict[int, StreamSplitter] = {}
+            streams: dict[int, ToolStream] = {}
             async for output in stream:
                 final = output
                 for c in output.outputs:
@@ -200,28 +206,29 @@ class ChatServing:
                     token_ids, token_logprobs = reported_tokens(c, c.delta_token_ids, c.delta_logprobs)
                     logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
                     texts[c.index] = texts.get(c.index, "") + c.delta_text
-                    flush = tools.reasoning is not None and c.finish_reason is not None
-                    if (c.delta_text or logprobs or flush) and not tools.buffers:
-                        delta = {"content": c.delta_text}
-                        if tools.reasoning is not None:
-                            splitter = splitters.setdefault(c.index, StreamSplitter(tools.reasoning))
-                            delta = splitter.delta(texts[c.index], c.finish_reason is not None)
-                        if delta or logprobs:
-                            yield chunk([choice(c.index, delta, logprobs)])
-                    if c.finish_reason is not None:
+                    done = c.finish_reason is not None
+                    deltas = []
+                    if c.delta_text or logprobs or done:
+                        if tools.reasoning is None and not tools.streams:
+                            deltas = [{"content": c.delta_text}] if c.delta_text else []
+                        else:
+                            text = texts[c.index]
+                            if tools.reasoning is not None:  # the thinking first, then the answer
+                                splitter = splitters.setdefault(c.index, StreamSplitter(tools.reasoning))
+                                thought = splitter.delta(text, done).get("reasoning_content")
+                                deltas = [{"reasoning_content": thought}] if thought else []
+                                text = tools.reasoning.split(text, done)[1]
+                            deltas += streams.setdefault(c.index, tools.stream()).feed(text, done)
+                    if logprobs and not deltas:
+                        deltas = [{"content": ""}]
+                    for n, delta in enumerate(deltas):
+                        yield chunk([choice(c.index, delta, logprobs if n == 0 else None)])
+                    if done:
                         finished.add(c.index)
                         finish_reason = c.finish_reason
-                        if tools.buffers:  # the whole text was held back: content, or tool calls
-                            answer = tools.message(texts[c.index], c.finish_reason)
-                            message, finish_reason = answer["message"], answer["finish_reason"]
-                            delta = {"content": message["content"]}
-                            if message.get("reasoning_content"):
-                                delta["reasoning_content"] = message["reasoning_content"]
-                            if "tool_calls" in message:
-                                delta["tool_calls"] = [
-                                    {"index": i, **call} for i, call in enumerate(message["tool_calls"])
-                                ]
-                            yield chunk([choice(c.index, delta)])
+                        calls = streams[c.index].calls if c.index in streams else 0
+                        if calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
                         yield chunk(
                             [{**choice(c.index, {}, None, finish_reason), "stop_reason": c.stop_reason}]
                         )

@@ -249,3 +249,109 @@ def _arguments(call: dict) -> object:
         return json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         return arguments
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+
+
+class ToolStream:
+    """A choice's growing answer text as chat deltas, for a request with tools. A named function streams
+    its arguments as they are written (the first delta carries the call's id and name); `required`
+    sends each call once its JSON item is complete; `auto` streams content until the parser's marker
+    (held back while it may be one) and sends the calls after it when the choice finishes."""
+
+    def __init__(self, mode: str, tool_choice: str | dict | None, parser_name: str | None, parallel: bool):
+        self.mode = mode
+        self.name = named_choice(tool_choice)
+        self.parser = PARSERS[parser_name]() if mode == "auto" and parser_name else None
+        self.parallel = parallel
+        self.sent = 0  # characters of the text already sent (content or named arguments)
+        self.calls = 0
+        self.tool_mode = False  # auto: the marker came; the rest is held for the parser
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        if self.mode == "named":
+            return self._named(text)
+        if self.mode == "required":
+            return self._required(text)
+        if self.parser is None:
+            return self._content(text, len(text))
+        return self._auto(text, final)
+
+    def _content(self, text: str, upto: int) -> list[dict]:
+        if upto <= self.sent:
+            return []
+        delta = text[self.sent : upto]
+        self.sent = upto
+        return [{"content": delta}]
+
+    def _call(self, name: str, arguments: str) -> dict:
+        call = {"index": self.calls, **ToolCall(name, arguments).to_openai()}
+        self.calls += 1
+        return {"tool_calls": [call]}
+
+    def _named(self, text: str) -> list[dict]:
+        out = []
+        if self.calls == 0:
+            out.append(self._call(self.name, ""))
+        if len(text) > self.sent:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text[self.sent :]}}]})
+            self.sent = len(text)
+        return out
+
+    def _required(self, text: str) -> list[dict]:
+        out = []
+        decoder = json.JSONDecoder()
+        position = max(self.sent, text.find("[") + 1) if "[" in text else len(text)
+        while position < len(text):
+            while position < len(text) and text[position] in " \n\t\r,":
+                position += 1
+            try:
+                item, end = decoder.raw_decode(text, position)
+            except json.JSONDecodeError:
+                break  # not complete yet
+            if (
+                isinstance(item, dict)
+                and isinstance(item.get("name"), str)
+                and (self.parallel or not self.calls)
+            ):
+                out.append(self._call(item["name"], json.dumps(item.get("parameters", {}))))
+            position = self.sent = end
+        return out
+
+    def _auto(self, text: str, final: bool) -> list[dict]:
+        out = []
+        if not self.tool_mode:
+            at = self._marker_at(text, final)
+            if at is None:  # undecided: hold everything back
+                return []
+            if at < 0:
+                marker = self.parser.marker if not isinstance(self.parser, Llama3JsonParser) else ""
+                held = next((n for n in range(len(marker) - 1, 0, -1) if text.endswith(marker[:n])), 0)
+                return self._content(text, len(text) if final else len(text) - held)
+            out = self._content(text, at)
+            self.tool_mode = True
+        if not final:
+            return out
+        content, calls = self.parser.parse(text[self.sent :])
+        if not calls:  # the marker led to nothing parseable: it was content after all
+            return out + self._content(text, len(text))
+        if content:
+            out.append({"content": content})
+        for call in calls if self.parallel else calls[:1]:
+            out.append(self._call(call.name, call.arguments))
+        return out
+
+    def _marker_at(self, text: str, final: bool) -> int | None:
+        """Where the tool calls begin (-1: not yet, or never), None while that cannot be told yet."""
+        if not isinstance(self.parser, Llama3JsonParser):
+            return text.find(self.parser.marker, self.sent)
+        # Llama 3 writes a call as its whole message: the first characters decide, once and for all.
+        if self.sent:
+            return -1
+        head = text.lstrip()
+        if head.startswith(("{", "<|python_tag|>")):
+            return 0
+        if not final and (not head or "<|python_tag|>".startswith(head)):
+            return None
+        return -1
