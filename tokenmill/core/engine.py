@@ -11,7 +11,7 @@ drafts proposed from its tokens. The offline `LLM` and the server's core process
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Protocol, cast
 
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request
@@ -22,8 +22,14 @@ class PendingOutput(Protocol):
     def result(self) -> ModelRunnerOutput: ...
 
 
+class AwaitingGrammar(Protocol):
+    """A launched step that samples under grammars once given their masks."""
+
+    def with_grammar(self, grammar_bitmask: bytes) -> PendingOutput: ...
+
+
 class Executor(Protocol):
-    def execute(self, scheduler_output: SchedulerOutput) -> PendingOutput: ...
+    def execute(self, scheduler_output: SchedulerOutput) -> PendingOutput | AwaitingGrammar: ...
 
 
 class EngineCore:
@@ -59,9 +65,12 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 self.num_steps += 1
-                pending = self.executor.execute(scheduler_output)
+                launched = self.executor.execute(scheduler_output)
                 if scheduler_output.grammar_req_ids:  # filled while the device runs the forward pass
-                    pending = pending.with_grammar(self.scheduler.grammar_bitmask(scheduler_output))
+                    masks = self.scheduler.grammar_bitmask(scheduler_output)
+                    pending = cast(AwaitingGrammar, launched).with_grammar(masks)
+                else:
+                    pending = cast(PendingOutput, launched)
                 self.batch_queue.append((scheduler_output, pending))
                 if len(self.batch_queue) < self._in_flight():
                     return []

@@ -328,6 +328,7 @@ class Scheduler:
         """The allowed-token rows of a scheduled step's constrained requests (grammar_req_ids), from their
         matchers as they stand: the engine core calls it after launching the step, so the host fills
         them while the device runs the forward pass."""
+        assert self.structured is not None  # a request with a grammar was refused without one
         start = time.perf_counter()
         mask = self.structured.fill_bitmask([self.requests[r].grammar for r in out.grammar_req_ids])
         self.grammar_mask_seconds += time.perf_counter() - start
