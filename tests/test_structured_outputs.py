@@ -165,3 +165,22 @@ def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
         core.executor.execute, core.scheduler.grammar_bitmask = execute, bitmask
     assert re.fullmatch("[a-z]{6}", text)
     assert len(events) >= 4 and events == [("execute", True), ("masks", 1)] * (len(events) // 2)
+
+
+def test_offline_chat_with_tools_and_a_named_call(llm) -> None:
+    """LLM.chat(tools=...) describes the tools to a template that has no place for them; a grammar from
+    the tool's parameters makes the answer its arguments."""
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured_outputs={"json": weather["function"]["parameters"]}
+    )
+    output = llm.chat(
+        [{"role": "user", "content": "Weather in Oslo?"}], params, tools=[weather], use_tqdm=False
+    )[0]
+    assert "<tools>" in output.prompt and "get_weather" in output.prompt
+    assert isinstance(json.loads(output.outputs[0].text)["city"], str)

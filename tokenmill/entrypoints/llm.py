@@ -78,8 +78,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate. tools:
+        OpenAI-style function tools the template renders (or a system message describes)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         rendered = [
             render_prompt(
@@ -88,6 +90,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=tools,
             )
             for conversation in conversations
         ]

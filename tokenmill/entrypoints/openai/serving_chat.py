@@ -35,8 +35,6 @@ from .tool_calls import (
     PARSERS,
     ToolStream,
     calls_from_constrained,
-    messages_without_tool_support,
-    template_knows_tools,
     tool_constraint,
 )
 
@@ -47,9 +45,6 @@ def render_chat(
     """The conversation through the model's chat template; tools (and earlier calls and results) go where
     the template puts them, or into the system message when it has no place for them."""
     dicts = [m.template_dict() for m in messages]
-    uses_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
-    if uses_tools and tokenizer is not None and not template_knows_tools(tokenizer):
-        dicts, tools = messages_without_tool_support(dicts, tools), None
     try:
         return render_prompt(
             tokenizer, messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools

@@ -8,8 +8,7 @@ and the parsers that find tool calls in what a model wrote.
   `hermes` (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen2.5/Qwen3, Hermes, SmolLM2),
   `llama3_json` (a JSON object `{"name": ..., "parameters": ...}`, after `<|python_tag|>` or alone) and
   `mistral` (`[TOOL_CALLS] [{"name": ..., "arguments": ...}]`).
-- A chat template that renders tools gets them as `tools`; one that does not (the embedded SmolLM2's)
-  gets them in a system message, with earlier calls and results written in the hermes form."""
+- How tools reach the prompt is serving/prompt.py's (render_prompt's `tools`)."""
 
 from __future__ import annotations
 
@@ -190,65 +189,6 @@ class MistralParser:
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-
-def template_knows_tools(tokenizer, chat_template: str | None = None) -> bool:
-    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = " ".join(template.values())
-    return "tools" in template
-
-
-def tools_system_prompt(tools: list) -> str:
-    """The tools described for a model whose chat template has no place for them (hermes form)."""
-    listed = "\n".join(json.dumps(t["function"]) for t in tools)
-    return (
-        "You may call one or more functions to assist with the user query. The functions are described "
-        f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a "
-        "JSON object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
-        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
-
-
-def messages_without_tool_support(messages: list[dict], tools: list | None) -> list[dict]:
-    """Messages for a template that knows no tools: the tools in the system message, an assistant's
-    calls as hermes blocks in its content, a tool's result as a `<tool_response>` from the user."""
-    out = []
-    for message in messages:
-        message = dict(message)
-        calls = message.pop("tool_calls", None)
-        if calls:
-            blocks = [
-                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})
-                + "\n</tool_call>"
-                for c in calls
-            ]  # fmt: skip
-            message["content"] = "\n".join(filter(None, [message.get("content") or "", *blocks]))
-        if message["role"] == "tool":
-            message = {
-                "role": "user",
-                "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>",
-            }
-        message.pop("tool_call_id", None)
-        out.append(message)
-    if tools:
-        prompt = tools_system_prompt(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
-
-
-def _arguments(call: dict) -> object:
-    arguments = call["function"].get("arguments", "{}")
-    try:
-        return json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        return arguments
 
 
 # ---- streaming ----------------------------------------------------------------------------------
