@@ -97,6 +97,11 @@ def test_required_calls_parse_against_their_schemas(client) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    single = client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120,
+        temperature=0, parallel_tool_calls=False,
+    )  # fmt: skip
+    assert len(single.choices[0].message.tool_calls) == 1  # the grammar allows one call only
 
 
 def test_bad_tool_requests_are_400(server) -> None:

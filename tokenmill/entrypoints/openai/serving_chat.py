@@ -137,7 +137,9 @@ class ChatServing:
         )
         params = request.sampling_params(max_tokens, request.num_logprobs)
         if mode in ("required", "named"):
-            params.structured_outputs = tool_constraint(request.tools, request.tool_choice)
+            params.structured_outputs = tool_constraint(
+                request.tools, request.tool_choice, request.parallel_tool_calls
+            )
         await check_constraint(state, request, params)
         tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

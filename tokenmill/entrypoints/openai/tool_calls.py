@@ -74,8 +74,11 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def tool_constraint(tools: list, tool_choice: str | dict | None) -> StructuredOutputsParams | None:
-    """The grammar that enforces `required` or a named function (None for none and auto)."""
+def tool_constraint(
+    tools: list, tool_choice: str | dict | None, parallel: bool = True
+) -> StructuredOutputsParams | None:
+    """The grammar that enforces `required` (one call, or several when parallel) or a named function
+    (None for none and auto)."""
     name = named_choice(tool_choice)
     if name is not None:
         tool = next(t for t in tools if t["function"]["name"] == name)
@@ -91,7 +94,10 @@ def tool_constraint(tools: list, tool_choice: str | dict | None) -> StructuredOu
         }
         for t in tools
     ]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    calls_list = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        calls_list["maxItems"] = 1
+    return StructuredOutputsParams(json=calls_list)
 
 
 def calls_from_constrained(text: str, tool_choice: str | dict) -> list[ToolCall]:
