@@ -19,7 +19,7 @@ import numpy as np
 
 from tokenmill.sampling_params import StructuredOutputsParams
 
-# Compiled grammars kept, by their constraint's text.
+# Compiled constraints kept, by their text.
 _CACHE_SIZE = 512
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
 # small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
@@ -112,18 +112,15 @@ def _key(params: StructuredOutputsParams) -> str:
 class StructuredOutputs:
     """Grammar compilation and masks for one model's tokenizer."""
 
-    def __init__(
-        self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_id: int | None = None
-    ) -> None:
-        """load_tokenizer: returns the model's Hugging Face fast tokenizer, called on first use.
-        eos_token_id: the token a complete grammar allows (None: the tokenizer's own)."""
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int) -> None:
+        """load_tokenizer: returns the model's Hugging Face fast tokenizer, called on first use."""
         self.load_tokenizer = load_tokenizer
-        self._eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._ll_tokenizer = None
         self._executor = None
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        # Per constraint, a matcher compiled once and never advanced: requests get copies of it.
+        self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -133,46 +130,45 @@ class StructuredOutputs:
                 import llguidance
 
                 hf_tokenizer = self.load_tokenizer()
-                eos = self._eos_token_id if self._eos_token_id is not None else hf_tokenizer.eos_token_id
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    _tokenizer_json(hf_tokenizer), n_vocab=self.vocab_size, eos_token=eos
+                    _tokenizer_json(hf_tokenizer),
+                    n_vocab=self.vocab_size,
+                    eos_token=hf_tokenizer.eos_token_id,
                 )
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer
 
-    def grammar(self, params: StructuredOutputsParams) -> str:
-        """The compiled grammar of a constraint (validated against the tokenizer), cached by its text."""
+    def compiled(self, params: StructuredOutputsParams):
+        """The constraint compiled against the tokenizer (a ValueError naming the field when llguidance
+        refuses it), from the cache when seen: an unadvanced matcher."""
         import llguidance
 
         key = _key(params)
-        cached = self._grammars.get(key)
-        if cached is not None:
-            self._grammars.move_to_end(key)
-            return cached
-        text = grammar_text(params)
-        message = llguidance.LLMatcher.validate_grammar(text, self.ll_tokenizer)
-        if message:
-            raise ValueError(f"structured_outputs {params.kind}: {message}")
-        self._grammars[key] = text
-        if len(self._grammars) > _CACHE_SIZE:
-            self._grammars.popitem(last=False)
-        return text
-
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher for one request (each sequence of n > 1 gets its own)."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, self.grammar(params), log_level=0)
+        matcher = self._compiled.get(key)
+        if matcher is not None:
+            self._compiled.move_to_end(key)
+            return matcher
+        try:
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params), log_level=0)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"structured_outputs {params.kind}: {exc}") from None
         if matcher.is_error():
             raise ValueError(f"structured_outputs {params.kind}: {matcher.get_error()}")
+        self._compiled[key] = matcher
+        if len(self._compiled) > _CACHE_SIZE:
+            self._compiled.popitem(last=False)
         return matcher
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher for one request (each sequence of n > 1 gets its own): a copy of the compiled
+        one, no second compilation."""
+        return self.compiled(params).deep_copy()
 
     def fill_bitmask(self, matchers: list) -> np.ndarray:
         """One row of allowed tokens per matcher, [len(matchers), words] int32, filled in parallel by
         llguidance's threads."""
         mask = np.zeros((len(matchers), self.words), dtype=np.int32)
-        if matchers:
-            self.ll_tokenizer  # noqa: B018 (builds the executor with the tokenizer)
+        if matchers:  # matchers exist only once ll_tokenizer (and the executor) were built
             self._executor.unsafe_compute_mask_ptr(
                 [(m, i) for i, m in enumerate(matchers)], mask.ctypes.data, self.words * 4, len(matchers)
             )

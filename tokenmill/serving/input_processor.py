@@ -9,12 +9,18 @@ from tokenmill.structured_outputs import StructuredOutputs
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, structured: StructuredOutputs | None = None
+    ) -> None:
+        """structured: the engine core's, when it runs in this process (its compiled constraints then
+        serve both); else one of this process's own."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # Compiles each new output constraint once, so a bad one fails here, not in the engine core.
-        self.structured = StructuredOutputs(lambda: tokenizer, vocab_size) if tokenizer is not None else None
+        if structured is None and tokenizer is not None:
+            structured = StructuredOutputs(lambda: tokenizer, vocab_size)
+        self.structured = structured
 
     def check_structured(self, params: SamplingParams) -> None:
         """A request's output constraint compiles against this tokenizer (cached by its text)."""
@@ -22,7 +28,7 @@ class InputProcessor:
             return
         if self.structured is None:
             raise ValueError("structured_outputs needs the model's tokenizer (skip_tokenizer_init is set).")
-        self.structured.grammar(params.structured_outputs)
+        self.structured.compiled(params.structured_outputs)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return render_prompt(self.tokenizer, prompt).token_ids

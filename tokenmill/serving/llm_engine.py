@@ -22,8 +22,11 @@ class LLMEngine:
         self.pooling_type = parts.pooling_type
         self.tokenizer = None if config.skip_tokenizer_init else self.source.load_tokenizer()
         self.eos_token_ids = self.source.eos_token_ids(self.tokenizer)
+        structured = self.core.scheduler.structured
+        if structured is not None:  # the tokenizer is loaded already
+            structured.load_tokenizer = lambda: self.tokenizer
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size
+            self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size, structured
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -117,6 +117,13 @@ def test_bad_tool_requests_are_400(server) -> None:
             "tools.0.function.name",
         ),
         ({"tools": [WEATHER]}, "tool_choice"),  # auto, and the server has no parser
+        (  # a schema llguidance refuses, in a tool the grammar is made from
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),  # fmt: skip
         (
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",

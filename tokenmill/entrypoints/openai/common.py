@@ -93,7 +93,9 @@ async def check_constraint(state: ServerState, request, params) -> None:
     try:
         await state.off_loop(state.engine.input_processor.check_structured, params)
     except ValueError as exc:
-        raise bad_request(str(exc), param=request.constraint[0]) from None
+        # A constraint the request gave names its field; one made from tools names them.
+        field = request.constraint[0] if request.constraint else "tools"
+        raise bad_request(str(exc), param=field) from None
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, what: str) -> int:

@@ -3,6 +3,7 @@ into a 400 naming the parameter, plus the conversion to SamplingParams. Response
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -80,7 +81,7 @@ class SamplingFields(OpenAIModel):
                 found.append((f"guided_{kind}", {kind: value}))
         return found
 
-    @property
+    @cached_property
     def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
         """The request's one constraint and the field it came from; ParamError for two or a bad one."""
         found = self.constraints()
@@ -144,7 +145,7 @@ class SamplingFields(OpenAIModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.constraint[1] if self.constraint else None,
+            structured_outputs=constraint[1] if (constraint := self.constraint) else None,
         )
 
 

@@ -9,6 +9,8 @@ answer alone in `content`, as vLLM's parsers of the same names do.
 
 from __future__ import annotations
 
+from .tool_calls import partial_suffix
+
 START, END = "<think>", "</think>"
 
 
@@ -22,11 +24,8 @@ class ReasoningParser:
         """(reasoning, content) of the text so far. Not final, a tag's first characters at the end are held
         back from both, so a stream never shows half a tag."""
         if not final:
-            for tag in (END, START):
-                for n in range(len(tag) - 1, 0, -1):
-                    if text.endswith(tag[:n]):
-                        text = text[:-n]
-                        break
+            held = max(partial_suffix(text, END), partial_suffix(text, START))
+            text = text[: len(text) - held]
         if END in text:
             reasoning, content = text.split(END, 1)
             return reasoning.lstrip().removeprefix(START).lstrip() or None, content.lstrip()
@@ -55,3 +54,8 @@ class StreamSplitter:
             out["content"] = content[len(sent_content) :]
         self.sent = (reasoning, content)
         return out
+
+    @property
+    def content(self) -> str:
+        """The answer so far, as of the last delta (a stream's tool parsing reads it)."""
+        return self.sent[1]

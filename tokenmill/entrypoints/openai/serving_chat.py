@@ -70,9 +70,9 @@ class ToolAnswer:
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
 
     @property
-    def streams(self) -> bool | None:
-        """True where a stream's text goes through a ToolStream (tools in play), None where it is plain."""
-        return True if self.mode != "none" else None
+    def plain(self) -> bool:
+        """Whether a stream's deltas go out as they come (no tools, no reasoning to route)."""
+        return self.mode == "none" and self.reasoning is None
 
     def stream(self) -> ToolStream:
         return ToolStream(self.mode, self.tool_choice, self.parser_name, self.parallel)
@@ -202,20 +202,19 @@ class ChatServing:
                         continue
                     token_ids, token_logprobs = reported_tokens(c, c.delta_token_ids, c.delta_logprobs)
                     logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
-                    texts[c.index] = texts.get(c.index, "") + c.delta_text
                     done = c.finish_reason is not None
                     deltas = []
-                    if c.delta_text or logprobs or done:
-                        if tools.reasoning is None and not tools.streams:
-                            deltas = [{"content": c.delta_text}] if c.delta_text else []
-                        else:
-                            text = texts[c.index]
-                            if tools.reasoning is not None:  # the thinking first, then the answer
-                                splitter = splitters.setdefault(c.index, StreamSplitter(tools.reasoning))
-                                thought = splitter.delta(text, done).get("reasoning_content")
-                                deltas = [{"reasoning_content": thought}] if thought else []
-                                text = tools.reasoning.split(text, done)[1]
-                            deltas += streams.setdefault(c.index, tools.stream()).feed(text, done)
+                    if tools.plain:
+                        deltas = [{"content": c.delta_text}] if c.delta_text else []
+                    elif c.delta_text or done:
+                        # The text streamed so far (c.text may hold a stop string's withheld tail).
+                        text = texts[c.index] = texts.get(c.index, "") + c.delta_text
+                        if tools.reasoning is not None:  # the thinking first, then the answer
+                            splitter = splitters.setdefault(c.index, StreamSplitter(tools.reasoning))
+                            thought = splitter.delta(text, done).get("reasoning_content")
+                            deltas = [{"reasoning_content": thought}] if thought else []
+                            text = splitter.content
+                        deltas += streams.setdefault(c.index, tools.stream()).feed(text, done)
                     if logprobs and not deltas:
                         deltas = [{"content": ""}]
                     for n, delta in enumerate(deltas):

@@ -111,6 +111,25 @@ def calls_from_constrained(text: str, tool_choice: str | dict) -> list[ToolCall]
 # ---- parsers for tool_choice auto ------------------------------------------------------------
 
 
+def partial_suffix(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker` (held back from a stream
+    until the next characters tell)."""
+    return next((n for n in range(len(marker) - 1, 0, -1) if text.endswith(marker[:n])), 0)
+
+
+class _MarkerParser:
+    """A parser whose calls begin at a marker, with content before it."""
+
+    marker = ""
+
+    def calls_start(self, text: str, sent: int, final: bool) -> int | None:
+        """Where the calls begin in the text so far (-1: not yet), None while that cannot be told."""
+        return text.find(self.marker, sent)
+
+    def held(self, text: str) -> int:
+        return partial_suffix(text, self.marker)
+
+
 def _call_from_object(item: object, arguments_key: str) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
@@ -125,7 +144,7 @@ def _call_from_object(item: object, arguments_key: str) -> ToolCall | None:
     return ToolCall(item["name"], json.dumps(arguments))
 
 
-class HermesParser:
+class HermesParser(_MarkerParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them kept."""
 
     marker = "<tool_call>"
@@ -150,7 +169,19 @@ class Llama3JsonParser:
     """Llama 3.x's JSON tool calls: `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or as the
     whole message), several separated by `;`."""
 
-    marker = "{"
+    def calls_start(self, text: str, sent: int, final: bool) -> int | None:
+        """A call is the whole message: its first characters decide, once and for all."""
+        if sent:
+            return -1
+        head = text.lstrip()
+        if head.startswith(("{", "<|python_tag|>")):
+            return 0
+        if not final and (not head or "<|python_tag|>".startswith(head)):
+            return None
+        return -1
+
+    def held(self, text: str) -> int:
+        return 0
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.split("<|python_tag|>", 1)[-1].strip()
@@ -174,7 +205,7 @@ class Llama3JsonParser:
         return None, calls
 
 
-class MistralParser:
+class MistralParser(_MarkerParser):
     """`[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, text before it kept."""
 
     marker = "[TOOL_CALLS]"
@@ -268,13 +299,11 @@ class ToolStream:
     def _auto(self, text: str, final: bool) -> list[dict]:
         out = []
         if not self.tool_mode:
-            at = self._marker_at(text, final)
+            at = self.parser.calls_start(text, self.sent, final)
             if at is None:  # undecided: hold everything back
                 return []
             if at < 0:
-                marker = self.parser.marker if not isinstance(self.parser, Llama3JsonParser) else ""
-                held = next((n for n in range(len(marker) - 1, 0, -1) if text.endswith(marker[:n])), 0)
-                return self._content(text, len(text) if final else len(text) - held)
+                return self._content(text, len(text) if final else len(text) - self.parser.held(text))
             out = self._content(text, at)
             self.tool_mode = True
         if not final:
@@ -287,17 +316,3 @@ class ToolStream:
         for call in calls if self.parallel else calls[:1]:
             out.append(self._call(call.name, call.arguments))
         return out
-
-    def _marker_at(self, text: str, final: bool) -> int | None:
-        """Where the tool calls begin (-1: not yet, or never), None while that cannot be told yet."""
-        if not isinstance(self.parser, Llama3JsonParser):
-            return text.find(self.parser.marker, self.sent)
-        # Llama 3 writes a call as its whole message: the first characters decide, once and for all.
-        if self.sent:
-            return -1
-        head = text.lstrip()
-        if head.startswith(("{", "<|python_tag|>")):
-            return 0
-        if not final and (not head or "<|python_tag|>".startswith(head)):
-            return None
-        return -1
