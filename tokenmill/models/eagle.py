@@ -31,8 +31,8 @@ from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.models.llama import ArchFlags, LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from tokenmill.models.utils import load_model_weights
+from tokenmill.models.llama import ArchFlags, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.utils import building_on, load_model_weights
 
 
 class FeatureSink:
@@ -249,13 +249,8 @@ class Eagle3Head(nn.Module):
         load_model_weights(self, named(), _STACKED, skip_substrs=["t2d", "rotary_emb.inv_freq"])
 
 
-_STACKED = [
-    (".qkv_proj", ".q_proj", "q"),
-    (".qkv_proj", ".k_proj", "k"),
-    (".qkv_proj", ".v_proj", "v"),
-    (".gate_up_proj", ".gate_proj", 0),
-    (".gate_up_proj", ".up_proj", 1),
-]
+# Heads name their weights as Llama does: the same fusing of q/k/v and gate/up.
+_STACKED = LlamaForCausalLM.stacked_params_mapping
 
 
 def head_weight_files(path: str) -> list[str]:
@@ -269,37 +264,28 @@ def head_weight_files(path: str) -> list[str]:
 
 def iter_head_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """An EAGLE head's tensors: safetensors, or the EAGLE repository's pytorch_model.bin."""
+    yield from _head_tensors(path, keys_only=False)
+
+
+def _head_tensors(path: str, keys_only: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name without a "model." prefix, tensor) of every file; keys_only: the names alone (a .bin is
+    read whole either way)."""
     from safetensors import safe_open
 
     for file in head_weight_files(path):
         if file.endswith(".safetensors"):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
-                    yield name.removeprefix("model."), f.get_tensor(name)
+                    yield name.removeprefix("model."), None if keys_only else f.get_tensor(name)
         else:
             for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items():
-                yield name.removeprefix("model."), tensor
+                yield name.removeprefix("model."), None if keys_only else tensor
 
 
-def is_eagle3(path: str, hf_config) -> bool:
+def is_eagle3(names: set[str], hf_config) -> bool:
     """EAGLE-3 by architecture name or by its midlayer, whichever the checkpoint shows."""
     arch = " ".join(getattr(hf_config, "architectures", None) or [])
-    if "eagle3" in arch.lower():
-        return True
-    return any(name.startswith(("midlayer.", "midlayers.")) for name, _ in _names(path))
-
-
-def _names(path: str) -> Iterator[tuple[str, None]]:
-    from safetensors import safe_open
-
-    for file in head_weight_files(path):
-        if file.endswith(".safetensors"):
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    yield name.removeprefix("model."), None
-        else:
-            for name in torch.load(file, map_location="cpu", weights_only=True):
-                yield name.removeprefix("model."), None
+    return "eagle3" in arch.lower() or any(name.startswith(("midlayer.", "midlayers.")) for name in names)
 
 
 def build_eagle_head(
@@ -311,20 +297,15 @@ def build_eagle_head(
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"speculative_config model {path!r} is not a directory with a config.json.")
     config = load_hf_config(path)
-    names = {name for name, _ in _names(path)}
-    eagle3 = method == "eagle3" or is_eagle3(path, config)
+    names = {name for name, _ in _head_tensors(path, keys_only=True)}
+    eagle3 = method == "eagle3" or is_eagle3(names, config)
     if config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"speculative_config model {path!r} has a vocabulary of {config.vocab_size} tokens, the target "
             f"{target.config.vocab_size}: an EAGLE head must be trained for its target."
         )
     cls = Eagle3Head if eagle3 else EagleHead
-    with torch.device(device):
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            head = cls(config, target, max_position, target.kernels, names)
-        finally:
-            torch.set_default_dtype(default_dtype)
+    with building_on(device, dtype):
+        head = cls(config, target, max_position, target.kernels, names)
     head.load_weights(iter_head_weights(path))
     return head.eval()

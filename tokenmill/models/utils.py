@@ -4,8 +4,9 @@ are routed by the model's stacked_params_mapping."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -75,3 +76,15 @@ def _unloaded(
     if not shards:
         return [param_name]
     return [param_name.replace(fused, part) for fused, part, shard_id in shards if shard_id not in loaded]
+
+
+@contextlib.contextmanager
+def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules constructed inside get their parameters on `device` in `dtype`."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)

@@ -37,11 +37,19 @@ def speedup(tokens_per_step: float, cost: float, num_speculative_tokens: int, dr
 
 
 def verify_step(
-    deployment: Deployment, ceilings: RooflineCeilings, tp: int, batch: int, context_len: int, k: int
+    deployment: Deployment,
+    ceilings: RooflineCeilings,
+    tp: int,
+    batch: int,
+    context_len: int,
+    k: int,
+    overhead_s: float = 0.0,
 ) -> tuple[RooflinePoint, float]:
-    """The verify step at `batch` and its floor over a plain decode step's floor."""
+    """The verify step at `batch` and its floor over a plain decode step's floor, each plus overhead_s
+    (what any step costs beyond its floor)."""
     verify = decode_point(deployment, ceilings, tp, batch, context_len, tokens_per_seq=k + 1)
-    return verify, verify.floor_s / decode_point(deployment, ceilings, tp, batch, context_len).floor_s
+    plain = decode_point(deployment, ceilings, tp, batch, context_len)
+    return verify, (verify.floor_s + overhead_s) / (plain.floor_s + overhead_s)
 
 
 def plan_speculative(
@@ -97,11 +105,8 @@ def verify_costs(
     max_batch: int,
     overhead_s: float = 0.0,
 ) -> list[float]:
-    """The verify step's cost over a plain decode step's, for batches 1..max_batch (index b-1): their
-    roofline floors, each plus overhead_s (what any step costs beyond its floor)."""
-    costs = []
-    for b in range(1, max_batch + 1):
-        verify = decode_point(deployment, ceilings, tp, b, context_len, tokens_per_seq=k + 1).floor_s
-        plain = decode_point(deployment, ceilings, tp, b, context_len).floor_s
-        costs.append((verify + overhead_s) / (plain + overhead_s))
-    return costs
+    """verify_step's cost ratio for batches 1..max_batch (index b-1)."""
+    return [
+        verify_step(deployment, ceilings, tp, b, context_len, k, overhead_s)[1]
+        for b in range(1, max_batch + 1)
+    ]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import bisect
 import logging
 
+from tokenmill.plan.speculative import tokens_per_verify_step
+
 logger = logging.getLogger("tokenmill")
 
 # Wanted speed-up over plain decode before a step speculates: the roofline leaves out the verify step's
@@ -41,8 +43,7 @@ class BatchLimit:
         self.draft_cost = draft_cost
         self.contexts = sorted(verify_costs)
         self.costs = [verify_costs[c] for c in self.contexts]
-        a = 0.5
-        self.tau = (1 - a ** (self.k + 1)) / (1 - a)
+        self.tau = tokens_per_verify_step(self.k, 0.5)
         self.steps_off = 0
 
     def observe(self, tokens_per_request: float) -> None:
@@ -53,10 +54,13 @@ class BatchLimit:
         index = min(bisect.bisect_left(self.contexts, context_len), len(self.contexts) - 1)
         return self.costs[index]
 
-    def pays(self, batch: int, context_len: float) -> bool:
+    def _cost(self, batch: int, context_len: float) -> float:
+        """A verify step's cost over a plain one at this batch (the table's last past its end)."""
         costs = self._costs(context_len)
-        cost = costs[min(batch, len(costs)) - 1]
-        return self.tau >= MARGIN * (cost + self.k * self.draft_cost)
+        return costs[min(batch, len(costs)) - 1]
+
+    def pays(self, batch: int, context_len: float) -> bool:
+        return self.tau >= MARGIN * (self._cost(batch, context_len) + self.k * self.draft_cost)
 
     def speculates(self, batch: int, context_len: float) -> tuple[bool, bool]:
         """(whether this step verifies drafts, whether the worker proposes after it); called once per
@@ -64,8 +68,7 @@ class BatchLimit:
         if batch < 1 or self.pays(batch, context_len):
             self.steps_off = 0
             return True, True
-        costs = self._costs(context_len)
-        if costs[min(batch, len(costs)) - 1] > MARGIN:
+        if self._cost(batch, context_len) > MARGIN:
             return False, False
         self.steps_off += 1
         phase = self.steps_off % PROBE_INTERVAL
@@ -97,10 +100,11 @@ def batch_limit_for(hf_config, device_name: str, k: int, draft_cost: float, max_
         return None
     ceilings = ceilings_for(gpu, weight_dtype, measured=gpu.name in MEASURED)
     contexts = [c for c in CONTEXTS if c < max_model_len] + [max_model_len]
-    costs = {}
-    for context in contexts:
-        deployment = Deployment(shape, gpu, weight_dtype=weight_dtype, context_len=max_model_len)
-        costs[context] = verify_costs(deployment, ceilings, 1, context, k, max_batch, STEP_OVERHEAD_S)
+    deployment = Deployment(shape, gpu, weight_dtype=weight_dtype, context_len=max_model_len)
+    costs = {
+        context: verify_costs(deployment, ceilings, 1, context, k, max_batch, STEP_OVERHEAD_S)
+        for context in contexts
+    }
     policy = BatchLimit(costs, k, draft_cost)
     logger.info(
         "speculation off from batch %d at 1k context and tau %.2f (k=%d, %s roofline, draft cost %.3f of "

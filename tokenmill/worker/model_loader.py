@@ -16,6 +16,7 @@ from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_
 from tokenmill.layers.quantization import check_fp8_support, checkpoint_quantization, quantize_model
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
+from tokenmill.models.utils import building_on
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,8 @@ def build_model(
     stored = checkpoint_quantization(source.hf_config, config.quantization)
     if stored is not None and stored.uses_fp8:
         check_fp8_support(device, "the checkpoint's quantization_config (compressed-tensors FP8 activations)")
-    with torch.device(device), default_linear_method(stored.linear_method if stored else None):
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = model_class(source.hf_config)(source.hf_config, max_model_len, lm_head=lm_head)
-        finally:
-            torch.set_default_dtype(default_dtype)
+    with building_on(device, dtype), default_linear_method(stored.linear_method if stored else None):
+        model = model_class(source.hf_config)(source.hf_config, max_model_len, lm_head=lm_head)
         if stored is not None:
             for name, module in model.named_modules():
                 if isinstance(module, LinearBase) and stored.is_ignored(name):
