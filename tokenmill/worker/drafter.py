@@ -166,32 +166,23 @@ class ModelDrafter(_Drafter):
                 tokens.append(state.all_token_ids[-1])
                 positions.append(position)
         drafts: list[list[int]] = [[] for _ in req_ids]
-        for step in range(max(budgets, default=0)):
-            active = [i for i, budget in enumerate(budgets) if budget > step]
-            table_rows = np.asarray([batch.row_of[req_ids[rows[i]]] for i in active], dtype=np.int64)
-            pos = np.asarray([positions[i] + step for i in active], dtype=np.int64)
-            slots = batch.block_table[table_rows, pos // bs].astype(np.int64) * bs + pos % bs
-            max_blocks = int(batch.num_blocks_in_row[table_rows].max())
-            ids_t, pos_t, slot_t = runner._staged(
-                [np.asarray([tokens[i] for i in active]), pos, slots], np.int64
-            )
-            seq_lens = (pos + 1).astype(np.int32)
-            qsl_t, seq_t, tables_t = runner._staged(
-                [np.arange(len(active) + 1, dtype=np.int32), seq_lens,
-                 batch.block_table[table_rows, :max_blocks]], np.int32,
-            )  # fmt: skip
-            md = AttentionMetadata(
-                slot_mapping=slot_t, block_tables=tables_t, seq_lens=seq_t, query_start_loc=qsl_t,
-                max_query_len=1, max_seq_len=int(seq_lens.max()), num_decodes=len(active),
-            )  # fmt: skip
+        if not rows:
+            return drafts
+        table_rows = np.asarray([batch.row_of[req_ids[r]] for r in rows], dtype=np.int64)
+        steps = _one_token_steps(runner, table_rows, np.asarray(positions), np.asarray(budgets), max(budgets))
+        (token,) = runner._staged([np.asarray(tokens, dtype=np.int64)], np.int64)
+        drafted = []
+        for pos_t, md in steps:
             if self.draft_model is not None:
-                logits = self.draft_model.compute_logits(self.draft_model(ids_t, pos_t, md))
+                logits = self.draft_model.compute_logits(self.draft_model(token, pos_t, md))
             else:
                 model = runner.model
-                logits = model.compute_logits(model.model(ids_t, pos_t, md, num_layers=self.draft_layers))
-            for i, token in zip(active, logits.argmax(dim=-1).tolist()):
-                drafts[rows[i]].append(token)
-                tokens[i] = token
+                logits = model.compute_logits(model.model(token, pos_t, md, num_layers=self.draft_layers))
+            token = logits.argmax(dim=-1)
+            drafted.append(token)
+        drafted_host = torch.stack(drafted).tolist()  # [steps, requests]: the one sync
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
+            drafts[row] = [drafted_host[s][i] for s in range(budget)]
         return drafts
 
 
@@ -315,32 +306,47 @@ class EagleDrafter(_Drafter):
         self, token, features, drafting, budgets, bases, table_rows, steps
     ) -> list[torch.Tensor]:
         """Drafts 2..: one-token steps over every drafting request (a request past its budget computes
-        into no slot, and its drafts are dropped). Their metadata, known ahead, goes in one copy."""
-        runner, batch, bs = self.runner, self.runner.input_batch, self.runner.block_size
+        into no slot, and its drafts are dropped)."""
         rows = table_rows[[i for _, i in drafting]]
-        budgets_np, bases_np = np.asarray(budgets), np.asarray(bases, dtype=np.int64)
-        step = np.arange(steps)[:, None]  # [steps, 1]; step s computes the (s + 2)-th draft
-        pos = bases_np[None, :] + step
-        active = budgets_np[None, :] > step + 1
-        blocks = batch.block_table[rows[None, :], np.minimum(pos // bs, batch.block_table.shape[1] - 1)]
-        slots = np.where(active, blocks.astype(np.int64) * bs + pos % bs, -1)
-        seq_lens = np.where(active, pos + 1, 1).astype(np.int32)
-        max_blocks = int(batch.num_blocks_in_row[rows].max())
-        pos_t, slot_t = runner._staged([pos, slots], np.int64)
-        seq_t, tables_t, qsl_t = runner._staged(
-            [seq_lens, batch.block_table[rows, :max_blocks], np.arange(len(rows) + 1, dtype=np.int32)],
-            np.int32,
-        )
+        counts = np.asarray(budgets) - 1  # the first draft came from the step's own forward
         out = []
-        for s in range(steps):
-            md = AttentionMetadata(
-                slot_mapping=slot_t[s], block_tables=tables_t, seq_lens=seq_t[s], query_start_loc=qsl_t,
-                max_query_len=1, max_seq_len=int(seq_lens[s].max()), num_decodes=len(rows),
-            )  # fmt: skip
-            hidden, features = self.head(token, pos_t[s], md, features)
+        for pos_t, md in _one_token_steps(self.runner, rows, np.asarray(bases), counts, steps):
+            hidden, features = self.head(token, pos_t, md, features)
             token = self.head.draft_tokens(hidden)
             out.append(token)
         return out
+
+
+def _one_token_steps(
+    runner: ModelRunner, table_rows: np.ndarray, bases: np.ndarray, counts: np.ndarray, steps: int
+) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    """(positions, metadata) of `steps` one-token forwards over requests (rows of the block table):
+    step s at position bases + s, written into its slot while s < counts, after that into none with a
+    context of one (its token is dropped). Known ahead, so staged in two copies, not one per step."""
+    batch, bs = runner.input_batch, runner.block_size
+    step = np.arange(steps)[:, None]
+    pos = bases.astype(np.int64)[None, :] + step
+    active = counts[None, :] > step
+    blocks = batch.block_table[table_rows[None, :], np.minimum(pos // bs, batch.block_table.shape[1] - 1)]
+    slots = np.where(active, blocks.astype(np.int64) * bs + pos % bs, -1)
+    seq_lens = np.where(active, pos + 1, 1).astype(np.int32)
+    max_blocks = int(batch.num_blocks_in_row[table_rows].max())
+    pos_t, slot_t = runner._staged([pos, slots], np.int64)
+    seq_t, tables_t, qsl_t = runner._staged(
+        [
+            seq_lens,
+            batch.block_table[table_rows, :max_blocks],
+            np.arange(len(table_rows) + 1, dtype=np.int32),
+        ],
+        np.int32,
+    )
+    return [
+        (pos_t[s], AttentionMetadata(
+            slot_mapping=slot_t[s], block_tables=tables_t, seq_lens=seq_t[s], query_start_loc=qsl_t,
+            max_query_len=1, max_seq_len=int(seq_lens[s].max()), num_decodes=len(table_rows),
+        ))
+        for s in range(steps)
+    ]  # fmt: skip
 
 
 def _num_params(module: torch.nn.Module) -> int:
