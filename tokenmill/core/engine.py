@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol, cast
 
+import numpy as np
+
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
@@ -25,7 +27,7 @@ class PendingOutput(Protocol):
 class AwaitingGrammar(Protocol):
     """A launched step that samples under grammars once given their masks."""
 
-    def with_grammar(self, grammar_bitmask: bytes) -> PendingOutput: ...
+    def with_grammar(self, grammar_bitmask: np.ndarray) -> PendingOutput: ...
 
 
 class Executor(Protocol):

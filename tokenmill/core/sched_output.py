@@ -46,8 +46,8 @@ class SchedulerOutput:
     # step's tokens are known (off, it skips the work).
     propose_drafts: bool = False
     # Structured outputs: the requests of this step that sample under a grammar. Their masks follow
-    # the launch (Scheduler.grammar_bitmask, int32 words of a bit per vocabulary entry, little-endian,
-    # a row per request): the worker samples them once they come.
+    # the launch (Scheduler.grammar_bitmask: int32 words of a bit per vocabulary entry, a row per
+    # request): the worker samples them once they come.
     grammar_req_ids: list[str] = field(default_factory=list)
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
     preempted_req_ids: list[str] = field(default_factory=list)

@@ -11,6 +11,8 @@ import itertools
 import math
 import time
 
+import numpy as np
+
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
@@ -324,7 +326,7 @@ class Scheduler:
         ]
         return {"grammar_req_ids": sampling} if sampling else {}
 
-    def grammar_bitmask(self, out: SchedulerOutput) -> bytes:
+    def grammar_bitmask(self, out: SchedulerOutput) -> np.ndarray:
         """The allowed-token rows of a scheduled step's constrained requests (grammar_req_ids), from their
         matchers as they stand: the engine core calls it after launching the step, so the host fills
         them while the device runs the forward pass."""
@@ -333,7 +335,7 @@ class Scheduler:
         mask = self.structured.fill_bitmask([self.requests[r].grammar for r in out.grammar_req_ids])
         self.grammar_mask_seconds += time.perf_counter() - start
         self.grammar_mask_steps += 1
-        return mask.tobytes()
+        return mask
 
     def _speculates(self) -> tuple[bool, bool]:
         """(whether this step verifies drafts, whether the worker proposes after it): never without a

@@ -4,16 +4,13 @@ pass and samples on the device."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import cdiv
-from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
@@ -25,143 +22,14 @@ from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import (
-    LogprobTensors,
-    Sampler,
-    SamplingBatch,
-    Verified,
-    resolve_drafts,
-    score_tokens,
-)
+from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
+from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
+from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROB_ROWS = 512
 _TORCH_DTYPE = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32")}
-
-
-class PendingRunnerOutput:
-    """A launched step: sampled tokens (and logprobs) on their way to pinned host memory. result() waits
-    for them, the step's one sync, and tells the worker which tokens stopped being pending."""
-
-    def __init__(
-        self,
-        runner: ModelRunner,
-        inputs: StepInputs,
-        sampled: torch.Tensor,
-        logprobs: LogprobTensors | None,
-        logprob_ks: list[int | None],
-        prompt_logprobs: dict | None,
-        pooled: tuple[list[int], torch.Tensor] | None = None,
-        verified: Verified | None = None,
-        drafts: list[list[int]] | None = None,
-        first_rows: list[int] | None = None,
-    ) -> None:
-        """pooled: the pooling runner's (rows, one vector per row) for the prompts this step finished.
-        verified, drafts and first_rows (each request's first logit row): a step that verified drafts
-        (then `sampled` is unused)."""
-        self.runner = runner
-        self.inputs = inputs
-        self.req_ids = inputs.req_ids
-        self.samples = inputs.samples
-        non_blocking = sampled.is_cuda
-        self.sampled = sampled.to("cpu", non_blocking=non_blocking)
-        self.verified = None
-        self.drafts = drafts
-        self.first_rows = first_rows
-        if verified is not None:
-            self.verified = Verified(*(t.to("cpu", non_blocking=non_blocking) for t in verified))
-        self.logprobs = logprobs.to_host(non_blocking) if logprobs is not None else None
-        self.logprob_ks = logprob_ks
-        self.prompt_logprobs = prompt_logprobs
-        self.pooled = None
-        if pooled is not None:
-            self.pooled = (pooled[0], pooled[1].to("cpu", non_blocking=non_blocking))
-        # Whether the step speculates, so the drafter proposes for the next (SchedulerOutput.propose_drafts).
-        self.propose_drafts = False
-        self.ready = torch.cuda.Event() if non_blocking else None
-        if self.ready is not None:
-            self.ready.record()
-        self._result: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._result is None:
-            if self.ready is not None:
-                self.ready.synchronize()
-            if self.verified is None:
-                token_ids = [[t] for t in self.sampled.tolist()]
-            else:
-                verified = [t.tolist() for t in self.verified]
-                token_ids = resolve_drafts(verified, self.drafts, self.first_rows)
-            self.runner.input_batch.record_sampled(self.req_ids, self.samples, token_ids)
-            prompt_logprobs = None
-            if self.prompt_logprobs:
-                prompt_logprobs = {
-                    request_id: (first, list(map(TokenLogprobs, *(t.tolist() for t in scored))))
-                    for request_id, (first, scored) in self.prompt_logprobs.items()
-                }
-            pooled = None
-            if self.pooled is not None:
-                pooled = [None] * len(self.req_ids)
-                rows, vectors = self.pooled
-                for row, vector in zip(rows, vectors.numpy()):
-                    pooled[row] = vector.tobytes()  # fp32 from the pooler; little-endian hosts only
-            logprobs = None
-            if self.logprobs is not None:  # a list per row: one entry per token the row produced
-                entries = self.logprobs.tolist(self.logprob_ks)
-                if self.verified is None:
-                    logprobs = [None if entry is None else [entry] for entry in entries]
-                else:  # one entry per logit row: each request's tokens take the entries of their rows
-                    logprobs = [
-                        None if entries[first] is None else entries[first : first + len(tokens)]
-                        for first, tokens in zip(self.first_rows, token_ids)
-                    ]
-            self._result = ModelRunnerOutput(
-                req_ids=self.req_ids,
-                sampled_token_ids=[t if keeps else [] for t, keeps in zip(token_ids, self.samples)],
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                pooled=pooled,
-                spec_token_ids=self.runner.propose(self.req_ids, self.samples, self.propose_drafts),
-            )
-        return self._result
-
-
-class VerifyRows(NamedTuple):
-    """A verifying step's logit rows: each request's drafts' positions, then its last."""
-
-    logit_rows: torch.Tensor  # [L] rows of the step's hidden states
-    draft_ids: torch.Tensor  # [L] the draft each row checks, -1 at a request's last row
-    request_of: torch.Tensor  # [L] each row's request (its row in the sampling batch)
-    request_list: list[int]  # the same, on the host
-    first_rows: list[int]  # per request, its first logit row
-    drafts: list[list[int]]  # per request, its drafts
-
-
-class _Launched(NamedTuple):
-    """A step whose forward pass is on the device, up to its logits."""
-
-    scheduler_output: SchedulerOutput
-    inputs: StepInputs
-    sampling_batch: SamplingBatch
-    logits: torch.Tensor
-    rows: VerifyRows | None  # a verifying step's logit rows
-    prompt_logprobs: dict | None
-
-
-class AwaitingGrammar:
-    """A launched step that samples under grammars: with_grammar(masks) applies them and samples. The
-    core fills the masks on the host while the device runs the forward pass."""
-
-    def __init__(self, runner: ModelRunner, step: _Launched) -> None:
-        self.runner = runner
-        self.step = step
-        self.inputs = step.inputs
-
-    def with_grammar(self, grammar_bitmask: bytes) -> PendingRunnerOutput:
-        pending = self.runner._sample(self.step, grammar_bitmask)
-        pending.propose_drafts = self.step.scheduler_output.propose_drafts
-        return pending
 
 
 # Default token budget of a step. On a CPU a step costs its tokens at full price (no idle device to
@@ -382,9 +250,6 @@ class ModelRunner:
         launched = self._execute(scheduler_output)
         if self.drafter is not None:
             self.drafter.after_target(launched.inputs)
-        if isinstance(launched, AwaitingGrammar):
-            return launched
-        launched.propose_drafts = scheduler_output.propose_drafts
         return launched
 
     @torch.inference_mode()
@@ -417,7 +282,7 @@ class ModelRunner:
         else:
             drafts = scheduler_output.scheduled_spec_decode_tokens
             if drafts:  # every verified position's logits, not only each request's last
-                rows = self._verify_rows(inputs, drafts)
+                rows = verify_rows(self, inputs, drafts)
                 logit_rows = rows.logit_rows
             else:
                 logit_rows = md.query_start_loc[1:].long() - 1
@@ -434,24 +299,27 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[logit_rows])
                 if scoring:
                     prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
-        step = _Launched(scheduler_output, inputs, sampling_batch, logits, rows, prompt_logprobs)
+        step = Launched(scheduler_output, inputs, sampling_batch, logits, rows, prompt_logprobs)
         if scheduler_output.grammar_req_ids:
             return AwaitingGrammar(self, step)
         return self._sample(step)
 
     @torch.inference_mode()
-    def _sample(self, step: _Launched, grammar_bitmask: bytes = b"") -> PendingRunnerOutput:
+    def _sample(self, step: Launched, grammar_bitmask: np.ndarray | None = None) -> PendingRunnerOutput:
         """The sampling half of a step: the grammar's masks first, then verification or sampling."""
         inputs, batch, logits, rows = step.inputs, step.sampling_batch, step.logits, step.rows
-        if grammar_bitmask:
+        if grammar_bitmask is not None:
             self._mask_grammar(step.scheduler_output, inputs, logits, rows, grammar_bitmask)
         if rows is not None:
-            return self._verify(inputs, batch, logits, rows, step.prompt_logprobs)
-        sampled, logprobs = self.sampler(logits, batch)
-        self._last_sampled = sampled
-        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
-        logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
-        return PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, step.prompt_logprobs)
+            pending = verify(self, inputs, batch, logits, rows, step.prompt_logprobs)
+        else:
+            sampled, logprobs = self.sampler(logits, batch)
+            self._last_sampled = sampled
+            self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
+            logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
+            pending = PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, step.prompt_logprobs)
+        pending.propose_drafts = step.scheduler_output.propose_drafts
+        return pending
 
     def _mask_grammar(
         self,
@@ -459,7 +327,7 @@ class ModelRunner:
         inputs: StepInputs,
         logits: torch.Tensor,
         rows: VerifyRows | None,
-        grammar_bitmask: bytes,
+        grammar_bitmask: np.ndarray,
     ) -> None:
         """-inf, in place, at the tokens each constrained request's grammar forbids: at its logit row (a
         verifying step's: its last, since constrained requests take no drafts)."""
@@ -468,71 +336,9 @@ class ModelRunner:
         for request_id in out.grammar_req_ids:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
-        words = (self.hf_config.vocab_size + 31) // 32
-        bitmask = np.frombuffer(bytearray(grammar_bitmask), dtype=np.int32).reshape(-1, words)
-        apply_bitmask(logits, logit_rows, bitmask)
+        apply_bitmask(logits, logit_rows, grammar_bitmask)
 
     # ---- speculative decoding ---------------------------------------------------------------
-
-    def _verify_rows(self, inputs: StepInputs, drafts: dict[str, list[int]]) -> VerifyRows:
-        """The logit rows verification needs (each request's drafts' positions and its last) and how
-        they map back to the requests, staged to the device in one copy."""
-        counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
-        ends = inputs.query_start_loc[1:].astype(np.int64)
-        hidden_rows = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, counts)])
-        request_of = np.repeat(np.arange(len(counts)), counts)
-        first_rows = np.cumsum(counts) - counts
-        row_drafts = [drafts.get(request_id, []) for request_id in inputs.req_ids]
-        draft_ids = np.full(hidden_rows.shape[0], -1, dtype=np.int64)
-        for first, row in zip(first_rows, row_drafts):
-            draft_ids[first : first + len(row)] = row
-        logit_rows, draft_tensor, request_tensor = self._staged(
-            [hidden_rows, draft_ids, request_of], np.int64
-        )
-        return VerifyRows(
-            logit_rows, draft_tensor, request_tensor, request_of.tolist(), first_rows.tolist(), row_drafts
-        )
-
-    def _verify(
-        self,
-        inputs: StepInputs,
-        batch: SamplingBatch,
-        logits: torch.Tensor,
-        rows: VerifyRows,
-        prompt_logprobs: dict | None,
-    ) -> PendingRunnerOutput:
-        """Verify a step's drafts: the sampling batch repeated for every logit row of a request, each row
-        seeing the drafts before it as output tokens (penalties, min_tokens) and a seeded request's
-        rows drawing from its generator in turn; then the accepted prefix and the next token per
-        request, resolved on the host, with a logprob entry per token for requests that ask."""
-
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, rows.request_of)
-
-        expanded = dataclasses.replace(
-            batch,
-            requests=[batch.requests[r] for r in rows.request_list],
-            temperature=take(batch.temperature),
-            top_k=take(batch.top_k),
-            top_p=take(batch.top_p),
-            min_p=take(batch.min_p),
-            # A seeded request's rows draw, in order, from its one generator.
-            generators={
-                i: batch.generators[r] for i, r in enumerate(rows.request_list) if r in batch.generators
-            },
-            draft_prefixes=[
-                rows.drafts[r][: i - rows.first_rows[r]] for i, r in enumerate(rows.request_list)
-            ],
-        )
-        verified, logprobs = self.sampler.verify(logits, expanded, rows.draft_ids)
-        # Nothing is in flight while speculating: no later step reads these from the device.
-        self._last_sampled = verified.token
-        self._last_row_of = {}
-        logprob_ks = [r.sampling_params.logprobs for r in expanded.requests]  # one per logit row
-        return PendingRunnerOutput(
-            self, inputs, verified.token, logprobs, logprob_ks, prompt_logprobs,
-            verified=verified, drafts=rows.drafts, first_rows=rows.first_rows,
-        )  # fmt: skip
 
     def propose(self, req_ids: list[str], samples: list[bool], wanted: bool) -> list[list[int]] | None:
         """Drafts for each row's next step (after its tokens reached the host), [] where the request takes
