@@ -11,30 +11,9 @@ import re
 import jsonschema
 import pytest
 
+from tests.schemas import PERSON
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
-    },
-    "required": ["name", "age", "email", "address", "role", "tags"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

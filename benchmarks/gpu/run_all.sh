@@ -36,13 +36,17 @@ for stage in $stages; do
     structured) model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
 print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
                 cp .gpu_assets/tokenizer/* "$model/"
-                schema='{"json": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "maximum": 150}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8}}, "required": ["name", "age", "tags"]}}'
+                # Every request under the schema: an array of at least 8 objects, so each request writes
+                # its 128 tokens as the unconstrained ones do, through keys, strings, integers and enums.
+                schema='{"json": {"type": "array", "minItems": 8, "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}, "role": {"enum": ["admin", "user", "guest"]}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}, "required": ["name", "age", "role", "tags"]}}}'
                 for so in none json; do
                   extra=(); [ $so = json ] && extra=(--structured-outputs "$schema")
                   timeout 200 $py -m tokenmill.entrypoints.cli bench throughput --model "$model" --load-format dummy \
-                    --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 64 \
-                    --max-num-seqs 64 "${extra[@]}" --output-json "$out/structured_$so.json" 2>&1 | tail -2
-                done ;;
+                    --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 512 \
+                    --num-warmups 64 --max-num-seqs 64 "${extra[@]}" --output-json "$out/structured_$so.json" 2>&1 | tail -2
+                done
+                timeout 100 $py benchmarks/grammar_compile.py --model "$model" --out "$out/grammar_compile.json" \
+                  2>&1 | tail -14 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \

@@ -37,11 +37,12 @@ def throughput_main(args: argparse.Namespace) -> int:
         for s in samples
     ]  # fmt: skip
     prompts = [list(s.prompt) for s in samples]
-    # Warm-up at full prompt length, not timed: the first batch meets new kernel variants.
+    # Warm-up at full prompt length, not timed: the first batch meets new kernel variants (and the
+    # constraint's first compilation).
     warm = prompts[: args.num_warmups]
     if warm:
         llm.generate(
-            sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=constraint),
             prompt_token_ids=warm,
             use_tqdm=False,
         )

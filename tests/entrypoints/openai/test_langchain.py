@@ -4,23 +4,10 @@ model filled in, and bind_tools(...) with a forced tool returns a tool call whos
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel, Field
+
+from tests.schemas import City, GetWeather
 
 langchain_openai = pytest.importorskip("langchain_openai")
-
-
-class City(BaseModel):
-    name: str
-    country: str
-    # Bounded: a 135M model asked for a float writes digits until max_tokens.
-    population_millions: int = Field(ge=0, le=100)
-
-
-class GetWeather(BaseModel):
-    """The current weather in a city."""
-
-    city: str
-    unit: str
 
 
 @pytest.fixture(scope="module")

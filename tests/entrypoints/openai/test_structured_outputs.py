@@ -8,7 +8,8 @@ import json
 import re
 
 import jsonschema
-from pydantic import BaseModel
+
+from tests.schemas import Book
 
 MESSAGES = [{"role": "user", "content": "Describe a book as JSON."}]
 BOOK = {
@@ -43,12 +44,6 @@ def test_json_schema_plain_and_streamed(client) -> None:
         response_format=response_format(BOOK),
     )  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
-
-
-class Book(BaseModel):
-    title: str
-    year: int
-    in_print: bool
 
 
 def test_parse_fills_a_pydantic_model(client) -> None:

@@ -13,36 +13,9 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MAIN_SERVER_ARGS, ServerProcess
 from tests.entrypoints.openai.test_api_server import assert_error
+from tests.schemas import TIME, WEATHER
 from tokenmill.entrypoints.openai.tool_calls import HermesParser, Llama3JsonParser, MistralParser, ToolStream
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The current time in a timezone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 30}},
-            "required": ["zone"],
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
