@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "chat": "tokenmill.entrypoints.generate_cli",
     "bench": "tokenmill.bench.cli",
     "plan": "tokenmill.plan.cli",
+    "router": "tokenmill.router.cli",
 }
 
 

@@ -56,6 +56,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "is spent on HTTP and detokenizing (default: 1)",
     )
     server.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="N replicas of the engine (one GPU each where there are N), each its own server on a free "
+        "local port, behind the router on --port (default: 1)",
+    )
+    server.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=("cache_aware", "least_load", "round_robin", "random"),
+        help="with --data-parallel-size: how the router spreads requests (default: cache_aware)",
+    )
+    server.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json", "mistral"),
         help="how to find tool calls in what the model writes, for tool_choice 'auto' (vLLM's names)",
@@ -97,4 +112,8 @@ def _run(args: argparse.Namespace) -> int:
             "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)"
         )
 
+    if args.data_parallel_size > 1:
+        from tokenmill.entrypoints.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     return run_server(args)

@@ -131,6 +131,19 @@ class ServerMetrics:
             "request_queue_time_seconds", "Time from arrival to first being scheduled.", _REQUEST_BUCKETS
         )
         self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, [])
+        self._cache_config = Gauge(
+            "tokenmill:cache_config_info",
+            "The KV cache's configuration, in labels (a router reads the block size and capacity).",
+            [*names, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+
+    def record_cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        self._cache_config.labels(
+            **self._labels, block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+            enable_prefix_caching=str(enable_prefix_caching).lower(),
+        ).set(1)  # fmt: skip
 
     def record_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)

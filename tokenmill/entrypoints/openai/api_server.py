@@ -297,6 +297,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         engine = await AsyncEngineClient.attach(
             config, metrics, attach.input_address, attach.output_address, attach.index, attach.core_pid
         )
+    metrics.record_cache_config(config.block_size, engine.num_kv_blocks, config.enable_prefix_caching)
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     gc.collect()

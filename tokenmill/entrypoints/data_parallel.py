@@ -1,0 +1,130 @@
+"""`tokenmill serve --data-parallel-size N`: N replicas of the server, each a whole `tokenmill serve`
+(engine core and API process) on a free local port, with the router in this process on --port in
+front of them. On a host with N or more GPUs replica i gets the i-th; on a CPU the cores are shared
+out. A replica that dies leaves the rotation (the router's health checks) and the others keep serving;
+SIGTERM and SIGINT drain every replica, then stop the router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.engine_args import engine_config_from_args
+    from tokenmill.entrypoints.openai.api_server import _bind, _configure_logging
+    from tokenmill.router.index import PrefixIndex
+    from tokenmill.router.policy import make_policy
+    from tokenmill.router.prefix import PromptHasher
+    from tokenmill.router.proxy import Router
+    from tokenmill.router.replicas import ReplicaSet
+
+    _configure_logging(args.log_level, "[router]")
+    if args.api_server_count > 1:
+        raise ValueError("--data-parallel-size runs one API process per replica; drop --api-server-count")
+    config = engine_config_from_args(args)  # a bad knob fails here, once, before anything starts
+    sock = _bind(args.host, args.port)  # a taken port fails now, not after N models have loaded
+    count = args.data_parallel_size
+    ports = [_free_port() for _ in range(count)]
+    devices = _device_shares(config.device, count)
+    spawn = multiprocessing.get_context("spawn")
+    replicas = []
+    for index, port in enumerate(ports):
+        replica_args = copy.copy(args)
+        replica_args.host, replica_args.port, replica_args.data_parallel_size = "127.0.0.1", port, 1
+        replica_args.access_log = False  # the router's health checks would fill it
+        process = spawn.Process(
+            target=_replica_main,
+            args=(replica_args, index, devices[index]),
+            name=f"tokenmill-replica-{index}",
+        )
+        process.start()
+        replicas.append(process)
+    logger.info("started %d replicas on ports %s", count, ", ".join(map(str, ports)))
+    try:
+        tokenizer = None
+        if not config.skip_tokenizer_init:
+            from tokenmill.loader import resolve_model
+
+            tokenizer = resolve_model(config.tokenizer or config.model).load_tokenizer()
+        router = Router(
+            ReplicaSet([f"http://127.0.0.1:{port}" for port in ports], [], interval_s=1.0),
+            make_policy(args.router_policy),
+            PromptHasher(tokenizer, config.block_size),
+            PrefixIndex(),
+        )
+        return asyncio.run(_serve(router, args, sock, replicas))
+    finally:
+        for process in replicas:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+        for process in replicas:
+            process.join(args.shutdown_timeout + 10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+async def _serve(router, args: argparse.Namespace, sock: socket.socket, replicas: list) -> int:
+    from tokenmill.router.cli import serve_router
+
+    watch = asyncio.create_task(_watch_replicas(replicas))
+    try:
+        await serve_router(router, args.host, args.port, args.log_level, sock=sock)
+    finally:
+        watch.cancel()
+    return 0 if all(p.exitcode in (None, 0) for p in replicas) else 1
+
+
+async def _watch_replicas(replicas: list) -> None:
+    reported = set()
+    while True:
+        await asyncio.sleep(1.0)
+        for process in replicas:
+            if process.exitcode is not None and process.name not in reported:
+                reported.add(process.name)
+                logger.error(
+                    "%s exited with code %s; serving with the others", process.name, process.exitcode
+                )
+
+
+def _replica_main(args: argparse.Namespace, index: int, device: dict[str, str]) -> None:
+    os.environ.update(device)  # before torch is imported in this process
+    from tokenmill.entrypoints.openai.api_server import _configure_logging, run_server
+
+    _configure_logging(args.log_level, f"[replica{index}]")
+    raise SystemExit(run_server(args))
+
+
+def _device_shares(device: str, count: int) -> list[dict[str, str]]:
+    """Environment for each replica: its own GPU when the host has enough, else a share of the CPU's
+    threads (N engines each taking every core would fight over them)."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(ids) < count:
+            raise ValueError(
+                f"--data-parallel-size {count} needs {count} GPUs, {len(ids)} visible; lower it or use "
+                "--device cpu"
+            )
+        return [{"CUDA_VISIBLE_DEVICES": ids[i]} for i in range(count)]
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // count))
+    return [{"OMP_NUM_THREADS": threads} for _ in range(count)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
