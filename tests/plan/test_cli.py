@@ -41,6 +41,25 @@ def test_json_for_llama_8b_on_h200(capsys):
     assert out["compute_bound_batch"] is None and out["compute_bound_batch_weights_only"] == 207
 
 
+def test_target_concurrency_is_the_tightest_of_kv_cache_running_batch_and_tpot(capsys):
+    llama_h200 = ["--model", "llama-3.1-8b", "--gpu", "H200"]
+    chat = [*llama_h200, "--input-len", "2048", "--output-len", "512"]
+    out = plan(capsys, *llama_h200)  # 109 sequences of 8,192 tokens fill the KV cache
+    assert (out["target_concurrency"], out["target_concurrency_bound"]) == (109, "kv_cache")
+    out = plan(capsys, *chat)  # 349 sequences of 2,560 tokens fit, but the engine runs 256 at once
+    assert (out["max_concurrent_seqs"], out["target_concurrency"]) == (349, 256)
+    assert out["target_concurrency_bound"] == "max_num_seqs"
+    assert plan(capsys, *chat, "--max-num-seqs", "128")["target_concurrency"] == 128
+    # 20 ms at the measured 4.25 TB/s: B x (8,192 + 2,304 x 131,072) + STREAMED <= 85e9 bytes, B <= 231.8
+    out = plan(capsys, *chat, "--tpot-ms", "20", "--measured")
+    assert (out["target_concurrency"], out["target_concurrency_bound"]) == (231, "tpot")
+    assert main(["plan", *chat, "--tpot-ms", "20", "--measured"]) == 0
+    table = capsys.readouterr().out
+    assert (
+        "target concurrency per replica: 231 (the largest batch whose decode floor meets --tpot-ms)" in table
+    )
+
+
 def test_input_and_output_lengths_set_the_context_and_decode_length(capsys):
     out = plan(
         capsys,
@@ -187,6 +206,14 @@ def test_chart(tmp_path, capsys):
             "--gpu-memory-utilization must be in",
         ),
         (["--model", "no-such-model", "--gpu", "H200"], "unknown model 'no-such-model'"),
+        (
+            ["--model", "llama-3.1-8b", "--gpu", "H200", "--max-num-seqs", "0"],
+            "--max-num-seqs must be positive",
+        ),
+        (
+            ["--model", "llama-3.1-8b", "--gpu", "H200", "--tpot-ms", "3"],
+            "--tpot-ms 3 is under the decode floor of one sequence (3.35 ms)",
+        ),
         (["--model", "llama-3.1-8b", "--gpu", "H200", "--acceptance", "0.5"], "--acceptance goes with"),
         (
             ["--model", "llama-3.1-8b", "--gpu", "H200", "--speculative", "4"],

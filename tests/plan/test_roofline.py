@@ -12,6 +12,7 @@ from tokenmill.plan.roofline import (
     compute_bound_batch,
     decode_point,
     expected_experts_touched,
+    largest_batch_within,
     matmul_flops_per_token,
     prefill_point,
 )
@@ -60,6 +61,18 @@ def test_decode_turns_compute_bound_at_the_ridge():
     # past a few hundred tokens of context, no batch is compute-bound.
     assert compute_bound_batch(deployment, DATASHEET, tp=1, context_len=8192) is None
     assert compute_bound_batch(deployment, DATASHEET, tp=1, context_len=300) == 438
+
+
+def test_largest_batch_within_a_step_time():
+    deployment = Deployment(LLAMA_8B, H200)
+    # Bandwidth-bound at 8,192 cached tokens: B sequences move STREAMED + B x (8,192 + 8,192 x 131,072)
+    # bytes, which 20 ms at 4.8 TB/s (96e9 bytes) allows for B <= 75.4.
+    assert largest_batch_within(deployment, DATASHEET, tp=1, context_len=8192, step_time_s=0.020) == 75
+    within = decode_point(deployment, DATASHEET, tp=1, batch=75, context_len=8192)
+    over = decode_point(deployment, DATASHEET, tp=1, batch=76, context_len=8192)
+    assert within.floor_s <= 0.020 < over.floor_s
+    # Batch 1 already takes 3.35 ms
+    assert largest_batch_within(deployment, DATASHEET, tp=1, context_len=8192, step_time_s=0.003) == 0
 
 
 def test_prefill_floor_for_1024_tokens():

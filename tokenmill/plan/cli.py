@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from tokenmill.config import EngineConfig
 from tokenmill.plan.calibrate import calibration_rows, format_calibration, parse_bench_result, read_bench_json
 from tokenmill.plan.catalogue import MODELS, resolve_model
 from tokenmill.plan.gpus import (
@@ -27,7 +28,10 @@ from tokenmill.plan.speculative import plan_speculative
 
 DEFAULT_CONTEXT = 8192
 T = TypeVar("T")
-SIZE_FLAGS = ("num_gpus", "tp", "context", "batch", "input_len", "output_len", "max_num_batched_tokens")
+SIZE_FLAGS = (
+    "num_gpus", "tp", "context", "batch", "input_len", "output_len", "max_num_batched_tokens", "max_num_seqs",
+    "tpot_ms",
+)  # fmt: skip
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,6 +65,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="sizes the activation reserve"
     )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+        help="the engine's running batch, as `tokenmill serve --max-num-seqs` (caps the target concurrency)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tpot-ms", type=float,
+        help="time-per-output-token target: the target concurrency is then no larger than the biggest "
+        "decode batch whose roofline floor meets it",
+    )  # fmt: skip
     parser.add_argument(
         "--measured", action="store_true", help="use our measured ceilings instead of the datasheet"
     )
@@ -131,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch or 1,
         decode_context_len=decode_context_len,
         input_len=input_len,
+        max_num_seqs=args.max_num_seqs,
+        tpot_s=None if args.tpot_ms is None else args.tpot_ms / 1e3,
     )
     if args.speculative is not None:
         spec = plan_speculative(
@@ -164,6 +179,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         batch=result.batch,
         decode_context_len=result.decode_context_len,
         input_len=result.input_len,
+        max_num_seqs=args.max_num_seqs,
+        tpot_s=None if args.tpot_ms is None else args.tpot_ms / 1e3,
     )
     rows = calibration_rows(result, plan.decode, plan.prefill)
     measured = [

@@ -11,10 +11,25 @@ from tokenmill.plan.roofline import (
     RooflinePoint,
     compute_bound_batch,
     decode_point,
+    largest_batch_within,
     matmul_flops_per_token,
     prefill_point,
 )
 from tokenmill.plan.speculative import SpeculativePlan
+
+
+class TargetConcurrency(NamedTuple):
+    """Requests one replica should carry (running + waiting): the figure to autoscale replicas on."""
+
+    seqs: int
+    bound: str  # which limit sets it: "kv_cache", "max_num_seqs" or "tpot"
+
+
+TARGET_BOUNDS = {
+    "kv_cache": "the sequences the KV cache holds",
+    "max_num_seqs": "--max-num-seqs, the engine's running batch",
+    "tpot": "the largest batch whose decode floor meets --tpot-ms",
+}
 
 
 class Plan(NamedTuple):
@@ -28,6 +43,7 @@ class Plan(NamedTuple):
     prefill: RooflinePoint
     compute_bound_batch: int | None  # at the decode context; None: the KV read outgrows compute
     compute_bound_batch_weights_only: int | None  # the same with no KV read (context 0)
+    target_concurrency: TargetConcurrency
     notes: list[str]
     speculative: SpeculativePlan | None = None  # with --speculative
 
@@ -45,6 +61,8 @@ def build_plan(
     batch: int,
     decode_context_len: int,
     input_len: int,
+    max_num_seqs: int,
+    tpot_s: float | None = None,
 ) -> Plan:
     if tp is not None and tp > num_gpus:
         raise ValueError(f"--tp {tp} needs at least {tp} GPUs but --num-gpus is {num_gpus}")
@@ -73,8 +91,35 @@ def build_plan(
         prefill=prefill_point(deployment, ceilings, in_use, input_len),
         compute_bound_batch=compute_bound_batch(deployment, ceilings, in_use, decode_context_len),
         compute_bound_batch_weights_only=compute_bound_batch(deployment, ceilings, in_use, 0),
+        target_concurrency=target_concurrency(
+            deployment, ceilings, memory, decode_context_len, max_num_seqs, tpot_s
+        ),
         notes=notes,
     )
+
+
+def target_concurrency(
+    deployment: Deployment,
+    ceilings: RooflineCeilings,
+    memory: MemoryPlan,
+    decode_context_len: int,
+    max_num_seqs: int,
+    tpot_s: float | None,
+) -> TargetConcurrency:
+    """As many requests as one replica can run at once (its KV cache at the planned context, capped by
+    the engine's running batch) and, with a TPOT target, no more than the decode roofline lets meet it.
+    Past this figure requests queue or slow down, so it is where another replica should come in."""
+    limits = {"kv_cache": memory.max_concurrent_seqs, "max_num_seqs": max_num_seqs}
+    if tpot_s is not None:
+        limits["tpot"] = largest_batch_within(deployment, ceilings, memory.tp, decode_context_len, tpot_s)
+        if limits["tpot"] == 0:
+            floor = decode_point(deployment, ceilings, memory.tp, 1, decode_context_len).floor_s
+            raise ValueError(
+                f"--tpot-ms {tpot_s * 1e3:g} is under the decode floor of one sequence "
+                f"({floor * 1e3:.2f} ms): no batch meets it"
+            )
+    bound = min(limits, key=limits.__getitem__)
+    return TargetConcurrency(limits[bound], bound)
 
 
 def point_json(point: RooflinePoint) -> dict[str, Any]:
@@ -139,6 +184,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "ops_per_byte": plan.ceilings.ops_per_byte,
         "compute_bound_batch": plan.compute_bound_batch,
         "compute_bound_batch_weights_only": plan.compute_bound_batch_weights_only,
+        "target_concurrency": plan.target_concurrency.seqs,
+        "target_concurrency_bound": plan.target_concurrency.bound,
         "input_len": prefill.tokens,
         "prefill_flops": prefill.flops,
         "prefill_bytes": prefill.bytes_moved,
@@ -216,6 +263,8 @@ def format_plan(plan: Plan) -> str:
         f"  turns compute-bound at: {at_context}; "
         f"with no KV read: {'never' if weights_only is None else f'batch {weights_only:,}'}"
     )
+    target = plan.target_concurrency
+    lines.append(f"  target concurrency per replica: {target.seqs:,} ({TARGET_BOUNDS[target.bound]})")
     prefill = plan.prefill
     lines += [
         "",

@@ -160,6 +160,19 @@ def compute_bound_batch(
     return smallest_batch(is_compute_bound)
 
 
+def largest_batch_within(
+    deployment: Deployment, ceilings: RooflineCeilings, tp: int, context_len: int, step_time_s: float
+) -> int:
+    """The largest decode batch whose step floor is at most step_time_s; 0 if batch 1 already misses it.
+    The floor grows with the batch (every sequence adds bytes and FLOPs), so bisection is exact."""
+
+    def misses(batch: int) -> bool:
+        return decode_point(deployment, ceilings, tp, batch, context_len).floor_s > step_time_s
+
+    first_miss = smallest_batch(misses)
+    return MAX_SEARCHED_BATCH if first_miss is None else first_miss - 1
+
+
 def smallest_batch(holds: Callable[[int], bool]) -> int | None:
     """The smallest batch >= 1 for which holds(batch) is True, for a condition that stays True once it
     holds; None if it does not hold by MAX_SEARCHED_BATCH. Doubling, then bisection: exact."""
