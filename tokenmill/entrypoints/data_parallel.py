@@ -16,6 +16,8 @@ import os
 import signal
 import socket
 
+import uvloop
+
 logger = logging.getLogger("tokenmill.server")
 
 
@@ -62,7 +64,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
             PromptHasher(tokenizer, config.block_size),
             PrefixIndex(),
         )
-        return asyncio.run(_serve(router, args, sock, replicas))
+        return uvloop.run(_serve(router, args, sock, replicas))
     finally:
         for process in replicas:
             if process.is_alive():

@@ -4,8 +4,9 @@ policies on a simulated fleet."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+
+import uvloop
 
 from tokenmill.router.policy import POLICIES
 
@@ -96,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     router = build_router(args)
-    return asyncio.run(serve_router(router, args.host, args.port, args.log_level))
+    return uvloop.run(serve_router(router, args.host, args.port, args.log_level))
 
 
 async def serve_router(router, host: str, port: int, log_level: str = "info", sock=None) -> int:

@@ -82,8 +82,8 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
-    def choose(self, hashes: list[int], exclude: set[str]) -> Decision | None:
-        start = time.perf_counter()
+    def choose(self, hashes: list[int], exclude: set[str], start: float) -> Decision | None:
+        """start: when the request arrived (perf_counter), so the decision time includes hashing."""
         healthy = [r for r in self.replicas.healthy() if r.url not in exclude]
         if not healthy:
             return None
@@ -110,11 +110,12 @@ class Router:
     async def forward(self, request: Request, path: str) -> Response:
         assert self.session is not None
         body = await request.body()
+        start = time.perf_counter()
         hashes = await self.prompt_hashes(path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[str] = set()
         while True:
-            decision = self.choose(hashes, tried)
+            decision = self.choose(hashes, tried, start)
             if decision is None:
                 reason = "no replica is healthy" if not tried else "every replica failed this request"
                 self.metrics.failures.labels("no_replica").inc()

@@ -36,15 +36,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """One `tokenmill serve` subprocess, its log in a file (a pipe nobody reads would fill and block it)."""
+    """One `tokenmill serve` (or `tokenmill router`) subprocess, its log in a file (a pipe nobody reads
+    would fill and block it)."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, api_key: str | None = None, subcommand: str = "serve"
+    ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(self.port)]
-        command += ["--no-access-log", *args] + (["--api-key", api_key] if api_key else [])
+        command = [sys.executable, "-m", "tokenmill.entrypoints.cli", subcommand, "--port", str(self.port)]
+        command += (["--no-access-log"] if subcommand == "serve" else []) + args
+        command += ["--api-key", api_key] if api_key else []
         # One torch thread whatever the machine, the same as the offline LLM the greedy test compares with.
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
