@@ -14,6 +14,7 @@ from tokenmill.bench.datasets import (
     TRACE_BLOCK_TOKENS,
     PromptMaker,
     file_requests,
+    conversation_requests,
     prefix_repetition_requests,
     random_requests,
     samples_from_args,
@@ -64,6 +65,35 @@ def test_prefix_repetition_uses_each_prefix_equally(tiny_tokenizer) -> None:
         tiny_tokenizer, num_prompts=4, prefix_len=10, suffix_len=5, num_prefixes=2, output_len=7
     )
     assert all(len(tiny_tokenizer.encode(r.prompt)) == r.prompt_len for r in texts)
+
+
+def test_conversations_grow_turn_by_turn_over_shared_system_prompts(tiny_tokenizer) -> None:
+    requests = conversation_requests(
+        tiny_tokenizer, num_prompts=10, num_conversations=4, system_prompt_len=12, num_system_prompts=2,
+        turn_len=3, output_len=5, as_token_ids=True,
+    )  # fmt: skip
+    assert len(requests) == 10
+    # Turn by turn: all four conversations' first turns, then their second, then two third turns.
+    assert [r.prompt_len for r in requests] == [15] * 4 + [23] * 4 + [31] * 2
+    turns = [tuple(r.prompt) for r in requests]
+    for later in turns[4:]:
+        earlier = [t for t in turns if len(t) == len(later) - 8 and later[: len(t)] == t]
+        assert len(earlier) == 1  # each turn extends exactly one earlier turn (plus its answer)
+    systems = {t[:12] for t in turns[:4]}
+    assert len(systems) == 2 and len({t[12:] for t in turns[:4]}) == 4
+    # The second round continues every conversation once.
+    assert sorted(next(i for i, t in enumerate(turns[:4]) if later[:15] == t) for later in turns[4:8]) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert all(r.expected_output_len == 5 for r in requests)
+    with pytest.raises(ValueError, match="--conversation-num"):
+        conversation_requests(
+            tiny_tokenizer, num_prompts=1, num_conversations=0, system_prompt_len=1, num_system_prompts=1,
+            turn_len=1, output_len=1,
+        )  # fmt: skip
 
 
 def test_sharegpt_like_lengths_follow_the_published_shape(tiny_tokenizer) -> None:

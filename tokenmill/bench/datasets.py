@@ -1,4 +1,5 @@
-"""Benchmark workloads: random, prefix-repetition, ShareGPT-like synthetic chats, and JSONL files/traces."""
+"""Benchmark workloads: random, prefix-repetition, multi-turn conversations, ShareGPT-like synthetic chats,
+and JSONL files/traces."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from tokenmill.bench.tokenizer import BenchTokenizer
 
-DATASET_NAMES = ("random", "prefix-repetition", "sharegpt-like", "file")
+DATASET_NAMES = ("random", "prefix-repetition", "conversations", "sharegpt-like", "file")
 
 # ShareGPT means reported in the vLLM paper (Kwon et al., SOSP 2023, Fig. 11): 161.31 input and
 # 337.99 output tokens. Both distributions are long-tailed; lognormals with these means and the
@@ -148,6 +149,46 @@ def prefix_repetition_requests(
         requests.append(SampleRequest(prompt, prompt_len, output_len))
     order = rng.permutation(num_prompts)
     return [requests[i] for i in order]
+
+
+def conversation_requests(
+    tokenizer: BenchTokenizer,
+    *,
+    num_prompts: int,
+    num_conversations: int,
+    system_prompt_len: int,
+    num_system_prompts: int,
+    turn_len: int,
+    output_len: int,
+    seed: int = 0,
+    as_token_ids: bool = False,
+) -> list[SampleRequest]:
+    """Multi-turn chats: each conversation opens with one of `num_system_prompts` shared system prompts,
+    and each turn's prompt is the previous one plus its answer plus a new user message of `turn_len`
+    tokens (the answers are random tokens of `output_len`, standing in for what the model said). Requests
+    come turn by turn across conversations (every conversation's first turn in a random order, then every
+    second turn...),
+    so at a request rate R a conversation's next turn arrives about num_conversations / R seconds after
+    the last: the working set is the system prompts plus every conversation's growing history."""
+    if min(num_conversations, num_system_prompts) < 1:
+        raise ValueError("--conversation-num and --conversation-num-system-prompts must be >= 1")
+    if min(system_prompt_len, turn_len, output_len) < 1:
+        raise ValueError("--conversation-system-len, -turn-len and -output-len must be >= 1")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, rng)
+    systems = [maker.random_ids(system_prompt_len) for _ in range(num_system_prompts)]
+    histories = [list(systems[c % num_system_prompts]) for c in range(num_conversations)]
+    requests = []
+    while len(requests) < num_prompts:
+        # Each round in its own order: a fixed one would let round-robin over an even number of
+        # replicas send every conversation to the same replica every turn.
+        for index in rng.permutation(num_conversations)[: num_prompts - len(requests)]:
+            history = histories[index]
+            history += maker.random_ids(turn_len)
+            prompt, prompt_len = maker.prompt(list(history), as_token_ids)
+            requests.append(SampleRequest(prompt, prompt_len, output_len))
+            history += maker.random_ids(output_len)
+    return requests
 
 
 def sharegpt_like_requests(
@@ -325,6 +366,16 @@ def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None
             suffix_len=args.prefix_repetition_suffix_len,
             num_prefixes=args.prefix_repetition_num_prefixes,
             output_len=args.prefix_repetition_output_len,
+            **common,
+        )
+    if name == "conversations":
+        return conversation_requests(
+            tokenizer,
+            num_conversations=args.conversation_num,
+            system_prompt_len=args.conversation_system_len,
+            num_system_prompts=args.conversation_num_system_prompts,
+            turn_len=args.conversation_turn_len,
+            output_len=args.conversation_output_len,
             **common,
         )
     return sharegpt_like_requests(tokenizer, output_len=args.sharegpt_output_len, **common)
