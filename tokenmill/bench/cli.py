@@ -178,7 +178,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None
     data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     data.add_argument("--prefix-repetition-output-len", type=int, default=128)
     data.add_argument("--conversation-num", type=int, default=64, help="conversations (conversations set)")
-    data.add_argument("--conversation-system-len", type=int, default=1024, help="tokens of each system prompt")
+    data.add_argument("--conversation-system-len", type=int, default=1024, help="tokens per system prompt")
     data.add_argument("--conversation-num-system-prompts", type=int, default=4, help="system prompts shared")
     data.add_argument("--conversation-turn-len", type=int, default=128, help="tokens of each user message")
     data.add_argument("--conversation-output-len", type=int, default=128, help="tokens of each answer")
