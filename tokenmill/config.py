@@ -56,6 +56,9 @@ class EngineConfig:
     # Speculative decoding, as a dict in vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4,
     # ...}; tokenmill.spec_decode.SpeculativeConfig); parsed and checked here. None: off.
     speculative_config: dict | None = None
+    # The CPU tier of the prefix cache, in GiB of (pinned) host memory: full blocks evicted from the
+    # device are kept there and copied back on a later prefix hit instead of being recomputed. 0: off.
+    kv_offload_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -79,6 +82,10 @@ class EngineConfig:
             _positive("kv_cache_memory", self.kv_cache_memory)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
+        if not isinstance(self.kv_offload_gib, (int, float)) or self.kv_offload_gib < 0:
+            raise ValueError(f"kv_offload_gib must be a number of GiB >= 0, got {self.kv_offload_gib!r}.")
+        if self.kv_offload_gib and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."

@@ -123,3 +123,24 @@ def test_speculative_decoding_counters():
         value(metrics, "spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)
     ]
     assert per_position == [5, 3, 2]
+
+
+def test_kv_offload_counters_and_cache_config():
+    metrics = ServerMetrics("m")
+    base = (1, 0, 0.1, 2, 0, 0, 0, [])
+    metrics.record_stats(
+        SchedulerStats(*base, offload_hits=32, offload_saved_blocks=4, offload_bytes_saved=400)
+    )
+    later = {"offload_saved_blocks": 6, "offload_loaded_blocks": 4, "offload_bytes_saved": 600}
+    metrics.record_stats(
+        SchedulerStats(*base, offload_hits=64, offload_bytes_loaded=400, offload_seconds=0.5, **later)
+    )
+    assert value(metrics, "kv_offload_hits_total") == 64
+    assert value(metrics, "kv_offload_blocks_total", direction="save") == 6
+    assert value(metrics, "kv_offload_blocks_total", direction="load") == 4
+    assert value(metrics, "kv_offload_bytes_total", direction="save") == 600
+    assert value(metrics, "kv_offload_bytes_total", direction="load") == 400
+    assert value(metrics, "kv_offload_host_seconds_total") == 0.5
+    metrics.record_cache_config(16, 1234, True)
+    info = {"block_size": "16", "num_gpu_blocks": "1234", "enable_prefix_caching": "true"}
+    assert value(metrics, "cache_config_info", **info) == 1

@@ -4,6 +4,7 @@ block hash to cached block. Freed blocks keep their contents and hash until they
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -24,6 +25,8 @@ class BlockPool:
         # Free blocks in eviction order: the first is the least recently freed.
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, KVBlock] = {}
+        # Told of each cached block about to be overwritten (block id, hash): the offload tier saves it.
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,6 +47,8 @@ class BlockPool:
                 # Evict: the block's old contents are about to be overwritten.
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             block_ids.append(block.block_id)

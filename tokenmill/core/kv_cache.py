@@ -4,8 +4,10 @@ shareable. Pure accounting over block ids; the tensors live in the worker."""
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.offload import HostBlockPool
 from tokenmill.core.request import Request
 
 
@@ -25,15 +27,31 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+class PrefixHit(NamedTuple):
+    """A new request's cached prefix: device blocks it shares, then host blocks to load into new ones."""
+
+    block_ids: list[int]
+    num_tokens: int  # tokens the two hold together
+    host_block_ids: list[int]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
+        """num_host_blocks: the CPU tier of the prefix cache (0: none; needs prefix caching)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found on the device
+        self.offload_hits = 0  # tokens found in the host tier (loaded, not computed)
+        self.host: HostBlockPool | None = None
+        if num_host_blocks and enable_prefix_caching:
+            self.host = HostBlockPool(num_host_blocks)
+            self.pool.on_evict = self.host.save
 
     @property
     def num_blocks(self) -> int:
@@ -52,42 +70,60 @@ class KVCacheManager:
             parent = hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs]))
             hashes.append(parent)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of a new request: (block ids, number of tokens they hold).
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The longest cached prefix of a new request: device blocks, then (with the host tier) host
+        blocks that continue it.
 
         At least the last token is always left to compute, since its logits are needed.
         """
         if not self.enable_prefix_caching:
-            return [], 0
+            return PrefixHit([], 0, [])
         max_hit_tokens = request.num_tokens - 1
         self._update_block_hashes(request, max_hit_tokens)
+        hashes = request.block_hashes[: max_hit_tokens // self.block_size]
         block_ids: list[int] = []
-        for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_hit_tokens = len(block_ids) * self.block_size
+        host_block_ids: list[int] = []
+        if self.host is not None:
+            for block_hash in hashes[len(block_ids) :]:
+                host_block = self.host.lookup(block_hash)
+                if host_block is None:
+                    break
+                host_block_ids.append(host_block)
+        num_device_tokens = len(block_ids) * self.block_size
+        num_host_tokens = len(host_block_ids) * self.block_size
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return block_ids, num_hit_tokens
+        self.prefix_cache_hits += num_device_tokens
+        self.offload_hits += num_host_tokens
+        return PrefixHit(block_ids, num_device_tokens + num_host_tokens, host_block_ids)
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_block_ids: list[int] | None = None,
+        host_block_ids: list[int] | None = None,
     ) -> list[int] | None:
-        """Make room for num_new_tokens more tokens after the computed ones.
+        """Make room for num_new_tokens more tokens after the computed ones (a new request's prefix hit:
+        shared device blocks, and host blocks loaded into the first of the new ones).
 
         Returns the block ids newly allocated (empty when the request's blocks already hold the slots),
         or None when blocks run out.
         """
-        if not computed_block_ids and (
-            request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+        if (
+            not computed_block_ids
+            and not host_block_ids
+            and (request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size)
         ):
             return []  # the common decode step: its slot is in a block the request already holds
         computed_block_ids = computed_block_ids or []
-        num_tokens_after = (
-            request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
-        )
+        host_block_ids = host_block_ids or []
+        num_hit_blocks = len(computed_block_ids) + len(host_block_ids)
+        num_tokens_after = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
         num_needed = (
             cdiv(num_tokens_after, self.block_size) - len(request.block_ids) - len(computed_block_ids)
         )
@@ -99,8 +135,21 @@ class KVCacheManager:
             self.pool.touch(computed_block_ids)
             request.block_ids.extend(computed_block_ids)
             request.num_cached_blocks = len(request.block_ids)
+        if host_block_ids:
+            assert self.host is not None
+            self.host.hold(host_block_ids)  # the allocation's evictions must not reuse them
         new_block_ids = self.pool.allocate(num_needed) if num_needed > 0 else []
         request.block_ids.extend(new_block_ids)
+        if host_block_ids:
+            assert self.host is not None
+            first = request.num_cached_blocks
+            for offset, host_block in enumerate(host_block_ids):
+                device_block = request.block_ids[first + offset]
+                self.host.load(host_block, device_block)
+                self.host.touch(request.block_hashes[first + offset])
+                # Loaded ahead of the step's forward pass: shareable from this step on.
+                self.pool.cache_block(device_block, request.block_hashes[first + offset])
+            request.num_cached_blocks = first + len(host_block_ids)
         return new_block_ids
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -126,4 +175,8 @@ class KVCacheManager:
         request.num_cached_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.reset()
+        return True

@@ -49,6 +49,11 @@ class SchedulerOutput:
     # the launch (Scheduler.grammar_bitmask: int32 words of a bit per vocabulary entry, a row per
     # request): the worker samples them once they come.
     grammar_req_ids: list[str] = field(default_factory=list)
+    # The CPU tier of the prefix cache (core/offload.py), before the forward pass and in this order:
+    # device blocks copied out to host blocks (evicted, about to be reused), then host blocks copied
+    # into device blocks (a prefix hit continued on the host).
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_cache import KVCacheManager, PrefixHit
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -234,11 +234,11 @@ class Scheduler:
             if candidate is None or candidate.num_output_placeholders:
                 break
             request = candidate
-            computed_blocks: list[int] = []
-            num_hit_tokens = 0
+            hit = PrefixHit([], 0, [])
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             if request.sampling_params.prompt_logprobs is None:
-                computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+                hit = self.kv.get_computed_blocks(request)
+            num_hit_tokens = hit.num_tokens
             num_new, cost = self._chunk(
                 num_hit_tokens,
                 request.num_tokens - num_hit_tokens,
@@ -247,8 +247,11 @@ class Scheduler:
             )
             if num_new <= 0 or (
                 self.kv.allocate_slots(
-                    request, self._with_lookahead(request, num_new, num_hit_tokens), computed_blocks
-                )
+                    request,
+                    self._with_lookahead(request, num_new, num_hit_tokens),
+                    hit.block_ids,
+                    hit.host_block_ids,
+                )  # fmt: skip
                 is None
             ):
                 break
@@ -301,6 +304,8 @@ class Scheduler:
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step,
         )
+        if self.kv.host is not None:
+            out.kv_saves, out.kv_loads = self.kv.host.drain()
         self._preempted_since_last_step, self._finished_since_last_step = [], []
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]

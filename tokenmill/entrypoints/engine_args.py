@@ -46,6 +46,8 @@ _HELP = {
     "reads; scales 1.0 unless the checkpoint has them",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "
     "config, else last)",
+    "kv_offload_gib": "GiB of host memory for a CPU tier of the prefix cache: blocks evicted from the device "
+    "are copied there and back on a later prefix hit instead of being recomputed (default: 0, off)",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (ngram: drafts from the request\'s own text, '
     "prompt_lookup_min/max tokens matched; greedy output is unchanged, sampled output keeps its "

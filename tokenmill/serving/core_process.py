@@ -191,10 +191,24 @@ class EngineCoreProc:
             spec_num_draft_tokens=scheduler.spec_num_draft_tokens,
             spec_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
             spec_accepted_per_position=list(scheduler.spec_accepted_per_position),
+            **_offload_stats(kv, getattr(self.core.executor, "host_kv", None)),
         )
 
     def _send(self, message: object, client_index: int = 0) -> None:
         self.output_sockets[client_index].send(self.encoder.encode(message))
+
+
+def _offload_stats(kv, host_kv) -> dict:
+    if kv.host is None or host_kv is None:
+        return {}
+    return {
+        "offload_hits": kv.offload_hits,
+        "offload_saved_blocks": kv.host.num_saved,
+        "offload_loaded_blocks": kv.host.num_loaded,
+        "offload_bytes_saved": host_kv.bytes_saved,
+        "offload_bytes_loaded": host_kv.bytes_loaded,
+        "offload_seconds": host_kv.host_seconds,
+    }
 
 
 def _limit_cpu_threads(config: EngineConfig) -> None:

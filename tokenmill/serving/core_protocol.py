@@ -69,6 +69,14 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    # The prefix cache's CPU tier, cumulative: tokens served from it, blocks and bytes each way, and
+    # the host time spent issuing the copies.
+    offload_hits: int = 0
+    offload_saved_blocks: int = 0
+    offload_loaded_blocks: int = 0
+    offload_bytes_saved: int = 0
+    offload_bytes_loaded: int = 0
+    offload_seconds: float = 0.0
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

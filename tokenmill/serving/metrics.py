@@ -92,6 +92,25 @@ class ServerMetrics:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.kv_offload_hits = counter(
+            "kv_offload_hits", "Prompt tokens found in the prefix cache's CPU tier (loaded, not computed)."
+        )
+        offload_blocks = Counter(
+            "tokenmill:kv_offload_blocks", "KV blocks copied between the device and the CPU tier.",
+            [*names, "direction"], registry=self.registry,
+        )  # fmt: skip
+        offload_bytes = Counter(
+            "tokenmill:kv_offload_bytes", "Bytes copied between the device and the CPU tier.",
+            [*names, "direction"], registry=self.registry,
+        )  # fmt: skip
+        self._offload = {
+            (kind, direction): family.labels(**labels, direction=direction)
+            for kind, family in (("blocks", offload_blocks), ("bytes", offload_bytes))
+            for direction in ("save", "load")
+        }
+        self.kv_offload_seconds = counter(
+            "kv_offload_host_seconds", "Host time spent issuing the CPU tier's copies."
+        )
         self.spec_decode_num_drafts = counter(
             "spec_decode_num_drafts", "Steps of a request that verified drafts."
         )
@@ -155,6 +174,12 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.kv_offload_hits.inc(stats.offload_hits - last.offload_hits)
+        self._offload["blocks", "save"].inc(stats.offload_saved_blocks - last.offload_saved_blocks)
+        self._offload["blocks", "load"].inc(stats.offload_loaded_blocks - last.offload_loaded_blocks)
+        self._offload["bytes", "save"].inc(stats.offload_bytes_saved - last.offload_bytes_saved)
+        self._offload["bytes", "load"].inc(stats.offload_bytes_loaded - last.offload_bytes_loaded)
+        self.kv_offload_seconds.inc(stats.offload_seconds - last.offload_seconds)
         self.spec_decode_num_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
         self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
         self.spec_decode_num_accepted_tokens.inc(

@@ -19,6 +19,7 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.input_batch import InputBatch, StepInputs
+from tokenmill.worker.kv_offload import HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
@@ -81,6 +82,7 @@ class ModelRunner:
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
+        self.host_kv: HostKVCache | None = None  # the prefix cache's CPU tier (kv_offload_gib)
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
@@ -143,6 +145,9 @@ class ModelRunner:
             # the rest of its blocks, so zeroing gigabytes would buy nothing.
             attn.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+
+    def allocate_host_kv_cache(self, num_blocks: int) -> None:
+        self.host_kv = HostKVCache(self._attention_layers(), num_blocks, self.kv_dtype, self.device)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -254,6 +259,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput | AwaitingGrammar:
+        if scheduler_output.kv_saves or scheduler_output.kv_loads:
+            assert self.host_kv is not None
+            self.host_kv.transfer(scheduler_output.kv_saves, scheduler_output.kv_loads)
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
