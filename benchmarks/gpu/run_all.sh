@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
-#         server-scale server-burst mixed-step embeddings poisson router-x2 (default:
+#         server-scale server-burst mixed-step embeddings poisson kv-offload router-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -94,6 +94,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     mixed-step) timeout 240 $py benchmarks/gpu/profile_mixed_step.py --out "$out/mixed_step.json"
                 timeout 240 $py benchmarks/gpu/profile_mixed_step.py --new-per-wave 16 --out "$out/mixed_step_16.json" ;;
     embeddings) timeout 420 $py benchmarks/gpu/bench_embeddings.py --out "$out/embeddings.json" ;;
+    # The CPU tier of the prefix cache: copy speed against pinned copies, and multi-turn TTFT with and without.
+    kv-offload) timeout 120 $py benchmarks/gpu/bench_kv_offload.py --out "$out/kv_offload_copies.json"
+                timeout 560 benchmarks/gpu/kv_offload_serve.sh "$out/kv_offload" ;;
     # Needs nvidia-h200-x2: two 8B replicas, cache_aware against round_robin on multi-turn chats.
     router-x2) timeout 560 benchmarks/gpu/router_x2.sh "$out/router" ;;
     poisson) TRITON_CACHE_DIR=$(mktemp -d) timeout 300 benchmarks/gpu/serve_poisson.sh "$out" ;;

@@ -63,6 +63,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step if there is room and work, then (when the queue is full or nothing new could be
         launched) wait for the oldest step in flight and return its outputs."""
+        outputs = self._step()
+        pending = self.scheduler.take_pending_outputs()
+        return pending + outputs if pending else outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if len(self.batch_queue) < self._in_flight() and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:

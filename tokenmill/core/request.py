@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill.core.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.kv_transfer import RemotePrefill
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +78,12 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.. scored so far
+        # Prefill/decode disaggregation (core/kv_transfer.py): on a prefill instance, keep the blocks for
+        # a decode peer when finished; on a decode instance, the prefill peer's work to take over, and
+        # the first token it sampled until it has been sent.
+        self.remote_decode = False
+        self.remote_prefill: RemotePrefill | None = None
+        self.unreported_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

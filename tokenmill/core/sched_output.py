@@ -19,6 +19,8 @@ class NewRequestData:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int  # a prefix-cache hit: these tokens' KV is already in block_ids
+    # Tokens already generated (a prefill peer's first token, with the prompt's KV received).
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class SchedulerOutput:
     # into device blocks (a prefix hit continued on the host).
     kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Prefill/decode disaggregation: KV a prefill peer computed (rows of BlockRows' layout) for blocks.
+    kv_recvs: list[tuple[list[int], bytes]] = field(default_factory=list)
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)

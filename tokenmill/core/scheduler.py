@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from tokenmill.core.kv_cache import KVCacheManager, PrefixHit
+from tokenmill.core.kv_cache import KVCacheManager, PrefixHit, cdiv
+from tokenmill.core.kv_transfer import KVTransfers
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -49,6 +50,10 @@ class Scheduler:
         structured: grammar compilation and masks for requests with structured_outputs (None: the
         engine has no tokenizer, and such requests are refused)."""
         self.kv = kv_cache_manager
+        # Prefill/decode disaggregation: blocks held for a decode peer, requests waiting for their KV.
+        self.transfers = KVTransfers(kv_cache_manager)
+        # Outputs that no step produced (a remotely prefilled request whose first token ends it).
+        self.pending_outputs: list[EngineCoreOutput] = []
         self.context_cost = context_cost
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
@@ -101,6 +106,9 @@ class Scheduler:
                 )
             request.grammar = self.structured.matcher(constraint)
         self.requests[request.request_id] = request
+        if request.remote_prefill is not None:
+            self.transfers.add(request)  # it waits for its KV, not for a turn at computing its prompt
+            return
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
@@ -123,6 +131,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_runnable_requests(self) -> bool:
+        """Work a step could do now (not only requests waiting for KV from a prefill peer)."""
+        transfers = self.transfers
+        return bool(self.running or self._peek_waiting() or transfers.arrived or self.pending_outputs) or (
+            any(not r.block_ids for r in transfers.awaiting.values())
+        )
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         aborted = []
         for request_id in request_ids:
@@ -135,8 +154,13 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.remote_prefill is not None:
+            self.transfers.forget(request.request_id)
         request.status = status
-        self.kv.free(request)
+        if request.remote_decode and status != RequestStatus.FINISHED_ABORTED:
+            self.transfers.hold(request)  # its blocks wait for the decode peer to fetch them
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
 
@@ -154,6 +178,7 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.transfers.reserve()
         budget = self.max_num_batched_tokens
         num_preempted = 0
         num_scheduled: dict[str, int] = {}
@@ -227,6 +252,13 @@ class Scheduler:
 
         new_requests: list[Request] = []
         resumed: set[str] = set()
+        kv_recvs = self._join_remote_prefills(
+            min(budget, self.max_num_seqs - len(self.running)), new_requests
+        )
+        for request in new_requests:
+            num_scheduled[request.request_id] = cost_of[request.request_id] = 1
+            new_block_ids[request.request_id] = request.block_ids
+            budget -= 1
         # New requests only when nobody had to be preempted: otherwise they would just thrash.
         while not num_preempted and min(budget, prefill_room) > 0 and len(self.running) < self.max_num_seqs:
             candidate = self._peek_waiting()
@@ -306,6 +338,7 @@ class Scheduler:
         )
         if self.kv.host is not None:
             out.kv_saves, out.kv_loads = self.kv.host.drain()
+        out.kv_recvs = kv_recvs
         self._preempted_since_last_step, self._finished_since_last_step = [], []
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
@@ -315,6 +348,31 @@ class Scheduler:
             if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples the request's next token
         return out
+
+    def _join_remote_prefills(self, room: int, joined: list[Request]) -> list[tuple[list[int], bytes]]:
+        """Requests whose KV a prefill peer sent: they run from their first output token on. Returns the
+        copies into their blocks the step makes ahead of its forward pass."""
+        recvs = []
+        for request, data in self.transfers.ready()[: max(room, 0)]:
+            num_prompt_blocks = cdiv(request.num_prompt_tokens, self.kv.block_size)
+            recvs.append((request.block_ids[:num_prompt_blocks], data))
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_cached_tokens = 0
+            request.append_output_token(request.remote_prefill.first_token_id)
+            request.unreported_token_ids = [request.remote_prefill.first_token_id]
+            status = self._check_stop(request)
+            if status is not None:  # the peer's token ends it: nothing to run
+                self.pending_outputs.append(
+                    EngineCoreOutput(request.request_id, request.unreported_token_ids,
+                                     finish_reason=status.finish_reason, stop_reason=request.stop_reason)
+                )  # fmt: skip
+                recvs.pop()
+                self._finish(request, status)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            joined.append(request)
+        return recvs
 
     def _grammar_requests(self, num_scheduled: dict[str, int]) -> dict:
         """The step's requests that sample under a grammar (before the step's counts move), and whether
@@ -427,6 +485,7 @@ class Scheduler:
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
             eos_token_ids=sorted(request.eos_token_ids),
             block_ids=list(request.block_ids),
@@ -506,10 +565,14 @@ class Scheduler:
             if running:
                 self.kv.cache_full_blocks(request)
             logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
+            reported = new_token_ids[:appended]
+            if request.unreported_token_ids:  # a prefill peer's first token, not yet sent
+                reported = request.unreported_token_ids + reported
+                request.unreported_token_ids = []
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
-                    new_token_ids=new_token_ids[:appended],
+                    new_token_ids=reported,
                     new_logprobs=logprobs[:appended] if logprobs is not None else None,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,

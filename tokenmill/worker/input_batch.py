@@ -100,6 +100,8 @@ class InputBatch:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            for token_id in new.output_token_ids:
+                self.requests[new.req_id].append_output_token(token_id)
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             state = self.requests[request_id]

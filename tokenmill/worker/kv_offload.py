@@ -1,100 +1,112 @@
-"""The CPU tier's tensors and copies (the scheduler's side is core/offload.py): for every attention
-layer a host K and V pool shaped like the device cache ([host blocks, block size, KV heads, head dim];
-pinned on a GPU), and the step's saves and loads, run ahead of its forward pass on the step's stream.
+"""The CPU tier's tensors and copies (the scheduler's side is core/offload.py).
 
-A save gathers the evicted device blocks of each layer into one tensor and copies it to pinned memory
-without waiting; the host scatter into the pool happens once the copy is done (at a later step, or
-before any load, which reads the pool). A load gathers host blocks into pinned memory, copies them to
-the device without waiting and scatters them into the cache there: the forward pass that follows on the
-same stream reads them."""
+The host pool holds whole blocks: row h is every attention layer's K and V of one block, back to back
+(pinned on a GPU), so a block crosses PCIe in one contiguous copy at full bandwidth, and runs of
+consecutive host blocks in one. A save gathers the evicted device blocks of every layer into a device
+staging tensor of the same row layout and copies its rows into the pool; a load copies pool rows into
+a staging tensor and scatters them into each layer's cache. Both run ahead of the step's forward pass
+on the step's stream and never wait for the device: the pool is only ever read and written by copies
+on that stream, in order."""
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 
 
-class _PendingSave(NamedTuple):
-    done: torch.cuda.Event
-    host_index: torch.Tensor
-    staged: list[torch.Tensor]  # pinned, one per pool tensor, in pool order
+class BlockRows:
+    """The row layout of a block: every attention layer's K then V of one block, as bytes, back to back.
+    Gathers device blocks into rows and scatters rows into device blocks, on the caller's stream."""
+
+    def __init__(self, attention_layers: list, device: torch.device) -> None:
+        self.layers = attention_layers
+        self.device = device
+        self.spans: list[tuple[int, int]] = []  # each cache tensor's (byte offset, bytes) in a row
+        offset = 0
+        for cache in self.caches():
+            self.spans.append((offset, cache[0].numel()))
+            offset += cache[0].numel()
+        self.block_bytes = offset
+
+    def caches(self) -> list[torch.Tensor]:
+        """Every cache tensor as bytes ([blocks, block size, KV heads, head dim x element size]): rows
+        move bytes, whatever the KV dtype (FP8 included)."""
+        return [cache.view(torch.uint8) for attn in self.layers for cache in (attn.k_cache, attn.v_cache)]
+
+    def _share(self, rows: torch.Tensor, index: int, cache: torch.Tensor) -> torch.Tensor:
+        offset, size = self.spans[index]
+        return rows[:, offset : offset + size].view(rows.shape[0], *cache.shape[1:])
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """[len(block_ids), block_bytes] on the device."""
+        index = torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device)
+        for i, cache in enumerate(self.caches()):
+            self._share(rows, i, cache).copy_(cache.index_select(0, index))
+        return rows
+
+    def scatter(self, rows: torch.Tensor, block_ids: list[int]) -> None:
+        """rows [len(block_ids), block_bytes] on the device into those blocks."""
+        index = torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        for i, cache in enumerate(self.caches()):
+            cache.index_copy_(0, index, self._share(rows, i, cache))
+
+    def export(self, block_ids: list[int]) -> bytes:
+        """The blocks' KV as bytes (rows in order), for another engine of the same model and layout."""
+        return self.gather(block_ids).cpu().numpy().tobytes()
+
+    def import_(self, block_ids: list[int], data: bytes) -> None:
+        if len(data) != len(block_ids) * self.block_bytes:
+            raise ValueError(
+                f"received {len(data)} bytes of KV for {len(block_ids)} blocks of {self.block_bytes}: "
+                "the peer runs another model, dtype or block size"
+            )
+        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(block_ids), self.block_bytes)
+        self.scatter(rows.to(self.device), block_ids)
 
 
 class HostKVCache:
-    def __init__(
-        self, attention_layers: list, num_blocks: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.layers = attention_layers
+    def __init__(self, attention_layers: list, num_blocks: int, device: torch.device) -> None:
+        self.rows = BlockRows(attention_layers, device)
         self.num_blocks = num_blocks
         self.device = device
-        self.cuda = device.type == "cuda"
-        # FP8 caches move as bytes: index_select and index_copy do not take float8 everywhere.
-        self.dtype = torch.uint8 if dtype.itemsize == 1 else dtype
-        self.pools: list[torch.Tensor] = []
-        for attn in attention_layers:
-            shape = (num_blocks, attn.k_cache.shape[1], attn.num_kv_heads, attn.head_dim)
-            for _ in ("k", "v"):
-                self.pools.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda))
-        self.block_bytes = sum(p[0].numel() * p.element_size() for p in self.pools)
-        self._pending: list[_PendingSave] = []
+        self.block_bytes = self.rows.block_bytes
+        self.pool = torch.empty(
+            (num_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=device.type == "cuda"
+        )
         self.bytes_saved = 0
         self.bytes_loaded = 0
-        self.host_seconds = 0.0  # time the host spent issuing copies and scattering
-
-    def _caches(self) -> list[torch.Tensor]:
-        return [cache.view(self.dtype) for attn in self.layers for cache in (attn.k_cache, attn.v_cache)]
+        self.host_seconds = 0.0  # time the host spent issuing the copies
 
     def transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Saves first: a device block saved here may be the target of one of the loads."""
         start = time.perf_counter()
-        self._finish_saves(wait=False)
         if saves:
-            self._save(saves)
+            staging = self.rows.gather([d for d, _ in saves])
+            for first, host_first, count in _runs([h for _, h in saves]):
+                self.pool[host_first : host_first + count].copy_(
+                    staging[first : first + count], non_blocking=True
+                )
+            self.bytes_saved += len(saves) * self.block_bytes
         if loads:
-            self._finish_saves(wait=True)  # a load may read a host block a save is still filling
-            self._load(loads)
+            staging = torch.empty((len(loads), self.block_bytes), dtype=torch.uint8, device=self.device)
+            for first, host_first, count in _runs([h for h, _ in loads]):
+                staging[first : first + count].copy_(
+                    self.pool[host_first : host_first + count], non_blocking=True
+                )
+            self.rows.scatter(staging, [d for _, d in loads])
+            self.bytes_loaded += len(loads) * self.block_bytes
         self.host_seconds += time.perf_counter() - start
 
-    def _save(self, saves: list[tuple[int, int]]) -> None:
-        device_index = torch.tensor([d for d, _ in saves], dtype=torch.int64).to(
-            self.device, non_blocking=True
-        )
-        host_index = torch.tensor([h for _, h in saves], dtype=torch.int64)
-        self.bytes_saved += len(saves) * self.block_bytes
-        if not self.cuda:
-            for pool, cache in zip(self.pools, self._caches(), strict=True):
-                pool.index_copy_(0, host_index, cache.index_select(0, device_index))
-            return
-        staged = []
-        for cache in self._caches():
-            out = torch.empty((len(saves), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
-            out.copy_(cache.index_select(0, device_index), non_blocking=True)
-            staged.append(out)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending.append(_PendingSave(done, host_index, staged))
 
-    def _finish_saves(self, wait: bool) -> None:
-        """Scatter saves whose copies have landed into the pool, in order (a later save may reuse a
-        host block an earlier one filled)."""
-        while self._pending and (wait or self._pending[0].done.query()):
-            pending = self._pending.pop(0)
-            pending.done.synchronize()
-            for pool, staged in zip(self.pools, pending.staged, strict=True):
-                pool.index_copy_(0, pending.host_index, staged)
-
-    def _load(self, loads: list[tuple[int, int]]) -> None:
-        host_index = torch.tensor([h for h, _ in loads], dtype=torch.int64)
-        device_index = torch.tensor([d for _, d in loads], dtype=torch.int64).to(
-            self.device, non_blocking=True
-        )
-        self.bytes_loaded += len(loads) * self.block_bytes
-        for pool, cache in zip(self.pools, self._caches(), strict=True):
-            if not self.cuda:
-                cache.index_copy_(0, device_index, pool.index_select(0, host_index))
-                continue
-            staged = torch.empty((len(loads), *pool.shape[1:]), dtype=pool.dtype, pin_memory=True)
-            torch.index_select(pool, 0, host_index, out=staged)
-            # The caching host allocator keeps `staged` until this copy is done.
-            cache.index_copy_(0, device_index, staged.to(self.device, non_blocking=True))
+def _runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive host blocks as (position in the list, first host block, count): one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for position, block in enumerate(host_blocks):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            first, host_first, count = runs[-1]
+            runs[-1] = (first, host_first, count + 1)
+        else:
+            runs.append((position, block, 1))
+    return runs

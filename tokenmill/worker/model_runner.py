@@ -19,7 +19,7 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.input_batch import InputBatch, StepInputs
-from tokenmill.worker.kv_offload import HostKVCache
+from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
@@ -83,6 +83,7 @@ class ModelRunner:
         self._last_row_of: dict[str, int] = {}
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         self.host_kv: HostKVCache | None = None  # the prefix cache's CPU tier (kv_offload_gib)
+        self._block_rows: BlockRows | None = None
         # cuDNN's dense prefill belongs to the fast path; the torch reference backend stays pure.
         self.dense_prefill_ok = self.device.type == "cuda" and self.model.kernels.backend == "triton"
 
@@ -146,8 +147,18 @@ class ModelRunner:
             attn.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
 
+    def block_rows(self) -> BlockRows:
+        """The KV cache's blocks as rows of bytes, for prefill/decode disaggregation's transfers."""
+        if self._block_rows is None:
+            self._block_rows = BlockRows(self._attention_layers(), self.device)
+        return self._block_rows
+
+    def export_blocks(self, block_ids: list[int]) -> bytes:
+        """The KV of finished work's blocks, for a decode peer (blocks a step no longer writes)."""
+        return self.block_rows().export(block_ids)
+
     def allocate_host_kv_cache(self, num_blocks: int) -> None:
-        self.host_kv = HostKVCache(self._attention_layers(), num_blocks, self.kv_dtype, self.device)
+        self.host_kv = HostKVCache(self._attention_layers(), num_blocks, self.device)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -262,6 +273,8 @@ class ModelRunner:
         if scheduler_output.kv_saves or scheduler_output.kv_loads:
             assert self.host_kv is not None
             self.host_kv.transfer(scheduler_output.kv_saves, scheduler_output.kv_loads)
+        for block_ids, data in scheduler_output.kv_recvs:
+            self.block_rows().import_(block_ids, data)
         self.input_batch.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)

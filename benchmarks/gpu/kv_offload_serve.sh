@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 15's TTFT goal: multi-turn chats whose working set is ~4x the device's KV pool, served with and
+# without the CPU tier (Llama-3.1-8B shape, dummy weights, SmolLM2's tokenizer). 64 conversations, each
+# with its own 1,024-token system prompt, 6 turns of 256 user + 128 answer tokens: ~211k tokens of
+# history against a pool of 3,300 blocks (52,800 tokens). TTFT percentiles and the engine's hits per
+# tier in OUTDIR/kv_offload_<label>.json.
+# Usage: benchmarks/gpu/kv_offload_serve.sh OUTDIR   env: RATE=8 PORT=8360 OFFLOAD_GIB=32
+#   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run).
+# Needs the server's wheels installed and .gpu_assets/tokenizer, as serve_vs_offline.sh does.
+set -u
+out=${1:?usage: kv_offload_serve.sh OUTDIR}
+mkdir -p "$out"
+rate=${RATE:-8}
+port=${PORT:-8360}
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/../.."
+if [ -z "${MODEL_ARGS:-}" ]; then
+  model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
+print(shape_dir('llama-3.1-8b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
+  cp .gpu_assets/tokenizer/* "$model/"
+  MODEL_ARGS="--model $model --load-format dummy --max-model-len 8192 --num-kv-blocks 3300"
+fi
+tokenizer=$(echo "$MODEL_ARGS" | sed -E 's/.*--model ([^ ]+).*/\1/')
+workload=${BENCH_ARGS:---conversation-num 64 --conversation-num-system-prompts 64 --conversation-system-len 1024 \
+--conversation-turn-len 256 --conversation-output-len 128 --num-prompts 384}
+for label in recompute offload; do
+  extra=""; [ $label = offload ] && extra="--kv-offload-gib ${OFFLOAD_GIB:-32}"
+  $py -m tokenmill.entrypoints.cli serve $MODEL_ARGS $extra --port "$port" --no-access-log \
+    >"$out/server_kv_$label.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
+    --dataset-name conversations $workload --request-rate "$rate" --ignore-eos --seed 0 \
+    --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --disable-tqdm \
+    --output-json "$out/kv_offload_$label.json" | grep -iE "ttft|throughput" | head -4
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^tokenmill:(prefix_cache_(hits|queries)|kv_offload)" \
+    >"$out/kv_offload_${label}_metrics.txt"
+  cat "$out/kv_offload_${label}_metrics.txt"
+  kill -INT $server
+  wait $server
+done
