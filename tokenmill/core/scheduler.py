@@ -358,8 +358,10 @@ class Scheduler:
             recvs.append((request.block_ids[:num_prompt_blocks], data))
             request.num_computed_tokens = request.num_prompt_tokens
             request.num_cached_tokens = 0
-            request.append_output_token(request.remote_prefill.first_token_id)
-            request.unreported_token_ids = [request.remote_prefill.first_token_id]
+            assert request.remote_prefill is not None
+            first_token_id = request.remote_prefill.first_token_id
+            request.append_output_token(first_token_id)
+            request.unreported_token_ids = [first_token_id]
             status = self._check_stop(request)
             if status is not None:  # the peer's token ends it: nothing to run
                 self.pending_outputs.append(
