@@ -59,6 +59,11 @@ class EngineConfig:
     # The CPU tier of the prefix cache, in GiB of (pinned) host memory: full blocks evicted from the
     # device are kept there and copied back on a later prefix hit instead of being recomputed. 0: off.
     kv_offload_gib: float = 0.0
+    # Prefill/decode disaggregation: "prefill" keeps a finished remote-decode request's blocks and serves
+    # them on kv_port; "decode" fetches the KV of requests a prefill peer computed. None: neither.
+    kv_role: str | None = None
+    kv_port: int = 14579
+    kv_transfer_timeout: float = 30.0  # seconds a decode instance waits for a request's KV
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -84,6 +89,12 @@ class EngineConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if not isinstance(self.kv_offload_gib, (int, float)) or self.kv_offload_gib < 0:
             raise ValueError(f"kv_offload_gib must be a number of GiB >= 0, got {self.kv_offload_gib!r}.")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role must be prefill or decode, got {self.kv_role!r}.")
+        if not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port must be a TCP port, got {self.kv_port!r}.")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}.")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -48,6 +48,10 @@ _HELP = {
     "config, else last)",
     "kv_offload_gib": "GiB of host memory for a CPU tier of the prefix cache: blocks evicted from the device "
     "are copied there and back on a later prefix hit instead of being recomputed (default: 0, off)",
+    "kv_role": "prefill/decode disaggregation: prefill (compute prompts for decode peers and serve their KV "
+    "on --kv-port) or decode (take over requests a prefill peer computed; see --kv-peer)",
+    "kv_port": "with --kv-role prefill: the TCP port decode peers fetch KV from",
+    "kv_transfer_timeout": "with --kv-role decode: seconds to wait for a request's KV before failing it",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (ngram: drafts from the request\'s own text, '
     "prompt_lookup_min/max tokens matched; greedy output is unchanged, sampled output keeps its "

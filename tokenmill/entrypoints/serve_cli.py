@@ -71,6 +71,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --data-parallel-size: how the router spreads requests (default: cache_aware)",
     )
     server.add_argument(
+        "--kv-peer",
+        action="append",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="with --kv-role decode: the prefill instances' HTTP addresses (repeat or comma-separate); "
+        "each request goes to the least loaded one",
+    )
+    server.add_argument(
+        "--remote-prefill-min-tokens",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="with --kv-role decode: shorter prompts are prefilled locally (default: 256)",
+    )
+    server.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json", "mistral"),
         help="how to find tool calls in what the model writes, for tool_choice 'auto' (vLLM's names)",
@@ -112,6 +126,10 @@ def _run(args: argparse.Namespace) -> int:
             "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)"
         )
 
+    if args.kv_role == "decode" and not args.kv_peer:
+        raise SystemExit(
+            "--kv-role decode needs --kv-peer HOST:PORT (a server started with --kv-role prefill)"
+        )
     if args.data_parallel_size > 1:
         from tokenmill.entrypoints.data_parallel import run_data_parallel
 

@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_transfer import RemotePrefill
 from tokenmill.loader import resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ from tokenmill.serving.core_protocol import (
     message_decoder,
 )
 from tokenmill.serving.input_processor import InputProcessor
+from tokenmill.serving.kv_transfer import KV_TRANSFER_FAILED
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
 from tokenmill.serving.step_trace import StepTrace
@@ -46,6 +48,10 @@ logger = logging.getLogger("tokenmill.server")
 
 class EngineDeadError(RuntimeError):
     """The engine-core process has died; no request can complete."""
+
+
+class KVTransferError(RuntimeError):
+    """Disaggregation: the request's KV never came from its prefill peer (the core ended it)."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -207,9 +213,14 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt_text: str | None = None,
+        remote_decode: bool = False,
+        remote_prefill: RemotePrefill | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Check and submit a request now (errors raise here, before any response starts); returns the
-        stream of its outputs. Closing the stream before the request finishes aborts it."""
+        stream of its outputs. Closing the stream before the request finishes aborts it.
+
+        remote_decode: keep the finished request's KV for a decode peer (a prefill instance);
+        remote_prefill: a prefill peer computed the prompt (a decode instance)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         cap = self.config.max_waiting_requests
@@ -229,6 +240,10 @@ class AsyncEngineClient:
                     self.eos_token_ids,
                     state.arrival_time,
                     self.client_index,
+                    remote_decode,
+                    [remote_prefill.first_token_id, remote_prefill.kv_address, remote_prefill.transfer_id]
+                    if remote_prefill is not None
+                    else None,
                 )
             )
         return self._stream(request_id, state)
@@ -346,7 +361,8 @@ class AsyncEngineClient:
                     for completion in output.outputs:
                         reason = completion.finish_reason or "abort"
                         self.metrics.record_finished(reason, now - state.arrival_time)
-            state.queue.put_nowait(output)
+            failure = _transfer_failure(output) if output.finished else None
+            state.queue.put_nowait(KVTransferError(failure) if failure is not None else output)
         if self.metrics is not None:
             self.metrics.record_step(gaps, num_tokens)
         if self._trace is not None:
@@ -388,3 +404,13 @@ class AsyncEngineClient:
         except zmq.Again:
             if not self._closing:
                 self._fail("engine core is not reading its input socket.")
+
+
+def _transfer_failure(output: RequestOutput) -> str | None:
+    """The reason a disaggregated request's KV never came, when that is how it ended."""
+    for completion in output.outputs:
+        reason = completion.stop_reason
+        failed = isinstance(reason, str) and reason.startswith(KV_TRANSFER_FAILED)
+        if completion.finish_reason == "abort" and failed:
+            return reason
+    return None

@@ -16,6 +16,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine import EngineCore
+from tokenmill.core.kv_transfer import RemotePrefill
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.serving.core_protocol import (
@@ -32,6 +33,7 @@ from tokenmill.serving.core_protocol import (
     request_decoder,
 )
 from tokenmill.serving.engine_setup import create_engine
+from tokenmill.serving.kv_transfer import KVClient, KVServer
 from tokenmill.serving.step_trace import StepTrace
 
 # One row per step that returned outputs: when they left, how long the step() call took, and what the
@@ -57,8 +59,14 @@ class EngineCoreProc:
         output_sockets: list[zmq.Socket],
         parent_sentinel: int | None = None,
         step_trace: StepTrace | None = None,
+        kv_server: KVServer | None = None,
+        kv_client: KVClient | None = None,
     ) -> None:
+        """kv_server, kv_client: the network of prefill/decode disaggregation (serving/kv_transfer.py),
+        on a prefill and a decode instance."""
         self.core = core
+        self.kv_server = kv_server
+        self.kv_client = kv_client
         self.step_trace = step_trace
         self.input_socket = input_socket
         # One per API process; index i answers the requests sent with client_index i.
@@ -76,24 +84,41 @@ class EngineCoreProc:
         poller.register(self.input_socket, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
+        if self.kv_server is not None:
+            poller.register(self.kv_server.socket, zmq.POLLIN)
         while not self.shutdown_requested:
-            # Block only when idle; with work in flight, look at the sockets without waiting.
-            timeout = 0 if self.core.has_unfinished_requests() else None
-            events = dict(poller.poll(timeout))
+            events = dict(poller.poll(self._poll_timeout()))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("API process is gone; engine core exiting.")
                 return
             changed = self._drain_requests() if self.input_socket in events else False
             if self.shutdown_requested:
                 return
-            self._step(changed)
+            failed: list[EngineCoreOutput] = []
+            if self.kv_server is not None:
+                changed = self.kv_server.handle() or changed
+            if self.kv_client is not None:
+                failed = self.kv_client.handle()
+            self._step(changed or bool(failed), failed)
 
-    def _step(self, changed: bool) -> None:
-        outputs: list[EngineCoreOutput] = []
+    def _poll_timeout(self) -> int | None:
+        """Block only when idle; with work to do, look at the sockets without waiting; while requests wait
+        for KV (or blocks are held for a peer), look every few milliseconds."""
+        core = self.core
+        if core.batch_queue or core.scheduler.has_runnable_requests():
+            return 0
+        if self.kv_client is not None and self.kv_client.pending:
+            return 2
+        if core.has_unfinished_requests() or (self.kv_server is not None and core.scheduler.transfers.held):
+            return 50
+        return None
+
+    def _step(self, changed: bool, failed: list[EngineCoreOutput] | None = None) -> None:
+        outputs: list[EngineCoreOutput] = list(failed or [])
         steps_before = self.core.num_steps
         start = time.monotonic()
         if self.core.has_unfinished_requests():
-            outputs = self.core.step()
+            outputs += self.core.step()
         # Idle steps are not reported; a change of state (an abort, a new request) always is, so the
         # API process's gauges never keep a stale count of running requests or used blocks.
         if not (outputs or changed or self.core.num_steps != steps_before):
@@ -142,6 +167,9 @@ class EngineCoreProc:
                 tuple(message.eos_token_ids),
                 arrival_time=message.arrival_time,
             )
+            request.remote_decode = message.remote_decode
+            if message.remote_prefill is not None:
+                request.remote_prefill = RemotePrefill(*message.remote_prefill)
             try:
                 self.core.add_request(request)
             except ValueError as exc:
@@ -192,7 +220,18 @@ class EngineCoreProc:
             spec_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
             spec_accepted_per_position=list(scheduler.spec_accepted_per_position),
             **_offload_stats(kv, getattr(self.core.executor, "host_kv", None)),
+            **self._transfer_stats(),
         )
+
+    def _transfer_stats(self) -> dict:
+        side = self.kv_server or self.kv_client
+        if side is None:
+            return {}
+        return {
+            "kv_transfers": side.num_done,
+            "kv_transfer_bytes": side.num_bytes,
+            "kv_transfer_seconds": side.seconds,
+        }
 
     def _send(self, message: object, client_index: int = 0) -> None:
         self.output_sockets[client_index].send(self.encoder.encode(message))
@@ -264,7 +303,11 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
         trace = StepTrace.from_env(CORE_TRACE_COLUMNS)
-        EngineCoreProc(parts.core, input_socket, output_sockets, sentinel, trace).run()
+        kv_server = KVServer(context, config.kv_port, parts.core) if config.kv_role == "prefill" else None
+        kv_client = (
+            KVClient(context, parts.core, config.kv_transfer_timeout) if config.kv_role == "decode" else None
+        )
+        EngineCoreProc(parts.core, input_socket, output_sockets, sentinel, trace, kv_server, kv_client).run()
         if trace is not None:
             trace.write()
     except Exception as exc:

@@ -22,6 +22,10 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     eos_token_ids: list[int]
     arrival_time: float  # time.monotonic() in the API process (the clock is shared across processes)
     client_index: int = 0  # which API process sent it and gets its outputs
+    # Disaggregation: hold the blocks for a decode peer when finished (prefill instance), or take over
+    # from a prefill peer: [its first token id, its KV address, its request id] (decode instance).
+    remote_decode: bool = False
+    remote_prefill: list | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -77,6 +81,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     offload_bytes_saved: int = 0
     offload_bytes_loaded: int = 0
     offload_seconds: float = 0.0
+    # Prefill/decode disaggregation, cumulative: requests whose KV was sent (prefill) or received
+    # (decode), its bytes, and the time spent on them.
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

@@ -108,6 +108,15 @@ class ServerMetrics:
             for kind, family in (("blocks", offload_blocks), ("bytes", offload_bytes))
             for direction in ("save", "load")
         }
+        self.kv_transfer_requests = counter(
+            "kv_transfer_requests",
+            "Disaggregation: requests whose prompt KV was sent (prefill) or received (decode).",
+        )
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Disaggregation: bytes of KV sent or received.")
+        self.kv_transfer_seconds = counter(
+            "kv_transfer_seconds",
+            "Disaggregation: time spent exporting KV (prefill) or waiting for it (decode).",
+        )
         self.kv_offload_seconds = counter(
             "kv_offload_host_seconds", "Host time spent issuing the CPU tier's copies."
         )
@@ -180,6 +189,9 @@ class ServerMetrics:
         self._offload["bytes", "save"].inc(stats.offload_bytes_saved - last.offload_bytes_saved)
         self._offload["bytes", "load"].inc(stats.offload_bytes_loaded - last.offload_bytes_loaded)
         self.kv_offload_seconds.inc(stats.offload_seconds - last.offload_seconds)
+        self.kv_transfer_requests.inc(stats.kv_transfers - last.kv_transfers)
+        self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - last.kv_transfer_bytes)
+        self.kv_transfer_seconds.inc(stats.kv_transfer_seconds - last.kv_transfer_seconds)
         self.spec_decode_num_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
         self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
         self.spec_decode_num_accepted_tokens.inc(

@@ -33,6 +33,7 @@ from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import render_prompt
 
 from .common import ServerState
+from .disagg import PrefillPeers, kv_address
 from .errors import OpenAIError, bad_request, install_error_handlers, unavailable
 from .protocol import (
     ChatCompletionRequest,
@@ -308,6 +309,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
             tool_call_parser=getattr(args, "tool_call_parser", None),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            **_disaggregation(args, config),
         )  # fmt: skip
         uvicorn_config = uvicorn.Config(
             build_app(state, args.max_request_body_bytes),
@@ -330,6 +332,18 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         return server.exit_code
     finally:
         await engine.shutdown(timeout=_STOP_S)
+
+
+def _disaggregation(args: argparse.Namespace, config) -> dict:
+    """ServerState's part in prefill/decode disaggregation (entrypoints/openai/disagg.py)."""
+    if config.kv_role == "prefill":
+        return {"kv_address": kv_address(args.host, config.kv_port)}
+    if config.kv_role == "decode":
+        peers = [p for arg in getattr(args, "kv_peer", None) or [] for p in arg.split(",") if p]
+        return {
+            "prefill_peers": PrefillPeers(peers, args.remote_prefill_min_tokens, config.kv_transfer_timeout)
+        }
+    return {}
 
 
 def _configure_logging(level: str, process_name: str = "") -> None:

@@ -12,11 +12,14 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
+from tokenmill.core.kv_transfer import RemotePrefill
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import RenderedPrompt, render_prompt
 
+from .disagg import PrefillPeers
 from .errors import OpenAIError, bad_request, unavailable
 
 T = TypeVar("T")
@@ -34,11 +37,24 @@ class ServerState:
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None  # --reasoning-parser
+    # Prefill/decode disaggregation (disagg.py): a decode instance's prefill peers; a prefill
+    # instance's KV address, returned to decode peers.
+    prefill_peers: PrefillPeers | None = None
+    kv_address: str | None = None
     # Chat templates, tokenizing and detokenizing run on one worker thread, not on the event loop: a
     # megabyte prompt takes seconds, and every other stream and /health would wait for it.
     text_worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenmill-text")
     )
+
+    async def remote_prefill(
+        self, token_ids: list[int], params: SamplingParams, n: int
+    ) -> RemotePrefill | None:
+        """On a decode instance, a prompt long enough goes to a prefill peer first (disagg.py)."""
+        peers = self.prefill_peers
+        if peers is None or not peers.eligible(token_ids, params, n):
+            return None
+        return await peers.prefill(token_ids, params)
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.text_worker, fn, *args)

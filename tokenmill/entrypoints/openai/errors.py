@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenmill.serving.async_client import EngineDeadError, EngineOverloadedError
+from tokenmill.serving.async_client import EngineDeadError, EngineOverloadedError, KVTransferError
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -62,6 +62,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(429, str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineDeadError):
         return unavailable(str(exc), "engine_dead")
+    if isinstance(exc, KVTransferError):
+        return unavailable(f"the prompt's KV never came from the prefill peer ({exc})", "kv_transfer_failed")
     if isinstance(exc, ParamError):
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, ValueError):

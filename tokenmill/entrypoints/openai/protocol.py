@@ -261,6 +261,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    # Disaggregation: {"do_remote_decode": true} from a decode peer (served with --kv-role prefill).
+    kv_transfer_params: dict | None = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:

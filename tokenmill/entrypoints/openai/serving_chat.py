@@ -143,7 +143,8 @@ class ChatServing:
         await check_constraint(state, request, params)
         tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.add_request(request_id, prompt_ids, params, prompt_text)
+        remote = await state.remote_prefill(prompt_ids, params, request.n)
+        stream = engine.add_request(request_id, prompt_ids, params, prompt_text, remote_prefill=remote)
         head = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
             return StreamingResponse(

@@ -33,7 +33,8 @@ from .common import (
     sse,
     usage,
 )
-from .errors import to_openai_error
+from .disagg import remote_decode_wanted
+from .errors import bad_request, to_openai_error
 from .protocol import CompletionRequest
 
 
@@ -97,10 +98,27 @@ class CompletionServing:
             params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
             engine.input_processor.check(prompt.token_ids, params)
             all_params.append(params)
+        remote_decode = remote_decode_wanted(request.kv_transfer_params)
+        if remote_decode and (
+            state.kv_address is None or len(prompts) != 1 or request.n != 1 or request.stream
+        ):
+            raise bad_request(
+                "kv_transfer_params do_remote_decode needs a server started with --kv-role prefill, one "
+                "prompt, n=1 and no streaming",
+                param="kv_transfer_params",
+            )
+        remotes = [
+            await state.remote_prefill(p.token_ids, params, request.n)
+            for p, params in zip(prompts, all_params)
+        ]
         streams: dict[str, AsyncIterator[RequestOutput]] = {}
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, all_params, strict=True):
-                streams[request_id] = engine.add_request(request_id, prompt.token_ids, params, prompt.text)
+            for request_id, prompt, params, remote in zip(
+                request_ids, prompts, all_params, remotes, strict=True
+            ):
+                streams[request_id] = engine.add_request(
+                    request_id, prompt.token_ids, params, prompt.text, remote_decode, remote
+                )
         except Exception:
             for request_id in streams:
                 engine.abort(request_id)
@@ -123,9 +141,13 @@ class CompletionServing:
                 if request.echo and request.logprobs is not None:
                     choice["logprobs"] = join_logprobs(self._echoed(prompt, final), choice["logprobs"])
                 choices.append(choice)
-        return JSONResponse(
-            {**head, "object": "text_completion", "choices": choices, "usage": _usage(finals)}
-        )
+        body = {**head, "object": "text_completion", "choices": choices, "usage": _usage(finals)}
+        if remote_decode:  # where the decode peer fetches the prompt's KV, and the token it starts from
+            body["kv_transfer_params"] = {
+                "kv_address": state.kv_address, "transfer_id": request_ids[0],
+                "first_token_id": finals[0].outputs[0].token_ids[0],
+            }  # fmt: skip
+        return JSONResponse(body)
 
     def _echoed(self, prompt: _Prompt, output: RequestOutput) -> dict:
         tokenizer = self.state.engine.tokenizer
