@@ -1,12 +1,14 @@
-"""The CPU tier's tensors and copies (the scheduler's side is core/offload.py).
+"""Moving KV blocks off and onto the device: BlockRows, the one layout a block takes outside the cache
+(every attention layer's K and V of one block, as bytes, back to back), and the CPU tier's pool of such
+rows (the scheduler's side is core/offload.py). Disaggregation ships the same rows between instances
+(core/kv_transfer.py, serving/kv_transfer.py).
 
-The host pool holds whole blocks: row h is every attention layer's K and V of one block, back to back
-(pinned on a GPU), so a block crosses PCIe in one contiguous copy at full bandwidth, and runs of
-consecutive host blocks in one. A save gathers the evicted device blocks of every layer into a device
-staging tensor of the same row layout and copies its rows into the pool; a load copies pool rows into
-a staging tensor and scatters them into each layer's cache. Both run ahead of the step's forward pass
-on the step's stream and never wait for the device: the pool is only ever read and written by copies
-on that stream, in order."""
+The host pool holds whole rows (pinned on a GPU), so a block crosses PCIe in one contiguous copy at full
+bandwidth, and runs of consecutive host blocks in one. A save gathers the evicted device blocks of every
+layer into a device staging tensor of the row layout and copies its rows into the pool; a load copies
+pool rows into a staging tensor and scatters them into each layer's cache. Both run ahead of the step's
+forward pass on the step's stream and never wait for the device: the pool is only ever read and written
+by copies on that stream, in order."""
 
 from __future__ import annotations
 
