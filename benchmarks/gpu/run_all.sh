@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
-#         server-scale server-burst mixed-step embeddings poisson kv-offload router-x2 (default:
+#         server-scale server-burst mixed-step embeddings poisson kv-offload router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -99,6 +99,8 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                 timeout 560 benchmarks/gpu/kv_offload_serve.sh "$out/kv_offload" ;;
     # Needs nvidia-h200-x2: two 8B replicas, cache_aware against round_robin on multi-turn chats.
     router-x2) timeout 560 benchmarks/gpu/router_x2.sh "$out/router" ;;
+    # Needs nvidia-h200-x2: one prefill and one decode GPU against two plain replicas, 4k in / 256 out.
+    disagg-x2) timeout 560 benchmarks/gpu/disagg_x2.sh "$out/disagg" ;;
     poisson) TRITON_CACHE_DIR=$(mktemp -d) timeout 300 benchmarks/gpu/serve_poisson.sh "$out" ;;
     *) echo "unknown stage $stage" ;;
   esac
