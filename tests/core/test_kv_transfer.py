@@ -40,15 +40,16 @@ def run(core, requests: list[Request], deliver=None) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def engines():
-    return engine(), engine(), engine()
+    return engine(), engine()
 
 
 def test_a_decode_engine_takes_over_from_the_prefill_engines_kv(engines) -> None:
-    single, prefill, decode = engines
-    tokenizer = single.get_tokenizer()
+    prefill, decode = engines
+    tokenizer = prefill.get_tokenizer()
     ids = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0)
-    want = run(single.engine.core, [Request(f"s{i}", p, params) for i, p in enumerate(ids)])
+    # The reference: the prefill engine serving the requests whole, as a plain engine.
+    want = run(prefill.engine.core, [Request(f"s{i}", p, params) for i, p in enumerate(ids)])
 
     prefill_requests = []
     for i, p in enumerate(ids):
@@ -82,7 +83,7 @@ def test_a_decode_engine_takes_over_from_the_prefill_engines_kv(engines) -> None
 
 
 def test_held_blocks_expire_and_waiting_requests_free_on_abort(engines) -> None:
-    _, prefill, decode = engines
+    prefill, decode = engines
     request = Request("held", list(range(40, 90)), SamplingParams(max_tokens=1, temperature=0))
     request.remote_decode = True
     run(prefill.engine.core, [request])

@@ -1,7 +1,7 @@
 """The CPU tier of the prefix cache end to end on the embedded SmolLM2 (fp32): a device pool too small for
 the working set, so conversations' blocks are evicted to the host and loaded back on their next turn.
-Greedy tokens equal a run without the tier (which recomputes) and a run with a pool that holds
-everything; the tier reports hits, and the tokens it served were not computed."""
+Greedy tokens equal a run with a pool that holds everything; the tier reports hits, and the tokens it
+served were not computed."""
 
 from __future__ import annotations
 
@@ -46,12 +46,7 @@ def test_offloaded_prefixes_come_back_with_the_same_tokens(reference, async_sche
     assert kv.offload_hits >= kv.host.num_loaded * 16 - 16
     host_kv = llm.engine.runner.host_kv
     assert host_kv.bytes_loaded == kv.host.num_loaded * host_kv.block_bytes
-
-
-def test_without_the_tier_the_small_pool_recomputes(reference) -> None:
-    llm = LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=40)
-    assert run(llm) == reference
-    assert llm.engine.scheduler.kv.host is None and llm.engine.scheduler.kv.offload_hits == 0
+    assert kv.prefix_cache_hits < kv.offload_hits  # without the tier these tokens were recomputed
 
 
 def test_bad_offload_sizes_name_the_knob() -> None:

@@ -9,6 +9,8 @@ import time
 import msgspec
 import zmq
 
+import pytest
+
 from tests.entrypoints.openai.conftest import free_port
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv_transfer import RemotePrefill
@@ -16,8 +18,12 @@ from tokenmill.core.request import Request
 from tokenmill.serving.kv_transfer import KV_TRANSFER_FAILED, KVClient, KVMessage, KVServer
 
 
-def test_a_kv_that_never_comes_fails_its_request_and_frees_its_blocks() -> None:
-    llm = LLM("default", dtype="float32", max_model_len=256, num_kv_blocks=32)
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("default", dtype="float32", max_model_len=256, num_kv_blocks=32)
+
+
+def test_a_kv_that_never_comes_fails_its_request_and_frees_its_blocks(llm) -> None:
     core = llm.engine.core
     context = zmq.Context()
     silent = context.socket(zmq.ROUTER)  # a peer that takes the fetch and never answers
@@ -47,8 +53,7 @@ def test_a_kv_that_never_comes_fails_its_request_and_frees_its_blocks() -> None:
         context.term()
 
 
-def test_the_prefill_side_answers_an_unknown_transfer_with_an_error() -> None:
-    llm = LLM("default", dtype="float32", max_model_len=256, num_kv_blocks=32)
+def test_the_prefill_side_answers_an_unknown_transfer_with_an_error(llm) -> None:
     context = zmq.Context()
     port = free_port()
     server = KVServer(context, port, llm.engine.core)

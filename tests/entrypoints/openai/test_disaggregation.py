@@ -87,25 +87,15 @@ def test_remote_decode_asks_are_checked(pair) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
 
 
-def test_a_dead_prefill_peer_fails_only_the_requests_that_need_it(tmp_path) -> None:
-    prefill = ServerProcess(
-        [*MAIN_SERVER_ARGS, "--kv-role", "prefill", "--kv-port", str(free_port())], tmp_path / "p.log"
-    ).wait_ready()
-    decode = ServerProcess(
-        [*MAIN_SERVER_ARGS, "--kv-role", "decode", "--kv-peer", f"127.0.0.1:{prefill.port}",
-         "--remote-prefill-min-tokens", "32"],
-        tmp_path / "d.log",
-    ).wait_ready()  # fmt: skip
-    try:
-        client = decode.client()
-        prefill.proc.kill()
-        prefill.proc.wait()
-        with pytest.raises(openai.APIStatusError) as failure:
-            client.completions.create(model="default", prompt=SYSTEM, max_tokens=4)
-        assert failure.value.status_code == 503 and "prefill peer" in str(failure.value)
-        # A short prompt never needed the peer; the decode instance keeps serving.
-        assert client.completions.create(model="default", prompt="Hello", max_tokens=2).choices[0].text
-        assert wait_for(lambda: counter(decode, "kv_cache_used_blocks") == 0)
-    finally:
-        decode.stop()
-        prefill.stop()
+def test_a_dead_prefill_peer_fails_only_the_requests_that_need_it(pair) -> None:
+    """Last in the module: it kills the shared prefill instance."""
+    prefill, decode = pair
+    client = decode.client()
+    prefill.proc.kill()
+    prefill.proc.wait()
+    with pytest.raises(openai.APIStatusError) as failure:
+        client.completions.create(model="default", prompt=SYSTEM, max_tokens=4)
+    assert failure.value.status_code == 503 and "prefill peer" in str(failure.value)
+    # A short prompt never needed the peer; the decode instance keeps serving.
+    assert client.completions.create(model="default", prompt="Hello", max_tokens=2).choices[0].text
+    assert wait_for(lambda: counter(decode, "kv_cache_used_blocks") == 0)
