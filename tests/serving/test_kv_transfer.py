@@ -7,9 +7,8 @@ from __future__ import annotations
 import time
 
 import msgspec
-import zmq
-
 import pytest
+import zmq
 
 from tests.entrypoints.openai.conftest import free_port
 from tokenmill import LLM, SamplingParams
