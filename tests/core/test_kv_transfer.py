@@ -102,3 +102,23 @@ def test_held_blocks_expire_and_waiting_requests_free_on_abort(engines) -> None:
     core.abort_requests(["waits"])
     assert not core.has_unfinished_requests() and not core.scheduler.transfers.awaiting
     assert core.scheduler.kv.pool.num_free_blocks == core.scheduler.kv.pool.num_blocks
+
+
+def test_arrived_kv_beyond_a_steps_room_waits_for_the_next_step() -> None:
+    from tokenmill.core.kv_cache import KVCacheManager
+    from tokenmill.core.kv_transfer import KVTransfers
+
+    transfers = KVTransfers(KVCacheManager(num_blocks=16, block_size=4))
+    requests = []
+    for i in range(3):
+        request = Request(f"r{i}", list(range(10)), SamplingParams(max_tokens=2))
+        request.remote_prefill = RemotePrefill(1, "peer", f"p{i}")
+        transfers.add(request)
+        requests.append(request)
+    transfers.reserve()
+    assert [r.request_id for r in transfers.take_to_fetch()] == ["r0", "r1", "r2"]
+    for request in requests:
+        transfers.deliver(request.request_id, b"kv")
+    assert [r.request_id for r, _ in transfers.ready(2)] == ["r0", "r1"]
+    assert [r.request_id for r, _ in transfers.ready(2)] == ["r2"]
+    assert transfers.ready(2) == [] and not transfers.awaiting

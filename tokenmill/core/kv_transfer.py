@@ -92,10 +92,11 @@ class KVTransfers:
         if request_id in self.awaiting:
             self.arrived[request_id] = data
 
-    def ready(self) -> list[tuple[Request, bytes]]:
-        """Requests whose KV has arrived, in arrival order (taken out of the waiting set)."""
+    def ready(self, limit: int) -> list[tuple[Request, bytes]]:
+        """Up to `limit` requests whose KV has arrived, in arrival order (taken out of the waiting set);
+        the rest stay for a later step."""
         out = []
-        for request_id in [r for r in self.awaiting if r in self.arrived]:
+        for request_id in [r for r in self.awaiting if r in self.arrived][: max(limit, 0)]:
             out.append((self.awaiting.pop(request_id), self.arrived.pop(request_id)))
         return out
 

@@ -353,7 +353,7 @@ class Scheduler:
         """Requests whose KV a prefill peer sent: they run from their first output token on. Returns the
         copies into their blocks the step makes ahead of its forward pass."""
         recvs = []
-        for request, data in self.transfers.ready()[: max(room, 0)]:
+        for request, data in self.transfers.ready(room):
             num_prompt_blocks = cdiv(request.num_prompt_tokens, self.kv.block_size)
             recvs.append((request.block_ids[:num_prompt_blocks], data))
             request.num_computed_tokens = request.num_prompt_tokens
