@@ -12,9 +12,12 @@ import contextlib
 import copy
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
+import threading
+import time
 
 import uvloop
 
@@ -70,8 +73,9 @@ def run_data_parallel(args: argparse.Namespace) -> int:
             if process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGTERM)
-        for process in replicas:
-            process.join(args.shutdown_timeout + 10)
+        deadline = time.monotonic() + args.shutdown_timeout + 10
+        for process in replicas:  # they drain in parallel; the deadline is for all of them
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -105,7 +109,17 @@ def _replica_main(args: argparse.Namespace, index: int, device: dict[str, str]) 
     from tokenmill.entrypoints.openai.api_server import _configure_logging, run_server
 
     _configure_logging(args.log_level, f"[replica{index}]")
+    # A launcher that dies without stopping its replicas (SIGKILL) must not leave them serving: each
+    # drains and exits when its parent is gone, as on SIGTERM.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
     raise SystemExit(run_server(args))
+
+
+def _exit_with(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _device_shares(device: str, count: int) -> list[dict[str, str]]:

@@ -115,7 +115,7 @@ async def serve_router(router, host: str, port: int, log_level: str = "info", so
         )  # fmt: skip
         config = uvicorn.Config(
             build_app(router), host=host, port=port, log_level=log_level, access_log=False,
-            lifespan="off", timeout_keep_alive=5,
+            lifespan="off", timeout_keep_alive=5, timeout_graceful_shutdown=5,
         )  # fmt: skip
         server = uvicorn.Server(config)
         await server.serve(sockets=[sock] if sock is not None else None)
