@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -234,7 +235,26 @@ class EngineCoreProc:
         }
 
     def _send(self, message: object, client_index: int = 0) -> None:
-        self.output_sockets[client_index].send(self.encoder.encode(message))
+        """A PUSH socket blocks while its peer is away: an API process that died mid-stream would hold
+        the core in send forever, past the parent check. So: never block; while the peer is away, wait
+        for it in small steps, unless the parent is gone (then stop serving)."""
+        frame = self.encoder.encode(message)
+        socket = self.output_sockets[client_index]
+        while True:
+            try:
+                socket.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self._parent_gone():
+                    logger.warning("API process is gone; engine core exiting.")
+                    self.shutdown_requested = True
+                    return
+                time.sleep(0.001)
+
+    def _parent_gone(self) -> bool:
+        if self.parent_sentinel is None:
+            return False
+        return bool(multiprocessing.connection.wait([self.parent_sentinel], timeout=0))
 
 
 def _offload_stats(kv, host_kv) -> dict:
