@@ -14,9 +14,7 @@ num_prompts=${NUM_PROMPTS:-120}
 port=${PORT:-8370}
 py=${PYTHON:-python3}
 cd "$(dirname "$0")/../.."
-model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
-print(shape_dir('llama-3.1-8b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
-cp .gpu_assets/tokenizer/* "$model/"
+model=$(PYTHONPATH=$PWD:${PYTHONPATH:-} $py benchmarks/gpu/shapes.py llama-3.1-8b .gpu_assets/tokenizer)
 common="--model $model --load-format dummy --max-model-len 8192 --no-access-log"
 wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return; sleep 0.5; done; }
 bench() {

@@ -18,9 +18,7 @@ port=${PORT:-8350}
 py=${PYTHON:-python3}
 cd "$(dirname "$0")/../.."
 if [ -z "${MODEL_ARGS:-}" ]; then
-  model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
-print(shape_dir('llama-3.1-8b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
-  cp .gpu_assets/tokenizer/* "$model/"
+  model=$(PYTHONPATH=$PWD:${PYTHONPATH:-} $py benchmarks/gpu/shapes.py llama-3.1-8b .gpu_assets/tokenizer)
   MODEL_ARGS="--model $model --load-format dummy --max-model-len 16384"
 fi
 tokenizer=$(echo "$MODEL_ARGS" | sed -E 's/.*--model ([^ ]+).*/\1/')

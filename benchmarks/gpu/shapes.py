@@ -89,3 +89,16 @@ def prefill_flops(name: str, num_tokens: int) -> int:
     lm_head = matmul_flops_per_token(shape) - body
     attention = attention_flops_per_context_token(shape, "prefill") * num_tokens * num_tokens // 2
     return body * num_tokens + attention + lm_head
+
+
+if __name__ == "__main__":
+    # For the serving scripts: `python benchmarks/gpu/shapes.py SHAPE [TOKENIZER_DIR]` prints a dummy-weight
+    # model directory of the shape with SmolLM2's vocabulary, and the tokenizer's files copied beside it.
+    import shutil
+    import sys
+
+    directory = shape_dir(sys.argv[1], vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    if len(sys.argv) > 2:
+        for name in os.listdir(sys.argv[2]):
+            shutil.copy(os.path.join(sys.argv[2], name), directory)
+    print(directory)
