@@ -99,6 +99,7 @@ def test_held_blocks_expire_and_waiting_requests_free_on_abort(engines) -> None:
     core.add_request(waiting)
     core.step()  # reserves its blocks; its KV never comes
     assert waiting.block_ids and core.scheduler.transfers.take_to_fetch() == [waiting]
+    assert core.scheduler.num_waiting == 1  # load, as a router reading the gauge should see it
     core.abort_requests(["waits"])
     assert not core.has_unfinished_requests() and not core.scheduler.transfers.awaiting
     assert core.scheduler.kv.pool.num_free_blocks == core.scheduler.kv.pool.num_blocks

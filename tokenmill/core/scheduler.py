@@ -122,7 +122,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for entry in self._waiting if not entry[3].status.finished)
+        """Requests not running yet: queued, or (disaggregation) waiting for their KV from a prefill peer,
+        so that a router reading the gauge sees them as load."""
+        return sum(1 for entry in self._waiting if not entry[3].status.finished) + len(
+            self.transfers.awaiting
+        )
 
     @property
     def num_running(self) -> int:
