@@ -40,14 +40,11 @@ class KVTransfers:
         self.awaiting: OrderedDict[str, Request] = OrderedDict()
         self.to_fetch: list[Request] = []  # given blocks since the engine core last looked
         self.arrived: dict[str, bytes] = {}
-        self.num_held = 0  # cumulative, for metrics
-        self.num_received = 0
 
     # ---- prefill side -----------------------------------------------------------------------
 
     def hold(self, request: Request) -> None:
         self.held[request.request_id] = (request, time.monotonic() + self.hold_s)
-        self.num_held += 1
 
     def held_blocks(self, transfer_id: str) -> list[int] | None:
         """The blocks that hold the prompt's KV (its last position's included), or None if unknown."""

@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -39,12 +38,6 @@ _INLINE_HASH_BYTES = 16 << 10
 
 def error_body(message: str, error_type: str, code: str) -> dict:
     return {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-
-
-@dataclass
-class Decision:
-    replica: Replica
-    hit_blocks: int
 
 
 class Router:
@@ -82,7 +75,7 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
-    def choose(self, hashes: list[int], exclude: set[str], start: float) -> Decision | None:
+    def choose(self, hashes: list[int], exclude: set[str], start: float) -> Replica | None:
         """start: when the request arrived (perf_counter), so the decision time includes hashing."""
         healthy = [r for r in self.replicas.healthy() if r.url not in exclude]
         if not healthy:
@@ -94,7 +87,7 @@ class Router:
         replica = self.replicas.replicas[url]
         replica.requests += 1
         self.metrics.routed(url, len(hashes), matched[url], time.perf_counter() - start)
-        return Decision(replica, matched[url])
+        return replica
 
     async def prompt_hashes(self, path: str, body: bytes) -> list[int]:
         if path not in ROUTED_PATHS:
@@ -115,12 +108,11 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         tried: set[str] = set()
         while True:
-            decision = self.choose(hashes, tried, start)
-            if decision is None:
+            replica = self.choose(hashes, tried, start)
+            if replica is None:
                 reason = "no replica is healthy" if not tried else "every replica failed this request"
                 self.metrics.failures.labels("no_replica").inc()
                 return JSONResponse(error_body(reason, "service_unavailable", "no_replica"), status_code=503)
-            replica = decision.replica
             tried.add(replica.url)
             replica.in_flight += 1
             try:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,7 +30,6 @@ class Replica:
     num_blocks: int | None = None
     requests: int = 0  # routed here
     last_error: str = ""
-    checked_at: float = field(default=0.0)
 
     @property
     def load(self) -> float:
@@ -152,7 +150,6 @@ class ReplicaSet:
                         _scrape(await response.text(), replica)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             ok, reason = False, f"{type(exc).__name__}: {exc}"
-        replica.checked_at = time.monotonic()
         if ok and not replica.healthy:
             logger.info("replica %s is up", replica.url)
             replica.healthy, replica.last_error = True, ""

@@ -84,11 +84,11 @@ class KVClient:
         self.core = core
         self.timeout_s = timeout_s
         self.sockets: dict[str, zmq.Socket] = {}  # peer address -> DEALER
-        self.pending: dict[str, tuple[Request, float]] = {}  # request id -> (request, deadline)
+        # request id -> (request, when its fetch went out, its deadline)
+        self.pending: dict[str, tuple[Request, float, float]] = {}
         self.num_done = 0  # transfers received, their bytes and the time from fetch to answer
         self.num_bytes = 0
         self.seconds = 0.0
-        self._started: dict[str, float] = {}
 
     def _socket(self, address: str) -> zmq.Socket:
         socket = self.sockets.get(address)
@@ -107,8 +107,7 @@ class KVClient:
             prefill = request.remote_prefill
             message = KVMessage("fetch", prefill.transfer_id, request.request_id)
             self._socket(prefill.kv_address).send(msgspec.msgpack.encode(message))
-            self.pending[request.request_id] = (request, now + self.timeout_s)
-            self._started[request.request_id] = time.perf_counter()
+            self.pending[request.request_id] = (request, now, now + self.timeout_s)
         failed: list[EngineCoreOutput] = []
         for socket in self.sockets.values():
             while True:
@@ -118,18 +117,16 @@ class KVClient:
                     break
                 message = msgspec.msgpack.decode(frame, type=KVMessage)
                 entry = self.pending.pop(message.request_id, None)
-                started = self._started.pop(message.request_id, None)
                 if entry is None:
                     continue  # aborted meanwhile: its blocks are already free
                 if message.op == "data":
                     self.num_bytes += len(message.data)
                     self.num_done += 1
-                    if started is not None:
-                        self.seconds += time.perf_counter() - started
+                    self.seconds += time.monotonic() - entry[1]
                     scheduler.transfers.deliver(message.request_id, message.data)
                 else:
                     failed.append(self._fail(entry[0], message.error))
-        for request_id, (request, deadline) in list(self.pending.items()):
+        for request_id, (request, _, deadline) in list(self.pending.items()):
             if request.status.finished:  # aborted by its client: tell the peer to let go
                 del self.pending[request_id]
                 self._release(request)
