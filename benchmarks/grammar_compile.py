@@ -80,7 +80,7 @@ def main() -> None:
             structured = StructuredOutputs(lambda: tokenizer, vocab)
             structured._ll_tokenizer, structured._executor = base._ll_tokenizer, base._executor
             start = time.perf_counter()
-            mask = structured.fill_bitmask([structured.matcher(params)])
+            mask = structured.fill_bitmask([structured.matcher(params)[0]])
             times.append((time.perf_counter() - start) * 1e3)
             assert mask.any(), name
         row = {"first_ms": times[0], "median_ms": statistics.median(times), "max_ms": max(times)}

@@ -146,6 +146,75 @@ def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
     assert len(events) >= 4 and events == [("execute", True), ("masks", 1)] * (len(events) // 2)
 
 
+def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(llm) -> None:
+    """With async scheduling a constrained step's forward pass is launched before the tokens of the step
+    in flight are taken in; its masks are filled after them. Mixed batches (greedy and seeded sampling
+    under grammars that end at different steps, unconstrained requests beside them) write exactly what
+    the synchronous loop writes, and every constrained step but the first overlaps the one before."""
+    overlapped = LLM(
+        "default", max_model_len=2048, max_num_batched_tokens=256, dtype="float32", async_scheduling=True
+    )
+    params = [
+        SamplingParams(max_tokens=300, temperature=0, structured_outputs={"json": PERSON}),
+        SamplingParams(max_tokens=300, temperature=0.9, seed=3, structured_outputs={"json": PERSON}),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=5, structured_outputs={"regex": "[a-z ]{3,12}"}),
+        SamplingParams(max_tokens=10, temperature=0, structured_outputs={"choice": ["red", "green"]}),
+        SamplingParams(max_tokens=25, temperature=0),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=9),
+    ]
+    prompt = "Describe a user of our website."
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    expected = chat(llm, prompt, params, n=len(params))
+    core = overlapped.engine.core
+    events = []
+    execute, update, bitmask = core.executor.execute, core.scheduler.update_from_output, core.scheduler.grammar_bitmask
+    core.executor.execute = lambda out: events.append("execute") or execute(out)
+    core.scheduler.update_from_output = lambda *a: events.append("update") or update(*a)
+    core.scheduler.grammar_bitmask = lambda out: events.append("masks") or bitmask(out)
+    assert chat(overlapped, prompt, params, n=len(params)) == expected
+    jsonschema.validate(json.loads(expected[0]), PERSON)
+    # Each constrained step: launched, then the step before it taken in, then its masks.
+    overlaps = "".join(e[0] for e in events).count("eum")
+    assert overlaps > 20 and overlaps == events.count("masks") - 1
+
+
+def test_a_constraint_in_use_by_many_requests_is_compiled_once_per_mask_thread() -> None:
+    """Copies of one compiled matcher take turns at its lexer, so requests are dealt over up to
+    mask_threads compilations of their constraint; the masks, grouped by family for llguidance's
+    threads, land in each request's own row; finished (None) and stopped matchers allow everything."""
+    import numpy as np
+
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import StructuredOutputs
+
+    source = resolve_model("default")
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=3)
+    constraint = StructuredOutputsParams(json=PERSON)
+    handed = [structured.matcher(constraint) for _ in range(7)]
+    families = [family for _, family in handed]
+    assert families[:3] == families[3:6] and len(set(families)) == 3 and families[6] == families[0]
+    assert len(structured.compiled(constraint).roots) == 3
+    single, family = structured.matcher(StructuredOutputsParams(regex="[0-9]+"))
+    assert family not in families and len(structured.compiled(StructuredOutputsParams(regex="[0-9]+")).roots) == 1
+    matchers = [m for m, _ in handed]
+    tokenizer = source.load_tokenizer()
+    for i, m in enumerate(matchers):  # different states: a prefix of the same JSON each
+        assert m.consume_tokens(tokenizer.encode('{"name": "Ada Lovelace"', add_special_tokens=False)[: i + 1])
+    stopped, _ = structured.matcher(StructuredOutputsParams(choice=["x"]))
+    assert stopped.consume_tokens(tokenizer.encode("x", add_special_tokens=False)) and stopped.is_stopped()
+    rows = [matchers[5], None, single, matchers[0], stopped, *matchers[1:5], matchers[6]]
+    grouped = structured.fill_bitmask(rows, [families[5], -1, family, families[0], 0, *families[1:5], families[6]])
+    assert (grouped == structured.fill_bitmask(rows)).all()
+    for row, m in enumerate(rows):
+        if m is None or m.is_stopped():
+            assert (grouped[row] == -1).all()
+        else:
+            assert grouped[row].tobytes() == m.compute_bitmask()[: structured.words * 4]
+    with pytest.raises(ValueError, match="mask_threads"):
+        StructuredOutputs(source.load_tokenizer, 49152, mask_threads=0)
+    assert np.unique(grouped[[0, 3]], axis=0).shape[0] == 2  # two states, two masks
+
+
 def test_offline_chat_with_tools_and_a_named_call(llm) -> None:
     """LLM.chat(tools=...) describes the tools to a template that has no place for them; a grammar from
     the tool's parameters makes the answer its arguments."""

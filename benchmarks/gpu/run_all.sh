@@ -46,7 +46,11 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                     --num-warmups 64 --max-num-seqs 64 "${extra[@]}" --output-json "$out/structured_$so.json" 2>&1 | tail -2
                 done
                 timeout 100 $py benchmarks/grammar_compile.py --model "$model" --out "$out/grammar_compile.json" \
-                  2>&1 | tail -14 ;;
+                  2>&1 | tail -3
+                # The masks' host time alone: families of compiled copies and threads, with and without
+                # an idle gap between steps (the engine's step loop leaves one).
+                timeout 150 $py benchmarks/grammar_masks.py --model "$model" --gaps-ms 0,4 \
+                  --out "$out/grammar_masks.json" 2>&1 >/dev/null ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \

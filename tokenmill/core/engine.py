@@ -5,7 +5,9 @@ ModelRunnerOutput), so the core itself never touches a tensor.
 With async scheduling the queue holds two steps: step N+1 is scheduled and launched while step N runs
 on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
 step and the loop is synchronous; so does a step that speculates, since the next step verifies the
-drafts proposed from its tokens. The offline `LLM` and the server's core process run this same loop.
+drafts proposed from its tokens. A step that samples under grammars launches its forward pass, then
+takes in step N's tokens (which advance the grammars), then fills its masks while the forward pass
+runs, and only then samples. The offline `LLM` and the server's core process run this same loop.
 """
 
 from __future__ import annotations
@@ -55,10 +57,8 @@ class EngineCore:
 
     def _in_flight(self) -> int:
         """Steps the queue may hold: one while the scheduler speculates (the next step's drafts come
-        from this one's tokens) or a request decodes under a grammar (its next mask needs this step's
-        token), else two with async scheduling."""
-        scheduler = self.scheduler
-        return 1 if scheduler.spec_active or scheduler.grammar_active else self.max_steps_in_flight
+        from this one's tokens), else two with async scheduling."""
+        return 1 if self.scheduler.spec_active else self.max_steps_in_flight
 
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step if there is room and work, then (when the queue is full or nothing new could be
@@ -73,16 +73,24 @@ class EngineCore:
             if not scheduler_output.is_empty:
                 self.num_steps += 1
                 launched = self.executor.execute(scheduler_output)
-                if scheduler_output.grammar_req_ids:  # filled while the device runs the forward pass
+                if scheduler_output.grammar_req_ids:
+                    # The masks need the tokens of the step in flight before this one: take them in
+                    # first. Both happen while the device runs this step's forward pass.
+                    finished = bool(self.batch_queue)
+                    outputs = self._finish_oldest() if finished else []
                     masks = self.scheduler.grammar_bitmask(scheduler_output)
                     pending = cast(AwaitingGrammar, launched).with_grammar(masks)
+                    self.batch_queue.append((scheduler_output, pending))
+                    if finished or len(self.batch_queue) < self._in_flight():
+                        return outputs
                 else:
-                    pending = cast(PendingOutput, launched)
-                self.batch_queue.append((scheduler_output, pending))
-                if len(self.batch_queue) < self._in_flight():
-                    return []
-        if not self.batch_queue:
-            return []
+                    self.batch_queue.append((scheduler_output, cast(PendingOutput, launched)))
+                    if len(self.batch_queue) < self._in_flight():
+                        return []
+        return self._finish_oldest() if self.batch_queue else []
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight and take in its tokens."""
         scheduler_output, pending = self.batch_queue.popleft()
         self.last_finished = scheduler_output
         return self.scheduler.update_from_output(scheduler_output, pending.result())

@@ -83,9 +83,6 @@ class Scheduler:
         # Whether the last scheduled step speculates: the engine core then waits for its tokens before
         # planning the next (whose drafts they decide) instead of overlapping it.
         self.structured = structured
-        # Whether a running request decodes under a grammar: its next mask needs this step's token, so
-        # the engine core then waits for each step before planning the next.
-        self.grammar_active = False
         self.grammar_mask_seconds = 0.0  # host time filling masks, and the steps that needed them
         self.grammar_mask_steps = 0
         self.spec_enabled = speculation is not None
@@ -104,7 +101,7 @@ class Scheduler:
                     "structured_outputs needs the model's tokenizer: the engine was started without one "
                     "(skip_tokenizer_init)."
                 )
-            request.grammar = self.structured.matcher(constraint)
+            request.grammar, request.grammar_family = self.structured.matcher(constraint)
         self.requests[request.request_id] = request
         if request.remote_prefill is not None:
             self.transfers.add(request)  # it waits for its KV, not for a turn at computing its prompt
@@ -381,10 +378,8 @@ class Scheduler:
         return recvs
 
     def _grammar_requests(self, num_scheduled: dict[str, int]) -> dict:
-        """The step's requests that sample under a grammar (before the step's counts move), and whether
-        any running request has one."""
-        self.grammar_active = any(r.grammar is not None for r in self.running)
-        if not self.grammar_active:
+        """The step's requests that sample under a grammar (before the step's counts move)."""
+        if self.structured is None or not any(r.grammar is not None for r in self.running):
             return {}
         sampling = [
             request_id
@@ -397,11 +392,16 @@ class Scheduler:
 
     def grammar_bitmask(self, out: SchedulerOutput) -> np.ndarray:
         """The allowed-token rows of a scheduled step's constrained requests (grammar_req_ids), from their
-        matchers as they stand: the engine core calls it after launching the step, so the host fills
-        them while the device runs the forward pass."""
+        matchers as they stand: the engine core calls it after launching the step and taking in the
+        tokens of the step before it, so the host fills them while the device runs the forward pass. A
+        request that finished meanwhile gets a row that allows everything (its token is dropped)."""
         assert self.structured is not None  # a request with a grammar was refused without one
         start = time.perf_counter()
-        mask = self.structured.fill_bitmask([self.requests[r].grammar for r in out.grammar_req_ids])
+        requests = [self.requests.get(r) for r in out.grammar_req_ids]
+        mask = self.structured.fill_bitmask(
+            [r.grammar if r is not None else None for r in requests],
+            [r.grammar_family if r is not None else -1 for r in requests],
+        )
         self.grammar_mask_seconds += time.perf_counter() - start
         self.grammar_mask_steps += 1
         return mask

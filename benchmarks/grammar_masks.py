@@ -1,0 +1,104 @@
+"""Host time to fill one step's token masks: a batch of requests under one JSON schema (the `structured`
+GPU stage's array of objects), each walking its grammar by tokens drawn uniformly from what its mask
+allows (what dummy weights do), with the masks filled as the engine fills them (structured_outputs.py)
+for each number of families (compilations of the constraint) and mask threads, and an idle gap between
+steps as the engine leaves one (the rest of its step loop). One JSON document on stdout (and --out).
+
+    python benchmarks/grammar_masks.py [--model default | HF_DIR] [--batch 64] [--steps 128]
+        [--threads 1,12] [--families 1,12] [--gaps-ms 0,5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenmill.loader import resolve_model  # noqa: E402
+from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
+from tokenmill.structured_outputs import MASK_THREADS, StructuredOutputs  # noqa: E402
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 8,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "role": {"enum": ["admin", "user", "guest"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        },
+        "required": ["name", "age", "role", "tags"],
+    },
+}
+
+
+def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int, gap_s: float) -> dict:
+    """Mask-fill seconds per step over one random walk of `batch` requests."""
+    structured = StructuredOutputs(source.load_tokenizer, vocab, mask_threads=threads)
+    structured.ll_tokenizer  # noqa: B018 (builds the executor with `threads`)
+    # Families are dealt in turn up to mask_threads; more or fewer than the threads: set them directly.
+    structured.mask_threads = families
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    handed = [structured.matcher(constraint) for _ in range(batch)]
+    matchers, family_ids = [m for m, _ in handed], [f for _, f in handed]
+    rng = np.random.default_rng(0)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        mask = structured.fill_bitmask(matchers, family_ids)
+        times.append(time.perf_counter() - start)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little").reshape(batch, -1)[:, :vocab]
+        for row, matcher in enumerate(matchers):
+            allowed = np.flatnonzero(bits[row])
+            if not matcher.is_stopped() and len(allowed):
+                matcher.consume_token(int(rng.choice(allowed)))
+        if gap_s:
+            time.sleep(gap_s)
+    return {
+        "threads": threads,
+        "families": families,
+        "gap_ms": gap_s * 1e3,
+        "mean_ms": round(statistics.fmean(times) * 1e3, 3),
+        "median_ms": round(statistics.median(times) * 1e3, 3),
+        "max_ms": round(max(times) * 1e3, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="whose tokenizer: 'default' or a model directory")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--threads", default=f"1,{MASK_THREADS}", help="comma-separated mask thread counts")
+    parser.add_argument("--families", default=f"1,{MASK_THREADS}", help="comma-separated family counts")
+    parser.add_argument("--gaps-ms", default="0,5", help="comma-separated idle gaps between steps")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    source = resolve_model(args.model)
+    vocab = source.hf_config.vocab_size
+    rows = []
+    for gap in (float(g) for g in args.gaps_ms.split(",")):
+        for threads in (int(t) for t in args.threads.split(",")):
+            for families in (int(f) for f in args.families.split(",")):
+                row = walk(source, vocab, args.batch, args.steps, threads, families, gap / 1e3)
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+    report = {"model": args.model, "batch": args.batch, "steps": args.steps, "default_threads": MASK_THREADS,
+              "results": rows}  # fmt: skip
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
