@@ -222,14 +222,20 @@ class StructuredOutputs:
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:
-    """logits [R, V] (torch), in place: at each of `rows`, -inf wherever its bitmask row has a 0 bit."""
+    """logits [R, V] (torch), in place: at each of `rows`, -inf wherever its bitmask row has a 0 bit. On
+    a GPU the mask and the rows go through pinned memory: a copy from pageable memory would first wait
+    for the device to finish the forward pass, and the host would sit idle instead of planning the next
+    step."""
     import torch
 
     if not len(rows):
         return
-    mask = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
-    bits = (mask[:, :, None] >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
+    device = logits.device
+    mask, index = torch.from_numpy(bitmask), torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        mask, index = mask.pin_memory(), index.pin_memory()
+    mask, index = mask.to(device, non_blocking=True), index.to(device, non_blocking=True)
+    bits = (mask[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
     allowed = bits.reshape(mask.shape[0], -1)[:, : logits.shape[1]].bool()
-    index = torch.as_tensor(rows, device=logits.device)
     selected = logits.index_select(0, index)
     logits.index_copy_(0, index, selected.masked_fill(~allowed, float("-inf")))
