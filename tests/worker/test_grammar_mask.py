@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.structured_outputs import apply_bitmask
+from tokenmill.structured_outputs import PinnedStaging, apply_bitmask
 
 def reference(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
     out = logits.clone()
@@ -39,9 +39,13 @@ def test_on_a_gpu_the_same_as_on_the_cpu(vocab: int) -> None:
     cpu = torch.randn(64, vocab)
     rows = rng.permutation(64)[:40].tolist()
     bitmask = rng.integers(-(2**31), 2**31, size=(40, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
-    gpu = cpu.cuda()
+    gpu, staged = cpu.cuda(), cpu.cuda()
     apply_bitmask(cpu, rows, bitmask)
     apply_bitmask(gpu, rows, bitmask)
-    apply_bitmask(gpu, rows, bitmask)  # masking twice changes nothing more
+    staging = PinnedStaging()
+    apply_bitmask(staged, rows[:3], bitmask[:3], staging)  # then grown, and reused
+    apply_bitmask(staged, rows, bitmask, staging)
+    apply_bitmask(staged, rows, bitmask, staging)  # masking twice changes nothing more
+    assert staging.mask.is_pinned()
     torch.cuda.synchronize()
-    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(gpu.cpu(), cpu) and torch.equal(staged.cpu(), cpu)
