@@ -6,15 +6,13 @@ With async scheduling the queue holds two steps: step N+1 is scheduled and launc
 on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
 step and the loop is synchronous; so does a step that speculates, since the next step verifies the
 drafts proposed from its tokens. A step that samples under grammars launches its forward pass, then
-takes in step N's tokens (which advance the grammars), then has its masks filled on a helper thread
-(llguidance works without the GIL) while the caller takes the outputs and the next step is planned; it
-is sampled just before the next step is launched, or when its tokens are wanted. The offline `LLM` and the server's core process run this same loop.
+takes in step N's tokens (which advance the grammars), then fills its masks while the forward pass
+runs, and only then samples. The offline `LLM` and the server's core process run this same loop.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, cast
 
 import numpy as np
@@ -34,24 +32,6 @@ class AwaitingGrammar(Protocol):
     def with_grammar(self, grammar_bitmask: np.ndarray) -> PendingOutput: ...
 
 
-class _MaskedStep:
-    """A launched step whose masks are being filled: sampled (once) when resolved."""
-
-    __slots__ = ("launched", "masks", "pending")
-
-    def __init__(self, launched: AwaitingGrammar, masks: Future) -> None:
-        self.launched, self.masks = launched, masks
-        self.pending: PendingOutput | None = None
-
-    def resolve(self) -> PendingOutput:
-        if self.pending is None:
-            self.pending = self.launched.with_grammar(self.masks.result())
-        return self.pending
-
-    def result(self) -> ModelRunnerOutput:
-        return self.resolve().result()
-
-
 class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> PendingOutput | AwaitingGrammar: ...
 
@@ -65,7 +45,6 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_steps = 0
         self.last_finished: SchedulerOutput | None = None  # the step whose outputs step() returned last
-        self._mask_thread: ThreadPoolExecutor | None = None  # fills grammar masks beside the loop
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -93,20 +72,15 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 self.num_steps += 1
-                if self.batch_queue and isinstance(self.batch_queue[-1][1], _MaskedStep):
-                    # Sampled before this step is launched: its inputs include the sampled tokens.
-                    self.batch_queue[-1][1].resolve()
                 launched = self.executor.execute(scheduler_output)
                 if scheduler_output.grammar_req_ids:
                     # The masks need the tokens of the step in flight before this one: take them in
                     # first. Both happen while the device runs this step's forward pass.
                     finished = bool(self.batch_queue)
                     outputs = self._finish_oldest() if finished else []
-                    if self._mask_thread is None:
-                        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-                    masks = self._mask_thread.submit(self.scheduler.grammar_bitmask, scheduler_output)
-                    masked = _MaskedStep(cast(AwaitingGrammar, launched), masks)
-                    self.batch_queue.append((scheduler_output, masked))
+                    masks = self.scheduler.grammar_bitmask(scheduler_output)
+                    pending = cast(AwaitingGrammar, launched).with_grammar(masks)
+                    self.batch_queue.append((scheduler_output, pending))
                     if finished or len(self.batch_queue) < self._in_flight():
                         return outputs
                 else:
