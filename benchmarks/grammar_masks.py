@@ -74,7 +74,9 @@ def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default", help="whose tokenizer: 'default' or a model directory")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=128)

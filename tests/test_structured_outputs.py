@@ -167,7 +167,11 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     expected = chat(llm, prompt, params, n=len(params))
     core = overlapped.engine.core
     events = []
-    execute, update, bitmask = core.executor.execute, core.scheduler.update_from_output, core.scheduler.grammar_bitmask
+    execute, update, bitmask = (
+        core.executor.execute,
+        core.scheduler.update_from_output,
+        core.scheduler.grammar_bitmask,
+    )
     core.executor.execute = lambda out: events.append("execute") or execute(out)
     core.scheduler.update_from_output = lambda *a: events.append("update") or update(*a)
     core.scheduler.grammar_bitmask = lambda out: events.append("masks") or bitmask(out)
@@ -195,15 +199,22 @@ def test_a_constraint_in_use_by_many_requests_is_compiled_once_per_mask_thread()
     assert families[:3] == families[3:6] and len(set(families)) == 3 and families[6] == families[0]
     assert len(structured.compiled(constraint).roots) == 3
     single, family = structured.matcher(StructuredOutputsParams(regex="[0-9]+"))
-    assert family not in families and len(structured.compiled(StructuredOutputsParams(regex="[0-9]+")).roots) == 1
+    assert (
+        family not in families
+        and len(structured.compiled(StructuredOutputsParams(regex="[0-9]+")).roots) == 1
+    )
     matchers = [m for m, _ in handed]
     tokenizer = source.load_tokenizer()
     for i, m in enumerate(matchers):  # different states: a prefix of the same JSON each
-        assert m.consume_tokens(tokenizer.encode('{"name": "Ada Lovelace"', add_special_tokens=False)[: i + 1])
+        assert m.consume_tokens(
+            tokenizer.encode('{"name": "Ada Lovelace"', add_special_tokens=False)[: i + 1]
+        )
     stopped, _ = structured.matcher(StructuredOutputsParams(choice=["x"]))
     assert stopped.consume_tokens(tokenizer.encode("x", add_special_tokens=False)) and stopped.is_stopped()
     rows = [matchers[5], None, single, matchers[0], stopped, *matchers[1:5], matchers[6]]
-    grouped = structured.fill_bitmask(rows, [families[5], -1, family, families[0], 0, *families[1:5], families[6]])
+    grouped = structured.fill_bitmask(
+        rows, [families[5], -1, family, families[0], 0, *families[1:5], families[6]]
+    )
     assert (grouped == structured.fill_bitmask(rows)).all()
     for row, m in enumerate(rows):
         if m is None or m.is_stopped():

@@ -22,6 +22,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -190,7 +191,7 @@ class StructuredOutputs:
             self._compiled.popitem(last=False)
         return families
 
-    def matcher(self, params: StructuredOutputsParams) -> tuple[object, int]:
+    def matcher(self, params: StructuredOutputsParams) -> tuple[Any, int]:
         """A fresh matcher for one request (each sequence of n > 1 gets its own) and its family: a copy
         of one of the constraint's compiled matchers, taken in turn, the next family compiled when the
         turn comes to it (so a constraint in use by one request at a time costs one compilation)."""
@@ -208,7 +209,11 @@ class StructuredOutputs:
         A None matcher (its request finished while the step ran) or a stopped one gets a row that allows
         everything: nothing it samples is kept."""
         mask = np.zeros((len(matchers), self.words), dtype=np.int32)
-        order = range(len(matchers)) if families is None else sorted(range(len(matchers)), key=families.__getitem__)
+        order = (
+            range(len(matchers))
+            if families is None
+            else sorted(range(len(matchers)), key=families.__getitem__)
+        )
         work = []
         for row in order:
             matcher = matchers[row]

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.structured_outputs import PinnedStaging, apply_bitmask
 
+
 def reference(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
     out = logits.clone()
     vocab = logits.shape[1]
