@@ -54,8 +54,36 @@ ARCH_CONFIGS = {
         intermediate_size=136,
         tie_word_embeddings=False,
     ),
+    # Mixture of experts: an odd number of experts, top-3, a dense layer beside a sparse one (Qwen3-MoE's
+    # mlp_only_layers), routing weights renormalised (Mixtral) and not (this Qwen3-MoE).
+    "qwen3_moe": dict(
+        cls="Qwen3MoeConfig",
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=40,
+        intermediate_size=136,
+        moe_intermediate_size=56,
+        num_experts=7,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        cls="MixtralConfig",
+        hidden_size=80,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=72,
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
 }
-ARCHS = list(ARCH_CONFIGS)
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
+ARCHS = [arch for arch in ARCH_CONFIGS if arch not in MOE_ARCHS]  # dense: every engine path runs them
 
 
 def make_hf_model(arch: str, seed: int = 0):
@@ -89,7 +117,7 @@ def make_hf_model(arch: str, seed: int = 0):
 def hf_model_dirs(tmp_path_factory):
     """arch -> (saved model directory, transformers model in fp32)."""
     models = {}
-    for arch in ARCHS:
+    for arch in ARCH_CONFIGS:
         path = tmp_path_factory.mktemp(f"{arch}_model")
         model = make_hf_model(arch)
         model.save_pretrained(path)

@@ -1,12 +1,13 @@
-"""tokenmill's Llama-family model against transformers' own, on random weights of odd shapes: prefill
-logits, and greedy tokens however the engine batches, chunks, caches or preempts."""
+"""tokenmill's Llama-family model (dense and mixture-of-experts) against transformers' own, on random
+weights of odd shapes: prefill logits, and greedy tokens however the engine batches, chunks, caches or
+preempts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, MOE_ARCHS
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
 
@@ -35,12 +36,13 @@ def hf_greedy(model, prompt: list[int], num_tokens: int = NUM_NEW_TOKENS) -> lis
 
 
 PROMPTS = random_prompts([5, 17, 33, 2])
+ALL_ARCHS = ARCHS + MOE_ARCHS
 
 
 @pytest.fixture(scope="module")
 def references(hf_model_dirs):
     """arch -> greedy continuations of PROMPTS by transformers."""
-    return {arch: [hf_greedy(hf_model_dirs[arch][1], p) for p in PROMPTS] for arch in ARCHS}
+    return {arch: [hf_greedy(hf_model_dirs[arch][1], p) for p in PROMPTS] for arch in ALL_ARCHS}
 
 
 def make_llm(path: str, **options) -> LLM:
@@ -53,7 +55,7 @@ def generate_ids(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_prefill_logits_match_transformers(arch, hf_model_dirs):
     path, hf_model = hf_model_dirs[arch]
     llm = make_llm(path, block_size=16)
@@ -73,19 +75,19 @@ def test_prefill_logits_match_transformers(arch, hf_model_dirs):
     assert (logits - expected).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_batched_matches_transformers(arch, hf_model_dirs, references):
     llm = make_llm(hf_model_dirs[arch][0])
     assert generate_ids(llm, PROMPTS) == references[arch]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_one_at_a_time(arch, hf_model_dirs, references):
     llm = make_llm(hf_model_dirs[arch][0], max_num_seqs=1)
     assert [generate_ids(llm, [p])[0] for p in PROMPTS] == references[arch]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_with_chunked_prefill(arch, hf_model_dirs, references):
     # A budget of 7 tokens splits every prompt but the shortest across several steps,
     # and mixes prompt chunks with other requests' decodes in one step.
@@ -93,7 +95,7 @@ def test_greedy_with_chunked_prefill(arch, hf_model_dirs, references):
     assert generate_ids(llm, PROMPTS) == references[arch]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_with_prefix_cache_hits(arch, hf_model_dirs):
     path, hf_model = hf_model_dirs[arch]
     shared = random_prompts([48], seed=5)[0]
@@ -110,7 +112,7 @@ def test_greedy_with_prefix_cache_hits(arch, hf_model_dirs):
     assert [first[0], second[0]] == [hf_greedy(hf_model, p) for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_under_preemption(arch, hf_model_dirs, references):
     # Each request needs up to 17 blocks of 4 tokens; 24 blocks cannot hold four of them at once.
     llm = make_llm(hf_model_dirs[arch][0], block_size=4, num_kv_blocks=24, max_model_len=72)

@@ -1,6 +1,8 @@
 """The Llama family in one forward: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), SmolLM; tied or untied embeddings, any GQA ratio and head_dim.
-Tokens are flat and varlen: hidden states are [num_tokens, hidden_size]."""
+Qwen3 (per-head q/k RMSNorm), SmolLM; tied or untied embeddings, any GQA ratio and head_dim. Its
+mixture-of-experts members swap the MLP for layers/fused_moe.py: Mixtral (every layer) and Qwen3-MoE
+(the layers its config makes sparse). Tokens are flat and varlen: hidden states are
+[num_tokens, hidden_size]."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch import nn
 from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantization.compressed_tensors import kv_scales_aside
@@ -35,11 +38,32 @@ class ArchFlags:
         self.qkv_bias = attention_bias or arch == "Qwen2ForCausalLM"
         self.o_bias = attention_bias and arch != "Qwen2ForCausalLM"
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Mixture of experts: Mixtral's in every layer, Qwen3-MoE's where its config puts them.
+        self.mixtral = arch == "MixtralForCausalLM"
+        self.num_experts = (
+            getattr(config, "num_local_experts", 0) if self.mixtral
+            else getattr(config, "num_experts", 0) if arch == "Qwen3MoeForCausalLM" else 0
+        )  # fmt: skip
+        if self.num_experts:
+            self.top_k = config.num_experts_per_tok
+            self.moe_intermediate_size = (
+                getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            )
+            self.renormalize = self.mixtral or bool(getattr(config, "norm_topk_prob", False))
+            self._dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
+            self._sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (
+            bool(self.num_experts)
+            and index not in self._dense_layers
+            and (index + 1) % self._sparse_step == 0
+        )
 
 
 class LlamaAttention(nn.Module):
@@ -84,10 +108,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
+    def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, flags, max_position, kernels)
-        self.mlp = LlamaMLP(config, flags, kernels)
+        self.mlp: nn.Module
+        if flags.is_moe_layer(index):
+            self.mlp = FusedMoE(
+                flags.num_experts, flags.top_k, config.hidden_size, flags.moe_intermediate_size,
+                flags.renormalize, kernels,
+            )  # fmt: skip
+        else:
+            self.mlp = LlamaMLP(config, flags, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -112,7 +143,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, flags, max_position, kernels) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, flags, max_position, kernels, index)
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # Set by an EAGLE drafter (models/eagle.py): every full forward leaves the head's features there.
@@ -162,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         # Chosen once, for the device the model is built on; every layer keeps this set.
         self.kernels = kernels or get_kernels()
         self.model = LlamaModel(config, self.flags, max_position, self.kernels)
+        # The MoE reference forward's shapes follow the routing: no CUDA graphs around it.
+        self.graph_safe = not self.flags.num_experts
         self.lm_head: ParallelLMHead | None = None
         if lm_head:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -187,12 +221,28 @@ class LlamaForCausalLM(nn.Module):
         skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if without_head else [])
         # A bare model's checkpoint (Qwen3Model, ...) names its tensors without the "model." prefix.
         named = ((_with_model_prefix(name), tensor) for name, tensor in weights)
+        if self.flags.mixtral:
+            named = ((_mixtral_name(name), tensor) for name, tensor in named)
+        mapping = expert_params_mapping(self.flags.num_experts) + self.stacked_params_mapping
         kv_scales: dict[int, tuple[float, float]] = {}
-        load_model_weights(
-            self, kv_scales_aside(named, kv_scales), self.stacked_params_mapping, skip_substrs=skip
-        )
+        load_model_weights(self, kv_scales_aside(named, kv_scales), mapping, skip_substrs=skip)
         for index, scales in kv_scales.items():
             self.model.layers[index].self_attn.attn.stored_kv_scales = scales
+
+
+_MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_name(name: str) -> str:
+    """Mixtral's `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down) as Qwen3-MoE names them."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    head, _, tail = name.rpartition(".experts.")
+    if head:
+        expert, projection, rest = tail.split(".", 2)
+        name = f"{head}.experts.{expert}.{_MIXTRAL_EXPERT_NAMES.get(projection, projection)}.{rest}"
+    return name
 
 
 def _with_model_prefix(name: str) -> str:

@@ -11,6 +11,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     # Bare models (no LM head): embedding checkpoints, served by the pooling runner.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,

@@ -100,6 +100,8 @@ class ModelRunner:
         piecewise graphs that steps with prompt tokens replay around their eager attention."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.pooling_type is not None:
             return  # the pooling runner never decodes
+        if not getattr(self.model, "graph_safe", True):
+            return  # a forward whose shapes depend on the data (the MoE reference) is not captured
         self.decode_graphs = DecodeGraphs(
             self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
         )

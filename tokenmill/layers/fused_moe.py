@@ -1,0 +1,113 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a gated
+SiLU MLP, and the token's output is their outputs weighted by the router. The experts' weights are held
+stacked, gate and up fused: w13 [experts, 2 * intermediate, hidden], w2 [experts, hidden, intermediate],
+loaded from per-expert checkpoint tensors (`expert_params_mapping`).
+
+The forward here is the plain torch reference: per expert that received tokens, gather them, run the
+MLP, scale by the routing weight and add back. Its shapes depend on the routing, so a model with MoE
+layers runs without CUDA graphs (`graph_safe`) until a fused kernel replaces it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.layers.linear import ShardId
+
+# The checkpoint's per-expert projections and where they land: (our parameter, its name, part).
+_EXPERT_PROJECTIONS = (("w13", "gate_proj", "gate"), ("w13", "up_proj", "up"), ("w2", "down_proj", "down"))
+
+
+def expert_params_mapping(num_experts: int) -> list[tuple[str, str, ShardId]]:
+    """Stacked-parameter entries for load_model_weights: `.experts.E.gate_proj.weight` becomes shard
+    "gate:E" of `.experts.w13`, and so on (a checkpoint's own naming, Mixtral's w1/w3/w2, is renamed to
+    these by its model)."""
+    return [
+        (f".experts.{ours}", f".experts.{expert}.{theirs}.weight", f"{part}:{expert}")
+        for expert in range(num_experts)
+        for ours, theirs, part in _EXPERT_PROJECTIONS
+    ]
+
+
+class Experts(nn.Module):
+    """The stacked expert weights and their loader."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        """One expert's projection ("gate:E", "up:E", "down:E"), or the whole stacked tensor (None)."""
+        if shard_id is None:
+            target = param.data
+        else:
+            part, expert = str(shard_id).split(":")
+            target = param.data[int(expert)]
+            if part != "down":
+                size = self.intermediate_size
+                target = target[:size] if part == "gate" else target[size:]
+        if target.shape != loaded_weight.shape:
+            raise ValueError(
+                f"shape {tuple(loaded_weight.shape)} does not match the expected {tuple(target.shape)}"
+            )
+        target.copy_(loaded_weight)
+
+
+class FusedMoE(nn.Module):
+    """Router and experts of one MoE layer. renormalize: the top-k routing weights are rescaled to sum
+    to 1 (Mixtral always; Qwen3-MoE when its config's norm_topk_prob says so)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        kernels: Kernels | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and {num_experts}, got {top_k}.")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.kernels = kernels or get_kernels()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (in x's dtype): a softmax over all
+        experts in fp32, the k largest kept."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        w13, w2 = self.experts.w13, self.experts.w2
+        # Which (token, slot) pairs each expert serves, grouped by expert.
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            hidden = self.kernels.silu_and_mul(F.linear(x[rows], w13[expert]))
+            out.index_add_(0, rows, F.linear(hidden, w2[expert]) * slot_weights[start : start + count, None])
+            start += count
+        return out
