@@ -32,6 +32,7 @@ class Kernels(NamedTuple):
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_and_write_kv_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
 
 
 def get_kernels(device: torch.device | str | None = None) -> Kernels:
@@ -110,8 +111,9 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
             rotary_embedding=reference.rotary_embedding,
             rotary_and_write_kv_cache=reference.rotary_and_write_kv_cache,
             silu_and_mul=reference.silu_and_mul,
+            fused_moe=reference.fused_moe,
         )
-    from tokenmill.kernels import activation, attention, kv_cache, norm, rotary
+    from tokenmill.kernels import activation, attention, fused_moe, kv_cache, norm, rotary
 
     return Kernels(
         backend="triton",
@@ -122,4 +124,5 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
         rotary_embedding=rotary.rotary_embedding,
         rotary_and_write_kv_cache=rotary.rotary_and_write_kv_cache,
         silu_and_mul=activation.silu_and_mul,
+        fused_moe=fused_moe.fused_moe,
     )

@@ -300,6 +300,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Mixture of experts: x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; each token's
+    experts and routing weights [T, k] (weights in x's dtype) -> [T, H], the sum over its k experts of
+    weight * w2 @ silu_and_mul(w13 @ x). Per expert that received tokens: gather, MLP, scale, add back
+    (shapes follow the routing: a host sync, no CUDA graph)."""
+    top_k = experts.shape[1]
+    out = torch.zeros_like(x)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens, pair_weights = order // top_k, weights.reshape(-1)[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = tokens[start : start + count]
+        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))
+        out.index_add_(0, rows, F.linear(hidden, w2[expert]) * pair_weights[start : start + count, None])
+        start += count
+    return out
+
+
 # ---- 4-bit weights (layers/quantization/int4.py's layout) ------------------------------------------
 
 PACK = 8  # 4-bit values per int32

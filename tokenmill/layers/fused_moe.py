@@ -3,14 +3,13 @@ SiLU MLP, and the token's output is their outputs weighted by the router. The ex
 stacked, gate and up fused: w13 [experts, 2 * intermediate, hidden], w2 [experts, hidden, intermediate],
 loaded from per-expert checkpoint tensors (`expert_params_mapping`).
 
-The forward here is the plain torch reference: per expert that received tokens, gather them, run the
-MLP, scale by the routing weight and add back. Its shapes depend on the routing, so a model with MoE
-layers runs without CUDA graphs (`graph_safe`) until a fused kernel replaces it."""
+The experts run in the kernel set's fused_moe: on a GPU kernels/fused_moe.py (tokens sorted by expert,
+grouped GEMMs, fixed shapes: CUDA graphs hold it); elsewhere the torch reference, whose shapes follow
+the routing (a model built with it is not `graph_safe`)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import Kernels, get_kernels
@@ -95,19 +94,4 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = torch.zeros_like(x)
-        w13, w2 = self.experts.w13, self.experts.w2
-        # Which (token, slot) pairs each expert serves, grouped by expert.
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            hidden = self.kernels.silu_and_mul(F.linear(x[rows], w13[expert]))
-            out.index_add_(0, rows, F.linear(hidden, w2[expert]) * slot_weights[start : start + count, None])
-            start += count
-        return out
+        return self.kernels.fused_moe(x, self.experts.w13, self.experts.w2, experts, weights)

@@ -194,8 +194,8 @@ class LlamaForCausalLM(nn.Module):
         # Chosen once, for the device the model is built on; every layer keeps this set.
         self.kernels = kernels or get_kernels()
         self.model = LlamaModel(config, self.flags, max_position, self.kernels)
-        # The MoE reference forward's shapes follow the routing: no CUDA graphs around it.
-        self.graph_safe = not self.flags.num_experts
+        # The MoE torch reference's shapes follow the routing: no CUDA graphs around it.
+        self.graph_safe = not self.flags.num_experts or self.kernels.backend == "triton"
         self.lm_head: ParallelLMHead | None = None
         if lm_head:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

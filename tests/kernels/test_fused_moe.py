@@ -1,0 +1,75 @@
+"""Triton fused MoE against the torch reference on awkward token counts, expert counts and widths, with
+experts that receive no token; and the alignment's invariants (every pair once, runs padded per expert)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels import fused_moe, reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def routing(tokens: int, num_experts: int, top_k: int, dtype, gen, starve: int = 0):
+    """Random distinct top-k experts per token, never the last `starve` experts; weights summing to 1."""
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    if starve:
+        scores[:, -starve:] = -1
+    weights, experts = torch.topk(scores, top_k, dim=-1)
+    weights = torch.softmax(weights, dim=-1)
+    return experts.to(DEVICE), weights.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "hidden", "inter"),
+    [(1, 3, 1, 40, 24), (7, 8, 2, 72, 40), (37, 5, 3, 48, 100), (130, 16, 2, 64, 48)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(tokens, num_experts, top_k, hidden, inter, dtype) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
+    starve = 1 if num_experts - 1 >= top_k else 0
+    experts, weights = routing(tokens, num_experts, top_k, dtype, gen, starve)
+    got = fused_moe.fused_moe(x, w13, w2, experts, weights)
+    want = reference.fused_moe(x, w13, w2, experts, weights)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_alignment_pads_each_expert_run_and_keeps_every_pair_once() -> None:
+    gen = torch.Generator().manual_seed(0)
+    experts, _ = routing(29, 6, 2, torch.float32, gen, starve=2)
+    pairs, block_experts, num_padded = fused_moe.align_by_expert(experts, 6, 16)
+    pairs, block_experts, used = pairs.cpu(), block_experts.cpu(), int(num_padded)
+    flat = experts.reshape(-1).cpu()
+    real = pairs[pairs < flat.numel()]
+    assert sorted(real.tolist()) == list(range(flat.numel()))  # every (token, slot) once
+    assert used % 16 == 0 and (pairs[used:] == flat.numel()).all()
+    for block in range(used // 16):  # each block serves one expert, and only its pairs
+        members = pairs[block * 16 : (block + 1) * 16]
+        members = members[members < flat.numel()]
+        assert (flat[members.long()] == block_experts[block]).all()
+    assert set(block_experts[: used // 16].tolist()) == set(flat.tolist())  # starved experts get no block
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_models_on_the_triton_kernels_write_transformers_greedy_tokens(arch, hf_model_dirs, monkeypatch):
+    """The whole MoE model on the Triton set (on a GPU: with CUDA graphs, which the fused kernel allows)."""
+    from tests.models.test_llama_equivalence import hf_greedy
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.kernels import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    path, hf_model = hf_model_dirs[arch]
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=4)
+    assert llm.engine.runner.model.graph_safe
+    prompts = [[5, 17, 33, 2, 9, 11, 400], [7, 8]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
