@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import decode_weight_bytes, kv_bytes_per_token, prefill_flops, shape_dir  # noqa: E402
+from shapes import decode_expert_bytes, decode_weight_bytes, kv_bytes_per_token, prefill_flops, shape_dir  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -107,7 +107,8 @@ def decode(args) -> dict:
     kv_element = 1 if args.kv_cache_dtype == "fp8" else 2
     kv_bytes = kv_bytes_per_token(args.shape) // 2 * kv_element * mean_context * args.batch
     weight_dtype = {"fp8": "fp8", "int4": "int4"}.get(args.quantization or "", "bf16")
-    bytes_per_step = decode_weight_bytes(args.shape, weight_dtype) + kv_bytes
+    experts = decode_expert_bytes(args.shape, args.batch, weight_dtype)
+    bytes_per_step = decode_weight_bytes(args.shape, weight_dtype) + experts + kv_bytes
     return {
         "shape": args.shape,
         "batch": args.batch,

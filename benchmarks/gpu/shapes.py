@@ -56,6 +56,31 @@ SHAPES = {
         "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
+    # Mixture of experts: 128 experts, 8 per token, ~3.3B parameters active of 30.5B.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 
@@ -76,6 +101,18 @@ def decode_weight_bytes(name: str, weight_dtype: str = "bf16") -> int:
     kept in bf16 as the engine keeps it): the planner's figure (an untied input table is gathered row by
     row, so it is not counted)."""
     return weight_bytes(_plan_shape(name), weight_dtype).read_every_step
+
+
+def decode_expert_bytes(name: str, batch: int, weight_dtype: str = "bf16") -> int:
+    """Routed-expert bytes a decode step of `batch` tokens reads, on average: per MoE layer the expected
+    number of distinct experts among the batch's picks (uniform routing, as random weights route),
+    E * (1 - (1 - k/E)^batch). 0 for a dense model."""
+    shape = _plan_shape(name)
+    if not shape.is_moe:
+        return 0
+    experts, k = shape.num_experts, shape.num_experts_per_tok
+    distinct = experts * (1 - (1 - k / experts) ** batch)
+    return int(distinct * weight_bytes(shape, weight_dtype).per_expert_layer * shape.num_moe_layers)
 
 
 def kv_bytes_per_token(name: str) -> int:
