@@ -64,6 +64,9 @@ class EngineConfig:
     kv_role: str | None = None
     kv_port: int = 14579
     kv_transfer_timeout: float = 30.0  # seconds a decode instance waits for a request's KV
+    # Ranks the model is split over (heads, MLP widths, vocab): one process per GPU (on a CPU, per rank),
+    # rank 0 in the engine core's process (worker/tp_executor.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -95,6 +98,14 @@ class EngineConfig:
             raise ValueError(f"kv_port must be a TCP port, got {self.kv_port!r}.")
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}.")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            for name, value in (("kv_offload_gib", self.kv_offload_gib), ("kv_role", self.kv_role),
+                                ("speculative_config", self.speculative_config)):  # fmt: skip
+                if value:
+                    raise ValueError(
+                        f"{name} does not work with tensor_parallel_size > 1 yet; leave one of them out."
+                    )
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -31,6 +31,7 @@ _HELP = {
     "num_kv_blocks": "exact number of KV-cache blocks (overrides both memory options)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",
     "seed": "seed of the engine's random state (per-request seeds are separate)",
+    "tensor_parallel_size": "ranks the model is split over, one process (and GPU) each",
     "skip_tokenizer_init": "do not load a tokenizer; prompts must then be token ids",
     "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
     "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",
@@ -93,6 +94,9 @@ def _value_type(annotation: object) -> type:
     return annotation  # type: ignore[return-value]
 
 
+_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short forms
+
+
 def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
     """Add one option per EngineConfig field (minus `exclude`), defaulting to the dataclass defaults."""
     group = parser.add_argument_group("engine options")
@@ -101,11 +105,12 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = 
         if field.name in exclude:
             continue
         flag = "--" + field.name.replace("_", "-")
+        flags = [flag, *_ALIASES.get(field.name, ())]
         kind = _value_type(hints[field.name])
         help_text = _HELP.get(field.name, field.name)
         if kind is bool:
             group.add_argument(
-                flag,
+                *flags,
                 dest=field.name,
                 action=argparse.BooleanOptionalAction,
                 default=field.default,
@@ -113,7 +118,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Collection[str] = 
             )
         else:
             group.add_argument(
-                flag,
+                *flags,
                 dest=field.name,
                 type=_PARSERS.get(field.name, kind),
                 default=field.default,

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill import distributed
 from tokenmill.kernels import Kernels, get_kernels
-from tokenmill.layers.linear import ShardId
+from tokenmill.layers.linear import ShardId, divide
 
 # The checkpoint's per-expert projections and where they land: (our parameter, its name, part).
 _EXPERT_PROJECTIONS = (("w13", "gate_proj", "gate"), ("w13", "up_proj", "up"), ("w2", "down_proj", "down"))
@@ -31,10 +32,14 @@ def expert_params_mapping(num_experts: int) -> list[tuple[str, str, ShardId]]:
 
 
 class Experts(nn.Module):
-    """The stacked expert weights and their loader."""
+    """The stacked expert weights and their loader. With tensor parallelism every rank holds every
+    expert, sliced along the intermediate width: rank r its slice of gate, of up and of down's columns
+    (the ranks' outputs then sum, an all-reduce)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.tp_size, self.tp_rank = distributed.tp_size(), distributed.tp_rank()
+        intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
@@ -51,8 +56,11 @@ class Experts(nn.Module):
         else:
             part, expert = str(shard_id).split(":")
             target = param.data[int(expert)]
-            if part != "down":
-                size = self.intermediate_size
+            size, start = self.intermediate_size, self.tp_rank * self.intermediate_size
+            if part == "down":  # [hidden, intermediate]: this rank's columns
+                loaded_weight = loaded_weight.narrow(1, start, size) if self.tp_size > 1 else loaded_weight
+            else:  # [intermediate, hidden]: this rank's rows, into the gate or the up half
+                loaded_weight = loaded_weight.narrow(0, start, size) if self.tp_size > 1 else loaded_weight
                 target = target[:size] if part == "gate" else target[size:]
         if target.shape != loaded_weight.shape:
             raise ValueError(
@@ -94,4 +102,5 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        return self.kernels.fused_moe(x, self.experts.w13, self.experts.w2, experts, weights)
+        out = self.kernels.fused_moe(x, self.experts.w13, self.experts.w2, experts, weights)
+        return distributed.all_reduce(out) if self.experts.tp_size > 1 else out

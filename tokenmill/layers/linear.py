@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import distributed
+
 ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
@@ -123,12 +125,14 @@ class LinearBase(nn.Module):
         self,
         input_size: int,
         output_size: int,
-        tp_size: int,
-        tp_rank: int,
+        tp_size: int | None,
+        tp_rank: int | None,
         params_dtype: torch.dtype | None,
         quant_method: LinearMethodBase | None,
     ) -> None:
         super().__init__()
+        tp_size = distributed.tp_size() if tp_size is None else tp_size
+        tp_rank = distributed.tp_rank() if tp_rank is None else tp_rank
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1} (tp_size {tp_size}).")
         self.input_size, self.output_size = input_size, output_size
@@ -181,14 +185,14 @@ class ColumnParallelLinear(LinearBase):
         bias: bool = True,
         *,
         output_sizes: list[int] | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         params_dtype: torch.dtype | None = None,
         quant_method: LinearMethodBase | None = None,
     ) -> None:
         super().__init__(input_size, output_size, tp_size, tp_rank, params_dtype, quant_method)
         self.output_sizes = output_sizes or [output_size]
-        partition_sizes = [divide(size, tp_size, "an output size") for size in self.output_sizes]
+        partition_sizes = [divide(size, self.tp_size, "an output size") for size in self.output_sizes]
         self._create_weights(input_size, partition_sizes, bias, bias_sharded=True)
 
     def weight_loader(
@@ -207,8 +211,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: list[int],
         bias: bool = True,
         *,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         params_dtype: torch.dtype | None = None,
         quant_method: LinearMethodBase | None = None,
     ) -> None:
@@ -250,12 +254,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int | None = None,
         bias: bool = True,
         *,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         params_dtype: torch.dtype | None = None,
         quant_method: LinearMethodBase | None = None,
     ) -> None:
         total_num_kv_heads = total_num_kv_heads or total_num_heads
+        tp_size = distributed.tp_size() if tp_size is None else tp_size
         num_heads = divide(total_num_heads, tp_size, "num_heads")
         if tp_size >= total_num_kv_heads:
             if tp_size % total_num_kv_heads:
@@ -321,13 +326,13 @@ class RowParallelLinear(LinearBase):
         output_size: int,
         bias: bool = True,
         *,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         params_dtype: torch.dtype | None = None,
         quant_method: LinearMethodBase | None = None,
     ) -> None:
         super().__init__(input_size, output_size, tp_size, tp_rank, params_dtype, quant_method)
-        input_size_per_partition = divide(input_size, tp_size, "input_size")
+        input_size_per_partition = divide(input_size, self.tp_size, "input_size")
         self._create_weights(input_size_per_partition, [output_size], bias, bias_sharded=False)
 
     def weight_loader(
@@ -336,7 +341,8 @@ class RowParallelLinear(LinearBase):
         load_shard(param.data, loaded_weight, param.input_dim, self.tp_rank, self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        partial = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        return distributed.all_reduce(partial) if self.tp_size > 1 else partial
 
 
 def split_fused(loaded_weight: torch.Tensor, dim: int, sizes: list[int]) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import distributed
 from tokenmill.layers.cpu_packed import packed_linear
 from tokenmill.layers.linear import ShardId, divide
 
@@ -20,7 +21,7 @@ def pad_vocab_size(vocab_size: int, padding_size: int = DEFAULT_VOCAB_PADDING_SI
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r * num_embeddings_per_partition, (r + 1) * num_embeddings_per_partition) of
     the padded table. Ids outside its range (other ranks' ids) embed to zero, so the ranks' outputs sum
-    (an all-reduce, once there is torch.distributed) to every id's row. Padding rows load as zeros."""
+    (an all-reduce over the tensor-parallel group) to every id's row. Padding rows load as zeros."""
 
     def __init__(
         self,
@@ -28,11 +29,13 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        tp_size = distributed.tp_size() if tp_size is None else tp_size
+        tp_rank = distributed.tp_rank() if tp_rank is None else tp_rank
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1} (tp_size {tp_size}).")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -67,13 +70,13 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         embeddings = F.embedding((input_ids - self.vocab_start_index) * in_range, self.weight)
-        return embeddings.masked_fill_(~in_range.unsqueeze(-1), 0)
+        return distributed.all_reduce(embeddings.masked_fill_(~in_range.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding: rank r computes the logits of its vocab range.
-    forward returns [num_tokens, num_embeddings_per_partition], padding columns included; the caller
-    gathers the ranks and keeps the first num_embeddings columns."""
+    forward returns [num_tokens, num_embeddings_padded], the ranks' shards gathered, padding columns
+    included; the caller keeps the first num_embeddings columns."""
 
     def __init__(
         self,
@@ -82,8 +85,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         bias: bool = False,
         *,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
@@ -110,5 +113,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, "packed_weight", None)  # set on a CPU in bf16 (layers/cpu_packed.py)
         if packed is not None:
-            return packed_linear(hidden, packed, self.bias)
-        return F.linear(hidden, self.weight, self.bias)
+            logits = packed_linear(hidden, packed, self.bias)
+        else:
+            logits = F.linear(hidden, self.weight, self.bias)
+        return distributed.all_gather(logits, dim=-1) if self.tp_size > 1 else logits

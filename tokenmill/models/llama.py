@@ -69,14 +69,15 @@ class ArchFlags:
 class LlamaAttention(nn.Module):
     def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = flags.num_heads, flags.num_kv_heads, flags.head_dim
+        hidden, eps, self.head_dim = config.hidden_size, config.rms_norm_eps, flags.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, flags.num_heads, flags.num_kv_heads, bias=flags.qkv_bias
+        )
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=flags.qkv_bias
-        )
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=flags.o_bias)
+        self.o_proj = RowParallelLinear(flags.num_heads * self.head_dim, hidden, bias=flags.o_bias)
         self.q_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, kernels) if flags.qk_norm else None
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position, kernels)

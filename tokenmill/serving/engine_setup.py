@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenmill import distributed
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine import EngineCore
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
@@ -90,9 +91,25 @@ def create_engine(config: EngineConfig) -> EngineParts:
     source = resolve_model(config.model, config.load_format, config.tokenizer)
     max_model_len = resolve_max_model_len(config, source.hf_config)
     pooling_type = resolve_pooling(config, source)
+    executor = None
+    if config.tensor_parallel_size > 1:
+        if pooling_type is not None:
+            raise ValueError("the pooling runner does not work with tensor_parallel_size > 1 yet.")
+        from tokenmill.worker.device import resolve_device
+        from tokenmill.worker.tp_executor import start_ranks
+
+        conns, processes, _ = start_ranks(config, config.tensor_parallel_size, resolve_device(config.device))
+        for conn in conns:
+            conn.send(("build", (max_model_len, pooling_type)))
     runner = ModelRunner(config, source, max_model_len, pooling_type)
+    if config.tensor_parallel_size > 1:
+        from tokenmill.worker.tp_executor import TensorParallelExecutor
+
+        executor = TensorParallelExecutor(runner, conns, processes)
     batched_tokens = runner.max_num_batched_tokens
-    num_blocks = _num_kv_blocks(config, runner, batched_tokens)
+    if executor is not None:
+        executor.broadcast("num_blocks", batched_tokens)
+    num_blocks = distributed.all_reduce_min(_num_kv_blocks(config, runner, batched_tokens))
     capacity = num_blocks * config.block_size
     if capacity < max_model_len:
         needed = cdiv(max_model_len, config.block_size)
@@ -101,6 +118,9 @@ def create_engine(config: EngineConfig) -> EngineParts:
             f"{num_blocks} fit ({capacity} tokens); lower max_model_len or give the KV cache more memory "
             "(gpu_memory_utilization, kv_cache_memory or num_kv_blocks)."
         )
+    if executor is not None:
+        executor.broadcast("allocate", num_blocks)
+        executor.broadcast("capture", batched_tokens)
     runner.allocate_kv_cache(num_blocks)
     runner.capture_cuda_graphs(batched_tokens)
     logger.info(
@@ -161,7 +181,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
     if async_scheduling is None:
         # (Steps that speculate run synchronously either way: see EngineCore.)
         async_scheduling = runner.device.type == "cuda"
-    core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
+    core = EngineCore(scheduler, executor or runner, async_scheduling=async_scheduling)
     parts = EngineParts(core, runner, source, max_model_len, num_blocks, pooling_type)
     if config.warmup and runner.device.type == "cuda":
         from tokenmill.serving.warmup import warm_up

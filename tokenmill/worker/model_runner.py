@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import torch
 
+from tokenmill import distributed
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.scheduler import SchedulerOutput
@@ -102,6 +103,8 @@ class ModelRunner:
             return  # the pooling runner never decodes
         if not getattr(self.model, "graph_safe", True):
             return  # a forward whose shapes depend on the data (the MoE reference) is not captured
+        if distributed.tp_size() > 1:
+            return  # graphs around NCCL's collectives are not captured yet: tensor-parallel steps run eager
         self.decode_graphs = DecodeGraphs(
             self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
         )

@@ -1,0 +1,77 @@
+"""Tensor parallelism on the CPU (gloo, one process per rank): greedy and seeded-sampling tokens of
+TP=2 equal one process's for every dense architecture whose heads split, with KV heads that split
+(llama, qwen3) and that are replicated (mistral: one KV head; also at TP=4), and for the MoE models
+(experts sliced along their width); a shape that does not split is a ValueError naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+
+PROMPTS = [[5, 17, 33, 2, 9, 11, 400], [7, 8], list(range(3, 60))]
+PARAMS = [
+    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
+]
+
+# Rank 0 in a fresh process: the tensor-parallel group is per process.
+RUN = """
+import json, sys
+from tokenmill import LLM, SamplingParams
+runs = []
+for path, tp in json.loads(sys.argv[1]):
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+              tensor_parallel_size=tp)
+    params = [SamplingParams(**p) for p in json.loads(sys.argv[2])]
+    outs = llm.generate(prompt_token_ids=json.loads(sys.argv[3]), sampling_params=params, use_tqdm=False)
+    runs.append([o.outputs[0].token_ids for o in outs])
+    llm.engine.core.executor.shutdown()
+print(json.dumps(runs))
+"""
+
+
+def run_parallel(runs: list[tuple[str, int]]) -> list[list[list[int]]]:
+    params = [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
+               "ignore_eos": True} for p in PARAMS]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps(runs), json.dumps(params), json.dumps(PROMPTS)],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_process(path: str) -> list[list[int]]:
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+    return [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
+    ]
+
+
+def test_tp2_and_tp4_equal_one_process(hf_model_dirs) -> None:
+    archs = ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"]
+    runs = [(hf_model_dirs[arch][0], 2) for arch in archs] + [(hf_model_dirs["mistral"][0], 4)]
+    got = run_parallel(runs)
+    for (path, tp), tokens in zip(runs, got):
+        assert tokens == one_process(path), (path, tp)
+
+
+def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_model_dirs) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2)]), "[]", "[]"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode != 0 and "num_heads (5) is not divisible by tp_size (2)" in done.stderr
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="kv_offload_gib does not work with tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=2, kv_offload_gib=1)

@@ -1,0 +1,63 @@
+"""Tensor-parallel state of this process: its rank among tp_size workers and the collectives the layers
+call (an all-reduce after each row-parallel linear and the embedding, an all-gather of the LM head's
+vocab shards). One process per rank, torch.distributed underneath: NCCL on GPUs, gloo on CPUs. A
+process that never called init_tensor_parallel is rank 0 of 1, and every collective is a no-op."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_size, _rank = 1, 0
+
+
+def init_tensor_parallel(size: int, rank: int, init_method: str, backend: str) -> None:
+    """Join the group of `size` ranks at init_method (tcp://host:port); NCCL's NVLink multicast stays off
+    (NCCL_NVLS_ENABLE=0 is the launcher's to set)."""
+    global _size, _rank
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside 0..{size - 1} (tensor_parallel_size {size}).")
+    if size > 1:
+        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
+    _size, _rank = size, rank
+
+
+def tp_size() -> int:
+    return _size
+
+
+def tp_rank() -> int:
+    return _rank
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, in place."""
+    if _size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' tensors concatenated along dim, in rank order."""
+    if _size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of the ranks' values (KV blocks: every rank must hold the same number)."""
+    if _size == 1:
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def destroy() -> None:
+    global _size, _rank
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _size, _rank = 1, 0
