@@ -1,5 +1,6 @@
 """Vocab-parallel embedding and LM head: every rank loads the same full table; the shards must rebuild it
-(padded with zero rows), the ranks' embeddings sum to the full lookup, and their logits concatenate."""
+(padded with zero rows to a multiple of padding_size per rank), the ranks' embeddings sum to the full
+lookup, and their logits concatenate."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_embedding_rows_split_over_the_padded_vocab(
     tp_size: int, vocab_size: int, padding_size: int, padded: int
 ) -> None:
     assert pad_vocab_size(vocab_size, padding_size) == padded
+    padded = pad_vocab_size(vocab_size, padding_size * tp_size)
     table = randn(vocab_size, DIM, seed=1)
     ranks = [
         VocabParallelEmbedding(vocab_size, DIM, padding_size=padding_size, tp_size=tp_size, tp_rank=r)
@@ -65,7 +67,7 @@ def test_lm_head_logits_concatenate_to_the_full_vocab(tp_size: int, bias: bool) 
         if bias:
             load(layer, "bias", vocab_bias)
     logits = torch.cat([layer(hidden) for layer in ranks], dim=-1)
-    assert logits.shape == (6, 40)
+    assert logits.shape == (6, pad_vocab_size(vocab_size, padding_size * tp_size))
     torch.testing.assert_close(logits[:, :vocab_size], F.linear(hidden, table, vocab_bias if bias else None))
     assert not logits[:, vocab_size:].any()  # padding columns: zero rows, zero bias
 
@@ -83,5 +85,5 @@ def test_a_table_of_another_vocab_size_is_refused() -> None:
     embed = VocabParallelEmbedding(1003, 11, tp_size=4, tp_rank=3)
     with pytest.raises(ValueError, match=r"shape \(1000, 11\) does not match the expected \(1003, 11\)"):
         load(embed, "weight", torch.zeros(1000, 11))
-    with pytest.raises(ValueError, match=r"padded vocab size \(40\) is not divisible by tp_size \(3\)"):
-        VocabParallelEmbedding(37, 11, padding_size=8, tp_size=3)
+    # Any tp_size splits the vocab: it is padded to padding_size per rank.
+    assert VocabParallelEmbedding(37, 11, padding_size=8, tp_size=3).num_embeddings_per_partition == 16

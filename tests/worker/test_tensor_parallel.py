@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, one process per rank): greedy and seeded-sampling tokens of
 TP=2 equal one process's for every dense architecture whose heads split, with KV heads that split
 (llama, qwen3) and that are replicated (mistral: one KV head; also at TP=4), and for the MoE models
-(experts sliced along their width); a shape that does not split is a ValueError naming it."""
+(experts sliced along their width), with synchronous and asynchronous scheduling; a shape that does not
+split is a ValueError naming it, before any rank starts."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ RUN = """
 import json, sys
 from tokenmill import LLM, SamplingParams
 runs = []
-for path, tp in json.loads(sys.argv[1]):
+for path, tp, overlap in json.loads(sys.argv[1]):
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, async_scheduling=overlap)
     params = [SamplingParams(**p) for p in json.loads(sys.argv[2])]
     outs = llm.generate(prompt_token_ids=json.loads(sys.argv[3]), sampling_params=params, use_tqdm=False)
     runs.append([o.outputs[0].token_ids for o in outs])
@@ -38,7 +39,7 @@ print(json.dumps(runs))
 """
 
 
-def run_parallel(runs: list[tuple[str, int]]) -> list[list[list[int]]]:
+def run_parallel(runs: list[tuple[str, int, bool]]) -> list[list[list[int]]]:
     params = [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
                "ignore_eos": True} for p in PARAMS]  # fmt: skip
     done = subprocess.run(
@@ -59,18 +60,23 @@ def one_process(path: str) -> list[list[int]]:
 
 def test_tp2_and_tp4_equal_one_process(hf_model_dirs) -> None:
     archs = ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"]
-    runs = [(hf_model_dirs[arch][0], 2) for arch in archs] + [(hf_model_dirs["mistral"][0], 4)]
+    runs = [(hf_model_dirs[arch][0], 2, False) for arch in archs]
+    runs += [
+        (hf_model_dirs["mistral"][0], 4, False),
+        (hf_model_dirs["qwen3"][0], 2, True),
+    ]  # async scheduling
     got = run_parallel(runs)
-    for (path, tp), tokens in zip(runs, got):
-        assert tokens == one_process(path), (path, tp)
+    for (path, tp, overlap), tokens in zip(runs, got):
+        assert tokens == one_process(path), (path, tp, overlap)
 
 
 def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_model_dirs) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2)]), "[]", "[]"],
+        [sys.executable, "-c", RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2, False)]), "[]", "[]"],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert done.returncode != 0 and "num_heads (5) is not divisible by tp_size (2)" in done.stderr
+    assert "[rank1]" not in done.stderr  # refused before any other rank started
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="kv_offload_gib does not work with tensor_parallel_size"):

@@ -1,5 +1,5 @@
 """The token embedding and the LM head, split over the vocabulary (vLLM's names and sharding): the vocab is
-padded to a multiple of padding_size, then cut into tp_size equal ranges of rows, one per rank."""
+padded to a multiple of padding_size * tp_size, then cut into tp_size equal ranges of rows, one per rank."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1} (tp_size {tp_size}).")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size)
+        # Padded to padding_size per rank, so that any tp_size splits it.
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * tp_size)
         self.num_embeddings_per_partition = divide(
             self.num_embeddings_padded, tp_size, "the padded vocab size"
         )

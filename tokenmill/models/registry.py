@@ -36,3 +36,25 @@ def model_class(config) -> type[nn.Module]:
         f"model architecture {architectures or '(none in config.json)'} is not supported; "
         f"supported: {', '.join(sorted(MODEL_REGISTRY))}."
     )
+
+
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """A ValueError naming the first width tp_size does not split, before any rank is started: query
+    heads, KV heads (split, or replicated evenly when there are fewer than ranks), MLP and expert widths."""
+    from tokenmill.layers.linear import divide
+
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    divide(heads, tp_size, "num_heads")
+    if tp_size >= kv_heads:
+        if tp_size % kv_heads:
+            raise ValueError(
+                f"tp_size ({tp_size}) is not a multiple of num_kv_heads ({kv_heads}), so KV heads cannot be "
+                "replicated evenly; pick a tp_size that is."
+            )
+    else:
+        divide(kv_heads, tp_size, "num_kv_heads")
+    divide(config.intermediate_size, tp_size, "intermediate_size")
+    moe_width = getattr(config, "moe_intermediate_size", None)
+    if moe_width:
+        divide(moe_width, tp_size, "moe_intermediate_size")

@@ -307,6 +307,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
             socket.send(frame)
 
     exit_code = 0
+    parts = None
     try:
         _limit_cpu_threads(config)
         parts = create_engine(config)
@@ -340,6 +341,9 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
         send_all(EngineDead(str(exc), type(exc).__name__))
         exit_code = 1
     finally:
+        shutdown = getattr(parts.core.executor, "shutdown", None) if parts is not None else None
+        if shutdown is not None:  # other tensor-parallel ranks
+            shutdown()
         input_socket.close(linger=0)
         for socket in output_sockets:
             socket.close(linger=2000)  # let the last message (outputs or the error) reach the API

@@ -95,9 +95,11 @@ def create_engine(config: EngineConfig) -> EngineParts:
     if config.tensor_parallel_size > 1:
         if pooling_type is not None:
             raise ValueError("the pooling runner does not work with tensor_parallel_size > 1 yet.")
+        from tokenmill.models.registry import check_tensor_parallel
         from tokenmill.worker.device import resolve_device
         from tokenmill.worker.tp_executor import start_ranks
 
+        check_tensor_parallel(source.hf_config, config.tensor_parallel_size)
         conns, processes, _ = start_ranks(config, config.tensor_parallel_size, resolve_device(config.device))
         for conn in conns:
             conn.send(("build", (max_model_len, pooling_type)))

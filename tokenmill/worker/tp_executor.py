@@ -80,12 +80,12 @@ def _stop(conns: list[Connection], processes: list[subprocess.Popen]) -> None:
             conn.close()
         except OSError:
             pass
+    distributed.destroy()  # this process may build another engine afterwards
     for process in processes:
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
-    distributed.destroy()  # this process may build another engine afterwards
 
 
 def start_ranks(
@@ -141,6 +141,7 @@ def _serve(address: str, authkey: bytes, rank: int) -> None:
         torch.cuda.set_device(device)
     distributed.init_tensor_parallel(size, rank, init_method, "nccl" if device is not None else "gloo")
     runner = None
+    in_flight = None  # the step before the last launched: its tokens are waited for after the next launch
     try:
         while True:
             op, arg = conn.recv()
@@ -157,18 +158,23 @@ def _serve(address: str, authkey: bytes, rank: int) -> None:
             elif op == "capture":
                 runner.capture_cuda_graphs(arg)
             elif op == "execute":
+                # As rank 0 does with async scheduling: launch this step, then wait for the one before.
                 launched = runner.execute(arg)
                 if arg.grammar_req_ids:
                     tag, masks = conn.recv()
                     assert tag == "masks", tag
                     launched = launched.with_grammar(masks)
-                launched.result()
+                if in_flight is not None:
+                    in_flight.result()
+                in_flight = launched
             elif op == "stop":
-                return
+                break
     except EOFError:  # rank 0 is gone
-        return
-    finally:
-        distributed.destroy()
+        pass
+    # Nothing to keep: skip the interpreter's teardown of torch and the group (seconds).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
