@@ -95,7 +95,7 @@ class _Eagle1Layer(LlamaDecoderLayer):
     it is)."""
 
     def __init__(self, config, flags, max_position, kernels, first: bool) -> None:
-        super().__init__(config, flags, max_position, kernels)
+        super().__init__(config, flags, max_position, kernels, index=0)  # a draft's layers are dense
         self.first = first
         if first:
             del self.input_layernorm
