@@ -19,23 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_engine import cuda_time  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from tokenmill.kernels import fused_moe, reference  # noqa: E402
-
-
-def timed_ms(work, repeats: int = 20) -> float:
-    work()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -63,8 +50,8 @@ def main() -> None:
         got = fused_moe.fused_moe(x, w13, w2, chosen, weights)
         want = reference.fused_moe(x, w13, w2, chosen, weights)
         error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        fused_ms = timed_ms(lambda: fused_moe.fused_moe(x, w13, w2, chosen, weights))  # noqa: B023
-        reference_ms = timed_ms(lambda: reference.fused_moe(x, w13, w2, chosen, weights), repeats=5)  # noqa: B023
+        fused_ms = 1e3 * cuda_time(lambda: fused_moe.fused_moe(x, w13, w2, chosen, weights), 20)  # noqa: B023
+        reference_ms = 1e3 * cuda_time(lambda: reference.fused_moe(x, w13, w2, chosen, weights), 5)  # noqa: B023
         distinct = int(torch.unique(chosen).numel())
         weight_bytes = distinct * 3 * hidden * inter * 2
         flops = 2 * tokens * top_k * 3 * hidden * inter
