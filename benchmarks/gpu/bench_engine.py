@@ -79,6 +79,7 @@ def make_llm(args, **overrides) -> LLM:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return dummy_llm(args.shape, json.loads(args.config_overrides), **{**options, **overrides})
 
@@ -367,6 +368,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     parser.add_argument("--dtype", default="auto", help="the model's dtype (float32 for a CPU smoke run)")
     parser.add_argument("--batch", type=int, default=1, help="decode: requests decoding together")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="decode: timed runs (medians)")
     parser.add_argument(
         "--async-scheduling",
