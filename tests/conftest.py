@@ -81,9 +81,22 @@ ARCH_CONFIGS = {
         num_experts_per_tok=2,
         sliding_window=None,
     ),
+    # For expert parallelism over two ranks: an even number of experts.
+    "mixtral_ep": dict(
+        cls="MixtralConfig",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=40,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
 }
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
-ARCHS = [arch for arch in ARCH_CONFIGS if arch not in MOE_ARCHS]  # dense: every engine path runs them
+ARCHS = [
+    arch for arch in ARCH_CONFIGS if arch not in MOE_ARCHS + ["mixtral_ep"]
+]  # dense: every path runs them
 
 
 def make_hf_model(arch: str, seed: int = 0):

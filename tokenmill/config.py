@@ -67,6 +67,12 @@ class EngineConfig:
     # Ranks the model is split over (heads, MLP widths, vocab): one process per GPU (on a CPU, per rank),
     # rank 0 in the engine core's process (worker/tp_executor.py).
     tensor_parallel_size: int = 1
+    # MoE layers under tensor parallelism: each rank holds a share of the experts whole (expert
+    # parallelism) instead of a slice of every expert. Attention stays tensor-parallel.
+    enable_expert_parallel: bool = False
+    # How the other tensor-parallel ranks are run: "mp", processes on this machine; "ray", actors on the
+    # Ray cluster this process joins (RAY_ADDRESS, or a local one): several machines.
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -99,6 +105,10 @@ class EngineConfig:
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}.")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}."
+            )
         if self.tensor_parallel_size > 1:
             for name, value in (("kv_offload_gib", self.kv_offload_gib), ("kv_role", self.kv_role),
                                 ("speculative_config", self.speculative_config)):  # fmt: skip

@@ -9,17 +9,21 @@ import torch
 import torch.distributed as dist
 
 _size, _rank = 1, 0
+_expert_parallel = False
 
 
-def init_tensor_parallel(size: int, rank: int, init_method: str, backend: str) -> None:
+def init_tensor_parallel(
+    size: int, rank: int, init_method: str, backend: str, expert_parallel: bool = False
+) -> None:
     """Join the group of `size` ranks at init_method (tcp://host:port); NCCL's NVLink multicast stays off
-    (NCCL_NVLS_ENABLE=0 is the launcher's to set)."""
-    global _size, _rank
+    (NCCL_NVLS_ENABLE=0 is the launcher's to set). expert_parallel: MoE layers hold whole experts, a
+    share of them per rank, instead of a slice of every expert."""
+    global _size, _rank, _expert_parallel
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside 0..{size - 1} (tensor_parallel_size {size}).")
     if size > 1:
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
-    _size, _rank = size, rank
+    _size, _rank, _expert_parallel = size, rank, expert_parallel
 
 
 def tp_size() -> int:
@@ -28,6 +32,10 @@ def tp_size() -> int:
 
 def tp_rank() -> int:
     return _rank
+
+
+def expert_parallel() -> bool:
+    return _expert_parallel
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +65,7 @@ def all_reduce_min(value: int) -> int:
 
 
 def destroy() -> None:
-    global _size, _rank
+    global _size, _rank, _expert_parallel
     if dist.is_initialized():
         dist.destroy_process_group()
-    _size, _rank = 1, 0
+    _size, _rank, _expert_parallel = 1, 0, False

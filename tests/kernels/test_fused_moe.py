@@ -73,3 +73,22 @@ def test_moe_models_on_the_triton_kernels_write_transformers_greedy_tokens(arch,
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pairs_of_no_expert_here_add_nothing(dtype) -> None:
+    """Expert parallelism hands the kernels other ranks' experts as id E: those pairs contribute zero,
+    as if their routing weight were zero."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, num_experts, top_k, hidden, inter = 23, 4, 3, 40, 24
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
+    experts, weights = routing(tokens, num_experts, top_k, dtype, gen)
+    elsewhere = torch.rand(tokens, top_k, generator=gen).to(DEVICE) < 0.4
+    zeroed = weights.masked_fill(elsewhere, 0)
+    want = reference.fused_moe(x, w13, w2, experts, zeroed)
+    marked = experts.masked_fill(elsewhere, num_experts)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(reference.fused_moe(x, w13, w2, marked, zeroed), want, **tol)
+    torch.testing.assert_close(fused_moe.fused_moe(x, w13, w2, marked, zeroed), want, **tol)

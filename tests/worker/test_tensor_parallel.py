@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, one process per rank): greedy and seeded-sampling tokens of
 TP=2 equal one process's for every dense architecture whose heads split, with KV heads that split
 (llama, qwen3) and that are replicated (mistral: one KV head; also at TP=4), and for the MoE models
-(experts sliced along their width), with synchronous and asynchronous scheduling; a shape that does not
-split is a ValueError naming it, before any rank starts."""
+(experts sliced along their width, or held whole, a share per rank, with expert parallelism), with
+synchronous and asynchronous scheduling; a shape that does not split is a ValueError naming it, before
+any rank starts."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ RUN = """
 import json, sys
 from tokenmill import LLM, SamplingParams
 runs = []
-for path, tp, overlap in json.loads(sys.argv[1]):
+for path, tp, overlap, *ep in json.loads(sys.argv[1]):
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              tensor_parallel_size=tp, async_scheduling=overlap)
+              tensor_parallel_size=tp, async_scheduling=overlap, enable_expert_parallel=bool(ep))
     params = [SamplingParams(**p) for p in json.loads(sys.argv[2])]
     outs = llm.generate(prompt_token_ids=json.loads(sys.argv[3]), sampling_params=params, use_tqdm=False)
     runs.append([o.outputs[0].token_ids for o in outs])
@@ -39,7 +40,7 @@ print(json.dumps(runs))
 """
 
 
-def run_parallel(runs: list[tuple[str, int, bool]]) -> list[list[list[int]]]:
+def run_parallel(runs: list[tuple]) -> list[list[list[int]]]:
     params = [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
                "ignore_eos": True} for p in PARAMS]  # fmt: skip
     done = subprocess.run(
@@ -79,5 +80,43 @@ def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_mo
     assert "[rank1]" not in done.stderr  # refused before any other rank started
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps([(hf_model_dirs["qwen3_moe"][0], 2, False, True)]), "[]",
+         "[]"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode != 0 and "num_experts (7) is not divisible by tp_size (2)" in done.stderr
     with pytest.raises(ValueError, match="kv_offload_gib does not work with tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=2, kv_offload_gib=1)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
+        EngineConfig(distributed_executor_backend="slurm")
+
+
+RAY_RUN = """
+import json, sys
+import ray
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+from tokenmill import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+          tensor_parallel_size=2, distributed_executor_backend="ray")
+params = [SamplingParams(**p) for p in json.loads(sys.argv[2])]
+outs = llm.generate(prompt_token_ids=json.loads(sys.argv[3]), sampling_params=params, use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+llm.engine.core.executor.shutdown()
+ray.shutdown()
+"""
+
+
+def test_ranks_as_ray_actors_equal_one_process(hf_model_dirs) -> None:
+    """--distributed-executor-backend ray: the other rank is a Ray actor in a placement group on a local
+    Ray cluster (as on a multi-node one), fed the same orders."""
+    pytest.importorskip("ray")
+    path = hf_model_dirs["qwen3"][0]
+    params = [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
+               "ignore_eos": True} for p in PARAMS]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", RAY_RUN, path, json.dumps(params), json.dumps(PROMPTS)],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == one_process(path)

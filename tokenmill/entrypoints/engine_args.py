@@ -32,6 +32,10 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",
     "seed": "seed of the engine's random state (per-request seeds are separate)",
     "tensor_parallel_size": "ranks the model is split over, one process (and GPU) each",
+    "distributed_executor_backend": "mp (tensor-parallel ranks as processes on this machine) | ray (as "
+    "Ray actors across the machines of a Ray cluster)",
+    "enable_expert_parallel": "MoE models: each rank holds a share of the experts whole instead of a "
+    "slice of every expert",
     "skip_tokenizer_init": "do not load a tokenizer; prompts must then be token ids",
     "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
     "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",

@@ -20,14 +20,17 @@ from tokenmill.kernels.activation import silu_and_mul
 def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """experts [T, k] -> (pairs [P], block_experts [B], num_padded [1]): the flat pair indices t*k+slot
     sorted by expert, each expert's run padded with T*k to a multiple of block_m; the expert of each
-    block of block_m pairs (num_experts past the last run); how many entries the runs fill. P and B are
-    the most padding can need, T*k + E*(block_m-1) and its blocks, so the shapes depend on T alone."""
+    block of block_m pairs; how many entries the experts' runs fill (the blocks past it are skipped). An
+    expert id of num_experts means no expert here (another rank's): its pairs sort last and are skipped.
+    P and B are the most padding can need, T*k + (E+1)*(block_m-1) and its blocks, so the shapes depend
+    on T alone."""
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
-    size = num_pairs + num_experts * (block_m - 1)
+    bins = num_experts + 1  # the last: no expert here
+    size = num_pairs + bins * (block_m - 1)
     num_blocks = triton.cdiv(size, block_m)
     # (bincount would read the largest id back to size its output: a host sync)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(bins, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
@@ -43,7 +46,7 @@ def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> tu
     pairs[position] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=flat.device) * block_m
     block_experts = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
-    return pairs, block_experts, ends[-1:].to(torch.int32)
+    return pairs, block_experts, ends[num_experts - 1 : num_experts].to(torch.int32)
 
 
 @triton.jit
@@ -123,15 +126,15 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; experts and weights [T, k] (weights
-    in x's dtype) -> [T, H]."""
+    in x's dtype; an expert id of E: no expert here) -> [T, H]."""
     num_tokens, top_k = experts.shape
     block_m = 16 if num_tokens * top_k <= 1024 else 64
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     pairs, block_experts, num_padded = align_by_expert(experts, w13.shape[0], block_m)
     flat_weights = weights.reshape(-1).contiguous()
-    gate_up = x.new_empty(num_tokens * top_k, w13.shape[1])
+    gate_up = x.new_zeros(num_tokens * top_k, w13.shape[1])  # (rows of no expert here: never garbage)
     _gemm(x, w13, gate_up, pairs, block_experts, num_padded, flat_weights, top_k, True, False, block_m)
     hidden = silu_and_mul(gate_up)
-    down = x.new_empty(num_tokens * top_k, w2.shape[1])
+    down = x.new_zeros(num_tokens * top_k, w2.shape[1])  # pairs of no expert here stay zero
     _gemm(hidden, w2, down, pairs, block_experts, num_padded, flat_weights, top_k, False, True, block_m)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

@@ -305,13 +305,14 @@ def fused_moe(
 ) -> torch.Tensor:
     """Mixture of experts: x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; each token's
     experts and routing weights [T, k] (weights in x's dtype) -> [T, H], the sum over its k experts of
-    weight * w2 @ silu_and_mul(w13 @ x). Per expert that received tokens: gather, MLP, scale, add back
-    (shapes follow the routing: a host sync, no CUDA graph)."""
+    weight * w2 @ silu_and_mul(w13 @ x). An expert id of E means no expert here (another rank's, under
+    expert parallelism): that pair adds nothing. Per expert that received tokens: gather, MLP, scale,
+    add back (shapes follow the routing: a host sync, no CUDA graph)."""
     top_k = experts.shape[1]
     out = torch.zeros_like(x)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()[: w13.shape[0]]
     tokens, pair_weights = order // top_k, weights.reshape(-1)[order]
     start = 0
     for expert, count in enumerate(counts):

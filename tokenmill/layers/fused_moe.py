@@ -33,34 +33,49 @@ def expert_params_mapping(num_experts: int) -> list[tuple[str, str, ShardId]]:
 
 class Experts(nn.Module):
     """The stacked expert weights and their loader. With tensor parallelism every rank holds every
-    expert, sliced along the intermediate width: rank r its slice of gate, of up and of down's columns
-    (the ranks' outputs then sum, an all-reduce)."""
+    expert, sliced along the intermediate width: rank r its slice of gate, of up and of down's columns.
+    With expert parallelism (distributed.expert_parallel) rank r holds experts [r * E / N, (r+1) * E / N)
+    whole instead. Either way the ranks' outputs sum to the layer's (an all-reduce)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = distributed.tp_size(), distributed.tp_rank()
-        intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts = num_experts
+        if distributed.expert_parallel() and self.tp_size > 1:
+            self.num_local = divide(num_experts, self.tp_size, "num_experts")
+            self.sliced = False
+        else:
+            self.num_local = num_experts
+            self.sliced = self.tp_size > 1
+            intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.first_expert = self.tp_rank * self.num_local if self.num_local != num_experts else 0
+        self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+            torch.empty(self.num_local, 2 * intermediate_size, hidden_size), requires_grad=False
         )
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.w2 = nn.Parameter(
+            torch.empty(self.num_local, hidden_size, intermediate_size), requires_grad=False
+        )
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
     ) -> None:
-        """One expert's projection ("gate:E", "up:E", "down:E"), or the whole stacked tensor (None)."""
+        """One expert's projection ("gate:E", "up:E", "down:E"), or the whole stacked tensor (None); an
+        expert another rank holds is passed over."""
         if shard_id is None:
             target = param.data
         else:
             part, expert = str(shard_id).split(":")
-            target = param.data[int(expert)]
+            local = int(expert) - self.first_expert
+            if not 0 <= local < self.num_local:
+                return
+            target = param.data[local]
             size, start = self.intermediate_size, self.tp_rank * self.intermediate_size
             if part == "down":  # [hidden, intermediate]: this rank's columns
-                loaded_weight = loaded_weight.narrow(1, start, size) if self.tp_size > 1 else loaded_weight
+                loaded_weight = loaded_weight.narrow(1, start, size) if self.sliced else loaded_weight
             else:  # [intermediate, hidden]: this rank's rows, into the gate or the up half
-                loaded_weight = loaded_weight.narrow(0, start, size) if self.tp_size > 1 else loaded_weight
+                loaded_weight = loaded_weight.narrow(0, start, size) if self.sliced else loaded_weight
                 target = target[:size] if part == "gate" else target[size:]
         if target.shape != loaded_weight.shape:
             raise ValueError(
@@ -102,5 +117,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = self.kernels.fused_moe(x, self.experts.w13, self.experts.w2, experts, weights)
-        return distributed.all_reduce(out) if self.experts.tp_size > 1 else out
+        held = self.experts
+        if held.num_local != self.num_experts:  # expert parallel: the pairs of other ranks' experts
+            local = experts - held.first_expert  # go to the kernels' "no expert here", num_local
+            elsewhere = (local < 0) | (local >= held.num_local)
+            experts, weights = local.masked_fill(elsewhere, held.num_local), weights.masked_fill(elsewhere, 0)
+        out = self.kernels.fused_moe(x, held.w13, held.w2, experts, weights)
+        return distributed.all_reduce(out) if held.tp_size > 1 else out

@@ -38,9 +38,10 @@ def model_class(config) -> type[nn.Module]:
     )
 
 
-def check_tensor_parallel(config, tp_size: int) -> None:
+def check_tensor_parallel(config, tp_size: int, expert_parallel: bool = False) -> None:
     """A ValueError naming the first width tp_size does not split, before any rank is started: query
-    heads, KV heads (split, or replicated evenly when there are fewer than ranks), MLP and expert widths."""
+    heads, KV heads (split, or replicated evenly when there are fewer than ranks), the dense MLP's width,
+    and the experts' width (or, with expert parallelism, their number)."""
     from tokenmill.layers.linear import divide
 
     heads = config.num_attention_heads
@@ -54,7 +55,11 @@ def check_tensor_parallel(config, tp_size: int) -> None:
             )
     else:
         divide(kv_heads, tp_size, "num_kv_heads")
-    divide(config.intermediate_size, tp_size, "intermediate_size")
-    moe_width = getattr(config, "moe_intermediate_size", None)
-    if moe_width:
-        divide(moe_width, tp_size, "moe_intermediate_size")
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    expert_width = getattr(config, "moe_intermediate_size", None)
+    if not num_experts or expert_width:  # a dense MLP's width (Mixtral's is its experts')
+        divide(config.intermediate_size, tp_size, "intermediate_size")
+    if num_experts and expert_parallel:
+        divide(num_experts, tp_size, "num_experts")
+    elif num_experts:
+        divide(expert_width or config.intermediate_size, tp_size, "moe_intermediate_size")

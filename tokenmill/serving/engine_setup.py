@@ -92,22 +92,21 @@ def create_engine(config: EngineConfig) -> EngineParts:
     max_model_len = resolve_max_model_len(config, source.hf_config)
     pooling_type = resolve_pooling(config, source)
     executor = None
+    runner = None
     if config.tensor_parallel_size > 1:
         if pooling_type is not None:
             raise ValueError("the pooling runner does not work with tensor_parallel_size > 1 yet.")
         from tokenmill.models.registry import check_tensor_parallel
         from tokenmill.worker.device import resolve_device
-        from tokenmill.worker.tp_executor import start_ranks
+        from tokenmill.worker.tp_executor import TensorParallelExecutor, start_ranks
 
-        check_tensor_parallel(source.hf_config, config.tensor_parallel_size)
-        conns, processes, _ = start_ranks(config, config.tensor_parallel_size, resolve_device(config.device))
-        for conn in conns:
-            conn.send(("build", (max_model_len, pooling_type)))
-    runner = ModelRunner(config, source, max_model_len, pooling_type)
-    if config.tensor_parallel_size > 1:
-        from tokenmill.worker.tp_executor import TensorParallelExecutor
-
-        executor = TensorParallelExecutor(runner, conns, processes)
+        check_tensor_parallel(source.hf_config, config.tensor_parallel_size, config.enable_expert_parallel)
+        ranks = start_ranks(config, config.tensor_parallel_size, resolve_device(config.device))
+        ranks.send("build", max_model_len, pooling_type)
+        runner = ModelRunner(config, source, max_model_len, pooling_type)
+        executor = TensorParallelExecutor(runner, ranks)
+    else:
+        runner = ModelRunner(config, source, max_model_len, pooling_type)
     batched_tokens = runner.max_num_batched_tokens
     if executor is not None:
         executor.broadcast("num_blocks", batched_tokens)
