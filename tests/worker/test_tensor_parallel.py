@@ -107,6 +107,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.slow  # a local Ray cluster's start-up: `make test-all` or -m slow
 def test_ranks_as_ray_actors_equal_one_process(hf_model_dirs) -> None:
     """--distributed-executor-backend ray: the other rank is a Ray actor in a placement group on a local
     Ray cluster (as on a multi-node one), fed the same orders."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.entrypoints.openai.conftest import ServerProcess, wait_for
 from tokenmill import LLM, SamplingParams
 
@@ -22,6 +24,7 @@ def rank_processes() -> list[str]:
     return found
 
 
+@pytest.mark.slow  # three ranks loading on a small CPU: `make test-all` or -m slow
 def test_chat_on_three_ranks_equals_one_process(tmp_path) -> None:
     args = [
         "--model",
