@@ -56,8 +56,9 @@ class EngineConfig:
     # Speculative decoding, as a dict in vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4,
     # ...}; tokenmill.spec_decode.SpeculativeConfig); parsed and checked here. None: off.
     speculative_config: dict | None = None
-    # The CPU tier of the prefix cache, in GiB of (pinned) host memory: full blocks evicted from the
-    # device are kept there and copied back on a later prefix hit instead of being recomputed. 0: off.
+    # The CPU tier of the prefix cache, in GiB of (pinned) host memory (per tensor-parallel rank, each
+    # holding its KV heads' share): full blocks evicted from the device are kept there and copied back
+    # on a later prefix hit instead of being recomputed. 0: off.
     kv_offload_gib: float = 0.0
     # Prefill/decode disaggregation: "prefill" keeps a finished remote-decode request's blocks and serves
     # them on kv_port; "decode" fetches the KV of requests a prefill peer computed. None: neither.
@@ -110,8 +111,7 @@ class EngineConfig:
                 f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}."
             )
         if self.tensor_parallel_size > 1:
-            for name, value in (("kv_offload_gib", self.kv_offload_gib), ("kv_role", self.kv_role),
-                                ("speculative_config", self.speculative_config)):  # fmt: skip
+            for name, value in (("kv_role", self.kv_role), ("speculative_config", self.speculative_config)):
                 if value:
                     raise ValueError(
                         f"{name} does not work with tensor_parallel_size > 1 yet; leave one of them out."

@@ -86,8 +86,10 @@ def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_mo
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert done.returncode != 0 and "num_experts (7) is not divisible by tp_size (2)" in done.stderr
-    with pytest.raises(ValueError, match="kv_offload_gib does not work with tensor_parallel_size"):
-        EngineConfig(tensor_parallel_size=2, kv_offload_gib=1)
+    with pytest.raises(ValueError, match="speculative_config does not work with tensor_parallel_size"):
+        EngineConfig(
+            tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+        )
     with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
         EngineConfig(distributed_executor_backend="slurm")
 
@@ -121,3 +123,53 @@ def test_ranks_as_ray_actors_equal_one_process(hf_model_dirs) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == one_process(path)
+
+
+OFFLOAD_RUN = """
+import json
+from tokenmill import LLM
+from tests.serving.test_kv_offload import run
+# The CPU tier: each rank keeps its KV heads' share of the blocks evicted from a too-small pool.
+llm = LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=40, kv_offload_gib=0.1,
+          tensor_parallel_size=3)
+texts = run(llm)
+print(json.dumps({"texts": texts, "offload_hits": llm.engine.scheduler.kv.offload_hits}))
+llm.engine.core.executor.shutdown()
+"""
+
+POOLING_RUN = """
+import json, sys
+from tokenmill import LLM
+# The pooling runner: the hidden states every rank holds after the last all-reduce.
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", runner="pooling", tensor_parallel_size=2)
+print(json.dumps([o.embedding for o in llm.embed(prompt_token_ids=json.loads(sys.argv[2]), use_tqdm=False)]))
+llm.engine.core.executor.shutdown()
+"""
+
+
+def run_script(script: str, *args: str) -> object:
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_pooling_runner_under_tensor_parallelism(hf_model_dirs) -> None:
+    import torch
+
+    path = hf_model_dirs["qwen3"][0]
+    got = run_script(POOLING_RUN, path, json.dumps(PROMPTS))
+    alone = LLM(path, skip_tokenizer_init=True, dtype="float32", runner="pooling")
+    want = [o.embedding for o in alone.embed(prompt_token_ids=PROMPTS, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow  # three ranks of the embedded model through eight chats on a small CPU
+def test_the_cpu_tier_under_tensor_parallelism() -> None:
+    from tests.serving.test_kv_offload import run
+
+    got = run_script(OFFLOAD_RUN)
+    assert got["texts"] == run(LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=200))
+    assert got["offload_hits"] > 0

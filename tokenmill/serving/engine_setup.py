@@ -94,8 +94,6 @@ def create_engine(config: EngineConfig) -> EngineParts:
     executor = None
     runner = None
     if config.tensor_parallel_size > 1:
-        if pooling_type is not None:
-            raise ValueError("the pooling runner does not work with tensor_parallel_size > 1 yet.")
         from tokenmill.models.registry import check_tensor_parallel
         from tokenmill.worker.device import resolve_device
         from tokenmill.worker.tp_executor import TensorParallelExecutor, start_ranks
@@ -145,6 +143,8 @@ def create_engine(config: EngineConfig) -> EngineParts:
                 f"kv_offload_gib={config.kv_offload_gib} holds no KV block ({runner.kv_bytes_per_block()} "
                 "bytes each); give it more."
             )
+        if executor is not None:  # every rank keeps its own KV heads' share of each block
+            executor.broadcast("allocate_host", num_host_blocks)
         runner.allocate_host_kv_cache(num_host_blocks)
         logger.info(
             "KV offload: %d host blocks (%.2f GiB, %d tokens) behind the device's prefix cache",

@@ -73,6 +73,9 @@ class RankWorker:
     def allocate(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
+    def allocate_host(self, num_blocks: int) -> None:
+        self.runner.allocate_host_kv_cache(num_blocks)
+
     def capture(self, batched_tokens: int) -> None:
         self.runner.capture_cuda_graphs(batched_tokens)
 
