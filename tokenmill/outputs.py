@@ -45,6 +45,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # The pooling runner's embedding of the prompt: float32 little-endian bytes, L2-normalised.
     pooled: bytes | None = None
+    # Why the engine failed the request (its completions then end with finish_reason "abort"), e.g. a
+    # disaggregated request whose KV never came from its prefill peer.
+    error: str | None = None
 
     @property
     def embedding(self) -> list[float] | None:

@@ -50,3 +50,6 @@ class EngineCoreOutput:
     # The pooling runner's vector (float32 little-endian, L2-normalised), with finish reason "stop" and no
     # tokens: an embedding request ends when its prompt has been computed.
     pooled: bytes | None = None
+    # Why the engine failed the request, with finish reason "abort": a disaggregated request whose KV never
+    # came from its prefill peer. None for a request that ended normally or was aborted by its client.
+    error: str | None = None

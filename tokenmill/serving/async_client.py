@@ -36,7 +36,6 @@ from tokenmill.serving.core_protocol import (
     message_decoder,
 )
 from tokenmill.serving.input_processor import InputProcessor
-from tokenmill.serving.kv_transfer import KV_TRANSFER_FAILED
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
 from tokenmill.serving.step_trace import StepTrace
@@ -361,7 +360,7 @@ class AsyncEngineClient:
                     for completion in output.outputs:
                         reason = completion.finish_reason or "abort"
                         self.metrics.record_finished(reason, now - state.arrival_time)
-            failure = _transfer_failure(output) if output.finished else None
+            failure = output.error if output.finished else None  # so far only a KV transfer's
             state.queue.put_nowait(KVTransferError(failure) if failure is not None else output)
         if self.metrics is not None:
             self.metrics.record_step(gaps, num_tokens)
@@ -404,13 +403,3 @@ class AsyncEngineClient:
         except zmq.Again:
             if not self._closing:
                 self._fail("engine core is not reading its input socket.")
-
-
-def _transfer_failure(output: RequestOutput) -> str | None:
-    """The reason a disaggregated request's KV never came, when that is how it ended."""
-    for completion in output.outputs:
-        reason = completion.stop_reason
-        failed = isinstance(reason, str) and reason.startswith(KV_TRANSFER_FAILED)
-        if completion.finish_reason == "abort" and failed:
-            return reason
-    return None

@@ -8,7 +8,8 @@ fetches are freed at their deadline.
 Decode instance (`--kv-role decode`): for each request that got blocks for its prompt, a `fetch` goes to
 the prefill peer named in the request (a DEALER socket per peer); the answer is handed to the scheduler,
 and the next step copies it in. A fetch unanswered after `kv_transfer_timeout` seconds, or answered with
-an error, ends its request with `kv_transfer_failed` (its blocks freed, the peer told to release)."""
+an error, ends its request: finish reason "abort" with the reason in EngineCoreOutput.error (its blocks
+freed, the peer told to release); the server answers 503 `kv_transfer_failed`."""
 
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
 
 logger = logging.getLogger("tokenmill.kv_transfer")
-
-KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 class KVMessage(msgspec.Struct, array_like=True):
@@ -152,9 +151,7 @@ class KVClient:
         if request.request_id in scheduler.requests:
             scheduler.abort_requests([request.request_id])
         request.status = RequestStatus.FINISHED_ABORTED
-        return EngineCoreOutput(
-            request.request_id, [], finish_reason="abort", stop_reason=f"{KV_TRANSFER_FAILED}: {reason}"
-        )
+        return EngineCoreOutput(request.request_id, [], finish_reason="abort", error=reason)
 
     def close(self) -> None:
         for socket in self.sockets.values():

@@ -77,6 +77,7 @@ class ParentState:
     num_finished: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pooled: bytes | None = None
+    error: str | None = None  # why the engine failed it (EngineCoreOutput.error)
 
     @property
     def finished(self) -> bool:
@@ -173,6 +174,8 @@ class OutputProcessor:
                 parent.prompt_logprobs = [None] + [self._decode_logprobs(lp, tid) for tid, lp in scored]
             if core_output.pooled is not None:
                 parent.pooled = core_output.pooled
+            if core_output.error is not None:
+                parent.error = core_output.error
             sample.token_ids.extend(new_token_ids)
             delta_logprobs = None
             if core_output.new_logprobs is not None and sample.logprobs is not None:
@@ -223,6 +226,7 @@ class OutputProcessor:
                     parent.num_cached_tokens,
                     parent.prompt_logprobs,
                     parent.pooled,
+                    parent.error,
                 )
             )
             if finished:
