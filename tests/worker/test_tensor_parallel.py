@@ -173,3 +173,26 @@ def test_the_cpu_tier_under_tensor_parallelism() -> None:
     got = run_script(OFFLOAD_RUN)
     assert got["texts"] == run(LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=200))
     assert got["offload_hits"] > 0
+
+
+DEAD_RANK_RUN = """
+import sys
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.tp_executor import RankDiedError
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, tensor_parallel_size=2)
+(process,) = llm.engine.core.executor.ranks.processes
+process.kill()
+process.wait()
+try:
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
+except RankDiedError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_dead_rank_fails_the_next_step_instead_of_hanging(hf_model_dirs) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", DEAD_RANK_RUN, hf_model_dirs["llama"][0]],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert "refused: tensor-parallel rank 1 exited (code -9)." in done.stdout, done.stderr[-2000:]

@@ -97,6 +97,10 @@ class RankWorker:
         self.in_flight = pending
 
 
+class RankDiedError(RuntimeError):
+    """Another tensor-parallel rank is gone: the engine cannot run a step without it."""
+
+
 class _MasksToAll:
     """A launched step under grammars on rank 0: its masks go to every rank before it samples."""
 
@@ -142,8 +146,15 @@ class _Subprocesses(_Ranks):
         self.conns, self.processes = conns, processes
 
     def send(self, op: str, *args) -> None:
-        for conn in self.conns:
-            conn.send((op, args))
+        # A rank that died would leave the others waiting in their next collective: fail instead.
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise RankDiedError(f"tensor-parallel rank {rank} exited (code {process.returncode}).")
+        try:
+            for conn in self.conns:
+                conn.send((op, args))
+        except OSError as exc:
+            raise RankDiedError(f"a tensor-parallel rank is gone ({exc}).") from None
 
     def stop(self) -> None:
         for conn in self.conns:
