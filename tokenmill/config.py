@@ -110,12 +110,8 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}."
             )
-        if self.tensor_parallel_size > 1:
-            for name, value in (("kv_role", self.kv_role), ("speculative_config", self.speculative_config)):
-                if value:
-                    raise ValueError(
-                        f"{name} does not work with tensor_parallel_size > 1 yet; leave one of them out."
-                    )
+        if self.tensor_parallel_size > 1 and self.kv_role:
+            raise ValueError("kv_role does not work with tensor_parallel_size > 1 yet; leave one out.")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -2,8 +2,8 @@
 TP=2 equal one process's for every dense architecture whose heads split, with KV heads that split
 (llama, qwen3) and that are replicated (mistral: one KV head; also at TP=4), and for the MoE models
 (experts sliced along their width, or held whole, a share per rank, with expert parallelism), with
-synchronous and asynchronous scheduling; a shape that does not split is a ValueError naming it, before
-any rank starts."""
+synchronous and asynchronous scheduling, with speculative decoding (a draft model, layer skip); a shape
+that does not split is a ValueError naming it, before any rank starts."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ RUN = """
 import json, sys
 from tokenmill import LLM, SamplingParams
 runs = []
-for path, tp, overlap, *ep in json.loads(sys.argv[1]):
+for path, tp, overlap, *extra in json.loads(sys.argv[1]):
+    ep, spec = (extra + [False, None][len(extra):])[:2]
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              tensor_parallel_size=tp, async_scheduling=overlap, enable_expert_parallel=bool(ep))
+              tensor_parallel_size=tp, async_scheduling=overlap, enable_expert_parallel=ep,
+              speculative_config=spec)
     params = [SamplingParams(**p) for p in json.loads(sys.argv[2])]
     outs = llm.generate(prompt_token_ids=json.loads(sys.argv[3]), sampling_params=params, use_tqdm=False)
     runs.append([o.outputs[0].token_ids for o in outs])
@@ -86,10 +88,8 @@ def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_mo
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert done.returncode != 0 and "num_experts (7) is not divisible by tp_size (2)" in done.stderr
-    with pytest.raises(ValueError, match="speculative_config does not work with tensor_parallel_size"):
-        EngineConfig(
-            tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
-        )
+    with pytest.raises(ValueError, match="kv_role does not work with tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=2, kv_role="decode")
     with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
         EngineConfig(distributed_executor_backend="slurm")
 

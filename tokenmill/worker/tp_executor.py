@@ -91,10 +91,16 @@ class RankWorker:
         self.awaiting = None
 
     def _launched(self, pending) -> None:
-        # As rank 0 does with async scheduling: launch this step, then wait for the one before.
+        # As rank 0 does with async scheduling: launch this step, then wait for the one before. A step
+        # that speculates is waited for at once, as rank 0 does: its drafter's forward passes (a draft
+        # model, layer skip) meet rank 0's in their collectives.
         if self.in_flight is not None:
             self.in_flight.result()
-        self.in_flight = pending
+            self.in_flight = None
+        if getattr(pending, "propose_drafts", False):
+            pending.result()
+        else:
+            self.in_flight = pending
 
 
 class RankDiedError(RuntimeError):
