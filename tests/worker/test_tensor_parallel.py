@@ -196,3 +196,36 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging(hf_model_dirs) -> No
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert "refused: tensor-parallel rank 1 exited (code -9)." in done.stdout, done.stderr[-2000:]
+
+
+GRAMMAR_RUN = """
+import json
+from tokenmill import LLM
+from tests.worker.test_tensor_parallel import grammar_chat
+llm = LLM("default", dtype="float32", max_model_len=512, tensor_parallel_size=3, async_scheduling=True)
+print(json.dumps(grammar_chat(llm)))
+llm.engine.core.executor.shutdown()
+"""
+
+
+def grammar_chat(llm) -> list[str]:
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}},
+        "required": ["name"],
+    }
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs={"regex": "[a-z ]{3,15}"}),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=4, structured_outputs={"json": person}),
+        SamplingParams(max_tokens=10, temperature=0),
+    ]
+    messages = [[{"role": "user", "content": "Name a fruit."}]] * 3
+    return [o.outputs[0].text for o in llm.chat(messages, params, use_tqdm=False)]
+
+
+@pytest.mark.slow  # three ranks of the embedded model on a small CPU
+def test_structured_outputs_under_tensor_parallelism() -> None:
+    """Rank 0's grammar masks reach every rank before it samples: constrained and free requests in one
+    batch, async scheduling, write what one process writes."""
+    got = run_script(GRAMMAR_RUN)
+    assert got == grammar_chat(LLM("default", dtype="float32", max_model_len=512))
