@@ -307,7 +307,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
             socket.send(frame)
 
     exit_code = 0
-    parts = None
+    parts = kv_server = kv_client = None
     try:
         _limit_cpu_threads(config)
         parts = create_engine(config)
@@ -344,6 +344,9 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
         shutdown = getattr(parts.core.executor, "shutdown", None) if parts is not None else None
         if shutdown is not None:  # other tensor-parallel ranks
             shutdown()
+        for kv_socket_owner in (kv_server, kv_client):
+            if kv_socket_owner is not None:  # else context.term() below waits for their sockets forever
+                kv_socket_owner.close()
         input_socket.close(linger=0)
         for socket in output_sockets:
             socket.close(linger=2000)  # let the last message (outputs or the error) reach the API

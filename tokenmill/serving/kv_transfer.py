@@ -45,6 +45,9 @@ class KVServer:
         self.num_bytes = 0
         self.seconds = 0.0
 
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
     def handle(self) -> bool:
         """Answer every message waiting; whether anything changed (blocks freed)."""
         transfers = self.core.scheduler.transfers

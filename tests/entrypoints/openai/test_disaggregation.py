@@ -7,6 +7,8 @@ a prefill peer that dies fails only the requests that needed it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -91,6 +93,7 @@ def test_a_dead_prefill_peer_fails_only_the_requests_that_need_it(pair) -> None:
     """Last in the module: it kills the shared prefill instance."""
     prefill, decode = pair
     client = decode.client()
+    core = prefill.core_pid()
     prefill.proc.kill()
     prefill.proc.wait()
     with pytest.raises(openai.APIStatusError) as failure:
@@ -99,3 +102,5 @@ def test_a_dead_prefill_peer_fails_only_the_requests_that_need_it(pair) -> None:
     # A short prompt never needed the peer; the decode instance keeps serving.
     assert client.completions.create(model="default", prompt="Hello", max_tokens=2).choices[0].text
     assert wait_for(lambda: counter(decode, "kv_cache_used_blocks") == 0)
+    # Its engine core saw its parent go and exited, KV socket and all (it used to wait on that socket).
+    assert wait_for(lambda: not Path(f"/proc/{core}").exists(), timeout=20)
