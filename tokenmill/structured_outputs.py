@@ -226,46 +226,17 @@ class StructuredOutputs:
         return mask
 
 
-class PinnedStaging:
-    """Page-locked host buffers through which a step's masks and their rows reach the device: a copy
-    from pageable memory first waits for the device to finish the forward pass (the host would sit idle
-    instead of planning the next step), and pinning memory per step synchronizes the device too. Grown
-    when a step needs more rows; a copy still in flight is waited for before its buffer is written."""
-
-    def __init__(self) -> None:
-        self.mask = self.rows = self.copied = None
-
-    def stage(self, bitmask: np.ndarray, rows) -> tuple:
-        import torch
-
-        if self.copied is not None:
-            self.copied.synchronize()
-        n, words = bitmask.shape
-        if self.mask is None or self.mask.shape[0] < n or self.mask.shape[1] != words:
-            self.mask = torch.empty((max(n, 64), words), dtype=torch.int32, pin_memory=True)
-            self.rows = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
-            self.copied = torch.cuda.Event()
-        mask, index = self.mask[:n], self.rows[:n]
-        mask.numpy()[:] = bitmask
-        index.numpy()[:] = rows
-        return mask, index
-
-
-def apply_bitmask(logits, rows, bitmask, staging: PinnedStaging | None = None) -> None:
-    """logits [R, V] (torch), in place: at each of `rows`, -inf wherever its bitmask row has a 0 bit. On
-    a GPU the mask and the rows go through `staging` (pinned) when given."""
+def apply_bitmask(logits, rows, bitmask) -> None:
+    """logits [R, V] (torch), in place: at each of `rows`, -inf wherever its bitmask row has a 0 bit.
+    rows and bitmask may already be on logits' device (the model runner stages them with the step's other
+    host arrays, through pinned memory); arrays and lists are copied there."""
     import torch
 
     if not len(rows):
         return
     device = logits.device
-    if staging is not None and device.type == "cuda":
-        mask, index = staging.stage(bitmask, rows)
-        mask, index = mask.to(device, non_blocking=True), index.to(device, non_blocking=True)
-        staging.copied.record()
-    else:
-        mask = torch.from_numpy(bitmask).to(device)
-        index = torch.tensor(rows, dtype=torch.int64, device=device)
+    mask = torch.as_tensor(bitmask, device=device)
+    index = torch.as_tensor(rows, dtype=torch.int64, device=device)
     bits = (mask[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
     allowed = bits.reshape(mask.shape[0], -1)[:, : logits.shape[1]].bool()
     selected = logits.index_select(0, index)

@@ -80,13 +80,13 @@ class Scheduler:
         self.spec_min_acceptance = speculation.min_acceptance if speculation else 0.0
         self.spec_lookahead = speculation.lookahead if speculation else 0
         self.spec_policy = spec_policy if speculation and speculation.disable_by_batch_size is None else None
-        # Whether the last scheduled step speculates: the engine core then waits for its tokens before
-        # planning the next (whose drafts they decide) instead of overlapping it.
         self.structured = structured
         self.grammar_mask_seconds = 0.0  # host time filling masks, and the steps that needed them
         self.grammar_mask_steps = 0
         self.spec_enabled = speculation is not None
         self._step_verified = self._step_accepted = 0
+        # Whether the last scheduled step speculates: the engine core then waits for its tokens before
+        # planning the next (whose drafts they decide) instead of overlapping it.
         self.spec_active = self.spec_enabled
 
     # ---- queue management -------------------------------------------------------------------

@@ -122,5 +122,4 @@ class FusedMoE(nn.Module):
             local = experts - held.first_expert  # go to the kernels' "no expert here", num_local
             elsewhere = (local < 0) | (local >= held.num_local)
             experts, weights = local.masked_fill(elsewhere, held.num_local), weights.masked_fill(elsewhere, 0)
-        out = self.kernels.fused_moe(x, held.w13, held.w2, experts, weights)
-        return distributed.all_reduce(out) if held.tp_size > 1 else out
+        return distributed.all_reduce(self.kernels.fused_moe(x, held.w13, held.w2, experts, weights))

@@ -19,6 +19,21 @@ ShardId = str | int | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 
+def heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, ranks holding each KV head) of one rank: query heads split evenly; KV
+    heads split too, or, when there are fewer than ranks, each is replicated on tp_size / num_kv_heads
+    consecutive ranks. A ValueError names what tp_size does not split."""
+    num_heads = divide(num_heads, tp_size, "num_heads")
+    if tp_size < num_kv_heads:
+        return num_heads, divide(num_kv_heads, tp_size, "num_kv_heads"), 1
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"tp_size ({tp_size}) is not a multiple of num_kv_heads ({num_kv_heads}), so KV heads cannot be "
+            "replicated evenly; pick a tp_size that is."
+        )
+    return num_heads, 1, tp_size // num_kv_heads
+
+
 def divide(numerator: int, tp_size: int, what: str) -> int:
     if numerator % tp_size:
         raise ValueError(
@@ -261,16 +276,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         tp_size = distributed.tp_size() if tp_size is None else tp_size
-        num_heads = divide(total_num_heads, tp_size, "num_heads")
-        if tp_size >= total_num_kv_heads:
-            if tp_size % total_num_kv_heads:
-                raise ValueError(
-                    f"tp_size ({tp_size}) is not a multiple of num_kv_heads ({total_num_kv_heads}), so KV "
-                    "heads cannot be replicated evenly; pick a tp_size that is."
-                )
-            num_kv_heads, num_kv_head_replicas = 1, tp_size // total_num_kv_heads
-        else:
-            num_kv_heads, num_kv_head_replicas = divide(total_num_kv_heads, tp_size, "num_kv_heads"), 1
+        num_heads, num_kv_heads, num_kv_head_replicas = heads_per_rank(
+            total_num_heads, total_num_kv_heads, tp_size
+        )
         # Per-rank sizes times tp_size, so that a replicated KV head counts once per rank holding it.
         q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
         output_sizes = [q_size * tp_size, kv_size * tp_size, kv_size * tp_size]
@@ -341,8 +349,9 @@ class RowParallelLinear(LinearBase):
         load_shard(param.data, loaded_weight, param.input_dim, self.tp_rank, self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
-        return distributed.all_reduce(partial) if self.tp_size > 1 else partial
+        return distributed.all_reduce(
+            self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        )
 
 
 def split_fused(loaded_weight: torch.Tensor, dim: int, sizes: list[int]) -> tuple[torch.Tensor, ...]:

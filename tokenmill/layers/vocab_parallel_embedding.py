@@ -117,4 +117,4 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = packed_linear(hidden, packed, self.bias)
         else:
             logits = F.linear(hidden, self.weight, self.bias)
-        return distributed.all_gather(logits, dim=-1) if self.tp_size > 1 else logits
+        return distributed.all_gather(logits, dim=-1)

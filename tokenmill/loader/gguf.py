@@ -69,15 +69,7 @@ _MISSING = object()
 def load_gguf_config(path: str) -> PretrainedConfig:
     """The Hugging Face config of the model in the GGUF file at `path` (from the cache when this file was
     converted before: parsing the metadata of a 49k-token vocabulary takes seconds)."""
-    cached = _cached(path, "config")
-    if cached is not None:
-        try:
-            return AutoConfig.from_pretrained(cached)
-        except (OSError, ValueError):
-            pass
-    config = _build_config(_open(path))
-    _store(path, "config", config.save_pretrained)
-    return config
+    return _converted(path, "config", AutoConfig.from_pretrained, lambda: _build_config(_open(path)))
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,15 +84,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The fast tokenizer transformers builds from the file, with its special tokens and chat template,
     converted once and then loaded from the cache (about 8 s against a quarter of a second)."""
-    cached = _cached(path, "tokenizer")
-    if cached is not None:
-        try:
-            return AutoTokenizer.from_pretrained(cached)
-        except (OSError, ValueError):
-            pass
-    tokenizer = _convert_tokenizer(path)
-    _store(path, "tokenizer", tokenizer.save_pretrained)
-    return tokenizer
+    return _converted(path, "tokenizer", AutoTokenizer.from_pretrained, lambda: _convert_tokenizer(path))
 
 
 def _convert_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -135,24 +119,29 @@ def _cache_dir(path: str, kind: str) -> str:
     return os.path.join(root, "tokenmill", "gguf", f"{name}-{key}", kind)
 
 
-def _cached(path: str, kind: str) -> str | None:
+def _converted(path: str, kind: str, load: Callable[[str], Any], convert: Callable[[], Any]) -> Any:
+    """This file's `kind` (config or tokenizer) from the cache when converted before, else converted and
+    written beside the others, atomically (another process may be doing the same); a cache that cannot
+    be read or written only costs this start its seconds."""
     if not os.path.isfile(path):
-        return None
+        return convert()  # (which names the missing file)
     directory = _cache_dir(path, kind)
-    return directory if os.path.isdir(directory) else None
-
-
-def _store(path: str, kind: str, save: Callable[[str], object]) -> None:
-    """Write a conversion beside the others, atomically (another process may be doing the same); a cache
-    that cannot be written only costs the next start its seconds."""
-    directory = _cache_dir(path, kind)
+    if os.path.isdir(directory):
+        try:
+            return load(directory)
+        except (OSError, ValueError):
+            pass
+    converted = convert()
+    partial = None
     try:
         os.makedirs(os.path.dirname(directory), exist_ok=True)
         partial = tempfile.mkdtemp(prefix=f".{kind}-", dir=os.path.dirname(directory))
-        save(partial)
+        converted.save_pretrained(partial)
         os.rename(partial, directory)
     except OSError:
-        shutil.rmtree(locals().get("partial", ""), ignore_errors=True)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+    return converted
 
 
 def _open(path: str) -> _GGUFFile:

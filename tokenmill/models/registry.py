@@ -39,27 +39,17 @@ def model_class(config) -> type[nn.Module]:
 
 
 def check_tensor_parallel(config, tp_size: int, expert_parallel: bool = False) -> None:
-    """A ValueError naming the first width tp_size does not split, before any rank is started: query
-    heads, KV heads (split, or replicated evenly when there are fewer than ranks), the dense MLP's width,
-    and the experts' width (or, with expert parallelism, their number)."""
-    from tokenmill.layers.linear import divide
+    """A ValueError naming the first width tp_size does not split, before any rank is started: the heads
+    (as QKVParallelLinear splits them), the dense MLP's width, and the experts' width (or, with expert
+    parallelism, their number)."""
+    from tokenmill.layers.linear import divide, heads_per_rank
+    from tokenmill.models.llama import ArchFlags
 
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    divide(heads, tp_size, "num_heads")
-    if tp_size >= kv_heads:
-        if tp_size % kv_heads:
-            raise ValueError(
-                f"tp_size ({tp_size}) is not a multiple of num_kv_heads ({kv_heads}), so KV heads cannot be "
-                "replicated evenly; pick a tp_size that is."
-            )
-    else:
-        divide(kv_heads, tp_size, "num_kv_heads")
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-    expert_width = getattr(config, "moe_intermediate_size", None)
-    if not num_experts or expert_width:  # a dense MLP's width (Mixtral's is its experts')
+    flags = ArchFlags(config)
+    heads_per_rank(flags.num_heads, flags.num_kv_heads, tp_size)
+    if not flags.mixtral:  # Mixtral's intermediate_size is its experts' width
         divide(config.intermediate_size, tp_size, "intermediate_size")
-    if num_experts and expert_parallel:
-        divide(num_experts, tp_size, "num_experts")
-    elif num_experts:
-        divide(expert_width or config.intermediate_size, tp_size, "moe_intermediate_size")
+    if flags.num_experts and expert_parallel:
+        divide(flags.num_experts, tp_size, "num_experts")
+    elif flags.num_experts:
+        divide(flags.moe_intermediate_size, tp_size, "moe_intermediate_size")

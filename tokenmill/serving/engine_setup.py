@@ -91,20 +91,21 @@ def create_engine(config: EngineConfig) -> EngineParts:
     source = resolve_model(config.model, config.load_format, config.tokenizer)
     max_model_len = resolve_max_model_len(config, source.hf_config)
     pooling_type = resolve_pooling(config, source)
-    executor = None
-    runner = None
-    if config.tensor_parallel_size > 1:
+    ranks = None
+    if config.tensor_parallel_size > 1:  # the other ranks build their runners beside this one
         from tokenmill.models.registry import check_tensor_parallel
         from tokenmill.worker.device import resolve_device
-        from tokenmill.worker.tp_executor import TensorParallelExecutor, start_ranks
+        from tokenmill.worker.tp_executor import start_ranks
 
         check_tensor_parallel(source.hf_config, config.tensor_parallel_size, config.enable_expert_parallel)
         ranks = start_ranks(config, config.tensor_parallel_size, resolve_device(config.device))
         ranks.send("build", max_model_len, pooling_type)
-        runner = ModelRunner(config, source, max_model_len, pooling_type)
+    runner = ModelRunner(config, source, max_model_len, pooling_type)
+    executor = None
+    if ranks is not None:
+        from tokenmill.worker.tp_executor import TensorParallelExecutor
+
         executor = TensorParallelExecutor(runner, ranks)
-    else:
-        runner = ModelRunner(config, source, max_model_len, pooling_type)
     batched_tokens = runner.max_num_batched_tokens
     if executor is not None:
         executor.broadcast("num_blocks", batched_tokens)

@@ -15,7 +15,7 @@ from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
-from tokenmill.structured_outputs import PinnedStaging, apply_bitmask
+from tokenmill.structured_outputs import apply_bitmask
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.device import resolve_device, resolve_dtype
 from tokenmill.worker.drafter import make_drafter
@@ -82,7 +82,6 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
-        self._grammar_staging: PinnedStaging | None = None  # built at the first masked step on a GPU
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         self.host_kv: HostKVCache | None = None  # the prefix cache's CPU tier (kv_offload_gib)
         self._block_rows: BlockRows | None = None
@@ -363,9 +362,11 @@ class ModelRunner:
         for request_id in out.grammar_req_ids:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
-        if self._grammar_staging is None:
-            self._grammar_staging = PinnedStaging()
-        apply_bitmask(logits, logit_rows, grammar_bitmask, self._grammar_staging)
+        # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for the
+        # forward pass, leaving the host idle instead of planning the next step.
+        (mask,) = self._staged([grammar_bitmask], np.int32)
+        (index,) = self._staged([np.asarray(logit_rows, np.int64)], np.int64)
+        apply_bitmask(logits, index, mask)
 
     # ---- speculative decoding ---------------------------------------------------------------
 
