@@ -42,19 +42,34 @@ print(json.dumps(runs))
 """
 
 
-def run_parallel(runs: list[tuple]) -> list[list[list[int]]]:
-    params = [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
-               "ignore_eos": True} for p in PARAMS]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", RUN, json.dumps(runs), json.dumps(params), json.dumps(PROMPTS)],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+PARAMS_JSON = json.dumps(
+    [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
+      "ignore_eos": True} for p in PARAMS]
+)  # fmt: skip
+
+
+def python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The script in a fresh interpreter at the repository's root (rank 0's group is per process)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
+
+
+def run_script(script: str, *args: str) -> object:
+    """What a script that succeeds prints last, as JSON."""
+    done = python(script, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def one_process(path: str) -> list[list[int]]:
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+def run_parallel(runs: list[tuple]) -> list[list[list[int]]]:
+    return run_script(RUN, json.dumps(runs), PARAMS_JSON, json.dumps(PROMPTS))
+
+
+def one_process(path: str, speculative_config: dict | None = None) -> list[list[int]]:
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+              speculative_config=speculative_config)  # fmt: skip
     return [
         o.outputs[0].token_ids
         for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
@@ -63,30 +78,30 @@ def one_process(path: str) -> list[list[int]]:
 
 def test_tp2_and_tp4_equal_one_process(hf_model_dirs) -> None:
     archs = ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"]
-    runs = [(hf_model_dirs[arch][0], 2, False) for arch in archs]
-    runs += [
-        (hf_model_dirs["mistral"][0], 4, False),
-        (hf_model_dirs["qwen3"][0], 2, True),
-    ]  # async scheduling
+    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in archs]
+    runs += [(hf_model_dirs["mistral"][0], 4, False), (hf_model_dirs["qwen3"][0], 2, True)]  # async
+    # Expert parallelism (2 of Mixtral's 4 experts per rank) against slicing every expert.
+    runs += [(hf_model_dirs["mixtral_ep"][0], 2, False, True), (hf_model_dirs["mixtral_ep"][0], 2, False)]
+    # Speculative decoding: the drafts come from rank 0's drafter; a draft model's or the target's own
+    # layers' (layer skip) forward passes run on every rank, in step.
+    draft_model = {"method": "draft_model", "num_speculative_tokens": 3, "model": hf_model_dirs["mistral"][0]}
+    layer_skip = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1}
+    runs += [(hf_model_dirs["llama"][0], 2, False, False, spec) for spec in (draft_model, layer_skip)]
     got = run_parallel(runs)
-    for (path, tp, overlap), tokens in zip(runs, got):
-        assert tokens == one_process(path), (path, tp, overlap)
+    assert len(got) == len(runs)
+    for (path, tp, overlap, *extra), tokens in zip(runs, got):
+        # A speculating run against one that speculates alike (sampled draws differ from plain decoding's).
+        spec = extra[1] if len(extra) > 1 else None
+        assert tokens == one_process(path, spec), (path, tp, overlap, extra)
 
 
 def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_model_dirs) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2, False)]), "[]", "[]"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+    done = python(RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2, False)]), "[]", "[]", timeout=300)
     assert done.returncode != 0 and "num_heads (5) is not divisible by tp_size (2)" in done.stderr
     assert "[rank1]" not in done.stderr  # refused before any other rank started
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
-    done = subprocess.run(
-        [sys.executable, "-c", RUN, json.dumps([(hf_model_dirs["qwen3_moe"][0], 2, False, True)]), "[]",
-         "[]"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+    done = python(RUN, json.dumps([(hf_model_dirs["qwen3_moe"][0], 2, False, True)]), "[]", "[]", timeout=300)
     assert done.returncode != 0 and "num_experts (7) is not divisible by tp_size (2)" in done.stderr
     with pytest.raises(ValueError, match="kv_role does not work with tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=2, kv_role="decode")
@@ -115,14 +130,7 @@ def test_ranks_as_ray_actors_equal_one_process(hf_model_dirs) -> None:
     Ray cluster (as on a multi-node one), fed the same orders."""
     pytest.importorskip("ray")
     path = hf_model_dirs["qwen3"][0]
-    params = [{"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "seed": p.seed,
-               "ignore_eos": True} for p in PARAMS]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", RAY_RUN, path, json.dumps(params), json.dumps(PROMPTS)],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == one_process(path)
+    assert run_script(RAY_RUN, path, PARAMS_JSON, json.dumps(PROMPTS)) == one_process(path)
 
 
 OFFLOAD_RUN = """
@@ -145,15 +153,6 @@ llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", runner="poolin
 print(json.dumps([o.embedding for o in llm.embed(prompt_token_ids=json.loads(sys.argv[2]), use_tqdm=False)]))
 llm.engine.core.executor.shutdown()
 """
-
-
-def run_script(script: str, *args: str) -> object:
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_the_pooling_runner_under_tensor_parallelism(hf_model_dirs) -> None:
@@ -191,10 +190,7 @@ except RankDiedError as exc:
 
 
 def test_a_dead_rank_fails_the_next_step_instead_of_hanging(hf_model_dirs) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", DEAD_RANK_RUN, hf_model_dirs["llama"][0]],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+    done = python(DEAD_RANK_RUN, hf_model_dirs["llama"][0], timeout=120)
     assert "refused: tensor-parallel rank 1 exited (code -9)." in done.stdout, done.stderr[-2000:]
 
 
