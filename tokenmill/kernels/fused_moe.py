@@ -132,7 +132,7 @@ def fused_moe(
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     pairs, block_experts, num_padded = align_by_expert(experts, w13.shape[0], block_m)
     flat_weights = weights.reshape(-1).contiguous()
-    gate_up = x.new_zeros(num_tokens * top_k, w13.shape[1])  # (rows of no expert here: never garbage)
+    gate_up = x.new_empty(num_tokens * top_k, w13.shape[1])  # (rows of no expert here: never read)
     _gemm(x, w13, gate_up, pairs, block_experts, num_padded, flat_weights, top_k, True, False, block_m)
     hidden = silu_and_mul(gate_up)
     down = x.new_zeros(num_tokens * top_k, w2.shape[1])  # pairs of no expert here stay zero

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import socket
 import subprocess
@@ -156,16 +157,17 @@ class _Subprocesses(_Ranks):
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
                 raise RankDiedError(f"tensor-parallel rank {rank} exited (code {process.returncode}).")
+        message = pickle.dumps((op, args))  # once per step, not once per rank
         try:
             for conn in self.conns:
-                conn.send((op, args))
+                conn.send_bytes(message)
         except OSError as exc:
             raise RankDiedError(f"a tensor-parallel rank is gone ({exc}).") from None
 
     def stop(self) -> None:
         for conn in self.conns:
             try:
-                conn.send(("stop", ()))
+                conn.send_bytes(pickle.dumps(("stop", ())))
                 conn.close()
             except OSError:
                 pass
@@ -268,7 +270,7 @@ def _serve(address: str, authkey: bytes, rank: int) -> None:
     worker = RankWorker(*conn.recv())
     try:
         while True:
-            op, args = conn.recv()
+            op, args = pickle.loads(conn.recv_bytes())
             if op == "stop":
                 break
             getattr(worker, op)(*args)
