@@ -21,7 +21,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import decode_expert_bytes, decode_weight_bytes, kv_bytes_per_token, prefill_flops, shape_dir  # noqa: E402
+from shapes import (  # noqa: E402
+    decode_expert_bytes,
+    decode_weight_bytes,
+    kv_bytes_per_token,
+    prefill_flops,
+    shape_dir,
+    workload_floor,
+)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -225,6 +232,19 @@ def throughput(args) -> dict:
     prompts, max_tokens = workload(args.seed, args.num_requests)
     result = {"shape": args.shape, "seed": args.seed, "ours": run_ours(args, prompts, max_tokens)}
     torch.cuda.empty_cache()
+    if torch.cuda.is_available() and args.tensor_parallel_size == 1 and args.quantization is None:
+        # The roofline of the whole workload: its floor of bytes and FLOPs at this card's measured rates.
+        card = ceilings(args)
+        moved, flops = workload_floor(args.shape, [len(p) for p in prompts], max_tokens)
+        floor_s = moved / card["copy_bandwidth_Bps"] + flops / card["bf16_matmul_flops"]
+        result["roofline"] = {
+            **card,
+            "floor_bytes": moved,
+            "floor_flops": flops,
+            "floor_s": floor_s,
+            "roofline_tok_s": sum(max_tokens) / floor_s,
+            "ratio_to_roofline": floor_s / result["ours"]["all"]["seconds"],
+        }
     if args.peer_requests > 0:
         try:
             result["peer"] = run_peer(args, prompts[: args.peer_requests], max_tokens[: args.peer_requests])

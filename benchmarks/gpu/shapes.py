@@ -115,6 +115,22 @@ def decode_expert_bytes(name: str, batch: int, weight_dtype: str = "bf16") -> in
     return int(distinct * weight_bytes(shape, weight_dtype).per_expert_layer * shape.num_moe_layers)
 
 
+def workload_floor(name: str, prompt_lens: list[int], output_lens: list[int]) -> tuple[int, int]:
+    """(bytes, FLOPs) the whole batch's work needs at least, if every prompt is prefilled first and
+    every request then decodes together: prefill FLOPs, and per decode step the weights, the experts the
+    live requests' picks reach (decode_expert_bytes) and the live requests' KV. A floor: no schedule
+    reads less (chunked prefill overlapped with decode hides some of the FLOPs in the bytes' time)."""
+    per_token_kv = kv_bytes_per_token(name)
+    dense = decode_weight_bytes(name)
+    flops = sum(prefill_flops(name, n) for n in prompt_lens)
+    total, live = 0, sorted(zip(output_lens, prompt_lens))
+    for step in range(max(output_lens)):
+        live = [(out, n) for out, n in live if out > step]
+        context = sum(n + step for _, n in live)
+        total += dense + decode_expert_bytes(name, len(live)) + per_token_kv * context
+    return total, flops
+
+
 def kv_bytes_per_token(name: str) -> int:
     return plan_kv_bytes_per_token(_plan_shape(name), "bf16")
 

@@ -42,20 +42,33 @@ def test_matches_reference(tokens, num_experts, top_k, hidden, inter, dtype) -> 
     torch.testing.assert_close(got, want, **tol)
 
 
-def test_alignment_pads_each_expert_run_and_keeps_every_pair_once() -> None:
-    gen = torch.Generator().manual_seed(0)
-    experts, _ = routing(29, 6, 2, torch.float32, gen, starve=2)
-    pairs, block_experts, num_padded = fused_moe.align_by_expert(experts, 6, 16)
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "block_m", "other_rank"),
+    [(29, 6, 2, 16, False), (300, 6, 2, 16, True), (97, 128, 8, 32, False), (5, 3, 1, 64, True)],
+)
+def test_alignment_pads_each_expert_run_and_keeps_every_pair_once(
+    tokens, num_experts, top_k, block_m, other_rank
+):
+    """Over one chunk of pairs and over many (whose programs claim slots concurrently); with ids of
+    num_experts (another rank's experts), which get no slot."""
+    gen = torch.Generator().manual_seed(tokens)
+    experts, _ = routing(tokens, num_experts, top_k, torch.float32, gen, starve=min(2, num_experts - top_k))
+    if other_rank:
+        experts[::3, 0] = num_experts
+    pairs, block_experts, num_padded = fused_moe.align_by_expert(experts, num_experts, block_m)
     pairs, block_experts, used = pairs.cpu(), block_experts.cpu(), int(num_padded)
     flat = experts.reshape(-1).cpu()
     real = pairs[pairs < flat.numel()]
-    assert sorted(real.tolist()) == list(range(flat.numel()))  # every (token, slot) once
-    assert used % 16 == 0 and (pairs[used:] == flat.numel()).all()
-    for block in range(used // 16):  # each block serves one expert, and only its pairs
-        members = pairs[block * 16 : (block + 1) * 16]
+    here = (flat < num_experts).nonzero().flatten()
+    assert sorted(real.tolist()) == here.tolist()  # every (token, slot) of an expert here once
+    counts = torch.bincount(flat[here], minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert (pairs[used:] == flat.numel()).all()
+    for block in range(used // block_m):  # each block serves one expert, and only its pairs
+        members = pairs[block * block_m : (block + 1) * block_m]
         members = members[members < flat.numel()]
         assert (flat[members.long()] == block_experts[block]).all()
-    assert set(block_experts[: used // 16].tolist()) == set(flat.tolist())  # starved experts get no block
+    assert set(block_experts[: used // block_m].tolist()) == set(flat[here].tolist())  # starved: no block
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
