@@ -105,3 +105,21 @@ def test_pairs_of_no_expert_here_add_nothing(dtype) -> None:
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(reference.fused_moe(x, w13, w2, marked, zeroed), want, **tol)
     torch.testing.assert_close(fused_moe.fused_moe(x, w13, w2, marked, zeroed), want, **tol)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k"), [(1, 3, 1), (7, 8, 2), (33, 60, 4), (19, 128, 8)]
+)
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_matches_reference(tokens, num_experts, top_k, renormalize, dtype) -> None:
+    gen = torch.Generator().manual_seed(num_experts)
+    # Logits spaced apart, so no two experts tie after rounding to bf16 and the picks must match.
+    logits = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(tokens)]) * 0.25
+    logits = logits.to(DEVICE, dtype)
+    experts, weights = fused_moe.topk_softmax(logits, top_k, renormalize)
+    want_experts, want_weights = reference.topk_softmax(logits, top_k, renormalize)
+    assert experts.dtype == want_experts.dtype and weights.dtype == want_weights.dtype == dtype
+    assert torch.equal(experts, want_experts)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(weights, want_weights, **tol)

@@ -33,6 +33,7 @@ class Kernels(NamedTuple):
     rotary_and_write_kv_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
     fused_moe: Callable[..., torch.Tensor]
+    topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def get_kernels(device: torch.device | str | None = None) -> Kernels:
@@ -112,6 +113,7 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
             rotary_and_write_kv_cache=reference.rotary_and_write_kv_cache,
             silu_and_mul=reference.silu_and_mul,
             fused_moe=reference.fused_moe,
+            topk_softmax=reference.topk_softmax,
         )
     from tokenmill.kernels import activation, attention, fused_moe, kv_cache, norm, rotary
 
@@ -125,4 +127,5 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
         rotary_and_write_kv_cache=rotary.rotary_and_write_kv_cache,
         silu_and_mul=activation.silu_and_mul,
         fused_moe=fused_moe.fused_moe,
+        topk_softmax=fused_moe.topk_softmax,
     )

@@ -5,7 +5,8 @@ The (token, slot) pairs are grouped by expert and each expert's run padded to a 
 (`align_by_expert`: three small kernels of fixed shapes, no host sync, so CUDA graphs can hold it); then one
 grouped GEMM over the blocks computes gate/up for every pair (each block reads its expert's weights
 once), SiLU-and-mul, and a second grouped GEMM computes down and multiplies by the routing weight;
-the k partial outputs of a token are summed last.
+the k partial outputs of a token are summed last (`_combine_kernel`). The router's softmax and top-k
+are one kernel too (`topk_softmax`).
 """
 
 from __future__ import annotations
@@ -210,6 +211,81 @@ def _gemm(a, w, out, layout, by_token: bool, weighted: bool, config) -> None:
     )  # fmt: skip
 
 
+@triton.jit
+def _topk_softmax_kernel(
+    logits,
+    experts_out,
+    weights_out,
+    num_tokens,
+    num_experts,
+    stride,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """ROWS tokens' softmax over the experts (fp32), then k rounds of taking the largest (the lowest
+    index among equals) and striking it out; stored largest first."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    x = tl.load(
+        logits + rows[:, None].to(tl.int64) * stride + cols[None, :],
+        mask=row_ok[:, None] & (cols < num_experts)[None, :],
+        other=float("-inf"),
+    ).to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)  # (rows past the end: finite, never stored)
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where((cols < num_experts)[None, :], p, -1.0)
+    p = p / tl.sum(tl.maximum(p, 0.0), axis=1)[:, None]
+    slots = tl.arange(0, K_PAD)
+    picked_w = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
+    picked_e = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        index = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        picked_w = tl.where(slots[None, :] == j, best[:, None], picked_w)
+        picked_e = tl.where(slots[None, :] == j, index[:, None], picked_e)
+        p = tl.where(cols[None, :] == index[:, None], -1.0, p)
+    if RENORMALIZE:
+        picked_w = picked_w / tl.sum(picked_w, axis=1)[:, None]
+    out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+    tl.store(experts_out + out, picked_e.to(experts_out.dtype.element_ty), mask=mask)
+    tl.store(weights_out + out, picked_w.to(weights_out.dtype.element_ty), mask=mask)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.topk_softmax in one kernel (the torch ops it replaces are five launches a layer, the
+    top-k a sort)."""
+    num_tokens, num_experts = logits.shape
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    rows = max(1, min(16, 4096 // block_e))
+    _topk_softmax_kernel[(triton.cdiv(num_tokens, rows),)](
+        logits, experts, weights, num_tokens, num_experts, logits.stride(0),
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
+        ROWS=rows, BLOCK_E=block_e,
+    )  # fmt: skip
+    return experts, weights
+
+
+@triton.jit
+def _combine_kernel(down, experts, out, H, num_experts, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = the sum over t's k pairs of their (already weighted) down rows; a pair of no expert
+    here (id num_experts) adds nothing, and its row, never written, is never read."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        here = tl.load(experts + token * TOP_K + j) < num_experts
+        row = tl.load(down + (token * TOP_K + j) * H + cols, mask=(cols < H) & here, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out + token * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -227,6 +303,11 @@ def fused_moe(
     gate_up = x.new_empty(num_tokens * top_k, w13.shape[1])  # (rows of no expert here: never read)
     _gemm(x, w13, gate_up, layout, True, False, gate_up_config)
     hidden = silu_and_mul(gate_up)
-    down = x.new_zeros(num_tokens * top_k, w2.shape[1])  # pairs of no expert here stay zero
+    down = x.new_empty(num_tokens * top_k, w2.shape[1])  # (rows of no expert here: never read)
     _gemm(hidden, w2, down, layout, False, True, down_config)
-    return down.view(num_tokens, top_k, -1).sum(dim=1)
+    out = torch.empty_like(x)
+    hidden_size = w2.shape[1]
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    grid = (num_tokens, triton.cdiv(hidden_size, block_h))
+    _combine_kernel[grid](down, experts, out, hidden_size, w13.shape[0], TOP_K=top_k, BLOCK_H=block_h)
+    return out

@@ -300,6 +300,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router: logits [T, E] -> each token's top_k experts [T, k] (largest first) and their
+    weights [T, k] in the logits' dtype: the softmax over all experts in fp32, the k largest kept,
+    rescaled to sum to 1 when renormalize."""
+    weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(logits.dtype)
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
