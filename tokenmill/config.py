@@ -71,6 +71,12 @@ class EngineConfig:
     # MoE layers under tensor parallelism: each rank holds a share of the experts whole (expert
     # parallelism) instead of a slice of every expert. Attention stays tensor-parallel.
     enable_expert_parallel: bool = False
+    # With expert parallelism, how tokens reach the experts. "allreduce": every rank (whose tokens are
+    # all the batch's, attention being tensor-parallel) runs its experts' share of every token's picks
+    # and the partial outputs are summed; "all_to_all": each rank routes a 1/N share of the tokens,
+    # sends each (token, expert) pair to the expert's rank and gets its output back (all_to_all_single
+    # both ways), then the shares are all-gathered.
+    expert_dispatch: str = "allreduce"
     # How the other tensor-parallel ranks are run: "mp", processes on this machine; "ray", actors on the
     # Ray cluster this process joins (RAY_ADDRESS, or a local one): several machines.
     distributed_executor_backend: str = "mp"
@@ -109,6 +115,15 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}."
+            )
+        if self.expert_dispatch not in ("allreduce", "all_to_all"):
+            raise ValueError(
+                f"expert_dispatch must be allreduce or all_to_all, got {self.expert_dispatch!r}."
+            )
+        if self.expert_dispatch != "allreduce" and not self.enable_expert_parallel:
+            raise ValueError(
+                "expert_dispatch all_to_all is how expert parallelism dispatches: it needs "
+                "enable_expert_parallel."
             )
         if self.tensor_parallel_size > 1 and self.kv_role:
             raise ValueError("kv_role does not work with tensor_parallel_size > 1 yet; leave one out.")

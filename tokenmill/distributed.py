@@ -9,21 +9,22 @@ import torch
 import torch.distributed as dist
 
 _size, _rank = 1, 0
-_expert_parallel = False
+_expert_dispatch: str | None = None
 
 
 def init_tensor_parallel(
-    size: int, rank: int, init_method: str, backend: str, expert_parallel: bool = False
+    size: int, rank: int, init_method: str, backend: str, expert_dispatch: str | None = None
 ) -> None:
     """Join the group of `size` ranks at init_method (tcp://host:port); NCCL's NVLink multicast stays off
-    (NCCL_NVLS_ENABLE=0 is the launcher's to set). expert_parallel: MoE layers hold whole experts, a
-    share of them per rank, instead of a slice of every expert."""
-    global _size, _rank, _expert_parallel
+    (NCCL_NVLS_ENABLE=0 is the launcher's to set). expert_dispatch, None or how tokens reach the
+    experts ("allreduce" or "all_to_all", EngineConfig.expert_dispatch): MoE layers hold whole experts,
+    a share of them per rank, instead of a slice of every expert."""
+    global _size, _rank, _expert_dispatch
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside 0..{size - 1} (tensor_parallel_size {size}).")
     if size > 1:
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
-    _size, _rank, _expert_parallel = size, rank, expert_parallel
+    _size, _rank, _expert_dispatch = size, rank, expert_dispatch
 
 
 def tp_size() -> int:
@@ -35,7 +36,11 @@ def tp_rank() -> int:
 
 
 def expert_parallel() -> bool:
-    return _expert_parallel
+    return _expert_dispatch is not None
+
+
+def expert_dispatch() -> str | None:
+    return _expert_dispatch
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +59,14 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Rows of x, in_splits[r] of them for rank r in rank order, sent; out_splits[r] rows from each rank
+    received, concatenated in rank order."""
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+    return out
+
+
 def all_reduce_min(value: int) -> int:
     """The smallest of the ranks' values (KV blocks: every rank must hold the same number)."""
     if _size == 1:
@@ -65,7 +78,7 @@ def all_reduce_min(value: int) -> int:
 
 
 def destroy() -> None:
-    global _size, _rank, _expert_parallel
+    global _size, _rank, _expert_dispatch
     if dist.is_initialized():
         dist.destroy_process_group()
-    _size, _rank, _expert_parallel = 1, 0, False
+    _size, _rank, _expert_dispatch = 1, 0, None

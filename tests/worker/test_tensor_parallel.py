@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, one process per rank): greedy and seeded-sampling tokens of
 TP=2 equal one process's for every dense architecture whose heads split, with KV heads that split
 (llama, qwen3) and that are replicated (mistral: one KV head; also at TP=4), and for the MoE models
-(experts sliced along their width, or held whole, a share per rank, with expert parallelism), with
+(experts sliced along their width, or held whole, a share per rank, with expert parallelism: partial
+sums all-reduced, or each pick dispatched to its expert's rank by all-to-all), with
 synchronous and asynchronous scheduling, with speculative decoding (a draft model, layer skip); a shape
 that does not split is a ValueError naming it, before any rank starts."""
 
@@ -31,9 +32,10 @@ from tokenmill import LLM, SamplingParams
 runs = []
 for path, tp, overlap, *extra in json.loads(sys.argv[1]):
     ep, spec = (extra + [False, None][len(extra):])[:2]
+    dispatch = {"expert_dispatch": ep} if isinstance(ep, str) else {}  # an EP run's dispatch, by name
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              tensor_parallel_size=tp, async_scheduling=overlap, enable_expert_parallel=ep,
-              speculative_config=spec)
+              tensor_parallel_size=tp, async_scheduling=overlap, enable_expert_parallel=bool(ep),
+              speculative_config=spec, **dispatch)
     params = [SamplingParams(**p) for p in json.loads(sys.argv[2])]
     outs = llm.generate(prompt_token_ids=json.loads(sys.argv[3]), sampling_params=params, use_tqdm=False)
     runs.append([o.outputs[0].token_ids for o in outs])
@@ -80,8 +82,12 @@ def test_tp2_and_tp4_equal_one_process(hf_model_dirs) -> None:
     archs = ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"]
     runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in archs]
     runs += [(hf_model_dirs["mistral"][0], 4, False), (hf_model_dirs["qwen3"][0], 2, True)]  # async
-    # Expert parallelism (2 of Mixtral's 4 experts per rank) against slicing every expert.
-    runs += [(hf_model_dirs["mixtral_ep"][0], 2, False, True), (hf_model_dirs["mixtral_ep"][0], 2, False)]
+    # Expert parallelism (2 of Mixtral's 4 experts per rank; partial sums all-reduced, or each pick sent
+    # to its expert's rank and back) against slicing every expert; at TP=4 one expert a rank, and steps
+    # of fewer tokens than ranks (some ranks route none).
+    ep_model = hf_model_dirs["mixtral_ep"][0]
+    runs += [(ep_model, 2, False, True), (ep_model, 2, False, "all_to_all"), (ep_model, 2, False)]
+    runs += [(ep_model, 4, False, "all_to_all")]
     # Speculative decoding: the drafts come from rank 0's drafter; a draft model's or the target's own
     # layers' (layer skip) forward passes run on every rank, in step.
     draft_model = {"method": "draft_model", "num_speculative_tokens": 3, "model": hf_model_dirs["mistral"][0]}
@@ -107,6 +113,10 @@ def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_mo
         EngineConfig(tensor_parallel_size=2, kv_role="decode")
     with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
         EngineConfig(distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="expert_dispatch must be allreduce or all_to_all"):
+        EngineConfig(enable_expert_parallel=True, expert_dispatch="deepep")
+    with pytest.raises(ValueError, match="needs enable_expert_parallel"):
+        EngineConfig(expert_dispatch="all_to_all")
 
 
 RAY_RUN = """

@@ -36,6 +36,9 @@ _HELP = {
     "Ray actors across the machines of a Ray cluster)",
     "enable_expert_parallel": "MoE models: each rank holds a share of the experts whole instead of a "
     "slice of every expert",
+    "expert_dispatch": "with --enable-expert-parallel: allreduce (each rank runs its experts' share of "
+    "every token's picks, partial outputs summed) | all_to_all (each rank routes a share of the tokens, "
+    "sends each pick to its expert's rank and back with all-to-all, then all-gathers)",
     "skip_tokenizer_init": "do not load a tokenizer; prompts must then be token ids",
     "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
     "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",

@@ -262,6 +262,8 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     num_tokens, num_experts = logits.shape
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
+    if num_tokens == 0:
+        return experts, weights
     block_e = max(16, triton.next_power_of_2(num_experts))
     rows = max(1, min(16, 4096 // block_e))
     _topk_softmax_kernel[(triton.cdiv(num_tokens, rows),)](

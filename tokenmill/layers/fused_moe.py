@@ -112,10 +112,40 @@ class FusedMoE(nn.Module):
         return self.kernels.topk_softmax(self.gate(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.route(x)
         held = self.experts
+        if held.num_local != self.num_experts and distributed.expert_dispatch() == "all_to_all":
+            return self.forward_all_to_all(x)
+        experts, weights = self.route(x)
         if held.num_local != self.num_experts:  # expert parallel: the pairs of other ranks' experts
             local = experts - held.first_expert  # go to the kernels' "no expert here", num_local
             elsewhere = (local < 0) | (local >= held.num_local)
             experts, weights = local.masked_fill(elsewhere, held.num_local), weights.masked_fill(elsewhere, 0)
         return distributed.all_reduce(self.kernels.fused_moe(x, held.w13, held.w2, experts, weights))
+
+    def forward_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism by dispatch: this rank routes its share of the tokens (every rank holds
+        all of them), sends each (token, expert) pair's row to the rank holding the expert, runs the
+        pairs it receives through its experts, sends the outputs back, sums each token's k, and
+        all-gathers the shares. The split sizes are read on the host (no CUDA graph)."""
+        held, size, rank = self.experts, distributed.tp_size(), distributed.tp_rank()
+        share = -(-x.shape[0] // size)
+        mine = x[rank * share : (rank + 1) * share]
+        experts, weights = self.route(mine)
+        flat_experts = experts.reshape(-1)
+        owner = flat_experts // held.num_local
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=size)
+        recv_counts = distributed.all_to_all(send_counts, [1] * size, [1] * size)
+        sent, received = send_counts.tolist(), recv_counts.tolist()
+        rows = distributed.all_to_all(mine[order // self.top_k], received, sent)
+        # Each pair's expert (local to its rank) and weight, as one float tensor (ids are exact in fp32).
+        local = (flat_experts[order] - owner[order] * held.num_local).to(torch.float32)
+        meta = torch.stack([local, weights.reshape(-1)[order].float()], dim=1)
+        meta = distributed.all_to_all(meta, received, sent)
+        if rows.shape[0]:
+            pair_experts, pair_weights = meta[:, :1].long(), meta[:, 1:].to(x.dtype)
+            rows = self.kernels.fused_moe(rows, held.w13, held.w2, pair_experts, pair_weights)
+        back = distributed.all_to_all(rows, sent, received)
+        out = torch.zeros(share, x.shape[1], dtype=x.dtype, device=x.device)
+        out.index_add_(0, order // self.top_k, back)
+        return distributed.all_gather(out, dim=0)[: x.shape[0]]

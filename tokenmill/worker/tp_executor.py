@@ -41,6 +41,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def expert_dispatch(config) -> str | None:
+    """How MoE layers reach their experts under expert parallelism; None without it."""
+    return config.expert_dispatch if config.enable_expert_parallel else None
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -52,7 +57,7 @@ class RankWorker:
         if cuda_index is not None:
             torch.cuda.set_device(cuda_index)
         backend = "nccl" if cuda_index is not None else "gloo"
-        distributed.init_tensor_parallel(size, rank, init_method, backend, config.enable_expert_parallel)
+        distributed.init_tensor_parallel(size, rank, init_method, backend, expert_dispatch(config))
         self.config = config
         self.runner = None
         self.awaiting = None  # a launched step under grammars, until its masks come
@@ -208,7 +213,7 @@ def start_ranks(config, size: int, device: torch.device) -> _Ranks:
     else:
         ranks, init_method = _start_subprocesses(config, size, cuda)
     os.environ.update(_NCCL_ENV)
-    distributed.init_tensor_parallel(size, 0, init_method, backend_for(device), config.enable_expert_parallel)
+    distributed.init_tensor_parallel(size, 0, init_method, backend_for(device), expert_dispatch(config))
     return ranks
 
 
