@@ -78,27 +78,38 @@ def one_process(path: str, speculative_config: dict | None = None) -> list[list[
     ]
 
 
-def test_tp2_and_tp4_equal_one_process(hf_model_dirs) -> None:
-    archs = ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"]
-    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in archs]
-    runs += [(hf_model_dirs["mistral"][0], 4, False), (hf_model_dirs["qwen3"][0], 2, True)]  # async
-    # Expert parallelism (2 of Mixtral's 4 experts per rank; partial sums all-reduced, or each pick sent
-    # to its expert's rank and back) against slicing every expert; at TP=4 one expert a rank, and steps
-    # of fewer tokens than ranks (some ranks route none).
-    ep_model = hf_model_dirs["mixtral_ep"][0]
-    runs += [(ep_model, 2, False, True), (ep_model, 2, False, "all_to_all"), (ep_model, 2, False)]
-    runs += [(ep_model, 4, False, "all_to_all")]
-    # Speculative decoding: the drafts come from rank 0's drafter; a draft model's or the target's own
-    # layers' (layer skip) forward passes run on every rank, in step.
-    draft_model = {"method": "draft_model", "num_speculative_tokens": 3, "model": hf_model_dirs["mistral"][0]}
-    layer_skip = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1}
-    runs += [(hf_model_dirs["llama"][0], 2, False, False, spec) for spec in (draft_model, layer_skip)]
+def assert_equal_one_process(runs: list[tuple]) -> None:
     got = run_parallel(runs)
     assert len(got) == len(runs)
     for (path, tp, overlap, *extra), tokens in zip(runs, got):
         # A speculating run against one that speculates alike (sampled draws differ from plain decoding's).
         spec = extra[1] if len(extra) > 1 else None
         assert tokens == one_process(path, spec), (path, tp, overlap, extra)
+
+
+def test_tp2_and_tp4_equal_one_process(hf_model_dirs) -> None:
+    """KV heads that split (Llama) and that are replicated (Mistral's one, at TP=4); experts sliced
+    (Qwen3-MoE), and held whole (expert parallelism: 2 of Mixtral's 4 experts a rank), their partial
+    sums all-reduced or each pick sent to its expert's rank and back."""
+    ep_model = hf_model_dirs["mixtral_ep"][0]
+    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in ("llama", "qwen3_moe")]
+    runs += [(hf_model_dirs["mistral"][0], 4, False)]
+    runs += [(ep_model, 2, False, True), (ep_model, 2, False, "all_to_all")]
+    assert_equal_one_process(runs)
+
+
+@pytest.mark.slow
+def test_more_architectures_schedules_and_drafters_equal_one_process(hf_model_dirs) -> None:
+    """Mistral, Qwen3 and Mixtral at TP=2; asynchronous scheduling; expert parallelism by all-to-all at
+    TP=4 (one expert a rank, and steps of fewer tokens than ranks: some ranks route none); speculative
+    decoding, whose drafts come from rank 0's drafter while a draft model's or the target's own layers'
+    (layer skip) forward passes run on every rank, in step."""
+    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in ("mistral", "qwen3", "mixtral")]
+    runs += [(hf_model_dirs["qwen3"][0], 2, True), (hf_model_dirs["mixtral_ep"][0], 4, False, "all_to_all")]
+    draft_model = {"method": "draft_model", "num_speculative_tokens": 3, "model": hf_model_dirs["mistral"][0]}
+    layer_skip = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1}
+    runs += [(hf_model_dirs["llama"][0], 2, False, False, spec) for spec in (draft_model, layer_skip)]
+    assert_equal_one_process(runs)
 
 
 def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_model_dirs) -> None:
