@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -122,28 +123,37 @@ def test_without_a_tokenizer_constraints_are_refused() -> None:
 
 
 def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
-    """The core launches a constrained step, then fills its masks (on a GPU the forward pass runs
-    meanwhile), then has it sampled: the step's sampling waits for the masks, nothing else does."""
+    """The core launches a constrained step, then picks its matchers, whose masks a helper thread fills
+    (on a GPU the forward pass runs meanwhile, and the loop goes on); the step's sampling, and so the
+    next launch, wait for the fill, nothing else does."""
     core = llm.engine.core
     events = []
-    execute, bitmask = core.executor.execute, core.scheduler.grammar_bitmask
+    execute, grammar_fill = core.executor.execute, core.scheduler.grammar_fill
 
     def launched(out):
         events.append(("execute", bool(out.grammar_req_ids)))
         return execute(out)
 
-    def masks(out):
+    def fill_later(out):
         events.append(("masks", len(out.grammar_req_ids)))
-        return bitmask(out)
+        fill = grammar_fill(out)
 
-    core.executor.execute, core.scheduler.grammar_bitmask = launched, masks
+        def fill_and_note():
+            mask = fill()
+            events.append(("filled", threading.current_thread().name.startswith("tokenmill-masks")))
+            return mask
+
+        return fill_and_note
+
+    core.executor.execute, core.scheduler.grammar_fill = launched, fill_later
     try:
         params = SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "[a-z]{6}"})
         (text,) = chat(llm, "Name a fruit.", params)
     finally:
-        core.executor.execute, core.scheduler.grammar_bitmask = execute, bitmask
+        core.executor.execute, core.scheduler.grammar_fill = execute, grammar_fill
     assert re.fullmatch("[a-z]{6}", text)
-    assert len(events) >= 4 and events == [("execute", True), ("masks", 1)] * (len(events) // 2)
+    steps = len(events) // 3
+    assert steps >= 2 and events == [("execute", True), ("masks", 1), ("filled", True)] * steps
 
 
 def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(llm) -> None:
@@ -167,17 +177,17 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     expected = chat(llm, prompt, params, n=len(params))
     core = overlapped.engine.core
     events = []
-    execute, update, bitmask = (
+    execute, update, grammar_fill = (
         core.executor.execute,
         core.scheduler.update_from_output,
-        core.scheduler.grammar_bitmask,
+        core.scheduler.grammar_fill,
     )
     core.executor.execute = lambda out: events.append("execute") or execute(out)
     core.scheduler.update_from_output = lambda *a: events.append("update") or update(*a)
-    core.scheduler.grammar_bitmask = lambda out: events.append("masks") or bitmask(out)
+    core.scheduler.grammar_fill = lambda out: events.append("masks") or grammar_fill(out)
     assert chat(overlapped, prompt, params, n=len(params)) == expected
     jsonschema.validate(json.loads(expected[0]), PERSON)
-    # Each constrained step: launched, then the step before it taken in, then its masks.
+    # Each constrained step: launched, then the step before it taken in, then its masks begun.
     overlaps = "".join(e[0] for e in events).count("eum")
     assert overlaps > 20 and overlaps == events.count("masks") - 1
 

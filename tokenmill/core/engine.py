@@ -6,13 +6,18 @@ With async scheduling the queue holds two steps: step N+1 is scheduled and launc
 on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
 step and the loop is synchronous; so does a step that speculates, since the next step verifies the
 drafts proposed from its tokens. A step that samples under grammars launches its forward pass, then
-takes in step N's tokens (which advance the grammars), then fills its masks while the forward pass
-runs, and only then samples. The offline `LLM` and the server's core process run this same loop.
+takes in step N's tokens (which advance the grammars), then has its masks filled on a helper thread
+(llguidance's threads, without the GIL) while the loop returns step N's outputs and schedules the
+next step; its sampling is queued when the next step is about to launch (or when its own tokens are
+wanted), so the fill overlaps the forward pass and the host's own work. The offline `LLM` and the
+server's core process run this same loop.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, cast
 
 import numpy as np
@@ -36,6 +41,24 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> PendingOutput | AwaitingGrammar: ...
 
 
+class _FillingMasks:
+    """A launched step under grammars whose masks are being filled: launch() waits for them and queues
+    its sampling (before the next step's launch, which reads the sampled tokens on the device);
+    result() launches first if nothing else did."""
+
+    def __init__(self, awaiting: AwaitingGrammar, masks: Future) -> None:
+        self.awaiting, self.masks = awaiting, masks
+        self.pending: PendingOutput | None = None
+
+    def launch(self) -> PendingOutput:
+        if self.pending is None:
+            self.pending = self.awaiting.with_grammar(self.masks.result())
+        return self.pending
+
+    def result(self) -> ModelRunnerOutput:
+        return self.launch().result()
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
@@ -45,6 +68,8 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_steps = 0
         self.last_finished: SchedulerOutput | None = None  # the step whose outputs step() returned last
+        self._filling: _FillingMasks | None = None  # the last grammar step, until its sampling is queued
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -72,15 +97,17 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 self.num_steps += 1
+                self._launch_filled()
                 launched = self.executor.execute(scheduler_output)
                 if scheduler_output.grammar_req_ids:
                     # The masks need the tokens of the step in flight before this one: take them in
-                    # first. Both happen while the device runs this step's forward pass.
+                    # first, while the device runs this step's forward pass; then fill on the side.
                     finished = bool(self.batch_queue)
                     outputs = self._finish_oldest() if finished else []
-                    masks = self.scheduler.grammar_bitmask(scheduler_output)
-                    pending = cast(AwaitingGrammar, launched).with_grammar(masks)
-                    self.batch_queue.append((scheduler_output, pending))
+                    self._filling = _FillingMasks(
+                        cast(AwaitingGrammar, launched), self._fill(scheduler_output)
+                    )
+                    self.batch_queue.append((scheduler_output, self._filling))
                     if finished or len(self.batch_queue) < self._in_flight():
                         return outputs
                 else:
@@ -88,6 +115,22 @@ class EngineCore:
                     if len(self.batch_queue) < self._in_flight():
                         return []
         return self._finish_oldest() if self.batch_queue else []
+
+    def _fill(self, scheduler_output: SchedulerOutput) -> Future:
+        """The step's masks, filled on the helper thread from matchers nothing else touches until the
+        step's tokens are taken in (which waits for them)."""
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
+        fill = self.scheduler.grammar_fill(scheduler_output)
+        future = self._mask_thread.submit(fill)
+        time.sleep(0)  # hand the GIL over, so the helper reaches llguidance (which lets it go) at once
+        return future
+
+    def _launch_filled(self) -> None:
+        """Queue the last grammar step's sampling (waiting for its masks) before anything else launches."""
+        if self._filling is not None:
+            self._filling.launch()
+            self._filling = None
 
     def _finish_oldest(self) -> list[EngineCoreOutput]:
         """Wait for the oldest step in flight and take in its tokens."""

@@ -10,6 +10,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -390,21 +391,26 @@ class Scheduler:
         ]
         return {"grammar_req_ids": sampling} if sampling else {}
 
-    def grammar_bitmask(self, out: SchedulerOutput) -> np.ndarray:
-        """The allowed-token rows of a scheduled step's constrained requests (grammar_req_ids), from their
-        matchers as they stand: the engine core calls it after launching the step and taking in the
-        tokens of the step before it, so the host fills them while the device runs the forward pass. A
-        request that finished meanwhile gets a row that allows everything (its token is dropped)."""
+    def grammar_fill(self, out: SchedulerOutput) -> Callable[[], np.ndarray]:
+        """A call that fills the allowed-token rows of a scheduled step's constrained requests
+        (grammar_req_ids) from their matchers as they stand, for the engine core to run on its helper
+        thread after launching the step and taking in the tokens of the step before it. The matchers are
+        picked here; a request that finished meanwhile gets a row that allows everything (its token is
+        dropped)."""
         assert self.structured is not None  # a request with a grammar was refused without one
-        start = time.perf_counter()
+        structured = self.structured
         requests = [self.requests.get(r) for r in out.grammar_req_ids]
-        mask = self.structured.fill_bitmask(
-            [r.grammar if r is not None else None for r in requests],
-            [r.grammar_family if r is not None else -1 for r in requests],
-        )
-        self.grammar_mask_seconds += time.perf_counter() - start
-        self.grammar_mask_steps += 1
-        return mask
+        matchers = [r.grammar if r is not None else None for r in requests]
+        families = [r.grammar_family if r is not None else -1 for r in requests]
+
+        def fill() -> np.ndarray:
+            start = time.perf_counter()
+            mask = structured.fill_bitmask(matchers, families)
+            self.grammar_mask_seconds += time.perf_counter() - start
+            self.grammar_mask_steps += 1
+            return mask
+
+        return fill
 
     def _speculates(self) -> tuple[bool, bool]:
         """(whether this step verifies drafts, whether the worker proposes after it): never without a
