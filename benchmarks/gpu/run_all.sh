@@ -45,6 +45,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                     --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 512 \
                     --num-warmups 64 --max-num-seqs 64 "${extra[@]}" --output-json "$out/structured_$so.json" 2>&1 | tail -2
                 done
+                [ "${GRAMMAR_HOST:-1}" = 1 ] || continue  # GRAMMAR_HOST=0: the throughput pair alone
                 timeout 100 $py benchmarks/grammar_compile.py --model "$model" --out "$out/grammar_compile.json" \
                   2>&1 | tail -3
                 # The masks' host time alone: families of compiled copies and threads, with and without
