@@ -15,6 +15,7 @@ server's core process run this same loop.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -121,6 +122,9 @@ class EngineCore:
         step's tokens are taken in (which waits for them)."""
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
+            # The helper needs the GIL to hand its result back; the loop's Python would keep it for up
+            # to the 5 ms default switch interval (measured on the H200: 0.55x -> 0.58x of unconstrained).
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         fill = self.scheduler.grammar_fill(scheduler_output)
         future = self._mask_thread.submit(fill)
         time.sleep(0)  # hand the GIL over, so the helper reaches llguidance (which lets it go) at once
