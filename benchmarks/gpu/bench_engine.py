@@ -358,11 +358,11 @@ def speculative(args) -> dict:
         row = {"batch": batch}
         for name, llm in (("plain", plain), ("speculative", spec)):
             timed_generate(llm, prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-            drafts_before = scheduler.spec_num_drafts
+            drafts_before = scheduler.spec.num_drafts
             seconds = statistics.median(timed_generate(llm, prompts, params) for _ in range(args.repeats))
             row[f"{name}_tok_s"] = batch * args.output_len / seconds
             if llm is spec:
-                row["verifying_steps"] = (scheduler.spec_num_drafts - drafts_before) / args.repeats
+                row["verifying_steps"] = (scheduler.spec.num_drafts - drafts_before) / args.repeats
         row["ratio"] = row["speculative_tok_s"] / row["plain_tok_s"]
         result["batches"].append(row)
     return result

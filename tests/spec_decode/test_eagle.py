@@ -272,7 +272,7 @@ def test_greedy_output_is_unchanged(kind, target, tmp_path) -> None:
     assert run(spec, prompts, params, abort_at_step=4) == expected
     assert run(spec, prompts, params) == run(make_llm(path, **engine_args), prompts, params)
     scheduler = spec.engine.scheduler
-    assert scheduler.num_preemptions > 0 and scheduler.spec_num_drafts > 0
+    assert scheduler.num_preemptions > 0 and scheduler.spec.num_drafts > 0
     assert scheduler.kv.prefix_cache_hits > 0
 
 
@@ -339,4 +339,4 @@ def test_eagle_on_the_gpu(kind, target, tmp_path) -> None:
     graphs.run = lambda *args, replay=graphs.run: replays.append(1) or replay(*args)
     got = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
-    assert replays and spec.engine.scheduler.spec_num_drafts > 0
+    assert replays and spec.engine.scheduler.spec.num_drafts > 0

@@ -72,7 +72,7 @@ def test_the_engine_stops_speculating_when_drafts_do_not_pay(hf_model_dirs) -> N
     def speculative():
         llm = make_llm(target, **engine_args, speculative_config=NGRAM)
         costs = {1024: [1.0] * 8 + [1.0 + 0.5 * i for i in range(1, 25)]}
-        llm.engine.scheduler.spec_policy = BatchLimit(costs, 4, 0.0)
+        llm.engine.scheduler.spec.policy = BatchLimit(costs, 4, 0.0)
         return llm
 
     recorded = [(p, expected[str(i)][0][0]) for i, p in enumerate(prompts)]
@@ -80,12 +80,12 @@ def test_the_engine_stops_speculating_when_drafts_do_not_pay(hf_model_dirs) -> N
     spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=1.0)  # all wrong
     assert run(spec, prompts, params) == expected
     scheduler = spec.engine.scheduler
-    assert scheduler.spec_policy.tau < 1.2
+    assert scheduler.spec.policy.tau < 1.2
     # Verifying requests: the first steps' until tau falls (~12), then one probing step in 16 (of ~40).
-    assert 0 < scheduler.spec_num_drafts < 6 * 16
+    assert 0 < scheduler.spec.num_drafts < 6 * 16
 
     replay = speculative()
     replay.engine.runner.drafter.proposer = ReplayProposer(recorded, 4)
     assert run(replay, prompts, params) == expected
-    assert replay.engine.scheduler.spec_policy.tau > 4
-    assert replay.engine.scheduler.spec_num_accepted_tokens > 100
+    assert replay.engine.scheduler.spec.policy.tau > 4
+    assert replay.engine.scheduler.spec.num_accepted_tokens > 100

@@ -60,8 +60,8 @@ def test_greedy_output_is_unchanged_on_every_architecture(arch, hf_model_dirs) -
     again.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
     assert run(again, prompts, params, abort_at_step=4) == replayed  # seeded: reproducible
     scheduler = replay.engine.scheduler
-    assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
-    assert all(count > 0 for count in scheduler.spec_accepted_per_position)
+    assert 0 < scheduler.spec.num_accepted_tokens < scheduler.spec.num_draft_tokens
+    assert all(count > 0 for count in scheduler.spec.accepted_per_position)
 
     # Stop on a token each greedy request produces (its 6th), which the drafts may carry past.
     stops = {i: r[0][0][5] for i, r in ((int(k), v) for k, v in expected.items())
@@ -96,7 +96,7 @@ def test_prefix_hits_and_max_tokens_inside_the_drafts(hf_model_dirs) -> None:
             assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
             assert len(got[0].outputs[0].token_ids) == max_tokens
     assert spec.engine.scheduler.kv.prefix_cache_hits > 0
-    assert spec.engine.scheduler.spec_num_accepted_tokens > 0
+    assert spec.engine.scheduler.spec.num_accepted_tokens > 0
 
 
 def test_smollm2_copying_and_chat_with_stop_strings() -> None:
@@ -114,7 +114,7 @@ def test_smollm2_copying_and_chat_with_stop_strings() -> None:
         results.append(run(llm, prompts, params))
     assert results[0] == results[1]
     scheduler = llm.engine.scheduler
-    assert scheduler.spec_num_accepted_tokens > 0
+    assert scheduler.spec.num_accepted_tokens > 0
 
 
 def test_sampled_requests_speculate_and_stay_valid(hf_model_dirs) -> None:
@@ -126,7 +126,7 @@ def test_sampled_requests_speculate_and_stay_valid(hf_model_dirs) -> None:
     outputs = spec.generate(prompt_token_ids=[loop * 6], sampling_params=params, use_tqdm=False)
     for sample in outputs[0].outputs:
         assert len(sample.token_ids) == 30 and all(0 <= t < 1003 for t in sample.token_ids)
-    assert spec.engine.scheduler.spec_num_drafts > 0
+    assert spec.engine.scheduler.spec.num_drafts > 0
 
 
 def test_dynamic_speculation_by_batch_size_and_by_acceptance(hf_model_dirs) -> None:
@@ -150,19 +150,19 @@ def test_dynamic_speculation_by_batch_size_and_by_acceptance(hf_model_dirs) -> N
 
     # Four requests at once, speculation off from 4 running: only steps with fewer running speculate.
     llm, got = spec_run(disable_by_batch_size=4)
-    assert got == want and llm.engine.scheduler.spec_num_drafts == 0
+    assert got == want and llm.engine.scheduler.spec.num_drafts == 0
     llm, got = spec_run(disable_by_batch_size=5)
-    assert got == want and llm.engine.scheduler.spec_num_drafts > 0
+    assert got == want and llm.engine.scheduler.spec.num_drafts > 0
 
     # Every draft wrong: after the running average drops below min_acceptance, a probe every 8 steps.
     llm, got = spec_run(corrupt=1.0, min_acceptance=0.2)
     scheduler = llm.engine.scheduler
-    assert got == want and scheduler.spec_num_accepted_tokens == 0
+    assert got == want and scheduler.spec.num_accepted_tokens == 0
     steps_per_request = 40  # at one token per step, nothing being accepted
-    assert 0 < scheduler.spec_num_drafts < len(prompts) * (6 + steps_per_request // 8)
+    assert 0 < scheduler.spec.num_drafts < len(prompts) * (6 + steps_per_request // 8)
     llm, got = spec_run(corrupt=1.0)  # the default never gives up
     # Every decode step verifies drafts but the last (max_tokens leaves no room for one).
-    assert got == want and llm.engine.scheduler.spec_num_drafts == len(prompts) * (steps_per_request - 2)
+    assert got == want and llm.engine.scheduler.spec.num_drafts == len(prompts) * (steps_per_request - 2)
 
 
 class ConstantProposer:
@@ -203,7 +203,7 @@ def test_sampled_tokens_keep_their_distribution_through_the_engine(hf_model_dirs
         tokens = torch.tensor([o.outputs[0].token_ids for o in outputs])
         counts.append([torch.bincount(tokens[:, i], minlength=1003).double() for i in (1, 2)])
     scheduler = llm.engine.scheduler
-    assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
+    assert 0 < scheduler.spec.num_accepted_tokens < scheduler.spec.num_draft_tokens
     for plain, spec in zip(*counts):
         assert two_sample_chi_square_p(plain, spec) > 1e-3
 
@@ -227,7 +227,7 @@ def test_logprobs_come_for_every_token_of_a_verifying_step(hf_model_dirs) -> Non
         for token_id in a:
             assert abs(a[token_id].logprob - b[token_id].logprob) < 1e-4
     scheduler = spec.engine.scheduler
-    assert 0 < scheduler.spec_num_accepted_tokens < scheduler.spec_num_draft_tokens
+    assert 0 < scheduler.spec.num_accepted_tokens < scheduler.spec.num_draft_tokens
 
 
 LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1}
@@ -252,7 +252,7 @@ def test_layer_skip_keeps_greedy_output_on_every_architecture(arch, hf_model_dir
     spec = make_llm(hf_model_dirs[arch][0], **engine_args, speculative_config=LAYER_SKIP)
     assert run(spec, prompts, params, abort_at_step=4) == expected
     scheduler = spec.engine.scheduler
-    assert scheduler.num_preemptions > 0 and scheduler.spec_num_drafts > 0
+    assert scheduler.num_preemptions > 0 and scheduler.spec.num_drafts > 0
 
 
 def test_layer_skip_needs_fewer_draft_layers_than_the_model(hf_model_dirs) -> None:
@@ -279,9 +279,9 @@ def test_draft_model_keeps_greedy_output(draft_arch, hf_model_dirs) -> None:
     spec = make_llm(target, **engine_args, speculative_config=config)
     assert run(spec, prompts, params, abort_at_step=4) == expected
     scheduler = spec.engine.scheduler
-    assert scheduler.num_preemptions > 0 and scheduler.spec_num_drafts > 0
+    assert scheduler.num_preemptions > 0 and scheduler.spec.num_drafts > 0
     if draft_arch == "llama":  # the target drafting for itself
-        assert scheduler.spec_num_accepted_tokens > 0.9 * scheduler.spec_num_draft_tokens
+        assert scheduler.spec.num_accepted_tokens > 0.9 * scheduler.spec.num_draft_tokens
 
 
 def test_draft_model_must_share_the_vocabulary(hf_model_dirs, tmp_path) -> None:
@@ -319,13 +319,13 @@ def test_model_drafts_after_a_prefix_hit(method, hf_model_dirs) -> None:
     spec = make_llm(target, **engine_args, speculative_config=config)
     scheduler = spec.engine.scheduler
     for _ in range(2):
-        before = (scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens)
+        before = (scheduler.spec.num_draft_tokens, scheduler.spec.num_accepted_tokens)
         got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
-    assert scheduler.kv.prefix_cache_hits > 0 and scheduler.spec_num_drafts > 0
+    assert scheduler.kv.prefix_cache_hits > 0 and scheduler.spec.num_drafts > 0
     if method == "draft_model":
-        drafted = scheduler.spec_num_draft_tokens - before[0]
-        assert scheduler.spec_num_accepted_tokens - before[1] > 0.9 * drafted
+        drafted = scheduler.spec.num_draft_tokens - before[0]
+        assert scheduler.spec.num_accepted_tokens - before[1] > 0.9 * drafted
 
 
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
@@ -351,7 +351,7 @@ def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(method, hf_mo
     core.executor.execute = lambda out, execute=execute: depths.append(len(core.batch_queue)) or execute(out)
     assert run(spec, prompts, params, abort_at_step=4) == expected
     scheduler = spec.engine.scheduler
-    assert scheduler.spec_num_accepted_tokens > 0 and scheduler.num_preemptions > 0
+    assert scheduler.spec.num_accepted_tokens > 0 and scheduler.num_preemptions > 0
     assert 1 in depths  # a step launched while another was in flight
 
 
@@ -382,7 +382,7 @@ def test_every_method_on_the_gpu(hf_model_dirs) -> None:
         graphs.run = lambda *args, replay=graphs.run, replays=replays: replays.append(1) or replay(*args)
         outputs = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want, config["method"]
-        assert spec.engine.scheduler.spec_num_accepted_tokens > 0, config["method"]
+        assert spec.engine.scheduler.spec.num_accepted_tokens > 0, config["method"]
         assert replays, config["method"]  # the verify steps ran as whole-step graphs
         del spec
         torch.cuda.empty_cache()

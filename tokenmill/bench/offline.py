@@ -242,17 +242,17 @@ def speculation_stats(llm: Any) -> dict[str, Any] | None:
     """The drafts' acceptance over the run (vLLM's names), None without speculation: mean accepted
     length counts the target's own token, so it is the tokens each verifying step produced."""
     scheduler = llm.engine.scheduler
-    if not scheduler.spec_num_drafts:
+    if not scheduler.spec.num_drafts:
         return None
-    drafts, proposed = scheduler.spec_num_drafts, scheduler.spec_num_draft_tokens
-    accepted = scheduler.spec_num_accepted_tokens
+    drafts, proposed = scheduler.spec.num_drafts, scheduler.spec.num_draft_tokens
+    accepted = scheduler.spec.num_accepted_tokens
     return {
         "num_drafts": drafts,
         "num_draft_tokens": proposed,
         "num_accepted_tokens": accepted,
         "draft_acceptance_rate": accepted / proposed if proposed else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts,
-        "accepted_per_position": [count / drafts for count in scheduler.spec_accepted_per_position],
+        "accepted_per_position": [count / drafts for count in scheduler.spec.accepted_per_position],
     }
 
 

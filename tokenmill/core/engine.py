@@ -84,7 +84,7 @@ class EngineCore:
     def _in_flight(self) -> int:
         """Steps the queue may hold: one while the scheduler speculates (the next step's drafts come
         from this one's tokens), else two with async scheduling."""
-        return 1 if self.scheduler.spec_active else self.max_steps_in_flight
+        return 1 if self.scheduler.spec.active else self.max_steps_in_flight
 
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step if there is room and work, then (when the queue is full or nothing new could be

@@ -19,14 +19,10 @@ from tokenmill.core.kv_transfer import KVTransfers
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.core.spec_scheduling import SpecScheduling
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.policy import BatchLimit
 from tokenmill.structured_outputs import StructuredOutputs
-
-# Dynamic speculation: the weight of a verifying step's acceptance in a request's running average, and
-# how often (in decode steps) a request whose average fell below the minimum tries drafts again.
-ACCEPTANCE_WEIGHT = 0.3
-PROBE_INTERVAL = 8
 
 
 class Scheduler:
@@ -46,8 +42,8 @@ class Scheduler:
         token's own cost (the model's matmuls); 0 counts every token as 1 (on a GPU, where a step's time
         is not its arithmetic). max_prefill_tokens_with_decodes: the share of a step prompt chunks may
         take while requests are decoding (None: the whole budget), which bounds the inter-token gap a
-        wave of new prompts inflicts on running streams. spec_policy: when speculation stops paying
-        as the batch grows (spec_decode/policy.py), unless the config fixes disable_by_batch_size.
+        wave of new prompts inflicts on running streams. speculation, spec_policy: the speculative
+        decoding config and its batch policy (core/spec_scheduling.py keeps them, as self.spec).
         structured: grammar compilation and masks for requests with structured_outputs (None: the
         engine has no tokenizer, and such requests are refused)."""
         self.kv = kv_cache_manager
@@ -68,27 +64,10 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._preempted_since_last_step: list[str] = []
         self.num_preemptions = 0
-        # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted, and
-        # accepted drafts by position (index 0: the first draft of a step).
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_accepted_per_position: list[int] = []
-        # Dynamic speculation (SpeculativeConfig's disable_by_batch_size and min_acceptance), and the
-        # slots allocated past a step's tokens for drafts the worker writes into the KV cache before the
-        # next step (a model-based proposer; never past max_model_len).
-        self.spec_disable_by_batch_size = speculation.disable_by_batch_size if speculation else None
-        self.spec_min_acceptance = speculation.min_acceptance if speculation else 0.0
-        self.spec_lookahead = speculation.lookahead if speculation else 0
-        self.spec_policy = spec_policy if speculation and speculation.disable_by_batch_size is None else None
+        self.spec = SpecScheduling(speculation, spec_policy, max_model_len)
         self.structured = structured
         self.grammar_mask_seconds = 0.0  # host time filling masks, and the steps that needed them
         self.grammar_mask_steps = 0
-        self.spec_enabled = speculation is not None
-        self._step_verified = self._step_accepted = 0
-        # Whether the last scheduled step speculates: the engine core then waits for its tokens before
-        # planning the next (whose drafts they decide) instead of overlapping it.
-        self.spec_active = self.spec_enabled
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -187,7 +166,7 @@ class Scheduler:
         cost_of: dict[str, int] = {}  # each scheduled request's share of the budget
         new_block_ids: dict[str, list[int]] = {}
         spec_decode: dict[str, list[int]] = {}  # the drafts each scheduled decode verifies
-        speculating, proposing = self._speculates()
+        speculating, proposing = self.spec.decide(self.running)
 
         # While a request waits for a seat, running prompt chunks share at most half of the step, so a
         # long prompt cannot hold every other request back for all of its chunks; what the newcomers
@@ -209,7 +188,7 @@ class Scheduler:
             room = budget
             if num_wanted > 1:  # a prompt chunk: within the prefill cap and the half-step room
                 room = min(budget, prefill_room, budget if chunk_room is None else chunk_room)
-            drafts = self._drafts(request, num_wanted, budget) if speculating else []
+            drafts = self.spec.drafts(request, num_wanted, budget) if speculating else []
             if drafts:  # a decode verifying drafts: one token and the drafts, at decode cost
                 num_new = cost = 1 + len(drafts)
             else:
@@ -224,7 +203,7 @@ class Scheduler:
                 index += 1
                 continue
             while (
-                allocated := self.kv.allocate_slots(request, self._with_lookahead(request, num_new))
+                allocated := self.kv.allocate_slots(request, self.spec.with_lookahead(request, num_new))
             ) is None:
                 victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                 position = self.running.index(victim)
@@ -282,7 +261,7 @@ class Scheduler:
             if num_new <= 0 or (
                 self.kv.allocate_slots(
                     request,
-                    self._with_lookahead(request, num_new, num_hit_tokens),
+                    self.spec.with_lookahead(request, num_new, num_hit_tokens),
                     hit.block_ids,
                     hit.host_block_ids,
                 )  # fmt: skip
@@ -314,7 +293,7 @@ class Scheduler:
             longer, longer_cost = self._chunk(request.num_computed_tokens, num_wanted, room + cost)
             if longer <= num_new:
                 continue
-            allocated = self.kv.allocate_slots(request, self._with_lookahead(request, longer))
+            allocated = self.kv.allocate_slots(request, self.spec.with_lookahead(request, longer))
             if allocated is None:
                 continue
             num_scheduled[request.request_id], cost_of[request.request_id] = longer, longer_cost
@@ -412,49 +391,6 @@ class Scheduler:
 
         return fill
 
-    def _speculates(self) -> tuple[bool, bool]:
-        """(whether this step verifies drafts, whether the worker proposes after it): never without a
-        speculative config; else below disable_by_batch_size, or as the policy finds it pays (and a step
-        before one of its probes proposes). A step that proposes runs synchronously (spec_active)."""
-        if not self.spec_enabled:
-            return False, False
-        limit, running = self.spec_disable_by_batch_size, self.running
-        if limit is not None:
-            verifying = proposing = len(running) < limit
-        elif self.spec_policy is not None and running:
-            context = sum(r.num_computed_tokens for r in running) / len(running)
-            verifying, proposing = self.spec_policy.speculates(len(running), context)
-        else:
-            verifying = proposing = True
-        self.spec_active = proposing
-        return verifying, proposing
-
-    def _with_lookahead(self, request: Request, num_new: int, start: int | None = None) -> int:
-        """num_new tokens from `start` (the computed ones by default), plus the drafting lookahead."""
-        if not self.spec_lookahead:
-            return num_new
-        end = (request.num_computed_tokens if start is None else start) + num_new
-        return num_new + max(0, min(self.spec_lookahead, self.max_model_len - end))
-
-    def _drafts(self, request: Request, num_wanted: int, budget: int) -> list[int]:
-        """The request's drafts this step verifies: only for a decode with nothing in flight, and only as
-        many as the step budget, max_model_len and max_tokens leave room for after the target's own
-        token."""
-        drafts = request.spec_token_ids
-        if not drafts or num_wanted != 1 or request.num_output_placeholders or request.grammar is not None:
-            return []
-        if request.spec_acceptance < self.spec_min_acceptance:
-            # Drafts have not been paying for this request: one verifying step now and then, to notice
-            # when its text starts copying again.
-            request.spec_steps_off += 1
-            if request.spec_steps_off % PROBE_INTERVAL:
-                return []
-        room = min(len(drafts), budget - 1, self.max_model_len - request.num_tokens - 1)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        return drafts[: max(room, 0)]
-
     def _chunk(self, start: int, num_wanted: int, budget: int, fresh: bool = False) -> tuple[int, int]:
         """(tokens, cost) of the longest run of at most num_wanted tokens from position `start` whose cost
         fits the budget. A token costs 1, plus context_cost per earlier token it attends to when it is
@@ -527,7 +463,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs = []
         prompt_logprobs = runner_output.prompt_logprobs
-        self._step_verified = self._step_accepted = 0  # this step's verifying requests, for the policy
+        self.spec.begin_update()
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted while the step ran
@@ -556,9 +492,7 @@ class Scheduler:
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
-                self._count_accepted(len(drafts), len(new_token_ids) - 1)
-                rate = (len(new_token_ids) - 1) / len(drafts)
-                request.spec_acceptance += ACCEPTANCE_WEIGHT * (rate - request.spec_acceptance)
+                self.spec.accepted(request, len(drafts), len(new_token_ids) - 1)
                 if running:  # the KV of the rejected drafts' positions is overwritten from here on
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
             status = None
@@ -601,20 +535,8 @@ class Scheduler:
                 self._finish(request, status)
             elif running and runner_output.spec_token_ids:
                 request.spec_token_ids = runner_output.spec_token_ids[row]
-        if self._step_verified and self.spec_policy is not None:
-            self.spec_policy.observe(1 + self._step_accepted / self._step_verified)
+        self.spec.end_update()
         return outputs
-
-    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
-        self._step_verified += 1
-        self._step_accepted += num_accepted
-        per_position = self.spec_accepted_per_position
-        per_position.extend([0] * (num_drafts - len(per_position)))
-        for position in range(num_accepted):
-            per_position[position] += 1
 
     @staticmethod
     def _add_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:

@@ -85,8 +85,7 @@ def warm_up(parts: EngineParts) -> None:
     scheduler.kv.reset_prefix_cache()
     scheduler.kv.prefix_cache_queries = scheduler.kv.prefix_cache_hits = 0
     scheduler.num_preemptions = 0
-    scheduler.spec_num_drafts = scheduler.spec_num_draft_tokens = scheduler.spec_num_accepted_tokens = 0
-    scheduler.spec_accepted_per_position = []
+    scheduler.spec.reset_counters()
     elapsed = time.perf_counter() - start
     logger.info("warm-up: %d dense-prefill plans and %d requests in %.1f s", len(buckets), count, elapsed)
     report_late_compiles()
