@@ -3,7 +3,8 @@
 # without the CPU tier (Llama-3.1-8B shape, dummy weights, SmolLM2's tokenizer). 64 conversations, each
 # with its own 1,024-token system prompt, 6 turns of 256 user + 128 answer tokens: ~211k tokens of
 # history against a pool of 3,300 blocks (52,800 tokens). TTFT percentiles and the engine's hits per
-# tier in OUTDIR/kv_offload_<label>.json.
+# tier in OUTDIR/kv_offload_<label>.json; the server's own TTFT and queue-time sums beside them (where the
+# client's TTFT goes: the engine's share against the HTTP path's).
 # Usage: benchmarks/gpu/kv_offload_serve.sh OUTDIR   env: RATE=8 PORT=8360 OFFLOAD_GIB=32
 #   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run).
 # Needs the server's wheels installed and .gpu_assets/tokenizer, as serve_vs_offline.sh does.
@@ -31,7 +32,7 @@ for label in recompute offload; do
     --dataset-name conversations $workload --request-rate "$rate" --ignore-eos --seed 0 \
     --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --disable-tqdm \
     --output-json "$out/kv_offload_$label.json" | grep -iE "ttft|throughput" | head -4
-  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^tokenmill:(prefix_cache_(hits|queries)|kv_offload)" \
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^tokenmill:(prefix_cache_(hits|queries)|kv_offload|(time_to_first_token|request_queue_time)_seconds_(sum|count))" \
     >"$out/kv_offload_${label}_metrics.txt"
   cat "$out/kv_offload_${label}_metrics.txt"
   kill -INT $server
