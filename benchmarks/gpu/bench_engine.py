@@ -25,6 +25,7 @@ from shapes import (  # noqa: E402
     decode_expert_bytes,
     decode_weight_bytes,
     kv_bytes_per_token,
+    planned_decode_step,
     prefill_flops,
     shape_dir,
     workload_floor,
@@ -87,6 +88,7 @@ def make_llm(args, **overrides) -> LLM:
         kv_cache_dtype=args.kv_cache_dtype,
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     return dummy_llm(args.shape, json.loads(args.config_overrides), **{**options, **overrides})
 
@@ -117,6 +119,10 @@ def decode(args) -> dict:
     weight_dtype = {"fp8": "fp8", "int4": "int4"}.get(args.quantization or "", "bf16")
     experts = decode_expert_bytes(args.shape, args.batch, weight_dtype)
     bytes_per_step = decode_weight_bytes(args.shape, weight_dtype) + experts + kv_bytes
+    plan = planned_decode_step(
+        args.shape, args.batch, int(mean_context), args.tensor_parallel_size, weight_dtype,
+        "fp8" if args.kv_cache_dtype == "fp8" else "bf16",
+    )  # fmt: skip
     return {
         "shape": args.shape,
         "batch": args.batch,
@@ -129,6 +135,9 @@ def decode(args) -> dict:
         "total_s": total,
         "decode_tok_s": tok_s,
         "bytes_per_step": bytes_per_step,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        **plan,
+        "ratio_to_plan": plan["plan_step_ms"] / (step_s * 1e3),
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "attention_backend": os.environ.get("TOKENMILL_ATTENTION_BACKEND", "default"),
@@ -398,6 +407,7 @@ def main() -> None:
         default=None,
         help="schedule step N+1 while step N runs (default: the engine's, on for CUDA)",
     )
+    parser.add_argument("--enable-expert-parallel", action="store_true", help="MoE under TP: whole experts")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-requests", type=int, default=16)

@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
-#         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 router-x2 disagg-x2 (default:
+#         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -112,7 +112,12 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     tp-x2) for tp in 1 2; do timeout 240 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \
              --tensor-parallel-size $tp --out "$out/decode_8b_tp$tp.json"; done
            timeout 420 $bench throughput --shape qwen3-30b-a3b --peer-requests 0 --tensor-parallel-size 2 \
-             --out "$out/throughput_qwen3_30b_a3b_tp2.json" ;;
+             --out "$out/throughput_qwen3_30b_a3b_tp2.json"
+           timeout 420 $bench throughput --shape qwen3-30b-a3b --peer-requests 0 --tensor-parallel-size 2 \
+             --enable-expert-parallel --out "$out/throughput_qwen3_30b_a3b_ep2.json" ;;
+    # Needs nvidia-h200-x2: the 70B shape split over two GPUs (140 GB of bf16 weights), batch-1 decode.
+    tp-70b) timeout 560 $bench decode --shape llama-3.1-70b --max-num-seqs 16 --tensor-parallel-size 2 \
+              --out "$out/decode_70b_tp2.json" ;;
     # Needs nvidia-h200-x2: two 8B replicas, cache_aware against round_robin on multi-turn chats.
     router-x2) timeout 560 benchmarks/gpu/router_x2.sh "$out/router" ;;
     # Needs nvidia-h200-x2: one prefill and one decode GPU against two plain replicas, 4k in / 256 out.

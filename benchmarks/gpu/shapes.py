@@ -7,10 +7,11 @@ import json
 import os
 import tempfile
 
+from tokenmill.plan.gpus import ceilings_for, resolve_gpu
+from tokenmill.plan.memory import Deployment, weight_bytes
 from tokenmill.plan.memory import kv_bytes_per_token as plan_kv_bytes_per_token
-from tokenmill.plan.memory import weight_bytes
 from tokenmill.plan.model_shape import ModelShape, from_hf_config
-from tokenmill.plan.roofline import attention_flops_per_context_token, matmul_flops_per_token
+from tokenmill.plan.roofline import attention_flops_per_context_token, decode_point, matmul_flops_per_token
 
 SHAPES = {
     "llama-3.1-8b": {
@@ -20,6 +21,31 @@ SHAPES = {
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
         "num_key_value_heads": 8,
         "head_dim": 128,
         "vocab_size": 128256,
@@ -129,6 +155,17 @@ def workload_floor(name: str, prompt_lens: list[int], output_lens: list[int]) ->
         context = sum(n + step for _, n in live)
         total += dense + decode_expert_bytes(name, len(live)) + per_token_kv * context
     return total, flops
+
+
+def planned_decode_step(
+    name: str, batch: int, context_len: int, tp: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16"
+) -> dict:
+    """What `tokenmill plan` predicts for a decode step (its roofline floor on an H200 at the ceilings
+    measured on our cards, per GPU of the TP group), to print beside a measured step."""
+    gpu = resolve_gpu("H200")
+    deployment = Deployment(_plan_shape(name), gpu, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    point = decode_point(deployment, ceilings_for(gpu, weight_dtype, measured=True), tp, batch, context_len)
+    return {"plan_step_ms": point.floor_s * 1e3, "plan_bound": point.bound, "plan_bytes": point.bytes_moved}
 
 
 def kv_bytes_per_token(name: str) -> int:
