@@ -88,6 +88,9 @@ def test_moe_models_on_the_triton_kernels_write_transformers_greedy_tokens(arch,
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
 
 
+# Those pairs' gate/up rows are never written, and SiLU over whatever the buffer held may overflow in
+# the interpreter; nothing reads the result (the output is checked below).
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pairs_of_no_expert_here_add_nothing(dtype) -> None:
     """Expert parallelism hands the kernels other ranks' experts as id E: those pairs contribute zero,
