@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
@@ -119,6 +120,31 @@ def test_min_tokens_masks_eos_and_logit_bias_shifts():
     assert tokens.item() != 1
     tokens, _ = sample(peaked(4), [SamplingParams(temperature=0, logit_bias={6: 10.0})])
     assert tokens.item() == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_penalties_bias_and_min_tokens_never_wait_for_the_device():
+    """Their token ids reach the device through pinned memory: a copy from pageable memory waits for
+    every kernel already queued (the step's forward pass), stalling the host async scheduling keeps
+    ahead. CUDA's sync debug mode turns any such wait into an error."""
+    runner = _Runner()
+    runner.device = torch.device("cuda")
+    logits = torch.zeros(3, VOCAB, device="cuda")
+    logits[0, 3], logits[0, 5] = 2.0, 1.9
+    logits[1, 4] = logits[2, 1] = 5.0
+    params = [
+        SamplingParams(temperature=0, frequency_penalty=0.1, repetition_penalty=1.1),
+        SamplingParams(temperature=0, logit_bias={6: 10.0}),
+        SamplingParams(temperature=0, min_tokens=2),
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, _ = sample(logits, params, outputs={0: [3, 3]}, prompts={0: [3]}, runner=runner)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens[:2].tolist() == [5, 6] and tokens[2].item() != 1
 
 
 def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():

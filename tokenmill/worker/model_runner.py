@@ -24,7 +24,7 @@ from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
+from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, on_device, score_tokens
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
 from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 
@@ -407,7 +407,7 @@ class ModelRunner:
                 rows = hidden[first_row + offset : first_row + offset + count]
                 logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
                 targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
-                target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+                target_ids = on_device(targets, torch.int64, self.device)
                 parts.append(score_tokens(logprobs, target_ids, k))
             scored = LogprobTensors(*(torch.cat(column) for column in zip(*parts)))
             result[request.req_id] = (start + 1, scored.to_host(non_blocking=self.device.type == "cuda"))

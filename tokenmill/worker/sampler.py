@@ -37,6 +37,14 @@ class SamplingBatch:
     draft_prefixes: list[list[int]] | None = None
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list of host values on the device without waiting for it: through pinned memory on a GPU (a copy
+    from pageable memory first waits for every kernel already queued, the step's forward pass included,
+    which would stall the host that async scheduling keeps ahead)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     vocab_size = logits.shape[1]
     for row, request in enumerate(batch.requests):
@@ -44,7 +52,7 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         if not params.uses_penalties:
             continue
         prefix = batch.draft_prefixes[row] if batch.draft_prefixes else []
-        output_ids = torch.tensor(request.output_token_ids + prefix, dtype=torch.int64, device=logits.device)
+        output_ids = on_device(request.output_token_ids + prefix, torch.int64, logits.device)
         if row in batch.pending_tokens:
             output_ids = torch.cat([output_ids, batch.pending_tokens[row]])
         counts = torch.zeros(vocab_size, dtype=logits.dtype, device=logits.device)
@@ -52,7 +60,7 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         if params.repetition_penalty != 1.0:
             # Prompt and output tokens both count for the repetition penalty (the CTRL/HF definition).
             seen = counts > 0
-            seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
+            seen[on_device(request.prompt_token_ids, torch.int64, logits.device)] = True
             row_logits = logits[row]
             penalised = torch.where(
                 row_logits > 0, row_logits / params.repetition_penalty, row_logits * params.repetition_penalty
@@ -69,8 +77,8 @@ def _apply_bias_and_min_tokens(
     for row, request in enumerate(requests):
         params = request.sampling_params
         if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64, device=logits.device)
-            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            ids = on_device(list(params.logit_bias.keys()), torch.int64, logits.device)
+            bias = on_device(list(params.logit_bias.values()), logits.dtype, logits.device)
             logits[row].index_add_(0, ids, bias)
         num_before = len(draft_prefixes[row]) if draft_prefixes else 0
         if request.num_output_tokens + num_before < params.min_tokens:
@@ -78,7 +86,7 @@ def _apply_bias_and_min_tokens(
             if not params.ignore_eos:
                 banned |= request.eos_token_ids
             if banned:
-                logits[row, list(banned)] = float("-inf")
+                logits[row, on_device(sorted(banned), torch.int64, logits.device)] = float("-inf")
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
