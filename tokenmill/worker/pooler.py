@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenmill.worker.input_batch import StepInputs
+from tokenmill.worker.sampler import on_device
 
 
 class Pooler:
@@ -26,11 +27,12 @@ class Pooler:
         """(rows whose prompt this step completes, their vectors [rows, hidden] in fp32)."""
         finished_rows = [row for row, done in enumerate(inputs.samples) if done]
         if self.pooling_type == "last":
-            ends = torch.as_tensor(inputs.query_start_loc[1:] - 1, dtype=torch.int64)
-            pooled = hidden[ends[finished_rows].to(self.device)].float()
+            ends = (inputs.query_start_loc[1:] - 1)[finished_rows].tolist()
+            pooled = hidden[on_device(ends, torch.int64, self.device)].float()
         else:
             lengths = np.diff(inputs.query_start_loc)
-            row_of_token = torch.as_tensor(np.repeat(np.arange(len(lengths)), lengths)).to(self.device)
+            token_rows = np.repeat(np.arange(len(lengths)), lengths).tolist()
+            row_of_token = on_device(token_rows, torch.int64, self.device)
             sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=self.device)
             sums.index_add_(0, row_of_token, hidden[: len(row_of_token)].float())
             for row, request_id in enumerate(inputs.req_ids):
@@ -40,6 +42,6 @@ class Pooler:
                 if not inputs.samples[row]:
                     self._sums[request_id] = sums[row].clone()
             counts = [num_prompt_tokens[inputs.req_ids[row]] for row in finished_rows]
-            divisor = torch.tensor(counts, dtype=torch.float32, device=self.device)[:, None]
+            divisor = on_device(counts, torch.float32, self.device)[:, None]
             pooled = sums[finished_rows] / divisor
         return finished_rows, torch.nn.functional.normalize(pooled, p=2, dim=-1)
