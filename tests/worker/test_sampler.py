@@ -115,6 +115,26 @@ def test_penalties():
     assert tokens.item() == 5
 
 
+def test_a_pending_token_that_lands_before_sampling_is_penalised_once():
+    """A grammar step's batch is built while the step before it is in flight (its token pending on the
+    device), and sampled after that token reached the host's list: it counts once, not twice."""
+    runner = _Runner()
+    runner._last_sampled, runner._last_row_of = torch.tensor([3]), {"r0": 0}
+    state = CachedRequestState(
+        "r0", [0], SamplingParams(temperature=0, frequency_penalty=0.04), frozenset({1}),
+        block_ids=[], num_computed_tokens=0, output_token_ids=[3],
+    )  # fmt: skip
+    runner.input_batch.requests["r0"] = state
+    inputs = SimpleNamespace(req_ids=["r0"], samples=[True], pending_src_req_ids=["r0"])
+    batch = runner._sampling_batch(inputs, VOCAB)
+    state.append_output_token(3)  # the pending token lands before the masked sampling
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 5] = 2.0, 1.9
+    # Token 3 twice (the earlier one and the pending one): 2.0 - 0.08 > 1.9; three times would be 1.88.
+    tokens, _ = Sampler()(logits, batch)
+    assert tokens.item() == 3
+
+
 def test_min_tokens_masks_eos_and_logit_bias_shifts():
     tokens, _ = sample(peaked(1), [SamplingParams(temperature=0, min_tokens=2)])
     assert tokens.item() != 1

@@ -259,6 +259,9 @@ class ModelRunner:
             needs_top_k_p=needs_top_k_p,
             needs_min_p=needs_min_p,
             needs_penalties=needs_penalties,
+            output_lens={
+                r.req_id: len(r.output_token_ids) for r in requests if r.sampling_params.uses_penalties
+            },
             generators=generators,
             max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
             pending_tokens=pending_tokens,

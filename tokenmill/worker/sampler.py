@@ -32,6 +32,10 @@ class SamplingBatch:
     max_num_logprobs: int  # -1 when no row asks for logprobs
     # row -> its last output token, sampled by the step in flight and still only on the device
     pending_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    # request -> how many of its output tokens were on the host when the batch was built (penalised
+    # requests): a grammar step samples after the step before it landed, and the token that was pending
+    # then (counted through pending_tokens) must not count again from the host's list.
+    output_lens: dict[str, int] = field(default_factory=dict)
     # Speculative verification, per logit row: the drafts before this row's position, which count as
     # output tokens there if they stand (penalties and min_tokens see them). None outside verification.
     draft_prefixes: list[list[int]] | None = None
@@ -52,7 +56,8 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         if not params.uses_penalties:
             continue
         prefix = batch.draft_prefixes[row] if batch.draft_prefixes else []
-        output_ids = on_device(request.output_token_ids + prefix, torch.int64, logits.device)
+        landed = batch.output_lens.get(request.req_id, len(request.output_token_ids))
+        output_ids = on_device(request.output_token_ids[:landed] + prefix, torch.int64, logits.device)
         if row in batch.pending_tokens:
             output_ids = torch.cat([output_ids, batch.pending_tokens[row]])
         counts = torch.zeros(vocab_size, dtype=logits.dtype, device=logits.device)
