@@ -124,15 +124,16 @@ def test_without_a_tokenizer_constraints_are_refused() -> None:
 
 def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
     """The core launches a constrained step, then picks its matchers, whose masks a helper thread fills
-    (on a GPU the forward pass runs meanwhile, and the loop goes on); the step's sampling, and so the
-    next launch, wait for the fill, nothing else does."""
+    (on a GPU the forward pass runs meanwhile, and the loop goes on: the next step is scheduled and its
+    inputs prepared); the step's sampling, and so the next launch, wait for the fill, nothing else
+    does."""
     core = llm.engine.core
     events = []
-    execute, grammar_fill = core.executor.execute, core.scheduler.grammar_fill
+    launch, grammar_fill = core.executor.launch, core.scheduler.grammar_fill
 
-    def launched(out):
-        events.append(("execute", bool(out.grammar_req_ids)))
-        return execute(out)
+    def launched(prepared):
+        events.append(("launch", bool(prepared.scheduler_output.grammar_req_ids)))
+        return launch(prepared)
 
     def fill_later(out):
         events.append(("masks", len(out.grammar_req_ids)))
@@ -145,15 +146,15 @@ def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
 
         return fill_and_note
 
-    core.executor.execute, core.scheduler.grammar_fill = launched, fill_later
+    core.executor.launch, core.scheduler.grammar_fill = launched, fill_later
     try:
         params = SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "[a-z]{6}"})
         (text,) = chat(llm, "Name a fruit.", params)
     finally:
-        core.executor.execute, core.scheduler.grammar_fill = execute, grammar_fill
+        core.executor.launch, core.scheduler.grammar_fill = launch, grammar_fill
     assert re.fullmatch("[a-z]{6}", text)
     steps = len(events) // 3
-    assert steps >= 2 and events == [("execute", True), ("masks", 1), ("filled", True)] * steps
+    assert steps >= 2 and events == [("launch", True), ("masks", 1), ("filled", True)] * steps
 
 
 def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(llm) -> None:
@@ -177,18 +178,18 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     expected = chat(llm, prompt, params, n=len(params))
     core = overlapped.engine.core
     events = []
-    execute, update, grammar_fill = (
-        core.executor.execute,
+    launch, update, grammar_fill = (
+        core.executor.launch,
         core.scheduler.update_from_output,
         core.scheduler.grammar_fill,
     )
-    core.executor.execute = lambda out: events.append("execute") or execute(out)
+    core.executor.launch = lambda prepared: events.append("launch") or launch(prepared)
     core.scheduler.update_from_output = lambda *a: events.append("update") or update(*a)
     core.scheduler.grammar_fill = lambda out: events.append("masks") or grammar_fill(out)
     assert chat(overlapped, prompt, params, n=len(params)) == expected
     jsonschema.validate(json.loads(expected[0]), PERSON)
     # Each constrained step: launched, then the step before it taken in, then its masks begun.
-    overlaps = "".join(e[0] for e in events).count("eum")
+    overlaps = "".join(e[0] for e in events).count("lum")
     assert overlaps > 20 and overlaps == events.count("masks") - 1
 
 

@@ -19,6 +19,12 @@ class FakeExecutor:
         self.scheduler = scheduler
         self.steps: list[SchedulerOutput] = []
 
+    def prepare(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        return scheduler_output
+
+    def launch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute(scheduler_output)
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)

@@ -347,8 +347,13 @@ def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(method, hf_mo
         spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
     core = spec.engine.core
     depths = []
-    execute = core.executor.execute
-    core.executor.execute = lambda out, execute=execute: depths.append(len(core.batch_queue)) or execute(out)
+    launch = core.executor.launch
+
+    def launch_noting_depth(prepared):
+        depths.append(len(core.batch_queue))
+        return launch(prepared)
+
+    core.executor.launch = launch_noting_depth
     assert run(spec, prompts, params, abort_at_step=4) == expected
     scheduler = spec.engine.scheduler
     assert scheduler.spec.num_accepted_tokens > 0 and scheduler.num_preemptions > 0

@@ -14,16 +14,16 @@ from tokenmill.core.sched_output import SchedulerOutput
 
 
 class Recorder:
-    """Wraps a runner's execute: keeps each step's encoded records and the tokens it sampled."""
+    """Wraps a runner's launch: keeps each step's encoded records and the tokens it sampled."""
 
     def __init__(self, runner) -> None:
-        self.execute = runner.execute
+        self.launch = runner.launch
         self.steps: list[tuple[bytes, object]] = []
-        runner.execute = self
+        runner.launch = self
 
-    def __call__(self, scheduler_output: SchedulerOutput):
-        encoded = msgspec.msgpack.encode(scheduler_output)
-        pending = self.execute(scheduler_output)
+    def __call__(self, prepared):
+        encoded = msgspec.msgpack.encode(prepared.scheduler_output)
+        pending = self.launch(prepared)
         self.steps.append((encoded, pending))
         return pending
 
@@ -66,6 +66,7 @@ def test_replayed_records_give_identical_tokens(arch, async_scheduling, hf_model
 
     fresh = make_llm(path, **options).engine.runner
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    assert len(recorder.steps) >= steps // 2  # the recorder saw the run's launches
     for encoded, pending in recorder.steps:
         replayed = fresh.execute(decoder.decode(encoded)).result()
         original = pending.result()

@@ -1,6 +1,7 @@
 """EngineCore: the loop schedule -> execute -> update, around a queue of steps in flight. The executor
-is injected (anything with `execute(SchedulerOutput)` returning an output whose `result()` is a
-ModelRunnerOutput), so the core itself never touches a tensor.
+is injected (anything with `prepare(SchedulerOutput)`, the step's host half, and `launch(prepared)`
+returning an output whose `result()` is a ModelRunnerOutput), so the core itself never touches a
+tensor.
 
 With async scheduling the queue holds two steps: step N+1 is scheduled and launched while step N runs
 on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
@@ -8,8 +9,9 @@ step and the loop is synchronous; so does a step that speculates, since the next
 drafts proposed from its tokens. A step that samples under grammars launches its forward pass, then
 takes in step N's tokens (which advance the grammars), then has its masks filled on a helper thread
 (llguidance's threads, without the GIL) while the loop returns step N's outputs and schedules the
-next step; its sampling is queued when the next step is about to launch (or when its own tokens are
-wanted), so the fill overlaps the forward pass and the host's own work. The offline `LLM` and the
+next step and prepares its inputs (the host half); its sampling is queued just before the next step
+launches (or when its own tokens are wanted), so the fill overlaps the forward pass and the host's
+own work. The offline `LLM` and the
 server's core process run this same loop.
 """
 
@@ -39,7 +41,9 @@ class AwaitingGrammar(Protocol):
 
 
 class Executor(Protocol):
-    def execute(self, scheduler_output: SchedulerOutput) -> PendingOutput | AwaitingGrammar: ...
+    def prepare(self, scheduler_output: SchedulerOutput) -> object: ...
+
+    def launch(self, prepared: object) -> PendingOutput | AwaitingGrammar: ...
 
 
 class _FillingMasks:
@@ -98,8 +102,9 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 self.num_steps += 1
+                prepared = self.executor.prepare(scheduler_output)
                 self._launch_filled()
-                launched = self.executor.execute(scheduler_output)
+                launched = self.executor.launch(prepared)
                 if scheduler_output.grammar_req_ids:
                     # The masks need the tokens of the step in flight before this one: take them in
                     # first, while the device runs this step's forward pass; then fill on the side.

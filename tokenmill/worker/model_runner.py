@@ -5,6 +5,7 @@ pass and samples on the device."""
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +47,16 @@ PIECEWISE_MAX_TOKENS = 8192
 # The largest batch whose verify steps replay a whole-step graph (larger ones use the piecewise graphs):
 # speculation pays at small batches, and each graph keeps logits for all its token rows.
 VERIFY_GRAPH_MAX_SEQS = 64
+
+
+class Prepared(NamedTuple):
+    """A step whose host half is done (ModelRunner.prepare): its inputs staged, its device half to come."""
+
+    scheduler_output: SchedulerOutput
+    inputs: StepInputs | None  # None: a pooling step, run whole at launch
+    scoring: list  # (row, state, start, tokens) of chunks that score prompt logprobs
+    sampling_batch: SamplingBatch | None
+    staged: tuple | None  # input_ids, positions, metadata, the pending gather's indices
 
 
 class ModelRunner:
@@ -188,6 +199,15 @@ class ModelRunner:
         return [host[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
 
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's inputs on the device, the previous step's tokens gathered in (prepare, then launch's
+        half)."""
+        input_ids, positions, md, pending = self._stage(inputs)
+        self._gather_pending(input_ids, pending)
+        return input_ids, positions, md
+
+    def _stage(self, inputs: StepInputs) -> tuple:
+        """The step's host arrays on the device in two pinned copies; input_ids hold a placeholder where
+        the previous step's sampled token goes (`_gather_pending`, which must follow that sampling)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
         input_ids, positions, slot_mapping, pending_dst, pending_src = self._staged(
@@ -196,9 +216,6 @@ class ModelRunner:
         query_start_loc, seq_lens, block_tables = self._staged(
             [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables], np.int32
         )
-        if pending_rows:
-            # Tokens the previous step sampled feed this step straight from the device.
-            input_ids.index_copy_(0, pending_dst, self._last_sampled.index_select(0, pending_src))
         md = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -213,7 +230,13 @@ class ModelRunner:
                 and inputs.max_query_len == inputs.max_seq_len
             ),
         )
-        return input_ids, positions, md
+        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None
+
+    def _gather_pending(self, input_ids: torch.Tensor, pending: tuple | None) -> None:
+        if pending is not None:
+            # Tokens the previous step sampled feed this step straight from the device.
+            pending_dst, pending_src = pending
+            input_ids.index_copy_(0, pending_dst, self._last_sampled.index_select(0, pending_src))
 
     def _sampling_batch(self, inputs: StepInputs, vocab_size: int) -> SamplingBatch:
         requests = [self.input_batch.requests[r] for r in inputs.req_ids]
@@ -240,12 +263,6 @@ class ModelRunner:
                     [p.top_p for p in params], [p.min_p for p in params]]  # fmt: skip
             (knobs,) = self._staged([np.asarray(rows, dtype=np.float32)], np.float32)
         needs_penalties = any(p.uses_penalties for p in params)
-        pending_tokens = {}
-        if needs_penalties:
-            row_of_pending = {r: i for i, r in enumerate(inputs.req_ids)}
-            for request_id in inputs.pending_src_req_ids:
-                row, last_row = row_of_pending[request_id], self._last_row_of[request_id]
-                pending_tokens[row] = self._last_sampled[last_row : last_row + 1]
         return SamplingBatch(
             requests=requests,
             temperature=knobs[0] if knobs is not None else None,
@@ -264,20 +281,28 @@ class ModelRunner:
             },
             generators=generators,
             max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
-            pending_tokens=pending_tokens,
+            output_counts={r.req_id: r.num_output_tokens for r in requests if r.sampling_params.min_tokens},
         )
+
+    def _pending_views(self, inputs: StepInputs, batch: SamplingBatch) -> None:
+        """The penalties' view of each row's token still on the device (the previous step's sample)."""
+        if batch.needs_penalties:
+            row_of_pending = {r: i for i, r in enumerate(inputs.req_ids)}
+            for request_id in inputs.pending_src_req_ids:
+                row, last_row = row_of_pending[request_id], self._last_row_of[request_id]
+                batch.pending_tokens[row] = self._last_sampled[last_row : last_row + 1]
 
     def execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput | AwaitingGrammar:
         """Launch one step on the device; the returned output's result() waits for the tokens. A step
         that samples under a grammar stops before sampling: its AwaitingGrammar takes the step's masks
         (which the core computes while the forward pass runs) and returns the pending output."""
-        launched = self._execute(scheduler_output)
-        if self.drafter is not None:
-            self.drafter.after_target(launched.inputs)
-        return launched
+        return self.launch(self.prepare(scheduler_output))
 
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput) -> PendingRunnerOutput | AwaitingGrammar:
+    def prepare(self, scheduler_output: SchedulerOutput) -> Prepared:
+        """The host's half of a step: KV copies, the batch's state, the inputs staged to the device. It
+        reads nothing the previous step's sampling writes, so the engine core runs it while a grammar
+        step's masks are filled, before that step samples; launch() follows that sampling."""
         if scheduler_output.kv_saves or scheduler_output.kv_loads:
             assert self.host_kv is not None
             self.host_kv.transfer(scheduler_output.kv_saves, scheduler_output.kv_loads)
@@ -289,7 +314,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.forget(request_id)
         if self.pooling_type is not None:
-            return self._execute_pooling(scheduler_output)
+            return Prepared(scheduler_output, None, [], None, None)
         states = self.input_batch.requests
         # Requests asking for prompt logprobs whose chunk still scores prompt tokens need every row's
         # hidden state, which only the eager path keeps (read before prepare advances the counts).
@@ -300,8 +325,22 @@ class ModelRunner:
             and states[request_id].num_computed_tokens + 1 < states[request_id].num_prompt_tokens
         ]
         inputs = self.input_batch.prepare(scheduler_output)
-        sampling_batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
-        input_ids, positions, md = self.to_device(inputs)
+        batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
+        return Prepared(scheduler_output, inputs, scoring, batch, self._stage(inputs))
+
+    @torch.inference_mode()
+    def launch(self, prepared: Prepared) -> PendingRunnerOutput | AwaitingGrammar:
+        """The device's half: the previous step's tokens gathered in, the forward pass, its logits; then
+        sampling, or an AwaitingGrammar for the masks."""
+        scheduler_output, inputs, scoring, sampling_batch, staged = prepared
+        if inputs is None:
+            return self._execute_pooling(scheduler_output)
+        input_ids, positions, md, pending = staged
+        self._gather_pending(input_ids, pending)
+        self._pending_views(inputs, sampling_batch)
+        # The next step's inputs read this step's tokens by these rows (set now, so that its prepare
+        # need not wait for a deferred sampling).
+        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         prompt_logprobs = None
         rows = None
         if self.drafter is not None:
@@ -329,9 +368,10 @@ class ModelRunner:
                 if scoring:
                     prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
         step = Launched(scheduler_output, inputs, sampling_batch, logits, rows, prompt_logprobs)
-        if scheduler_output.grammar_req_ids:
-            return AwaitingGrammar(self, step)
-        return self._sample(step)
+        launched = AwaitingGrammar(self, step) if scheduler_output.grammar_req_ids else self._sample(step)
+        if self.drafter is not None:
+            self.drafter.after_target(launched.inputs)
+        return launched
 
     @torch.inference_mode()
     def _sample(self, step: Launched, grammar_bitmask: np.ndarray | None = None) -> PendingRunnerOutput:
@@ -343,8 +383,7 @@ class ModelRunner:
             pending = verify(self, inputs, batch, logits, rows, step.prompt_logprobs)
         else:
             sampled, logprobs = self.sampler(logits, batch)
-            self._last_sampled = sampled
-            self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
+            self._last_sampled = sampled  # its rows: _last_row_of, set at launch
             logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
             pending = PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, step.prompt_logprobs)
         pending.propose_drafts = step.scheduler_output.propose_drafts

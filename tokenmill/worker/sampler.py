@@ -36,6 +36,9 @@ class SamplingBatch:
     # requests): a grammar step samples after the step before it landed, and the token that was pending
     # then (counted through pending_tokens) must not count again from the host's list.
     output_lens: dict[str, int] = field(default_factory=dict)
+    # request -> its output tokens (pending ones included) when the batch was built, for min_tokens: the
+    # next step's host half may count its own pending token before a grammar step samples.
+    output_counts: dict[str, int] = field(default_factory=dict)
     # Speculative verification, per logit row: the drafts before this row's position, which count as
     # output tokens there if they stand (penalties and min_tokens see them). None outside verification.
     draft_prefixes: list[list[int]] | None = None
@@ -76,17 +79,17 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         )
 
 
-def _apply_bias_and_min_tokens(
-    logits: torch.Tensor, requests: list[CachedRequestState], draft_prefixes: list[list[int]] | None
-) -> None:
-    for row, request in enumerate(requests):
+def _apply_bias_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    draft_prefixes = batch.draft_prefixes
+    for row, request in enumerate(batch.requests):
         params = request.sampling_params
         if params.logit_bias:
             ids = on_device(list(params.logit_bias.keys()), torch.int64, logits.device)
             bias = on_device(list(params.logit_bias.values()), logits.dtype, logits.device)
             logits[row].index_add_(0, ids, bias)
         num_before = len(draft_prefixes[row]) if draft_prefixes else 0
-        if request.num_output_tokens + num_before < params.min_tokens:
+        num_outputs = batch.output_counts.get(request.req_id, request.num_output_tokens)
+        if num_outputs + num_before < params.min_tokens:
             banned = set(params.stop_token_ids)
             if not params.ignore_eos:
                 banned |= request.eos_token_ids
@@ -160,7 +163,7 @@ class Sampler:
             if logits is raw_logits:  # fp32 logits: edit a copy, logprobs are of the raw ones
                 logits = logits.clone()
             if batch.needs_logit_edits:
-                _apply_bias_and_min_tokens(logits, batch.requests, batch.draft_prefixes)
+                _apply_bias_and_min_tokens(logits, batch)
             if batch.needs_penalties:
                 _apply_penalties(logits, batch)
         # The first index of the largest logit, as argmax; max(dim).indices gives the same (ties

@@ -135,8 +135,17 @@ class TensorParallelExecutor:
         self.ranks.send(op, *args)
 
     def execute(self, scheduler_output):
+        return self.launch(self.prepare(scheduler_output))
+
+    def prepare(self, scheduler_output):
+        """Rank 0's host half; the other ranks get the step at launch, after any masks of the step
+        before it (they run both halves at once, in the order their orders come)."""
+        return self.runner.prepare(scheduler_output)
+
+    def launch(self, prepared):
+        scheduler_output = prepared.scheduler_output
         self.broadcast("execute", scheduler_output)
-        launched = self.runner.execute(scheduler_output)
+        launched = self.runner.launch(prepared)
         if scheduler_output.grammar_req_ids:
             return _MasksToAll(launched, self)
         return launched
