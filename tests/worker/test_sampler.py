@@ -135,6 +135,23 @@ def test_a_pending_token_that_lands_before_sampling_is_penalised_once():
     assert tokens.item() == 3
 
 
+def test_min_tokens_counts_the_outputs_as_they_were_when_the_batch_was_built():
+    """The next step's host half runs before a grammar step samples, and counts its own pending token:
+    the grammar step still sees the count of its own time (here one short of min_tokens: EOS stays
+    banned)."""
+    runner = _Runner()
+    state = CachedRequestState(
+        "r0", [0], SamplingParams(temperature=0, min_tokens=3), frozenset({1}),
+        block_ids=[], num_computed_tokens=0, output_token_ids=[4, 4],
+    )  # fmt: skip
+    runner.input_batch.requests["r0"] = state
+    inputs = SimpleNamespace(req_ids=["r0"], samples=[True], pending_src_req_ids=[])
+    batch = runner._sampling_batch(inputs, VOCAB)
+    state.num_pending_tokens += 1  # the next step, prepared before this one samples
+    tokens, _ = Sampler()(peaked(1), batch)
+    assert tokens.item() != 1
+
+
 def test_min_tokens_masks_eos_and_logit_bias_shifts():
     tokens, _ = sample(peaked(1), [SamplingParams(temperature=0, min_tokens=2)])
     assert tokens.item() != 1
