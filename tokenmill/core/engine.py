@@ -11,8 +11,7 @@ takes in step N's tokens (which advance the grammars), then has its masks filled
 (llguidance's threads, without the GIL) while the loop returns step N's outputs and schedules the
 next step and prepares its inputs (the host half); its sampling is queued just before the next step
 launches (or when its own tokens are wanted), so the fill overlaps the forward pass and the host's
-own work. The offline `LLM` and the
-server's core process run this same loop.
+own work. The offline `LLM` and the server's core process run this same loop.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def _bins_and_chunk(num_experts: int) -> tuple[int, int]:
 @triton.jit
 def _count_kernel(
     experts, counts, num_pairs, NUM_EXPERTS: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr
-):  # noqa: E501
+):
     """counts[e] += the pairs of one chunk that chose expert e."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(experts + offs, mask=offs < num_pairs, other=NUM_EXPERTS)

@@ -16,6 +16,14 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list of host values on the device without waiting for it: through pinned memory on a GPU (a copy
+    from pageable memory first waits for every kernel already queued, the step's forward pass included,
+    which would stall the host that async scheduling keeps ahead)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16).
 

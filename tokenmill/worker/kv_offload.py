@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from tokenmill.worker.device import on_device
+
 
 class BlockRows:
     """The row layout of a block: every attention layer's K then V of one block, as bytes, back to back.
@@ -40,15 +42,9 @@ class BlockRows:
         offset, size = self.spans[index]
         return rows[:, offset : offset + size].view(rows.shape[0], *cache.shape[1:])
 
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
-        """The block ids on the device, copied from pinned memory: a copy from pageable memory waits
-        for the stream to drain (the step in flight), which would stall the host every transfer."""
-        host = torch.tensor(block_ids, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
-
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """[len(block_ids), block_bytes] on the device."""
-        index = self._index(block_ids)
+        index = on_device(block_ids, torch.int64, self.device)
         rows = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device)
         for i, cache in enumerate(self.caches()):
             self._share(rows, i, cache).copy_(cache.index_select(0, index))
@@ -56,7 +52,7 @@ class BlockRows:
 
     def scatter(self, rows: torch.Tensor, block_ids: list[int]) -> None:
         """rows [len(block_ids), block_bytes] on the device into those blocks."""
-        index = self._index(block_ids)
+        index = on_device(block_ids, torch.int64, self.device)
         for i, cache in enumerate(self.caches()):
             cache.index_copy_(0, index, self._share(rows, i, cache))
 

@@ -18,14 +18,14 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.structured_outputs import apply_bitmask
 from tokenmill.worker.cuda_graphs import DecodeGraphs
-from tokenmill.worker.device import resolve_device, resolve_dtype
+from tokenmill.worker.device import on_device, resolve_device, resolve_dtype
 from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, on_device, score_tokens
+from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
 from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 
@@ -263,6 +263,11 @@ class ModelRunner:
                     [p.top_p for p in params], [p.min_p for p in params]]  # fmt: skip
             (knobs,) = self._staged([np.asarray(rows, dtype=np.float32)], np.float32)
         needs_penalties = any(p.uses_penalties for p in params)
+        pairs = list(zip(requests, params))
+        needs_logit_edits = any(p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in pairs)
+        # What penalties and min_tokens count, as it stands now: a grammar step samples later.
+        output_lens = {r.req_id: len(r.output_token_ids) for r, p in pairs if p.uses_penalties}
+        output_counts = {r.req_id: r.num_output_tokens for r, p in pairs if p.min_tokens}
         return SamplingBatch(
             requests=requests,
             temperature=knobs[0] if knobs is not None else None,
@@ -270,18 +275,14 @@ class ModelRunner:
             top_p=knobs[2] if knobs is not None else None,
             min_p=knobs[3] if knobs is not None else None,
             all_greedy=all_greedy,
-            needs_logit_edits=any(
-                p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in zip(requests, params)
-            ),
+            needs_logit_edits=needs_logit_edits,
             needs_top_k_p=needs_top_k_p,
             needs_min_p=needs_min_p,
             needs_penalties=needs_penalties,
-            output_lens={
-                r.req_id: len(r.output_token_ids) for r in requests if r.sampling_params.uses_penalties
-            },
+            output_lens=output_lens,
             generators=generators,
             max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
-            output_counts={r.req_id: r.num_output_tokens for r in requests if r.sampling_params.min_tokens},
+            output_counts=output_counts,
         )
 
     def _pending_views(self, inputs: StepInputs, batch: SamplingBatch) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.worker.device import on_device
 from tokenmill.worker.input_batch import StepInputs
-from tokenmill.worker.sampler import on_device
 
 
 class Pooler:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from tokenmill.core.outputs import TokenLogprobs
+from tokenmill.worker.device import on_device
 from tokenmill.worker.input_batch import CachedRequestState
 
 
@@ -42,14 +43,6 @@ class SamplingBatch:
     # Speculative verification, per logit row: the drafts before this row's position, which count as
     # output tokens there if they stand (penalties and min_tokens see them). None outside verification.
     draft_prefixes: list[list[int]] | None = None
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A list of host values on the device without waiting for it: through pinned memory on a GPU (a copy
-    from pageable memory first waits for every kernel already queued, the step's forward pass included,
-    which would stall the host that async scheduling keeps ahead)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

@@ -134,9 +134,6 @@ class TensorParallelExecutor:
     def broadcast(self, op: str, *args) -> None:
         self.ranks.send(op, *args)
 
-    def execute(self, scheduler_output):
-        return self.launch(self.prepare(scheduler_output))
-
     def prepare(self, scheduler_output):
         """Rank 0's host half; the other ranks get the step at launch, after any masks of the step
         before it (they run both halves at once, in the order their orders come)."""
