@@ -61,7 +61,7 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         if params.repetition_penalty != 1.0:
             # Prompt and output tokens both count for the repetition penalty (the CTRL/HF definition).
             seen = counts > 0
-            seen[on_device(request.prompt_token_ids, torch.int64, logits.device)] = True
+            seen.index_fill_(0, on_device(request.prompt_token_ids, torch.int64, logits.device), True)
             row_logits = logits[row]
             penalised = torch.where(
                 row_logits > 0, row_logits / params.repetition_penalty, row_logits * params.repetition_penalty
@@ -87,7 +87,9 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> No
             if not params.ignore_eos:
                 banned |= request.eos_token_ids
             if banned:
-                logits[row, on_device(sorted(banned), torch.int64, logits.device)] = float("-inf")
+                # index_fill_ on the row: indexing with (int, tensor) turns the int into a tensor through a
+                # pageable copy, which waits for the device.
+                logits[row].index_fill_(0, on_device(sorted(banned), torch.int64, logits.device), float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
