@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
-# Stages: tests gpu-tests structured kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
+# Stages: tests gpu-tests structured host-loop kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
@@ -52,6 +52,15 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                 # an idle gap between steps (the engine's step loop leaves one).
                 timeout 150 $py benchmarks/grammar_masks.py --model "$model" --gaps-ms 0,4 \
                   --out "$out/grammar_masks.json" 2>&1 >/dev/null ;;
+    # The step loop's host time by phase, unconstrained and under the schema (issue 13), and the masks'
+    # fill alone over threads and families.
+    host-loop) timeout 200 $py benchmarks/gpu/profile_host_loop.py --tokenizer .gpu_assets/tokenizer \
+                 --out "$out/host_loop.json" 2>&1 | grep -E "^(none|json) "
+               model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
+print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
+               cp .gpu_assets/tokenizer/* "$model/"
+               timeout 200 $py benchmarks/grammar_masks.py --model "$model" --threads 1,8,12,16 --families 1,12,64 \
+                 --gaps-ms 0 --out "$out/grammar_masks_matrix.json" 2>&1 >/dev/null ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \

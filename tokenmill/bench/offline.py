@@ -65,6 +65,7 @@ def throughput_main(args: argparse.Namespace) -> int:
         "output_tokens_per_second": output_tokens / elapsed,
         "speculative_decoding": speculation_stats(llm) if getattr(args, "speculative_config", None) else None,
         "structured_outputs": structured_stats(llm) if constraint else None,
+        "loop": loop_stats(llm),
     }
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -84,6 +85,18 @@ def structured_stats(llm) -> dict:
     return {
         "steps_with_masks": steps,
         "mask_ms_per_step": scheduler.grammar_mask_seconds / steps * 1e3 if steps else None,
+    }
+
+
+def loop_stats(llm) -> dict:
+    """The step loop's own waits, per step of the run (warm-up included): for the masks of the grammar
+    step before (then queueing its sampling), and for the oldest step's tokens (then reading them)."""
+    core = llm.engine.core
+    per_step = 1e3 / core.num_steps if core.num_steps else 0.0
+    return {
+        "steps": core.num_steps,
+        "ms_per_step_on_masks": core.seconds_on_masks * per_step,
+        "ms_per_step_on_tokens": core.seconds_on_tokens * per_step,
     }
 
 

@@ -74,6 +74,10 @@ class EngineCore:
         self.last_finished: SchedulerOutput | None = None  # the step whose outputs step() returned last
         self._filling: _FillingMasks | None = None  # the last grammar step, until its sampling is queued
         self._mask_thread: ThreadPoolExecutor | None = None
+        # Host seconds the loop spent blocked: on a grammar step's masks (then queueing its sampling), and
+        # on the oldest step's tokens (then reading them back). Benchmarks report them per step.
+        self.seconds_on_masks = 0.0
+        self.seconds_on_tokens = 0.0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -137,11 +141,16 @@ class EngineCore:
     def _launch_filled(self) -> None:
         """Queue the last grammar step's sampling (waiting for its masks) before anything else launches."""
         if self._filling is not None:
+            start = time.perf_counter()
             self._filling.launch()
+            self.seconds_on_masks += time.perf_counter() - start
             self._filling = None
 
     def _finish_oldest(self) -> list[EngineCoreOutput]:
         """Wait for the oldest step in flight and take in its tokens."""
         scheduler_output, pending = self.batch_queue.popleft()
         self.last_finished = scheduler_output
-        return self.scheduler.update_from_output(scheduler_output, pending.result())
+        start = time.perf_counter()
+        output = pending.result()
+        self.seconds_on_tokens += time.perf_counter() - start
+        return self.scheduler.update_from_output(scheduler_output, output)

@@ -1,0 +1,140 @@
+"""Where the step loop's host time goes, per step: the engine's phases timed in place (schedule, the
+host half of the next step, the wait for a grammar step's masks and the queueing of its sampling, the
+launch, the wait for the oldest step's tokens, taking them in, the outputs), once unconstrained and once
+with every request under the `structured` stage's JSON schema, in the same process. The mask fill runs
+beside the loop on a helper thread; its own time is reported apart. What the phases do not cover is the
+loop's remaining Python ("other").
+
+    python benchmarks/gpu/profile_host_loop.py --tokenizer DIR [--shape qwen3-0.6b] [--batch 64]
+        [--requests 256] [--input-len 256] [--output-len 128] [--config-overrides JSON] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import shape_dir  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 8,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "role": {"enum": ["admin", "user", "guest"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        },
+        "required": ["name", "age", "role", "tags"],
+    },
+}
+
+
+def _timed(owner, name: str, phase: str, seconds: dict) -> None:
+    """Replace owner.name by a wrapper adding its wall time to seconds[phase]."""
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds[phase] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def instrument(llm: LLM) -> dict:
+    seconds: dict = defaultdict(float)
+    engine, core = llm.engine, llm.engine.core
+    _timed(core.scheduler, "schedule", "schedule", seconds)
+    _timed(core.executor, "prepare", "prepare (host half)", seconds)
+    _timed(core, "_launch_filled", "masks wait + sampling queued", seconds)
+    _timed(core.executor, "launch", "launch", seconds)
+    _timed(core.scheduler, "update_from_output", "take in tokens", seconds)
+    _timed(engine.output_processor, "process", "outputs", seconds)
+    _timed(engine, "step", "loop total", seconds)
+    return seconds
+
+
+def run(llm: LLM, seconds: dict, prompts, params) -> dict:
+    core = llm.engine.core
+    seconds.clear()
+    steps0, tokens0 = core.num_steps, core.seconds_on_tokens
+    scheduler = core.scheduler
+    fill0, fills0 = scheduler.grammar_mask_seconds, scheduler.grammar_mask_steps
+    start = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    steps = core.num_steps - steps0
+    per_step = {phase: round(s / steps * 1e3, 3) for phase, s in seconds.items()}
+    tokens_wait = core.seconds_on_tokens - tokens0
+    per_step["tokens wait, then read back"] = round(tokens_wait / steps * 1e3, 3)
+    total = seconds["loop total"]
+    covered = tokens_wait + sum(s for phase, s in seconds.items() if phase != "loop total")
+    per_step["other"] = round((total - covered) / steps * 1e3, 3)
+    fills = scheduler.grammar_mask_steps - fills0
+    return {
+        "steps": steps,
+        "elapsed_s": round(elapsed, 3),
+        "ms_per_step": round(elapsed / steps * 1e3, 3),
+        "phases_ms_per_step": per_step,
+        "fill_ms_per_masked_step": (
+            round((scheduler.grammar_mask_seconds - fill0) / fills * 1e3, 3) if fills else None
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (vocab 49,152)")
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--config-overrides", default="{}", help="JSON over the config (CPU smoke)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    overrides = json.loads(args.config_overrides)
+    model = shape_dir(args.shape, vocab_size=49152, bos_token_id=1, eos_token_id=2, **overrides)
+    for name in os.listdir(args.tokenizer):
+        shutil.copy(os.path.join(args.tokenizer, name), model)
+    llm = LLM(model=model, load_format="dummy", max_num_seqs=args.batch, max_model_len=4096)
+    seconds = instrument(llm)
+    rng = np.random.default_rng(0)
+    report = {"shape": args.shape, "batch": args.batch, "requests": args.requests, "runs": {}}
+    for label, constraint in (("none", None), ("json", StructuredOutputsParams(json=SCHEMA))):
+        # Fresh random prompts for each run and its warm-up: nothing comes from the prefix cache.
+        prompts = rng.integers(100, 40000, (args.requests + args.batch, args.input_len)).tolist()
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint)
+        warm = SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=constraint)
+        llm.generate(prompt_token_ids=prompts[args.requests :], sampling_params=warm, use_tqdm=False)
+        report["runs"][label] = run(llm, seconds, prompts[: args.requests], params)
+        print(label, json.dumps(report["runs"][label]), file=sys.stderr)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
