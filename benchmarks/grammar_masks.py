@@ -43,10 +43,7 @@ SCHEMA = {
 
 def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int, gap_s: float) -> dict:
     """Mask-fill seconds per step over one random walk of `batch` requests."""
-    structured = StructuredOutputs(source.load_tokenizer, vocab, mask_threads=threads)
-    structured.ll_tokenizer  # noqa: B018 (builds the executor with `threads`)
-    # Families are dealt in turn up to mask_threads; more or fewer than the threads: set them directly.
-    structured.mask_threads = families
+    structured = StructuredOutputs(source.load_tokenizer, vocab, mask_threads=threads, max_families=families)
     constraint = StructuredOutputsParams(json=SCHEMA)
     handed = [structured.matcher(constraint) for _ in range(batch)]
     matchers, family_ids = [m for m, _ in handed], [f for _, f in handed]

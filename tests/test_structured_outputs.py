@@ -193,9 +193,9 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     assert overlaps > 20 and overlaps == events.count("masks") - 1
 
 
-def test_a_constraint_in_use_by_many_requests_is_compiled_once_per_mask_thread() -> None:
+def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> None:
     """Copies of one compiled matcher take turns at its lexer, so requests are dealt over up to
-    mask_threads compilations of their constraint; the masks, grouped by family for llguidance's
+    max_families compilations of their constraint; the masks, grouped by family for llguidance's
     threads, land in each request's own row; finished (None) and stopped matchers allow everything."""
     import numpy as np
 
@@ -203,7 +203,7 @@ def test_a_constraint_in_use_by_many_requests_is_compiled_once_per_mask_thread()
     from tokenmill.structured_outputs import StructuredOutputs
 
     source = resolve_model("default")
-    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=3)
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=2, max_families=3)
     constraint = StructuredOutputsParams(json=PERSON)
     handed = [structured.matcher(constraint) for _ in range(7)]
     families = [family for _, family in handed]
@@ -234,6 +234,8 @@ def test_a_constraint_in_use_by_many_requests_is_compiled_once_per_mask_thread()
             assert grouped[row].tobytes() == m.compute_bitmask()[: structured.words * 4]
     with pytest.raises(ValueError, match="mask_threads"):
         StructuredOutputs(source.load_tokenizer, 49152, mask_threads=0)
+    with pytest.raises(ValueError, match="max_families"):
+        StructuredOutputs(source.load_tokenizer, 49152, max_families=0)
     assert np.unique(grouped[[0, 3]], axis=0).shape[0] == 2  # two states, two masks
 
 

@@ -32,6 +32,7 @@ from tokenmill.sampling_params import StructuredOutputsParams
 _CACHE_SIZE = 512
 # llguidance's own default: 80% of the CPUs this process may run on, up to 32.
 MASK_THREADS = max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
+MAX_FAMILIES = 64
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
 # small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
 # (format, title...) are ignored rather than refused. A schema's own "x-guidance" overrides these.
@@ -134,17 +135,24 @@ class StructuredOutputs:
     """Grammar compilation and masks for one model's tokenizer."""
 
     def __init__(
-        self, load_tokenizer: Callable[[], object], vocab_size: int, mask_threads: int = MASK_THREADS
+        self,
+        load_tokenizer: Callable[[], object],
+        vocab_size: int,
+        mask_threads: int = MASK_THREADS,
+        max_families: int = MAX_FAMILIES,
     ) -> None:
         """load_tokenizer: returns the model's Hugging Face fast tokenizer, called on first use.
-        mask_threads: llguidance threads filling a step's masks, and so the most families a constraint
-        is compiled into."""
-        if mask_threads < 1:
-            raise ValueError(f"mask_threads must be at least 1, got {mask_threads}.")
+        mask_threads: llguidance threads filling a step's masks. max_families: the most compilations
+        ("families") of one constraint that requests are dealt over; copies of one compiled matcher share
+        its lexer and its caches, so the threads' work on requests of one family contends."""
+        for name, value in (("mask_threads", mask_threads), ("max_families", max_families)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
         self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.mask_threads = mask_threads
+        self.max_families = max_families
         self._ll_tokenizer = None
         self._executor = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
@@ -194,9 +202,10 @@ class StructuredOutputs:
     def matcher(self, params: StructuredOutputsParams) -> tuple[Any, int]:
         """A fresh matcher for one request (each sequence of n > 1 gets its own) and its family: a copy
         of one of the constraint's compiled matchers, taken in turn, the next family compiled when the
-        turn comes to it (so a constraint in use by one request at a time costs one compilation)."""
+        turn comes to it (up to max_families: a constraint costs as many compilations as requests have
+        used it, up to that cap)."""
         families = self.compiled(params)
-        turn = families.handed_out % self.mask_threads
+        turn = families.handed_out % self.max_families
         families.handed_out += 1
         if turn == len(families.roots):
             families.roots.append(self._compile(params))
@@ -208,6 +217,12 @@ class StructuredOutputs:
         llguidance's threads, the matchers grouped by family (`families`, as matcher() returned them).
         A None matcher (its request finished while the step ran) or a stopped one gets a row that allows
         everything: nothing it samples is kept."""
+        return self.bitmask_fill(matchers, families)()
+
+    def bitmask_fill(self, matchers: list, families: list[int] | None = None) -> Callable[[], np.ndarray]:
+        """fill_bitmask in two halves: the Python half now (the array, the rows that allow everything,
+        the work grouped by family), and a call that runs llguidance's fill without the GIL and returns
+        the array, for a helper thread that should hold the GIL as briefly as it can."""
         mask = np.zeros((len(matchers), self.words), dtype=np.int32)
         order = (
             range(len(matchers))
@@ -221,9 +236,14 @@ class StructuredOutputs:
                 mask[row] = -1
             else:
                 work.append((matcher, row))
-        if work:  # matchers exist only once ll_tokenizer (and the executor) were built
-            self._executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
-        return mask
+        executor = self._executor
+
+        def fill() -> np.ndarray:
+            if work:  # matchers exist only once ll_tokenizer (and the executor) were built
+                executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
+            return mask
+
+        return fill
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:

@@ -6,7 +6,8 @@ beside the loop on a helper thread; its own time is reported apart. What the pha
 loop's remaining Python ("other").
 
     python benchmarks/gpu/profile_host_loop.py --tokenizer DIR [--shape qwen3-0.6b] [--batch 64]
-        [--requests 256] [--input-len 256] [--output-len 128] [--config-overrides JSON] [--out FILE]
+        [--requests 256] [--input-len 256] [--output-len 128] [--masks 12x64,16x64]
+        [--config-overrides JSON] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from shapes import shape_dir  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
+from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
 
 SCHEMA = {
     "type": "array",
@@ -111,6 +113,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--config-overrides", default="{}", help="JSON over the config (CPU smoke)")
+    parser.add_argument(
+        "--masks", default=f"{MASK_THREADS}x{MAX_FAMILIES}",
+        help="comma-separated THREADSxFAMILIES, a constrained run each",
+    )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
     overrides = json.loads(args.config_overrides)
@@ -121,14 +127,24 @@ def main() -> None:
     seconds = instrument(llm)
     rng = np.random.default_rng(0)
     report = {"shape": args.shape, "batch": args.batch, "requests": args.requests, "runs": {}}
-    for label, constraint in (("none", None), ("json", StructuredOutputsParams(json=SCHEMA))):
+    structured = llm.engine.core.scheduler.structured
+    runs = [("none", None, None)] + [
+        (f"json threads={t} families={f}", int(t), int(f))
+        for t, f in (pair.split("x") for pair in args.masks.split(","))
+    ]
+    for label, threads, families in runs:
+        constraint = None
+        if threads is not None:
+            constraint = StructuredOutputsParams(json=SCHEMA)
+            # A fresh compilation cache and llguidance executor for this many threads and families.
+            structured.__init__(structured.load_tokenizer, structured.vocab_size, threads, families)
         # Fresh random prompts for each run and its warm-up: nothing comes from the prefix cache.
         prompts = rng.integers(100, 40000, (args.requests + args.batch, args.input_len)).tolist()
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint)
         warm = SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=constraint)
         llm.generate(prompt_token_ids=prompts[args.requests :], sampling_params=warm, use_tqdm=False)
         report["runs"][label] = run(llm, seconds, prompts[: args.requests], params)
-        print(label, json.dumps(report["runs"][label]), file=sys.stderr)
+        print(f"{label}: {json.dumps(report['runs'][label])}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

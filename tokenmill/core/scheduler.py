@@ -377,14 +377,14 @@ class Scheduler:
         picked here; a request that finished meanwhile gets a row that allows everything (its token is
         dropped)."""
         assert self.structured is not None  # a request with a grammar was refused without one
-        structured = self.structured
         requests = [self.requests.get(r) for r in out.grammar_req_ids]
         matchers = [r.grammar if r is not None else None for r in requests]
         families = [r.grammar_family if r is not None else -1 for r in requests]
+        fill_mask = self.structured.bitmask_fill(matchers, families)  # its Python half, here
 
         def fill() -> np.ndarray:
             start = time.perf_counter()
-            mask = structured.fill_bitmask(matchers, families)
+            mask = fill_mask()
             self.grammar_mask_seconds += time.perf_counter() - start
             self.grammar_mask_steps += 1
             return mask

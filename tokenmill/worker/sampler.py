@@ -89,7 +89,8 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> No
             if banned:
                 # index_fill_ on the row: indexing with (int, tensor) turns the int into a tensor through a
                 # pageable copy, which waits for the device.
-                logits[row].index_fill_(0, on_device(sorted(banned), torch.int64, logits.device), float("-inf"))
+                banned_ids = on_device(sorted(banned), torch.int64, logits.device)
+                logits[row].index_fill_(0, banned_ids, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
