@@ -6,7 +6,7 @@ beside the loop on a helper thread; its own time is reported apart. What the pha
 loop's remaining Python ("other").
 
     python benchmarks/gpu/profile_host_loop.py --tokenizer DIR [--shape qwen3-0.6b] [--batch 64]
-        [--requests 256] [--input-len 256] [--output-len 128] [--masks 12x64,16x64]
+        [--requests 256] [--input-len 256] [--output-len 128] [--runs none,12x64,none,12x64]
         [--config-overrides JSON] [--out FILE]
 """
 
@@ -114,8 +114,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--config-overrides", default="{}", help="JSON over the config (CPU smoke)")
     parser.add_argument(
-        "--masks", default=f"{MASK_THREADS}x{MAX_FAMILIES}",
-        help="comma-separated THREADSxFAMILIES, a constrained run each",
+        "--runs", default=f"none,{MASK_THREADS}x{MAX_FAMILIES},none,{MASK_THREADS}x{MAX_FAMILIES}",
+        help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema)",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -128,10 +128,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     report = {"shape": args.shape, "batch": args.batch, "requests": args.requests, "runs": {}}
     structured = llm.engine.core.scheduler.structured
-    runs = [("none", None, None)] + [
-        (f"json threads={t} families={f}", int(t), int(f))
-        for t, f in (pair.split("x") for pair in args.masks.split(","))
-    ]
+    runs = []
+    for run_spec in args.runs.split(","):
+        threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
+        label = "none" if threads is None else f"json threads={threads} families={families}"
+        label += f" #{sum(r[0].startswith(label) for r in runs) + 1}"
+        runs.append((label, threads and int(threads), families and int(families)))
     for label, threads, families in runs:
         constraint = None
         if threads is not None:

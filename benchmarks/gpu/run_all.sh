@@ -55,7 +55,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # The step loop's host time by phase, unconstrained and under the schema (issue 13), and the masks'
     # fill alone over threads and families.
     host-loop) timeout 200 $py benchmarks/gpu/profile_host_loop.py --tokenizer .gpu_assets/tokenizer \
-                 --masks 12x12,12x64,16x64,8x64,12x32 --out "$out/host_loop.json" 2>&1 | grep -E "^(none|json)"
+                 --runs none,12x12,12x64,16x64,8x64,none,12x64 --out "$out/host_loop.json" 2>&1 | grep -E "^(none|json)"
                model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
 print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
                cp .gpu_assets/tokenizer/* "$model/"
