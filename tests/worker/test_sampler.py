@@ -10,14 +10,13 @@ import torch
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
-from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.sampler import Sampler, build_sampling_batch
 
 VOCAB = 11
 
 
 class _Runner:
-    """Just enough of a ModelRunner to build sampling batches on the CPU."""
+    """Just enough of a ModelRunner (its input batch and seeded generators) to build sampling batches."""
 
     device = torch.device("cpu")
 
@@ -26,8 +25,9 @@ class _Runner:
         self.input_batch = InputBatch(max_num_reqs=8, max_blocks_per_seq=1, block_size=16)
         self._last_row_of: dict = {}
 
-    _sampling_batch = ModelRunner._sampling_batch
-    _staged = ModelRunner._staged
+    def _sampling_batch(self, inputs, vocab_size: int):
+        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
+        return build_sampling_batch(requests, inputs.samples, self.generators, self.device, vocab_size)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, prompts=None, runner=None):

@@ -5,8 +5,12 @@ process. Every record encodes with msgspec."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.request import Request
 
 
 @dataclass
@@ -48,7 +52,7 @@ class SchedulerOutput:
     # step's tokens are known (off, it skips the work).
     propose_drafts: bool = False
     # Structured outputs: the requests of this step that sample under a grammar. Their masks follow
-    # the launch (Scheduler.grammar_bitmask: int32 words of a bit per vocabulary entry, a row per
+    # the launch (Scheduler.grammar_fill: int32 words of a bit per vocabulary entry, a row per
     # request): the worker samples them once they come.
     grammar_req_ids: list[str] = field(default_factory=list)
     # The CPU tier of the prefix cache (core/offload.py), before the forward pass and in this order:
@@ -65,3 +69,34 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+
+def new_request_data(request: Request) -> NewRequestData:
+    return NewRequestData(
+        req_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=list(request.output_token_ids),
+        sampling_params=request.sampling_params,
+        eos_token_ids=sorted(request.eos_token_ids),
+        block_ids=list(request.block_ids),
+        num_computed_tokens=request.num_computed_tokens,
+    )
+
+
+def cached_request_data(
+    requests: dict[str, Request],
+    num_scheduled: dict[str, int],
+    new_block_ids: dict[str, list[int]],
+    resumed: set[str],
+    new_ids: set[str],
+) -> CachedRequestData:
+    """The step's news for the requests the worker holds (those in new_ids go whole, as NewRequestData)."""
+    data = CachedRequestData()
+    for request_id in num_scheduled:
+        if request_id in new_ids:
+            continue
+        data.req_ids.append(request_id)
+        data.resumed_from_preemption.append(request_id in resumed)
+        data.new_block_ids.append(list(new_block_ids[request_id]))
+        data.num_computed_tokens.append(requests[request_id].num_computed_tokens)
+    return data

@@ -2,30 +2,28 @@
 running requests. No prefill or decode phases: a prompt chunk, a prefix hit and a decode step are all
 "compute the next k tokens of this request". Out of KV blocks, it preempts the newest request, which
 later recomputes. A step's plan goes to the worker as plain records (sched_output.py); the next step
-can be planned before this one returns, with placeholders for the tokens it will sample."""
+can be planned before this one returns, with placeholders for the tokens it will sample. Taking in a
+step's results is the other half (step_intake.py, a mixin of Scheduler)."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
-import time
-from collections.abc import Callable
-
-import numpy as np
 
 from tokenmill.core.kv_cache import KVCacheManager, PrefixHit, cdiv
 from tokenmill.core.kv_transfer import KVTransfers
-from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.core.sched_output import SchedulerOutput, cached_request_data, new_request_data
 from tokenmill.core.spec_scheduling import SpecScheduling
+from tokenmill.core.step_intake import StepIntake
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.policy import BatchLimit
 from tokenmill.structured_outputs import StructuredOutputs
 
 
-class Scheduler:
+class Scheduler(StepIntake):
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
@@ -305,9 +303,9 @@ class Scheduler:
             # An empty step is never executed: its news for the worker waits for the next real one.
             return SchedulerOutput()
         out = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in new_requests],
-            scheduled_cached_reqs=self._cached_request_data(
-                num_scheduled, new_block_ids, resumed, {r.request_id for r in new_requests}
+            scheduled_new_reqs=[new_request_data(r) for r in new_requests],
+            scheduled_cached_reqs=cached_request_data(
+                self.requests, num_scheduled, new_block_ids, resumed, {r.request_id for r in new_requests}
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
@@ -370,27 +368,6 @@ class Scheduler:
         ]
         return {"grammar_req_ids": sampling} if sampling else {}
 
-    def grammar_fill(self, out: SchedulerOutput) -> Callable[[], np.ndarray]:
-        """A call that fills the allowed-token rows of a scheduled step's constrained requests
-        (grammar_req_ids) from their matchers as they stand, for the engine core to run on its helper
-        thread after launching the step and taking in the tokens of the step before it. The matchers are
-        picked here; a request that finished meanwhile gets a row that allows everything (its token is
-        dropped)."""
-        assert self.structured is not None  # a request with a grammar was refused without one
-        requests = [self.requests.get(r) for r in out.grammar_req_ids]
-        matchers = [r.grammar if r is not None else None for r in requests]
-        families = [r.grammar_family if r is not None else -1 for r in requests]
-        fill_mask = self.structured.bitmask_fill(matchers, families)  # its Python half, here
-
-        def fill() -> np.ndarray:
-            start = time.perf_counter()
-            mask = fill_mask()
-            self.grammar_mask_seconds += time.perf_counter() - start
-            self.grammar_mask_steps += 1
-            return mask
-
-        return fill
-
     def _chunk(self, start: int, num_wanted: int, budget: int, fresh: bool = False) -> tuple[int, int]:
         """(tokens, cost) of the longest run of at most num_wanted tokens from position `start` whose cost
         fits the budget. A token costs 1, plus context_cost per earlier token it attends to when it is
@@ -427,137 +404,3 @@ class Scheduler:
             max_tokens is not None
             and request.num_output_tokens + request.num_output_placeholders >= max_tokens
         )
-
-    @staticmethod
-    def _new_request_data(request: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params,
-            eos_token_ids=sorted(request.eos_token_ids),
-            block_ids=list(request.block_ids),
-            num_computed_tokens=request.num_computed_tokens,
-        )
-
-    def _cached_request_data(
-        self,
-        num_scheduled: dict[str, int],
-        new_block_ids: dict[str, list[int]],
-        resumed: set[str],
-        new_ids: set[str],
-    ) -> CachedRequestData:
-        data = CachedRequestData()
-        for request_id in num_scheduled:
-            if request_id in new_ids:
-                continue  # sent whole as a NewRequestData
-            request = self.requests[request_id]
-            data.req_ids.append(request_id)
-            data.resumed_from_preemption.append(request_id in resumed)
-            data.new_block_ids.append(list(new_block_ids[request_id]))
-            data.num_computed_tokens.append(request.num_computed_tokens)
-        return data
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        outputs = []
-        prompt_logprobs = runner_output.prompt_logprobs
-        self.spec.begin_update()
-        for row, request_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(request_id)
-            if request is None:  # finished or aborted while the step ran
-                continue
-            if prompt_logprobs and request_id in prompt_logprobs:
-                self._add_prompt_logprobs(request, *prompt_logprobs[request_id])
-            new_token_ids = runner_output.sampled_token_ids[row]
-            running = request.status == RequestStatus.RUNNING
-            if not new_token_ids:  # a prompt chunk: nothing sampled that counts
-                if running:
-                    self.kv.cache_full_blocks(request)
-                continue
-            # A preempted request keeps the token: it was sampled from a complete context.
-            request.num_output_placeholders -= 1
-            pooled = runner_output.pooled[row] if runner_output.pooled else None
-            if pooled is not None:  # a pooling request is done with its prompt; its token was a placeholder
-                if running:
-                    self.kv.cache_full_blocks(request)
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id, [], finish_reason="stop", num_cached_tokens=request.num_cached_tokens,
-                        pooled=pooled,
-                    )
-                )  # fmt: skip
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                continue
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
-            if drafts:
-                self.spec.accepted(request, len(drafts), len(new_token_ids) - 1)
-                if running:  # the KV of the rejected drafts' positions is overwritten from here on
-                    request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
-            status = None
-            appended = 0
-            for token_id in new_token_ids:  # a stop among accepted drafts ends the request there
-                request.append_output_token(token_id)
-                appended += 1
-                status = self._check_stop(request)
-                if request.grammar is not None and status is None:
-                    # The mask let only this token through; a grammar that is complete ends the request.
-                    request.grammar.consume_token(token_id)
-                    if request.grammar.is_stopped():
-                        status = RequestStatus.FINISHED_STOPPED
-                if status is not None:
-                    break
-            if running:
-                self.kv.cache_full_blocks(request)
-            logprobs = runner_output.logprobs[row] if runner_output.logprobs else None
-            reported = new_token_ids[:appended]
-            if request.unreported_token_ids:  # a prefill peer's first token, not yet sent
-                reported = request.unreported_token_ids + reported
-                request.unreported_token_ids = []
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=reported,
-                    new_logprobs=logprobs[:appended] if logprobs is not None else None,
-                    finish_reason=status.finish_reason if status is not None else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    prompt_logprobs=(
-                        request.prompt_logprobs
-                        if request.num_output_tokens == 1
-                        and request.sampling_params.prompt_logprobs is not None
-                        else None
-                    ),
-                )
-            )
-            if status is not None:
-                self._finish(request, status)
-            elif running and runner_output.spec_token_ids:
-                request.spec_token_ids = runner_output.spec_token_ids[row]
-        self.spec.end_update()
-        return outputs
-
-    @staticmethod
-    def _add_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:
-        # A recomputed (preempted) prompt scores positions again: keep only the ones not yet seen.
-        skip = len(request.prompt_logprobs) + 1 - first_position
-        if 0 <= skip < len(entries):
-            request.prompt_logprobs.extend(entries[skip:])
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        # A stop token that is also the last token allowed is a stop, not a length cut (OpenAI, vLLM).
-        if request.num_output_tokens >= params.min_tokens:
-            last = request.output_token_ids[-1]
-            if not params.ignore_eos and last in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
-                request.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        max_tokens = params.max_tokens
-        if request.num_tokens >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_DTYPE = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32")}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -22,6 +24,27 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     which would stall the host that async scheduling keeps ahead)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
+
+
+def staged(arrays: list[np.ndarray], dtype: np.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The arrays on the device in one copy: packed into pinned host memory (the caching host
+    allocator does not reuse it before the copy is done), so the copy never blocks the host.
+
+    Each array starts on a 16-byte boundary: Triton specialises kernels on pointer alignment, so
+    views at batch-dependent offsets would compile new kernel variants in the middle of serving."""
+    align = 16 // np.dtype(dtype).itemsize
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.size // align) * align
+    cuda = device.type == "cuda"
+    host = torch.empty(total, dtype=_TORCH_DTYPE[np.dtype(dtype)], pin_memory=cuda)
+    packed = host.numpy()  # filled in place: no extra copy into pinned memory
+    for a, offset in zip(arrays, offsets):
+        packed[offset : offset + a.size] = a.ravel()
+    if cuda:
+        host = host.to(device, non_blocking=True)
+    return [host[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
 
 
 def cpu_has_native_bf16() -> bool:

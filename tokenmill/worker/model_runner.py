@@ -18,21 +18,18 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.structured_outputs import apply_bitmask
 from tokenmill.worker.cuda_graphs import DecodeGraphs
-from tokenmill.worker.device import on_device, resolve_device, resolve_dtype
+from tokenmill.worker.device import resolve_device, resolve_dtype, staged
 from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import LogprobTensors, Sampler, SamplingBatch, score_tokens
+from tokenmill.worker.sampler import Sampler, SamplingBatch, build_sampling_batch, score_prompt_tokens
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
 from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
-
-_PROMPT_LOGPROB_ROWS = 512
-_TORCH_DTYPE = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32")}
 
 
 # Default token budget of a step. On a CPU a step costs its tokens at full price (no idle device to
@@ -179,24 +176,7 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     def _staged(self, arrays: list[np.ndarray], dtype: np.dtype) -> list[torch.Tensor]:
-        """The arrays on the device in one copy: packed into pinned host memory (the caching host
-        allocator does not reuse it before the copy is done), so the copy never blocks the host.
-
-        Each array starts on a 16-byte boundary: Triton specialises kernels on pointer alignment, so
-        views at batch-dependent offsets would compile new kernel variants in the middle of serving."""
-        align = 16 // np.dtype(dtype).itemsize
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.size // align) * align
-        cuda = self.device.type == "cuda"
-        host = torch.empty(total, dtype=_TORCH_DTYPE[np.dtype(dtype)], pin_memory=cuda)
-        packed = host.numpy()  # filled in place: no extra copy into pinned memory
-        for a, offset in zip(arrays, offsets):
-            packed[offset : offset + a.size] = a.ravel()
-        if cuda:
-            host = host.to(self.device, non_blocking=True)
-        return [host[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
+        return staged(arrays, dtype, self.device)
 
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, the previous step's tokens gathered in (prepare, then launch's
@@ -237,53 +217,6 @@ class ModelRunner:
             # Tokens the previous step sampled feed this step straight from the device.
             pending_dst, pending_src = pending
             input_ids.index_copy_(0, pending_dst, self._last_sampled.index_select(0, pending_src))
-
-    def _sampling_batch(self, inputs: StepInputs, vocab_size: int) -> SamplingBatch:
-        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
-        params = [r.sampling_params for r in requests]
-        generators = {}
-        for row, request in enumerate(requests):
-            # A seeded request draws only for tokens it keeps, so chunking and batching never shift it.
-            seed = request.sampling_params.seed
-            if inputs.samples[row] and seed is not None and not request.sampling_params.greedy:
-                generator = self.generators.get(request.req_id)
-                if generator is None:
-                    generator = torch.Generator(device=self.device).manual_seed(seed)
-                    self.generators[request.req_id] = generator
-                generators[row] = generator
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(p.greedy for p in params)
-        needs_top_k_p = any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params)
-        needs_min_p = any(p.min_p > 0 for p in params)
-        knobs = None
-        if not all_greedy:
-            # One host-to-device copy for all four per-row knobs (top-k fits fp32 exactly: vocab < 2**24).
-            rows = [[0.0 if p.greedy else p.temperature for p in params], top_k,
-                    [p.top_p for p in params], [p.min_p for p in params]]  # fmt: skip
-            (knobs,) = self._staged([np.asarray(rows, dtype=np.float32)], np.float32)
-        needs_penalties = any(p.uses_penalties for p in params)
-        pairs = list(zip(requests, params))
-        needs_logit_edits = any(p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in pairs)
-        # What penalties and min_tokens count, as it stands now: a grammar step samples later.
-        output_lens = {r.req_id: len(r.output_token_ids) for r, p in pairs if p.uses_penalties}
-        output_counts = {r.req_id: r.num_output_tokens for r, p in pairs if p.min_tokens}
-        return SamplingBatch(
-            requests=requests,
-            temperature=knobs[0] if knobs is not None else None,
-            top_k=knobs[1].long() if knobs is not None else None,
-            top_p=knobs[2] if knobs is not None else None,
-            min_p=knobs[3] if knobs is not None else None,
-            all_greedy=all_greedy,
-            needs_logit_edits=needs_logit_edits,
-            needs_top_k_p=needs_top_k_p,
-            needs_min_p=needs_min_p,
-            needs_penalties=needs_penalties,
-            output_lens=output_lens,
-            generators=generators,
-            max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
-            output_counts=output_counts,
-        )
 
     def _pending_views(self, inputs: StepInputs, batch: SamplingBatch) -> None:
         """The penalties' view of each row's token still on the device (the previous step's sample)."""
@@ -326,17 +259,20 @@ class ModelRunner:
             and states[request_id].num_computed_tokens + 1 < states[request_id].num_prompt_tokens
         ]
         inputs = self.input_batch.prepare(scheduler_output)
-        batch = self._sampling_batch(inputs, self.hf_config.vocab_size)
+        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
+        batch = build_sampling_batch(
+            requests, inputs.samples, self.generators, self.device, self.hf_config.vocab_size
+        )
         return Prepared(scheduler_output, inputs, scoring, batch, self._stage(inputs))
 
     @torch.inference_mode()
     def launch(self, prepared: Prepared) -> PendingRunnerOutput | AwaitingGrammar:
         """The device's half: the previous step's tokens gathered in, the forward pass, its logits; then
         sampling, or an AwaitingGrammar for the masks."""
-        scheduler_output, inputs, scoring, sampling_batch, staged = prepared
+        scheduler_output, inputs, scoring, sampling_batch, staged_inputs = prepared
         if inputs is None:
             return self._execute_pooling(scheduler_output)
-        input_ids, positions, md, pending = staged
+        input_ids, positions, md, pending = staged_inputs
         self._gather_pending(input_ids, pending)
         self._pending_views(inputs, sampling_batch)
         # The next step's inputs read this step's tokens by these rows (set now, so that its prepare
@@ -367,7 +303,7 @@ class ModelRunner:
                     hidden = self.model(input_ids, positions, md)
                 logits = self.model.compute_logits(hidden[logit_rows])
                 if scoring:
-                    prompt_logprobs = self._prompt_logprobs(hidden, inputs.query_start_loc, scoring)
+                    prompt_logprobs = score_prompt_tokens(self.model, hidden, inputs.query_start_loc, scoring)
         step = Launched(scheduler_output, inputs, sampling_batch, logits, rows, prompt_logprobs)
         launched = AwaitingGrammar(self, step) if scheduler_output.grammar_req_ids else self._sample(step)
         if self.drafter is not None:
@@ -432,29 +368,6 @@ class ModelRunner:
         self._last_sampled = sampled
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         return PendingRunnerOutput(self, inputs, sampled, None, [], None, pooled)
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
-    ) -> dict[str, tuple[int, list]]:
-        """Score the prompt tokens this step's chunks predict: the row at position p scores token p + 1.
-        Scores stay on the device (as LogprobTensors per slice) until the step's result is read."""
-        result = {}
-        for row, request, start, num_new in scoring:
-            num_scored = min(start + num_new, request.num_prompt_tokens - 1) - start
-            first_row = int(query_start_loc[row])
-            k = request.sampling_params.prompt_logprobs
-            parts = []
-            # Slices bound the [rows, vocab] fp32 buffer on long prompts.
-            for offset in range(0, num_scored, _PROMPT_LOGPROB_ROWS):
-                count = min(_PROMPT_LOGPROB_ROWS, num_scored - offset)
-                rows = hidden[first_row + offset : first_row + offset + count]
-                logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
-                targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
-                target_ids = on_device(targets, torch.int64, self.device)
-                parts.append(score_tokens(logprobs, target_ids, k))
-            scored = LogprobTensors(*(torch.cat(column) for column in zip(*parts)))
-            result[request.req_id] = (start + 1, scored.to_host(non_blocking=self.device.type == "cuda"))
-        return result
 
     @torch.inference_mode()
     def profile_free_memory(self, num_tokens: int) -> int:

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tokenmill.core.outputs import TokenLogprobs
-from tokenmill.worker.device import on_device
+from tokenmill.worker.device import on_device, staged
 from tokenmill.worker.input_batch import CachedRequestState
 
 
@@ -43,6 +44,62 @@ class SamplingBatch:
     # Speculative verification, per logit row: the drafts before this row's position, which count as
     # output tokens there if they stand (penalties and min_tokens see them). None outside verification.
     draft_prefixes: list[list[int]] | None = None
+
+
+def build_sampling_batch(
+    requests: list[CachedRequestState],
+    samples: list[bool],
+    generators_of: dict,
+    device: torch.device,
+    vocab_size: int,
+) -> SamplingBatch:
+    """A step's SamplingBatch from its rows' request states (worker/input_batch.py's), the per-row knobs
+    on the device in one copy. samples: whether each row keeps its token (a seeded request draws only
+    then); generators_of: each seeded request's generator by id, kept across steps (filled here)."""
+    params = [r.sampling_params for r in requests]
+    generators = {}
+    for row, request in enumerate(requests):
+        # A seeded request draws only for tokens it keeps, so chunking and batching never shift it.
+        seed = request.sampling_params.seed
+        if samples[row] and seed is not None and not request.sampling_params.greedy:
+            generator = generators_of.get(request.req_id)
+            if generator is None:
+                generator = torch.Generator(device=device).manual_seed(seed)
+                generators_of[request.req_id] = generator
+            generators[row] = generator
+    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+    all_greedy = all(p.greedy for p in params)
+    needs_top_k_p = any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params)
+    needs_min_p = any(p.min_p > 0 for p in params)
+    knobs = None
+    if not all_greedy:
+        # One host-to-device copy for all four per-row knobs (top-k fits fp32 exactly: vocab < 2**24).
+        rows = [[0.0 if p.greedy else p.temperature for p in params], top_k,
+                [p.top_p for p in params], [p.min_p for p in params]]  # fmt: skip
+        (knobs,) = staged([np.asarray(rows, dtype=np.float32)], np.float32, device)
+    needs_penalties = any(p.uses_penalties for p in params)
+    pairs = list(zip(requests, params))
+    needs_logit_edits = any(p.logit_bias or r.num_output_tokens < p.min_tokens for r, p in pairs)
+    # What penalties and min_tokens count, as it stands now: a grammar step samples later.
+    output_lens = {r.req_id: len(r.output_token_ids) for r, p in pairs if p.uses_penalties}
+    output_counts = {r.req_id: r.num_output_tokens for r, p in pairs if p.min_tokens}
+    return SamplingBatch(
+        requests=requests,
+        temperature=knobs[0] if knobs is not None else None,
+        top_k=knobs[1].long() if knobs is not None else None,
+        top_p=knobs[2] if knobs is not None else None,
+        min_p=knobs[3] if knobs is not None else None,
+        all_greedy=all_greedy,
+        needs_logit_edits=needs_logit_edits,
+        needs_top_k_p=needs_top_k_p,
+        needs_min_p=needs_min_p,
+        needs_penalties=needs_penalties,
+        output_lens=output_lens,
+        generators=generators,
+        max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
+        output_counts=output_counts,
+    )
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -119,6 +176,10 @@ def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
     return LogprobTensors(chosen, ranks, top_ids[:, :k], top_lp[:, :k])
+
+
+# Prompt rows scored at once: slices bound the [rows, vocab] fp32 buffer on long prompts.
+_PROMPT_LOGPROB_ROWS = 512
 
 
 class LogprobTensors(NamedTuple):
@@ -238,3 +299,26 @@ def resolve_drafts(
             count += 1
         tokens.append(row_drafts[:count] + [token[first + count]])
     return tokens
+
+
+def score_prompt_tokens(
+    model, hidden: torch.Tensor, query_start_loc: np.ndarray, scoring: list
+) -> dict[str, tuple[int, list]]:
+    """Score the prompt tokens this step's chunks predict: the row at position p scores token p + 1.
+    Scores stay on the device (as LogprobTensors per slice) until the step's result is read."""
+    result = {}
+    for row, request, start, num_new in scoring:
+        num_scored = min(start + num_new, request.num_prompt_tokens - 1) - start
+        first_row = int(query_start_loc[row])
+        k = request.sampling_params.prompt_logprobs
+        parts = []
+        for offset in range(0, num_scored, _PROMPT_LOGPROB_ROWS):
+            count = min(_PROMPT_LOGPROB_ROWS, num_scored - offset)
+            rows = hidden[first_row + offset : first_row + offset + count]
+            logprobs = model.compute_logits(rows).float().log_softmax(dim=-1)
+            targets = request.all_token_ids[start + offset + 1 : start + offset + 1 + count]
+            target_ids = on_device(targets, torch.int64, hidden.device)
+            parts.append(score_tokens(logprobs, target_ids, k))
+        scored = LogprobTensors(*(torch.cat(column) for column in zip(*parts)))
+        result[request.req_id] = (start + 1, scored.to_host(non_blocking=hidden.device.type == "cuda"))
+    return result
