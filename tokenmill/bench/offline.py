@@ -88,10 +88,13 @@ def structured_stats(llm) -> dict:
     }
 
 
-def loop_stats(llm) -> dict:
+def loop_stats(llm) -> dict | None:
     """The step loop's own waits, per step of the run (warm-up included): for the masks of the grammar
-    step before (then queueing its sampling), and for the oldest step's tokens (then reading them)."""
-    core = llm.engine.core
+    step before (then queueing its sampling), and for the oldest step's tokens (then reading them).
+    None for an engine without a core loop (a stand-in)."""
+    core = getattr(llm.engine, "core", None)
+    if core is None:
+        return None
     per_step = 1e3 / core.num_steps if core.num_steps else 0.0
     return {
         "steps": core.num_steps,
