@@ -24,26 +24,13 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grammar_masks import SCHEMA  # noqa: E402  (the structured stage's schema)
 from shapes import shape_dir  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
-
-SCHEMA = {
-    "type": "array",
-    "minItems": 8,
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 20},
-            "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "role": {"enum": ["admin", "user", "guest"]},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-        },
-        "required": ["name", "age", "role", "tags"],
-    },
-}
 
 
 def _timed(owner, name: str, phase: str, seconds: dict) -> None:
