@@ -194,9 +194,10 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
 
 
 def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> None:
-    """Copies of one compiled matcher take turns at its lexer, so requests are dealt over up to
-    max_families compilations of their constraint; the masks, grouped by family for llguidance's
-    threads, land in each request's own row; finished (None) and stopped matchers allow everything."""
+    """Copies of one compiled matcher take turns at its lexer, so requests live at once are dealt over up
+    to max_families compilations of their constraint (one used by a request at a time stays at one);
+    the masks, grouped by family for llguidance's threads, land in each request's own row; finished
+    (None) and stopped matchers allow everything."""
     import numpy as np
 
     from tokenmill.loader import resolve_model
@@ -209,11 +210,16 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
     families = [family for _, family in handed]
     assert families[:3] == families[3:6] and len(set(families)) == 3 and families[6] == families[0]
     assert len(structured.compiled(constraint).roots) == 3
+    for _ in range(5):  # one request at a time: the family is released before the next one comes
+        single, family = structured.matcher(StructuredOutputsParams(regex="[0-9]+"))
+        structured.release(family)
     single, family = structured.matcher(StructuredOutputsParams(regex="[0-9]+"))
     assert (
         family not in families
         and len(structured.compiled(StructuredOutputsParams(regex="[0-9]+")).roots) == 1
     )
+    structured.release(families[1])  # a family with the fewest live copies is dealt next
+    assert structured.matcher(constraint)[1] == families[1]
     matchers = [m for m, _ in handed]
     tokenizer = source.load_tokenizer()
     for i, m in enumerate(matchers):  # different states: a prefix of the same JSON each
@@ -237,6 +243,29 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
     with pytest.raises(ValueError, match="max_families"):
         StructuredOutputs(source.load_tokenizer, 49152, max_families=0)
     assert np.unique(grouped[[0, 3]], axis=0).shape[0] == 2  # two states, two masks
+
+
+def test_families_follow_the_requests_live_at_once(llm, monkeypatch) -> None:
+    """The engine releases a request's family when it ends: a constraint used one request at a time
+    keeps one compilation, three at once get three; and the compilations kept over every constraint
+    are bounded (least recently used constraints go first)."""
+    import tokenmill.structured_outputs as so
+
+    structured = llm.engine.core.scheduler.structured
+    constraint = {"regex": "(red|green|blue)[0-9]"}
+    params = SamplingParams(max_tokens=4, temperature=0, structured_outputs=constraint)
+    for _ in range(3):
+        chat(llm, "A colour and a digit.", params)
+    compiled = structured.compiled(StructuredOutputsParams(**constraint))
+    assert len(compiled.roots) == 1 and compiled.live == [0]
+    texts = chat(llm, "A colour and a digit.", params, n=3)
+    assert all(re.fullmatch("(red|green|blue)[0-9]", t) for t in texts)
+    assert len(compiled.roots) == 3 and compiled.live == [0, 0, 0]
+    monkeypatch.setattr(so, "_MAX_COMPILED", structured.num_compiled + 1)
+    held = [structured.matcher(StructuredOutputsParams(regex=f"[a-z]{{{k}}}"))[1] for k in (2, 3)]
+    assert structured.num_compiled <= so._MAX_COMPILED
+    for family in held:
+        structured.release(family)
 
 
 def test_offline_chat_with_tools_and_a_named_call(llm) -> None:

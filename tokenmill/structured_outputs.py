@@ -28,8 +28,9 @@ import numpy as np
 
 from tokenmill.sampling_params import StructuredOutputsParams
 
-# Compiled constraints kept, by their text.
+# Compiled constraints kept, by their text, and compiled matchers ("families") kept over all of them.
 _CACHE_SIZE = 512
+_MAX_COMPILED = 1024
 # llguidance's own default: 80% of the CPUs this process may run on, up to 32.
 MASK_THREADS = max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 MAX_FAMILIES = 64
@@ -122,13 +123,13 @@ def _key(params: StructuredOutputsParams) -> str:
 
 
 class _Families:
-    """The compiled matchers (never advanced) of one constraint: requests get copies of them in turn."""
+    """The compiled matchers (never advanced) of one constraint, and how many live requests hold a copy
+    of each."""
 
-    __slots__ = ("roots", "ids", "handed_out")
+    __slots__ = ("roots", "ids", "live")
 
     def __init__(self, root, family_id: int) -> None:
-        self.roots, self.ids = [root], [family_id]
-        self.handed_out = 0
+        self.roots, self.ids, self.live = [root], [family_id], [0]
 
 
 class StructuredOutputs:
@@ -156,6 +157,8 @@ class StructuredOutputs:
         self._ll_tokenizer = None
         self._executor = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
+        self.num_compiled = 0  # families over every constraint in the cache
+        self._family_of: dict[int, tuple[_Families, int]] = {}  # family id -> (its constraint's, index)
         self._family_ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -195,22 +198,46 @@ class StructuredOutputs:
             return families
         families = _Families(self._compile(params), next(self._family_ids))
         self._compiled[key] = families
-        if len(self._compiled) > _CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        self._family_of[families.ids[0]] = (families, 0)
+        self.num_compiled += 1
+        self._evict()
         return families
+
+    def _evict(self) -> None:
+        """Least recently used constraints out, past _CACHE_SIZE constraints or _MAX_COMPILED families
+        (never the one just used; live requests keep their own copies)."""
+        while len(self._compiled) > 1 and (
+            len(self._compiled) > _CACHE_SIZE or self.num_compiled > _MAX_COMPILED
+        ):
+            _, families = self._compiled.popitem(last=False)
+            self.num_compiled -= len(families.roots)
+            for family_id in families.ids:
+                del self._family_of[family_id]
 
     def matcher(self, params: StructuredOutputsParams) -> tuple[Any, int]:
         """A fresh matcher for one request (each sequence of n > 1 gets its own) and its family: a copy
-        of one of the constraint's compiled matchers, taken in turn, the next family compiled when the
-        turn comes to it (up to max_families: a constraint costs as many compilations as requests have
-        used it, up to that cap)."""
+        of the constraint's compiled matcher with the fewest live requests, a new one compiled when every
+        one has some (up to max_families), so a constraint costs as many compilations as requests use it
+        at once. release() the family when the request ends."""
         families = self.compiled(params)
-        turn = families.handed_out % self.max_families
-        families.handed_out += 1
-        if turn == len(families.roots):
+        turn = min(range(len(families.roots)), key=families.live.__getitem__)
+        if families.live[turn] and len(families.roots) < self.max_families:
+            turn = len(families.roots)
             families.roots.append(self._compile(params))
             families.ids.append(next(self._family_ids))
+            families.live.append(0)
+            self._family_of[families.ids[turn]] = (families, turn)
+            self.num_compiled += 1
+            self._evict()
+        families.live[turn] += 1
         return families.roots[turn].deep_copy(), families.ids[turn]
+
+    def release(self, family_id: int) -> None:
+        """A request holding a copy from this family ended (a family evicted since: nothing to do)."""
+        entry = self._family_of.get(family_id)
+        if entry is not None:
+            families, index = entry
+            families.live[index] -= 1
 
     def fill_bitmask(self, matchers: list, families: list[int] | None = None) -> np.ndarray:
         """One row of allowed tokens per matcher, [len(matchers), words] int32, filled in parallel by

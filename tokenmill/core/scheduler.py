@@ -141,6 +141,8 @@ class Scheduler(StepIntake):
         else:
             self.kv.free(request)
         del self.requests[request.request_id]
+        if request.grammar is not None and self.structured is not None:
+            self.structured.release(request.grammar_family)
         self._finished_since_last_step.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
