@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
-from tokenmill.kernels import reference  # noqa: E402
+from tokenmill.kernels import quant_reference  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
@@ -153,7 +153,7 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
          (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.01).to(torch.bfloat16))
         for _ in range(int4_copies)
     ]  # fmt: skip
-    want = reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
+    want = quant_reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
     got = w4a16_gemm(x, int4[0][0], int4[0][1], None, GROUP)
     us = timed(lambda c: w4a16_gemm(x, int4[c][0], int4[c][1], None, GROUP), int4_copies)
     result["w4a16_tiled"] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "rel_err": rel_err(got, want)}

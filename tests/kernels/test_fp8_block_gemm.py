@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels import reference  # noqa: E402
+from tokenmill.kernels import quant_reference  # noqa: E402
 from tokenmill.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -29,7 +29,7 @@ def test_matches_the_reference(m, n, k, block_n, block_k, out_dtype) -> None:
     w_scale = torch.rand(math.ceil(n / block_n), math.ceil(k / block_k), generator=gen) * 0.01
     args = [t.to(DEVICE) for t in (a, a_scale, w, w_scale)]
     got = fp8_block_gemm(*args, block_n, block_k, out_dtype)
-    want = reference.fp8_block_gemm(*[t.cpu() for t in args], block_n, block_k, torch.float64)
+    want = quant_reference.fp8_block_gemm(*[t.cpu() for t in args], block_n, block_k, torch.float64)
     assert got.shape == (m, n) and got.dtype == out_dtype
     tol = 1e-4 if out_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels import reference  # noqa: E402
+from tokenmill.kernels import quant_reference  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -22,7 +22,7 @@ def test_matches_the_reference_bit_for_bit(rows: int, columns: int, dtype: torch
     if rows > 2:
         x[1] = 0.0  # stays zero, with the smallest scale
     q, scale = quantize_fp8_per_row(x)
-    want_q, want_scale = reference.quantize_fp8_per_row(x)
+    want_q, want_scale = quant_reference.quantize_fp8_per_row(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
     torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -31,5 +31,5 @@ def test_matches_the_reference_bit_for_bit(rows: int, columns: int, dtype: torch
 def test_strided_rows_and_no_rows() -> None:
     x = torch.randn(4, 64, device=DEVICE)[:, :48]
     q, scale = quantize_fp8_per_row(x)
-    assert torch.equal(q.view(torch.uint8), reference.quantize_fp8_per_row(x)[0].view(torch.uint8))
+    assert torch.equal(q.view(torch.uint8), quant_reference.quantize_fp8_per_row(x)[0].view(torch.uint8))
     assert quantize_fp8_per_row(x[:0])[0].shape == (0, 48)

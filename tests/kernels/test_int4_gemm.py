@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from tokenmill.kernels.int4_gemm import w4a16_gemm  # noqa: E402
-from tokenmill.kernels.reference import dequantize_int4, pack_int4  # noqa: E402
+from tokenmill.kernels.quant_reference import dequantize_int4, pack_int4  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

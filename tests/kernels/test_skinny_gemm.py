@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels.reference import FP8_DTYPE, dequantize_int4, w8a16_gemm  # noqa: E402
+from tokenmill.kernels.quant_reference import dequantize_int4, w8a16_gemm  # noqa: E402
+from tokenmill.kernels.reference import FP8_DTYPE  # noqa: E402
 from tokenmill.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, w4a16_skinny, w8a16_skinny  # noqa: E402
 
 from .test_int4_gemm import make_weight  # noqa: E402

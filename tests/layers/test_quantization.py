@@ -199,7 +199,7 @@ def test_fp8_kv_cache_doubles_the_tokens_and_agrees_with_the_planner(tmp_path) -
 
 def test_online_int4_quantizes_every_linear_to_groups_of_128(hf_model_dirs) -> None:
     from tokenmill import SamplingParams
-    from tokenmill.kernels.reference import dequantize_int4
+    from tokenmill.kernels.quant_reference import dequantize_int4
     from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
 
     path, _ = hf_model_dirs["qwen3"]

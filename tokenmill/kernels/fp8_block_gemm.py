@@ -2,7 +2,8 @@
 x in e4m3 with one scale per token and per block of K columns, W in e4m3 with one scale per block of
 (block_n rows x block_k columns). Each program walks K one scale block at a time (BLOCK_K = block_k),
 multiplies the e4m3 tiles on FP8 tensor cores (fp32 accumulation), and applies the two scales to the
-partial sum. Its reference is kernels/reference.py's fp8_block_gemm, of the same signature."""
+partial sum. Its reference is kernels/quant_reference.py's fp8_block_gemm, of the same
+signature."""
 
 from __future__ import annotations
 

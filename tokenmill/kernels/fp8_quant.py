@@ -1,8 +1,8 @@
 """Triton per-row FP8 quantization: one program per row (token) finds the row's largest magnitude, then
 writes the row in e4m3 scaled so that magnitude lands on 448, and the fp32 scale. One launch instead of
 the five elementwise and reduction kernels the torch expression takes, for every FP8 linear's input,
-which at decode batch sizes is all launch overhead. Its reference is kernels/reference.py's
-quantize_fp8_per_row, of the same signature."""
+which at decode batch sizes is all launch overhead. Its reference is
+kernels/quant_reference.py's quantize_fp8_per_row, of the same signature."""
 
 from __future__ import annotations
 

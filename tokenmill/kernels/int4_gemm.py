@@ -1,8 +1,8 @@
 """Triton W4A16 GEMM: y = x W^T with W stored as 4-bit integers in groups, in the layout of
 compressed-tensors' pack-quantized format (layers/quantization/int4.py): `weight_packed` int32
 [N, ceil(K/8)], eight values per word along K, each stored as q + 8; `weight_scale` [N, ceil(K/group)];
-optional zero points, unpacked int8 [N, ceil(K/group)]. Its reference is kernels/reference.py's
-w4a16_gemm, of the same signature.
+optional zero points, unpacked int8 [N, ceil(K/group)]. Its reference is
+kernels/quant_reference.py's w4a16_gemm, of the same signature.
 
 The weight is dequantized in registers, tile by tile, and never written out: decode reads a quarter of
 the bf16 bytes. Small batches (decode) split K across programs so that a matrix with few output tiles

@@ -16,8 +16,8 @@ Measured on an H200 (benchmarks/gpu/bench_quant_gemm.py): the 4-bit kernel is bo
 float instructions, not by memory, so every one out of the inner loop counts. SPLIT_K > 1 sums partial
 products in an fp32 buffer with atomic adds, for matrices with too few rows to fill the GPU.
 
-The references are kernels/reference.py's w4a16_gemm and w8a16_gemm (the launch hint aside, the same
-signatures).
+The references are kernels/quant_reference.py's w4a16_gemm and w8a16_gemm (the launch hint aside,
+the same signatures).
 """
 
 from __future__ import annotations

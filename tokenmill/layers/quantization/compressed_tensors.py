@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import skinny_kernel
-from tokenmill.kernels.reference import w8a16_gemm
+from tokenmill.kernels.quant_reference import w8a16_gemm
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.kernels import reference, triton_kernel
+from tokenmill.kernels import quant_reference, triton_kernel
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -80,7 +80,7 @@ def fp8_block_linear(
     x2 = x.reshape(-1, shape[-1])
     n = weight.shape[0]
     x_q, x_scale = quantize_per_token_group(x2, block_k)
-    gemm = reference.fp8_block_gemm
+    gemm = quant_reference.fp8_block_gemm
     if x.is_cuda and block_k >= 16 and not block_k & (block_k - 1):
         gemm = triton_kernel("fp8_block_gemm", "fp8_block_gemm") or gemm
     y = gemm(x_q, x_scale, weight, scale_inv, block_n, block_k, x.dtype)

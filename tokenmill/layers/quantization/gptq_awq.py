@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.kernels.reference import PACK, pack_int4, unpack_int4
+from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 from tokenmill.layers.quantization.int4 import int4_matmul
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import skinny_kernel, triton_kernel
-from tokenmill.kernels.reference import PACK, pack_int4, unpack_int4, w4a16_gemm
+from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
 

@@ -1,0 +1,104 @@
+"""Plain-torch references for the quantized GEMMs and their packing: 4-bit weights (GPTQ/AWQ/INT4), FP8
+weights, FP8 activations and block-scaled FP8 (kernels/reference.py's rules: the CPU path, and the
+ground truth of the Triton kernels, each of the same signature as its kernel)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX
+
+# ---- 4-bit weights (layers/quantization/int4.py's layout) ------------------------------------------
+
+PACK = 8  # 4-bit values per int32
+_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+
+
+def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """int32 [R, ceil(C/8)] -> int8 [R, C] in [-8, 7]."""
+    shifts = _SHIFTS.to(packed.device)
+    values = (packed[..., None] >> shifts) & 0xF
+    return (values.reshape(packed.shape[0], -1)[:, :columns] - 8).to(torch.int8)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int8 [R, C] in [-8, 7] -> int32 [R, ceil(C/8)] (the inverse of unpack_int4)."""
+    rows, columns = values.shape
+    padded = torch.nn.functional.pad(values.to(torch.int64) + 8, (0, -columns % PACK))
+    words = (padded.reshape(rows, -1, PACK) << _SHIFTS.to(values.device).long()).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def dequantize_int4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The [N, K] weight in `dtype`; zero (int8 [N, groups], unpacked) None when symmetric."""
+    q = unpack_int4(packed, in_features).to(torch.float32)
+    groups = torch.arange(in_features, device=packed.device) // group_size
+    if zero is not None:
+        q = q - zero.to(torch.float32)[:, groups]
+    return (q * scale.to(torch.float32)[:, groups]).to(dtype)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with W dequantized whole into x's dtype; split_k is the Triton
+    kernel's hint, unused here."""
+    weight = dequantize_int4(w_packed, scale, zero, group_size, x.shape[-1], x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def w8a16_gemm(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: object = None,
+) -> torch.Tensor:
+    """x [..., K] @ (w_q * w_scale)^T (+ bias) with the FP8 weight w_q [N, K] dequantized (one fp32 scale
+    per row) into x's dtype: kernels/skinny_gemm.py's w8a16_skinny; config is its launch hint, unused."""
+    weight = (w_q.to(torch.float32) * w_scale.reshape(-1, 1).float()).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+# ---- FP8 activations ---------------------------------------------------------------------------------
+
+
+def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_block_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a_q e4m3 [M, K] with a_scale fp32 [M, ceil(K/block_k)]; w_q e4m3 [N, K] with w_scale fp32
+    [ceil(N/block_n), ceil(K/block_k)]: both dequantized, multiplied in fp32 on a CPU and in out_dtype
+    on a GPU. Returns [M, N] in out_dtype."""
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    dtype = out_dtype if a_q.is_cuda else torch.float32
+    a = a_q.to(dtype) * a_scale.to(dtype).repeat_interleave(block_k, dim=1)[:, :k]
+    scale = w_scale.to(dtype).repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+    return F.linear(a, w_q.to(dtype) * scale).to(out_dtype)
