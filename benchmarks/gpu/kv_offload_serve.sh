@@ -7,6 +7,8 @@
 # client's TTFT goes: the engine's share against the HTTP path's).
 # Usage: benchmarks/gpu/kv_offload_serve.sh OUTDIR   env: RATE=8 PORT=8360 OFFLOAD_GIB=32
 #   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run).
+#   PROFILE=1: py-spy samples the server (API process and engine core) for 30 s of each run, raw stacks
+#   in OUTDIR/pyspy_<label>.txt (needs py-spy, e.g. its wheel among the carried ones).
 # Needs the server's wheels installed and .gpu_assets/tokenizer, as serve_vs_offline.sh does.
 set -u
 out=${1:?usage: kv_offload_serve.sh OUTDIR}
@@ -28,6 +30,12 @@ for label in recompute offload; do
     >"$out/server_kv_$label.log" 2>&1 &
   server=$!
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  if [ "${PROFILE:-0}" = 1 ]; then
+    # py-spy from PATH, or from the first PYTHONPATH entry's bin (a wheel installed with --target).
+    spy=$(command -v py-spy || echo "${PYTHONPATH%%:*}/bin/py-spy")
+    (sleep 10; "$spy" record -p "$server" --subprocesses --nonblocking -d 30 -r 200 -f raw \
+      -o "$out/pyspy_$label.txt" >/dev/null 2>&1) &
+  fi
   $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
     --dataset-name conversations $workload --request-rate "$rate" --ignore-eos --seed 0 \
     --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --disable-tqdm \
