@@ -268,6 +268,24 @@ def test_families_follow_the_requests_live_at_once(llm, monkeypatch) -> None:
         structured.release(family)
 
 
+def test_bench_reports_the_fill_and_the_loops_waits(llm) -> None:
+    """bench throughput's figures come from the engine's own counters: steps that needed masks and their
+    fill time, and the loop's waits per step."""
+    from tokenmill.bench.offline import loop_stats, structured_stats
+
+    core = llm.engine.core
+    fills, steps = core.scheduler.grammar_mask_steps, core.num_steps
+    params = SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "[0-9]{6}"})
+    texts = chat(llm, "Six digits.", params, n=2)
+    assert all(re.fullmatch("[0-9]{6}", t) for t in texts)
+    masked = structured_stats(llm)
+    # A digit a token (SmolLM2's tokenizer splits numbers): a masked step per token.
+    assert core.scheduler.grammar_mask_steps - fills >= 6 and masked["mask_ms_per_step"] > 0
+    loop = loop_stats(llm)
+    assert loop is not None and loop["steps"] == core.num_steps >= steps + 6
+    assert loop["ms_per_step_on_tokens"] > 0 and loop["ms_per_step_on_masks"] >= 0
+
+
 def test_offline_chat_with_tools_and_a_named_call(llm) -> None:
     """LLM.chat(tools=...) describes the tools to a template that has no place for them; a grammar from
     the tool's parameters makes the answer its arguments."""
