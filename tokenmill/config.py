@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -60,6 +61,11 @@ class EngineConfig:
     # holding its KV heads' share): full blocks evicted from the device are kept there and copied back
     # on a later prefix hit instead of being recomputed. 0: off.
     kv_offload_gib: float = 0.0
+    # Its second tier on local disk: a directory, and the GiB of it to use (per rank). Blocks the CPU tier
+    # evicts are written there (one file per rank, removed at exit) and read back into the CPU tier on a
+    # later prefix hit. None: off.
+    kv_offload_disk: str | None = None
+    kv_offload_disk_gib: float = 0.0
     # Prefill/decode disaggregation: "prefill" keeps a finished remote-decode request's blocks and serves
     # them on kv_port; "decode" fetches the KV of requests a prefill peer computed. None: neither.
     kv_role: str | None = None
@@ -127,6 +133,23 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1 and self.kv_role:
             raise ValueError("kv_role does not work with tensor_parallel_size > 1 yet; leave one out.")
+        if not isinstance(self.kv_offload_disk_gib, (int, float)) or self.kv_offload_disk_gib < 0:
+            raise ValueError(
+                f"kv_offload_disk_gib must be a number of GiB >= 0, got {self.kv_offload_disk_gib!r}."
+            )
+        if self.kv_offload_disk is not None:
+            if not self.kv_offload_gib:
+                raise ValueError(
+                    "kv_offload_disk is the CPU tier's second tier: it needs kv_offload_gib > 0."
+                )
+            if not self.kv_offload_disk_gib:
+                raise ValueError("kv_offload_disk needs kv_offload_disk_gib > 0 (the GiB of it to use).")
+            if not os.path.isdir(self.kv_offload_disk) or not os.access(self.kv_offload_disk, os.W_OK):
+                raise ValueError(
+                    f"kv_offload_disk must be a writable directory, got {self.kv_offload_disk!r}."
+                )
+        elif self.kv_offload_disk_gib:
+            raise ValueError("kv_offload_disk_gib sizes the disk tier: give kv_offload_disk a directory.")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
         if not 0 < self.gpu_memory_utilization <= 1:

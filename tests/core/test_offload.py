@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.offload import HostBlockPool
+from tokenmill.core.offload import DiskBlockPool, HostBlockPool
 from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
@@ -65,3 +65,38 @@ def test_host_blocks_in_use_by_a_step_are_not_reused_and_the_lru_evicts() -> Non
     assert host.drain()[0] == [(13, host.lookup(hash("z")))]
     with pytest.raises(ValueError, match="kv_offload_gib"):
         HostBlockPool(0)
+
+
+def test_host_blocks_the_cpu_tier_evicts_spill_to_disk_and_come_back_through_it() -> None:
+    """With the disk tier: a host block the CPU tier evicts is written to a disk slot (spilled, in the
+    record before anything overwrites it); a prefix that continues on disk is read into host blocks
+    (held from eviction meanwhile) and loaded from there like any host hit."""
+    kv = KVCacheManager(num_blocks=6, block_size=4, num_host_blocks=4, num_disk_blocks=16)
+    host = kv.host
+    assert host is not None and host.disk is not None
+    a, _ = prefill(kv, "a", list(range(17)))  # 4 full blocks
+    kv.free(a)
+    b, _ = prefill(kv, "b", list(range(100, 121)))  # evicts a's 4 blocks: saved to the 4 host blocks
+    kv.free(b)
+    assert host.drain_disk() == ([], [])
+    assert len(host.drain()[0]) == 4
+    c, _ = prefill(kv, "c", list(range(200, 221)))  # evicts b's cached blocks: the host is full, a spills
+    saves, _ = host.drain()
+    spills, reads = host.drain_disk()
+    assert len(saves) == 4 and len(spills) == 4 and reads == []  # the host holds 4: a's go to disk
+    # The same host blocks, overwritten by the saves after the spills.
+    assert {h for h, _ in spills} == {h for _, h in saves}
+    kv.free(c)
+    # a again: its blocks are on disk only. They are read into host blocks, then loaded.
+    again, host_hits = prefill(kv, "a2", list(range(17)))
+    saves, loads = host.drain()
+    spills, reads = host.drain_disk()
+    assert len(reads) == 4 and [h for _, h in reads] == host_hits == [h for h, _ in loads]
+    assert kv.disk_hits == 16 and kv.offload_hits == 16 and kv.prefix_cache_hits == 0
+    assert host.disk.num_spilled >= 4 and host.disk.num_read == 4
+    # The host blocks read into held b's blocks: those spill first (the worker runs spills before
+    # reads), into slots other than the ones being read.
+    assert {h for h, _ in spills} == set(host_hits)
+    assert not {slot for _, slot in spills} & {slot for slot, _ in reads}
+    with pytest.raises(ValueError, match="kv_offload_disk_gib"):
+        DiskBlockPool(0)

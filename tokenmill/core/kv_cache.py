@@ -37,9 +37,15 @@ class PrefixHit(NamedTuple):
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
     ) -> None:
-        """num_host_blocks: the CPU tier of the prefix cache (0: none; needs prefix caching)."""
+        """num_host_blocks: the CPU tier of the prefix cache (0: none; needs prefix caching);
+        num_disk_blocks: its second tier on disk (0: none)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         self.block_size = block_size
@@ -48,9 +54,10 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found on the device
         self.offload_hits = 0  # tokens found in the host tier (loaded, not computed)
+        self.disk_hits = 0  # of which read back from its disk tier first
         self.host: HostBlockPool | None = None
         if num_host_blocks and enable_prefix_caching:
-            self.host = HostBlockPool(num_host_blocks)
+            self.host = HostBlockPool(num_host_blocks, num_disk_blocks)
             self.pool.on_evict = self.host.save
 
     @property
@@ -94,6 +101,20 @@ class KVCacheManager:
                 if host_block is None:
                     break
                 host_block_ids.append(host_block)
+            disk = self.host.disk
+            if disk is not None:
+                # The prefix continues on disk: those blocks come back into host blocks now (read ahead
+                # of this step's loads), so the request loads them as it loads any host hit. The host
+                # hits above are held first: taking host blocks for the reads must not evict them.
+                self.host.hold(host_block_ids)
+                for block_hash in hashes[len(block_ids) + len(host_block_ids) :]:
+                    if disk.lookup(block_hash) is None:
+                        break
+                    host_block = self.host.from_disk(block_hash)
+                    if host_block is None:
+                        break
+                    host_block_ids.append(host_block)
+                    self.disk_hits += self.block_size
         num_device_tokens = len(block_ids) * self.block_size
         num_host_tokens = len(host_block_ids) * self.block_size
         self.prefix_cache_queries += request.num_tokens

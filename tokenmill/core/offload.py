@@ -4,20 +4,82 @@ hashes, in LRU order. Ints only; the copies are the worker's (worker/kv_offload.
 A full block evicted from the device's prefix cache is saved to a host block before its device block
 is overwritten (the save rides in the step that reuses the block, ahead of its forward pass). A later
 prompt whose prefix continues past the device's hits into host blocks gets device blocks for them,
-loaded in its first step ahead of the forward pass, and computes only the rest."""
+loaded in its first step ahead of the forward pass, and computes only the rest. With the disk tier
+(DiskBlockPool) a host block the CPU tier evicts is kept on disk, and read back into a host block when a
+prefix continues there."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 
-class HostBlockPool:
+class DiskBlockPool:
+    """The CPU tier's own second tier (kv_offload_disk): which disk slots hold which block hashes, in LRU
+    order. A host block the CPU tier evicts is written to a slot ("spilled") before the host block is
+    reused; a later prefix hit that continues on disk reads its slots back into host blocks first."""
+
     def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_offload_disk_gib holds {num_blocks} KV blocks; give it room for at least one block"
+            )
+        self.num_blocks = num_blocks
+        self._by_hash: OrderedDict[int, int] = OrderedDict()
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._in_use: set[int] = set()  # slots a step in planning reads or writes
+        self.num_spilled = 0
+        self.num_read = 0
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def put(self, block_hash: int) -> int | None:
+        """A slot to write block_hash to, or None: already on disk (now most recent) or no slot free."""
+        if block_hash in self._by_hash:
+            self._by_hash.move_to_end(block_hash)
+            return None
+        slot = self._free.pop() if self._free else None
+        if slot is None:
+            for old_hash, old_slot in self._by_hash.items():
+                if old_slot not in self._in_use:
+                    del self._by_hash[old_hash]
+                    slot = old_slot
+                    break
+        if slot is None:
+            return None
+        self._by_hash[block_hash] = slot
+        self._in_use.add(slot)
+        self.num_spilled += 1
+        return slot
+
+    def read(self, block_hash: int) -> int:
+        slot = self._by_hash[block_hash]
+        self._by_hash.move_to_end(block_hash)
+        self._in_use.add(slot)
+        self.num_read += 1
+        return slot
+
+    def end_step(self) -> None:
+        """The step's record is drained: its slots may be reused."""
+        self._in_use.clear()
+
+    def reset(self) -> None:
+        self._by_hash.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+
+class HostBlockPool:
+    def __init__(self, num_blocks: int, num_disk_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(
                 f"kv_offload_gib holds {num_blocks} KV blocks; give it room for at least one block"
             )
         self.num_blocks = num_blocks
+        self.disk = DiskBlockPool(num_disk_blocks) if num_disk_blocks else None
+        # With the disk tier, in the worker's order: host blocks written to disk slots before anything
+        # overwrites them, then (after the saves) disk slots read into host blocks before the loads.
+        self.spills: list[tuple[int, int]] = []  # (host block, disk slot)
+        self.disk_reads: list[tuple[int, int]] = []  # (disk slot, host block)
         # block hash -> host block, least recently used first.
         self._by_hash: OrderedDict[int, int] = OrderedDict()
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -57,16 +119,38 @@ class HostBlockPool:
     def touch(self, block_hash: int) -> None:
         self._by_hash.move_to_end(block_hash)
 
+    def from_disk(self, block_hash: int) -> int | None:
+        """A host block for a block found on disk, read there ahead of this step's loads; None when no host
+        block is free for it."""
+        assert self.disk is not None
+        host_block = self._take()
+        if host_block is None:
+            return None
+        self._by_hash[block_hash] = host_block
+        self._in_use.add(host_block)
+        self.disk_reads.append((self.disk.read(block_hash), host_block))
+        return host_block
+
     def drain(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The saves and loads planned since the last drain, for the step's record."""
+        """The saves and loads planned since the last drain, for the step's record (the disk tier's
+        spills and reads: drain_disk, first)."""
         saves, loads = self.saves, self.loads
         self.saves, self.loads = [], []
         self._in_use.clear()
         return saves, loads
 
+    def drain_disk(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        spills, reads = self.spills, self.disk_reads
+        self.spills, self.disk_reads = [], []
+        if self.disk is not None:
+            self.disk.end_step()
+        return spills, reads
+
     def reset(self) -> None:
         self._by_hash.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        if self.disk is not None:
+            self.disk.reset()
 
     def _take(self) -> int | None:
         if self._free:
@@ -74,5 +158,9 @@ class HostBlockPool:
         for block_hash, host_block in self._by_hash.items():
             if host_block not in self._in_use:
                 del self._by_hash[block_hash]
+                if self.disk is not None:
+                    slot = self.disk.put(block_hash)
+                    if slot is not None:
+                        self.spills.append((host_block, slot))
                 return host_block
         return None

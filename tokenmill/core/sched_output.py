@@ -60,6 +60,10 @@ class SchedulerOutput:
     # into device blocks (a prefix hit continued on the host).
     kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Its disk tier, around those: host blocks written to disk slots first (before anything overwrites
+    # them), and disk slots read into host blocks after the saves, before the loads.
+    kv_spills: list[tuple[int, int]] = field(default_factory=list)  # (host block, disk slot)
+    kv_disk_reads: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, host block)
     # Prefill/decode disaggregation: KV a prefill peer computed (rows of BlockRows' layout) for blocks.
     kv_recvs: list[tuple[list[int], bytes]] = field(default_factory=list)
     # Requests preempted (state kept, rows dropped) or finished (state dropped) since the last executed step.

@@ -319,6 +319,7 @@ class Scheduler(StepIntake):
         )
         if self.kv.host is not None:
             out.kv_saves, out.kv_loads = self.kv.host.drain()
+            out.kv_spills, out.kv_disk_reads = self.kv.host.drain_disk()
         out.kv_recvs = kv_recvs
         self._preempted_since_last_step, self._finished_since_last_step = [], []
         for request_id, num_new in num_scheduled.items():

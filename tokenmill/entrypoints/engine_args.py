@@ -56,6 +56,10 @@ _HELP = {
     "config, else last)",
     "kv_offload_gib": "GiB of host memory for a CPU tier of the prefix cache: blocks evicted from the device "
     "are copied there and back on a later prefix hit instead of being recomputed (default: 0, off)",
+    "kv_offload_disk": "a directory for the CPU tier's second tier on local disk: blocks the CPU tier "
+    "evicts are written there and read back on a later prefix hit (needs --kv-offload-gib and "
+    "--kv-offload-disk-gib)",
+    "kv_offload_disk_gib": "GiB of --kv-offload-disk to use, per tensor-parallel rank",
     "kv_role": "prefill/decode disaggregation: prefill (compute prompts for decode peers and serve their KV "
     "on --kv-port) or decode (take over requests a prefill peer computed; see --kv-peer)",
     "kv_port": "with --kv-role prefill: the TCP port decode peers fetch KV from",

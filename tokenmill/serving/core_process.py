@@ -266,6 +266,11 @@ def _offload_stats(kv, host_kv) -> dict:
         "offload_loaded_blocks": kv.host.num_loaded,
         "offload_bytes_saved": host_kv.bytes_saved,
         "offload_bytes_loaded": host_kv.bytes_loaded,
+        "offload_disk_hits": kv.disk_hits,
+        "offload_spilled_blocks": kv.host.disk.num_spilled if kv.host.disk is not None else 0,
+        "offload_disk_read_blocks": kv.host.disk.num_read if kv.host.disk is not None else 0,
+        "offload_bytes_spilled": host_kv.bytes_spilled,
+        "offload_bytes_disk_read": host_kv.bytes_read,
         "offload_seconds": host_kv.host_seconds,
     }
 

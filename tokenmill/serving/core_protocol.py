@@ -81,6 +81,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     offload_bytes_saved: int = 0
     offload_bytes_loaded: int = 0
     offload_seconds: float = 0.0
+    # Its disk tier, cumulative: tokens read back from it (counted in offload_hits too), blocks and bytes
+    # written to it (spilled) and read from it.
+    offload_disk_hits: int = 0
+    offload_spilled_blocks: int = 0
+    offload_disk_read_blocks: int = 0
+    offload_bytes_spilled: int = 0
+    offload_bytes_disk_read: int = 0
     # Prefill/decode disaggregation, cumulative: requests whose KV was sent (prefill) or received
     # (decode), its bytes, and the time spent on them.
     kv_transfers: int = 0

@@ -136,7 +136,7 @@ def create_engine(config: EngineConfig) -> EngineParts:
     )
     # Mean pooling sums the hidden state of every prompt token, so none may come from the prefix cache.
     prefix_caching = config.enable_prefix_caching and pooling_type != "mean"
-    num_host_blocks = 0
+    num_host_blocks = num_disk_blocks = 0
     if config.kv_offload_gib and prefix_caching:
         num_host_blocks = int(config.kv_offload_gib * 2**30) // runner.kv_bytes_per_block()
         if num_host_blocks < 1:
@@ -144,14 +144,23 @@ def create_engine(config: EngineConfig) -> EngineParts:
                 f"kv_offload_gib={config.kv_offload_gib} holds no KV block ({runner.kv_bytes_per_block()} "
                 "bytes each); give it more."
             )
+        if config.kv_offload_disk is not None:
+            num_disk_blocks = int(config.kv_offload_disk_gib * 2**30) // runner.kv_bytes_per_block()
+            if num_disk_blocks < 1:
+                raise ValueError(
+                    f"kv_offload_disk_gib={config.kv_offload_disk_gib} holds no KV block "
+                    f"({runner.kv_bytes_per_block()} bytes each); give it more."
+                )
         if executor is not None:  # every rank keeps its own KV heads' share of each block
-            executor.broadcast("allocate_host", num_host_blocks)
-        runner.allocate_host_kv_cache(num_host_blocks)
+            executor.broadcast("allocate_host", num_host_blocks, config.kv_offload_disk, num_disk_blocks)
+        runner.allocate_host_kv_cache(num_host_blocks, config.kv_offload_disk, num_disk_blocks)
         logger.info(
-            "KV offload: %d host blocks (%.2f GiB, %d tokens) behind the device's prefix cache",
+            "KV offload: %d host blocks (%.2f GiB, %d tokens) behind the device's prefix cache%s",
             num_host_blocks, config.kv_offload_gib, num_host_blocks * config.block_size,
+            f", {num_disk_blocks} disk blocks ({config.kv_offload_disk_gib:.2f} GiB in "
+            f"{config.kv_offload_disk}) behind those" if num_disk_blocks else "",
         )  # fmt: skip
-    kv = KVCacheManager(num_blocks, config.block_size, prefix_caching, num_host_blocks)
+    kv = KVCacheManager(num_blocks, config.block_size, prefix_caching, num_host_blocks, num_disk_blocks)
     # On a CPU a step's time is its arithmetic: the budget counts attention too, so chunks deep into a
     # long prompt shrink and steps stay short. A GPU step is not (decode steps are memory-bound).
     context_cost = 0.0 if runner.device.type == "cuda" else runner.context_cost()

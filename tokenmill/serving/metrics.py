@@ -95,18 +95,23 @@ class ServerMetrics:
         self.kv_offload_hits = counter(
             "kv_offload_hits", "Prompt tokens found in the prefix cache's CPU tier (loaded, not computed)."
         )
+        self.kv_offload_disk_hits = counter(
+            "kv_offload_disk_hits", "Of those, tokens read back from the CPU tier's disk tier first."
+        )
         offload_blocks = Counter(
-            "tokenmill:kv_offload_blocks", "KV blocks copied between the device and the CPU tier.",
+            "tokenmill:kv_offload_blocks",
+            "KV blocks copied between the device and the CPU tier (save, load) and between the CPU tier and "
+            "its disk tier (spill, disk_read).",
             [*names, "direction"], registry=self.registry,
         )  # fmt: skip
         offload_bytes = Counter(
-            "tokenmill:kv_offload_bytes", "Bytes copied between the device and the CPU tier.",
+            "tokenmill:kv_offload_bytes", "Bytes of those copies.",
             [*names, "direction"], registry=self.registry,
         )  # fmt: skip
         self._offload = {
             (kind, direction): family.labels(**labels, direction=direction)
             for kind, family in (("blocks", offload_blocks), ("bytes", offload_bytes))
-            for direction in ("save", "load")
+            for direction in ("save", "load", "spill", "disk_read")
         }
         self.kv_transfer_requests = counter(
             "kv_transfer_requests",
@@ -188,6 +193,13 @@ class ServerMetrics:
         self._offload["blocks", "load"].inc(stats.offload_loaded_blocks - last.offload_loaded_blocks)
         self._offload["bytes", "save"].inc(stats.offload_bytes_saved - last.offload_bytes_saved)
         self._offload["bytes", "load"].inc(stats.offload_bytes_loaded - last.offload_bytes_loaded)
+        self.kv_offload_disk_hits.inc(stats.offload_disk_hits - last.offload_disk_hits)
+        self._offload["blocks", "spill"].inc(stats.offload_spilled_blocks - last.offload_spilled_blocks)
+        self._offload["blocks", "disk_read"].inc(
+            stats.offload_disk_read_blocks - last.offload_disk_read_blocks
+        )
+        self._offload["bytes", "spill"].inc(stats.offload_bytes_spilled - last.offload_bytes_spilled)
+        self._offload["bytes", "disk_read"].inc(stats.offload_bytes_disk_read - last.offload_bytes_disk_read)
         self.kv_offload_seconds.inc(stats.offload_seconds - last.offload_seconds)
         self.kv_transfer_requests.inc(stats.kv_transfers - last.kv_transfers)
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - last.kv_transfer_bytes)

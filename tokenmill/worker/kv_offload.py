@@ -12,8 +12,11 @@ by copies on that stream, in order."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tokenmill.worker.device import on_device
@@ -71,7 +74,16 @@ class BlockRows:
 
 
 class HostKVCache:
-    def __init__(self, attention_layers: list, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        attention_layers: list,
+        num_blocks: int,
+        device: torch.device,
+        disk_dir: str | None = None,
+        num_disk_blocks: int = 0,
+    ) -> None:
+        """disk_dir, num_disk_blocks: the disk tier, one file of num_disk_blocks rows in disk_dir (an
+        unlinked temporary file: nothing is left behind at exit)."""
         self.rows = BlockRows(attention_layers, device)
         self.num_blocks = num_blocks
         self.device = device
@@ -79,13 +91,41 @@ class HostKVCache:
         self.pool = torch.empty(
             (num_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=device.type == "cuda"
         )
+        self.disk = None
+        if disk_dir is not None and num_disk_blocks:
+            # Rows written into a memory map go to the page cache at memcpy speed; the kernel writes them
+            # out in the background.
+            self._disk_file = tempfile.TemporaryFile(dir=disk_dir, prefix="tokenmill-kv-")  # noqa: SIM115 (the cache's life)
+            self.disk = np.memmap(
+                self._disk_file, dtype=np.uint8, mode="w+", shape=(num_disk_blocks, self.block_bytes)
+            )
+        # The last copies issued between the pool and the device: host-side reads and writes of pool rows
+        # (the disk tier's) wait for them.
+        self._copied: torch.cuda.Event | None = None
         self.bytes_saved = 0
         self.bytes_loaded = 0
+        self.bytes_spilled = 0
+        self.bytes_read = 0
         self.host_seconds = 0.0  # time the host spent issuing the copies
 
-    def transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
-        """Saves first: a device block saved here may be the target of one of the loads."""
+    def transfer(
+        self,
+        saves: list[tuple[int, int]],
+        loads: list[tuple[int, int]],
+        spills: Sequence[tuple[int, int]] = (),
+        disk_reads: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """Spills first (host rows to disk, before anything overwrites them), then saves (a device block
+        saved here may be the target of one of the loads), then disk reads into host rows, then loads."""
         start = time.perf_counter()
+        if spills or disk_reads:
+            if self._copied is not None:
+                self._copied.synchronize()  # recorded a step ago, at the start of its forward pass
+            assert self.disk is not None
+            pool = self.pool.numpy()
+            for host_block, slot in spills:
+                self.disk[slot] = pool[host_block]
+            self.bytes_spilled += len(spills) * self.block_bytes
         if saves:
             staging = self.rows.gather([d for d, _ in saves])
             for first, host_first, count in _runs([h for _, h in saves]):
@@ -93,6 +133,12 @@ class HostKVCache:
                     staging[first : first + count], non_blocking=True
                 )
             self.bytes_saved += len(saves) * self.block_bytes
+        if disk_reads:
+            # Into host rows no copy in flight touches: the saves above write other rows (a host block is
+            # taken once a step), and the earlier steps' copies are done (the wait above).
+            for slot, host_block in disk_reads:
+                pool[host_block] = self.disk[slot]
+            self.bytes_read += len(disk_reads) * self.block_bytes
         if loads:
             staging = torch.empty((len(loads), self.block_bytes), dtype=torch.uint8, device=self.device)
             for first, host_first, count in _runs([h for h, _ in loads]):
@@ -101,6 +147,9 @@ class HostKVCache:
                 )
             self.rows.scatter(staging, [d for _, d in loads])
             self.bytes_loaded += len(loads) * self.block_bytes
+        if self.disk is not None and (saves or loads) and self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.host_seconds += time.perf_counter() - start
 
 

@@ -170,8 +170,12 @@ class ModelRunner:
         """The KV of finished work's blocks, for a decode peer (blocks a step no longer writes)."""
         return self.block_rows().export(block_ids)
 
-    def allocate_host_kv_cache(self, num_blocks: int) -> None:
-        self.host_kv = HostKVCache(self._attention_layers(), num_blocks, self.device)
+    def allocate_host_kv_cache(
+        self, num_blocks: int, disk_dir: str | None = None, num_disk_blocks: int = 0
+    ) -> None:
+        self.host_kv = HostKVCache(
+            self._attention_layers(), num_blocks, self.device, disk_dir, num_disk_blocks
+        )
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -237,9 +241,10 @@ class ModelRunner:
         """The host's half of a step: KV copies, the batch's state, the inputs staged to the device. It
         reads nothing the previous step's sampling writes, so the engine core runs it while a grammar
         step's masks are filled, before that step samples; launch() follows that sampling."""
-        if scheduler_output.kv_saves or scheduler_output.kv_loads:
+        out = scheduler_output
+        if out.kv_saves or out.kv_loads or out.kv_spills or out.kv_disk_reads:
             assert self.host_kv is not None
-            self.host_kv.transfer(scheduler_output.kv_saves, scheduler_output.kv_loads)
+            self.host_kv.transfer(out.kv_saves, out.kv_loads, out.kv_spills, out.kv_disk_reads)
         for block_ids, data in scheduler_output.kv_recvs:
             self.block_rows().import_(block_ids, data)
         self.input_batch.update_states(scheduler_output)

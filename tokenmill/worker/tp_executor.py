@@ -79,8 +79,8 @@ class RankWorker:
     def allocate(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def allocate_host(self, num_blocks: int) -> None:
-        self.runner.allocate_host_kv_cache(num_blocks)
+    def allocate_host(self, num_blocks: int, disk_dir: str | None = None, num_disk_blocks: int = 0) -> None:
+        self.runner.allocate_host_kv_cache(num_blocks, disk_dir, num_disk_blocks)
 
     def capture(self, batched_tokens: int) -> None:
         self.runner.capture_cuda_graphs(batched_tokens)
