@@ -141,6 +141,19 @@ def test_kv_offload_counters_and_cache_config():
     assert value(metrics, "kv_offload_bytes_total", direction="save") == 600
     assert value(metrics, "kv_offload_bytes_total", direction="load") == 400
     assert value(metrics, "kv_offload_host_seconds_total") == 0.5
+    disk = {"offload_disk_hits": 48, "offload_spilled_blocks": 5, "offload_disk_read_blocks": 3}
+    metrics.record_stats(
+        SchedulerStats(
+            *base, offload_hits=64, offload_bytes_loaded=400, offload_seconds=0.5, **later, **disk,
+            offload_bytes_spilled=500, offload_bytes_disk_read=300,
+        )
+    )  # fmt: skip
+    assert value(metrics, "kv_offload_disk_hits_total") == 48
+    assert value(metrics, "kv_offload_blocks_total", direction="spill") == 5
+    assert value(metrics, "kv_offload_blocks_total", direction="disk_read") == 3
+    assert value(metrics, "kv_offload_bytes_total", direction="spill") == 500
+    assert value(metrics, "kv_offload_bytes_total", direction="disk_read") == 300
+    assert value(metrics, "kv_offload_blocks_total", direction="save") == 6  # unchanged
     metrics.record_cache_config(16, 1234, True)
     info = {"block_size": "16", "num_gpu_blocks": "1234", "enable_prefix_caching": "true"}
     assert value(metrics, "cache_config_info", **info) == 1
