@@ -155,14 +155,16 @@ def test_ranks_as_ray_actors_equal_one_process(hf_model_dirs) -> None:
 
 
 OFFLOAD_RUN = """
-import json
+import json, tempfile
 from tokenmill import LLM
 from tests.serving.test_kv_offload import run
-# The CPU tier: each rank keeps its KV heads' share of the blocks evicted from a too-small pool.
-llm = LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=40, kv_offload_gib=0.1,
-          tensor_parallel_size=3)
+# The CPU tier and its disk tier: each rank keeps its KV heads' share of the blocks evicted from a
+# too-small pool, on a host tier of about one conversation, and spills the rest to its own file.
+llm = LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=40, kv_offload_gib=0.0055,
+          kv_offload_disk=tempfile.mkdtemp(), kv_offload_disk_gib=0.05, tensor_parallel_size=3)
 texts = run(llm)
-print(json.dumps({"texts": texts, "offload_hits": llm.engine.scheduler.kv.offload_hits}))
+kv = llm.engine.scheduler.kv
+print(json.dumps({"texts": texts, "offload_hits": kv.offload_hits, "disk_hits": kv.disk_hits}))
 llm.engine.core.executor.shutdown()
 """
 
@@ -187,12 +189,12 @@ def test_the_pooling_runner_under_tensor_parallelism(hf_model_dirs) -> None:
 
 
 @pytest.mark.slow  # three ranks of the embedded model through eight chats on a small CPU
-def test_the_cpu_tier_under_tensor_parallelism() -> None:
+def test_the_cpu_and_disk_tiers_under_tensor_parallelism() -> None:
     from tests.serving.test_kv_offload import run
 
     got = run_script(OFFLOAD_RUN)
     assert got["texts"] == run(LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=200))
-    assert got["offload_hits"] > 0
+    assert got["offload_hits"] > got["disk_hits"] > 0
 
 
 DEAD_RANK_RUN = """
