@@ -194,7 +194,7 @@ def test_the_cpu_and_disk_tiers_under_tensor_parallelism() -> None:
 
     got = run_script(OFFLOAD_RUN)
     assert got["texts"] == run(LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=200))
-    assert got["offload_hits"] > got["disk_hits"] > 0
+    assert got["offload_hits"] >= got["disk_hits"] > 0  # every CPU-tier hit may have come through disk
 
 
 DEAD_RANK_RUN = """
