@@ -137,20 +137,20 @@ def create_engine(config: EngineConfig) -> EngineParts:
     # Mean pooling sums the hidden state of every prompt token, so none may come from the prefix cache.
     prefix_caching = config.enable_prefix_caching and pooling_type != "mean"
     num_host_blocks = num_disk_blocks = 0
-    if config.kv_offload_gib and prefix_caching:
-        num_host_blocks = int(config.kv_offload_gib * 2**30) // runner.kv_bytes_per_block()
-        if num_host_blocks < 1:
+
+    def blocks_in(knob: str) -> int:
+        gib = getattr(config, knob)
+        num = int(gib * 2**30) // runner.kv_bytes_per_block()
+        if num < 1:
             raise ValueError(
-                f"kv_offload_gib={config.kv_offload_gib} holds no KV block ({runner.kv_bytes_per_block()} "
-                "bytes each); give it more."
+                f"{knob}={gib} holds no KV block ({runner.kv_bytes_per_block()} bytes each); give it more."
             )
+        return num
+
+    if config.kv_offload_gib and prefix_caching:
+        num_host_blocks = blocks_in("kv_offload_gib")
         if config.kv_offload_disk is not None:
-            num_disk_blocks = int(config.kv_offload_disk_gib * 2**30) // runner.kv_bytes_per_block()
-            if num_disk_blocks < 1:
-                raise ValueError(
-                    f"kv_offload_disk_gib={config.kv_offload_disk_gib} holds no KV block "
-                    f"({runner.kv_bytes_per_block()} bytes each); give it more."
-                )
+            num_disk_blocks = blocks_in("kv_offload_disk_gib")
         if executor is not None:  # every rank keeps its own KV heads' share of each block
             executor.broadcast("allocate_host", num_host_blocks, config.kv_offload_disk, num_disk_blocks)
         runner.allocate_host_kv_cache(num_host_blocks, config.kv_offload_disk, num_disk_blocks)

@@ -37,6 +37,19 @@ FINISH_REASONS = ("stop", "length", "abort")
 disable_created_metrics()
 
 
+# The offload counters by (what, direction) and the running total in SchedulerStats each follows.
+_OFFLOAD_FIELDS = {
+    ("blocks", "save"): "offload_saved_blocks",
+    ("blocks", "load"): "offload_loaded_blocks",
+    ("blocks", "spill"): "offload_spilled_blocks",
+    ("blocks", "disk_read"): "offload_disk_read_blocks",
+    ("bytes", "save"): "offload_bytes_saved",
+    ("bytes", "load"): "offload_bytes_loaded",
+    ("bytes", "spill"): "offload_bytes_spilled",
+    ("bytes", "disk_read"): "offload_bytes_disk_read",
+}
+
+
 class BulkHistogram:
     """A Prometheus histogram that takes many equal observations in one call. The outputs of one engine
     step reach the API process together, so their inter-token gaps are a handful of distinct values;
@@ -108,10 +121,10 @@ class ServerMetrics:
             "tokenmill:kv_offload_bytes", "Bytes of those copies.",
             [*names, "direction"], registry=self.registry,
         )  # fmt: skip
+        families = {"blocks": offload_blocks, "bytes": offload_bytes}
         self._offload = {
-            (kind, direction): family.labels(**labels, direction=direction)
-            for kind, family in (("blocks", offload_blocks), ("bytes", offload_bytes))
-            for direction in ("save", "load", "spill", "disk_read")
+            (kind, direction): families[kind].labels(**labels, direction=direction)
+            for kind, direction in _OFFLOAD_FIELDS
         }
         self.kv_transfer_requests = counter(
             "kv_transfer_requests",
@@ -189,17 +202,9 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self.kv_offload_hits.inc(stats.offload_hits - last.offload_hits)
-        self._offload["blocks", "save"].inc(stats.offload_saved_blocks - last.offload_saved_blocks)
-        self._offload["blocks", "load"].inc(stats.offload_loaded_blocks - last.offload_loaded_blocks)
-        self._offload["bytes", "save"].inc(stats.offload_bytes_saved - last.offload_bytes_saved)
-        self._offload["bytes", "load"].inc(stats.offload_bytes_loaded - last.offload_bytes_loaded)
+        for key, field in _OFFLOAD_FIELDS.items():
+            self._offload[key].inc(getattr(stats, field) - getattr(last, field))
         self.kv_offload_disk_hits.inc(stats.offload_disk_hits - last.offload_disk_hits)
-        self._offload["blocks", "spill"].inc(stats.offload_spilled_blocks - last.offload_spilled_blocks)
-        self._offload["blocks", "disk_read"].inc(
-            stats.offload_disk_read_blocks - last.offload_disk_read_blocks
-        )
-        self._offload["bytes", "spill"].inc(stats.offload_bytes_spilled - last.offload_bytes_spilled)
-        self._offload["bytes", "disk_read"].inc(stats.offload_bytes_disk_read - last.offload_bytes_disk_read)
         self.kv_offload_seconds.inc(stats.offload_seconds - last.offload_seconds)
         self.kv_transfer_requests.inc(stats.kv_transfers - last.kv_transfers)
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - last.kv_transfer_bytes)

@@ -178,10 +178,6 @@ def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
     return LogprobTensors(chosen, ranks, top_ids[:, :k], top_lp[:, :k])
 
 
-# Prompt rows scored at once: slices bound the [rows, vocab] fp32 buffer on long prompts.
-_PROMPT_LOGPROB_ROWS = 512
-
-
 class LogprobTensors(NamedTuple):
     logprobs: torch.Tensor  # [rows] float32
     ranks: torch.Tensor  # [rows] int64
@@ -299,6 +295,10 @@ def resolve_drafts(
             count += 1
         tokens.append(row_drafts[:count] + [token[first + count]])
     return tokens
+
+
+# Prompt rows scored at once: slices bound the [rows, vocab] fp32 buffer on long prompts.
+_PROMPT_LOGPROB_ROWS = 512
 
 
 def score_prompt_tokens(
