@@ -301,6 +301,39 @@ def replay_ms(graphs) -> float | None:
     return start.elapsed_time(end) / 20
 
 
+def step_phases(engines: dict, prompt, params) -> dict:
+    """Each engine's step loop with its phases timed in place (profile_host_loop.py's), plus the wait for
+    the device inside the wait for tokens: what the host does between the device's steps. The wrappers
+    stay on the engines, so this runs after their timed runs."""
+    from profile_host_loop import _timed, instrument
+    from profile_host_loop import run as phase_run
+
+    synchronize = torch.cuda.Event.synchronize if torch.cuda.is_available() else None
+    report = {}
+    for name, llm in engines.items():
+        seconds = instrument(llm)
+        runner = llm.engine.runner
+        for graphs in (runner.decode_graphs, runner.verify_graphs):
+            if graphs is not None:
+                _timed(graphs, "run", "graph inputs copied, replayed (in launch)", seconds)
+        _timed(runner, "propose", "propose (in the tokens wait)", seconds)
+        if synchronize is not None:
+
+            def timed_sync(event, _seconds=seconds):
+                start = time.perf_counter()
+                synchronize(event)
+                _seconds["device wait (in the tokens wait)"] += time.perf_counter() - start
+
+            torch.cuda.Event.synchronize = timed_sync
+        try:
+            phase_run(llm, seconds, prompt, params)  # warm: the wrappers' first calls
+            report[name] = phase_run(llm, seconds, prompt, params)
+        finally:
+            if synchronize is not None:
+                torch.cuda.Event.synchronize = synchronize
+    return report
+
+
 def speculative(args) -> dict:
     """Batch 1 with the replay proposer (an earlier greedy run's tokens, corrupted at a set rate) on
     greedy-stable dummy weights: tok/s, acceptance, the verify step's cost and the planner's speed-up at
@@ -329,15 +362,15 @@ def speculative(args) -> dict:
     for corrupt in (0.0, 0.2, 0.5):
         spec.engine.runner.drafter.proposer = ReplayProposer([recorded], k, corrupt_rate=corrupt, seed=1)
         timed_generate(spec, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-        counters = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
-        before = [getattr(scheduler, c) for c in counters]
+        counters = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        before = [getattr(scheduler.spec, c) for c in counters]
         times, outputs = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
             outputs.append(spec.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False))
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
-        drafts, proposed, accepted = (getattr(scheduler, c) - b for c, b in zip(counters, before))
+        drafts, proposed, accepted = (getattr(scheduler.spec, c) - b for c, b in zip(counters, before))
         acceptance = accepted / proposed if proposed else 0.0
         # Each verifying step took (seconds / steps per run); a plain step plain_s / output_len.
         verify_cost = (seconds / drafts * args.repeats) / (plain_s / args.output_len) if drafts else None
@@ -361,6 +394,8 @@ def speculative(args) -> dict:
         "decode_batch1": replay_ms(plain.engine.runner.decode_graphs),
         "verify_batch1": replay_ms(spec.engine.runner.verify_graphs),
     }
+    spec.engine.runner.drafter.proposer = ReplayProposer([recorded], k, corrupt_rate=0.0, seed=1)
+    result["host_phases"] = step_phases({"plain": plain, "speculative": spec}, prompt, params)
     spec.engine.runner.drafter.proposer = NgramProposer(k, 1, 4)
     for batch in args.spec_batches:
         prompts = [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(batch)]

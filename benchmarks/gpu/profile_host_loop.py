@@ -75,7 +75,10 @@ def run(llm: LLM, seconds: dict, prompts, params) -> dict:
     tokens_wait = core.seconds_on_tokens - tokens0
     per_step["tokens wait, then read back"] = round(tokens_wait / steps * 1e3, 3)
     total = seconds["loop total"]
-    covered = tokens_wait + sum(s for phase, s in seconds.items() if phase != "loop total")
+    # Phases named "... (in X)" are parts of phase X, not beside it.
+    covered = tokens_wait + sum(
+        s for phase, s in seconds.items() if phase != "loop total" and "(in " not in phase
+    )
     per_step["other"] = round((total - covered) / steps * 1e3, 3)
     fills = scheduler.grammar_mask_steps - fills0
     return {
