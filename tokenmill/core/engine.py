@@ -103,28 +103,39 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         if len(self.batch_queue) < self._in_flight() and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
-            if not scheduler_output.is_empty:
-                self.num_steps += 1
-                prepared = self.executor.prepare(scheduler_output)
-                self._launch_filled()
-                launched = self.executor.launch(prepared)
-                if scheduler_output.grammar_req_ids:
-                    # The masks need the tokens of the step in flight before this one: take them in
-                    # first, while the device runs this step's forward pass; then fill on the side.
-                    finished = bool(self.batch_queue)
-                    outputs = self._finish_oldest() if finished else []
-                    self._filling = _FillingMasks(
-                        cast(AwaitingGrammar, launched), self._fill(scheduler_output)
-                    )
-                    self.batch_queue.append((scheduler_output, self._filling))
-                    if finished or len(self.batch_queue) < self._in_flight():
-                        return outputs
-                else:
-                    self.batch_queue.append((scheduler_output, cast(PendingOutput, launched)))
-                    if len(self.batch_queue) < self._in_flight():
-                        return []
-        return self._finish_oldest() if self.batch_queue else []
+            outputs = self._launch_next()
+            if outputs is not None:
+                return outputs
+        if not self.batch_queue:
+            return []
+        outputs = self._finish_oldest()
+        if self.scheduler.spec.active and not self.batch_queue and self.scheduler.has_unfinished_requests():
+            # Launch ahead: the step just taken in speculated, so the next one's drafts are in. Launching
+            # it now, before the caller turns these outputs into text (or sends them), keeps that work
+            # off the gap between the device's steps, which a speculating loop cannot otherwise hide.
+            outputs = (self._launch_next() or []) + outputs
+        return outputs
+
+    def _launch_next(self) -> list[EngineCoreOutput] | None:
+        """Schedule and launch a step. Returns the outputs to hand back now, or None when the caller should
+        go on to wait for the oldest step (the queue is full)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return None
+        self.num_steps += 1
+        prepared = self.executor.prepare(scheduler_output)
+        self._launch_filled()
+        launched = self.executor.launch(prepared)
+        if scheduler_output.grammar_req_ids:
+            # The masks need the tokens of the step in flight before this one: take them in first,
+            # while the device runs this step's forward pass; then fill on the side.
+            finished = bool(self.batch_queue)
+            outputs = self._finish_oldest() if finished else []
+            self._filling = _FillingMasks(cast(AwaitingGrammar, launched), self._fill(scheduler_output))
+            self.batch_queue.append((scheduler_output, self._filling))
+            return outputs if finished or len(self.batch_queue) < self._in_flight() else None
+        self.batch_queue.append((scheduler_output, cast(PendingOutput, launched)))
+        return [] if len(self.batch_queue) < self._in_flight() else None
 
     def _fill(self, scheduler_output: SchedulerOutput) -> Future:
         """The step's masks, filled on the helper thread from matchers nothing else touches until the

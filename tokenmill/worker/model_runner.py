@@ -53,7 +53,7 @@ class Prepared(NamedTuple):
     inputs: StepInputs | None  # None: a pooling step, run whole at launch
     scoring: list  # (row, state, start, tokens) of chunks that score prompt logprobs
     sampling_batch: SamplingBatch | None
-    staged: tuple | None  # input_ids, positions, metadata, the pending gather's indices
+    staged: tuple | None  # input_ids, positions, metadata, the pending gather's indices, verify rows
 
 
 class ModelRunner:
@@ -185,18 +185,23 @@ class ModelRunner:
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, the previous step's tokens gathered in (prepare, then launch's
         half)."""
-        input_ids, positions, md, pending = self._stage(inputs)
+        input_ids, positions, md, pending, _ = self._stage(inputs)
         self._gather_pending(input_ids, pending)
         return input_ids, positions, md
 
-    def _stage(self, inputs: StepInputs) -> tuple:
-        """The step's host arrays on the device in two pinned copies; input_ids hold a placeholder where
-        the previous step's sampled token goes (`_gather_pending`, which must follow that sampling)."""
+    def _stage(self, inputs: StepInputs, rows: VerifyRows | None = None) -> tuple:
+        """The step's host arrays (and a verifying step's rows) on the device in two pinned copies;
+        input_ids hold a placeholder where the previous step's sampled token goes (`_gather_pending`,
+        which must follow that sampling)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
-        input_ids, positions, slot_mapping, pending_dst, pending_src = self._staged(
-            [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays], np.int64
+        row_arrays = [] if rows is None else [rows.logit_rows, rows.draft_ids, rows.request_of]
+        input_ids, positions, slot_mapping, pending_dst, pending_src, *row_tensors = self._staged(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays, *row_arrays], np.int64
         )
+        if rows is not None:
+            logit_rows, draft_ids, request_of = row_tensors
+            rows = rows._replace(logit_rows=logit_rows, draft_ids=draft_ids, request_of=request_of)
         query_start_loc, seq_lens, block_tables = self._staged(
             [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables], np.int32
         )
@@ -214,7 +219,7 @@ class ModelRunner:
                 and inputs.max_query_len == inputs.max_seq_len
             ),
         )
-        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None
+        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None, rows
 
     def _gather_pending(self, input_ids: torch.Tensor, pending: tuple | None) -> None:
         if pending is not None:
@@ -268,7 +273,9 @@ class ModelRunner:
         batch = build_sampling_batch(
             requests, inputs.samples, self.generators, self.device, self.hf_config.vocab_size
         )
-        return Prepared(scheduler_output, inputs, scoring, batch, self._stage(inputs))
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        rows = verify_rows(inputs, drafts) if drafts else None  # every verified position's logits
+        return Prepared(scheduler_output, inputs, scoring, batch, self._stage(inputs, rows))
 
     @torch.inference_mode()
     def launch(self, prepared: Prepared) -> PendingRunnerOutput | AwaitingGrammar:
@@ -277,22 +284,20 @@ class ModelRunner:
         scheduler_output, inputs, scoring, sampling_batch, staged_inputs = prepared
         if inputs is None:
             return self._execute_pooling(scheduler_output)
-        input_ids, positions, md, pending = staged_inputs
+        input_ids, positions, md, pending, rows = staged_inputs
         self._gather_pending(input_ids, pending)
         self._pending_views(inputs, sampling_batch)
         # The next step's inputs read this step's tokens by these rows (set now, so that its prepare
         # need not wait for a deferred sampling).
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         prompt_logprobs = None
-        rows = None
         if self.drafter is not None:
             self.drafter.before_target(input_ids, positions, md)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
+            rows = None  # one token a request: its logit row is its last, as in plain decode
         else:
-            drafts = scheduler_output.scheduled_spec_decode_tokens
-            if drafts:  # every verified position's logits, not only each request's last
-                rows = verify_rows(self, inputs, drafts)
+            if rows is not None:  # every verified position's logits, not only each request's last
                 logit_rows = rows.logit_rows
             else:
                 logit_rows = md.query_start_loc[1:].long() - 1
