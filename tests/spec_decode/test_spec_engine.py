@@ -360,6 +360,38 @@ def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(method, hf_mo
     assert 1 in depths  # a step launched while another was in flight
 
 
+def test_the_next_verifying_step_is_launched_before_step_returns(hf_model_dirs) -> None:
+    """While a speculating loop runs, step() hands back step N's outputs with step N+1 (which verifies
+    the drafts proposed from N's tokens) already launched, so the caller's work on the outputs overlaps
+    the device; tokens are the plain engine's, with a stop token, an abort mid-run and preemption, and
+    every block comes back."""
+    prompts = copying_prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 3, 25, 37, 23, 30)]
+    engine_args = dict(block_size=4, num_kv_blocks=32, max_num_batched_tokens=20, max_model_len=128)
+    target = hf_model_dirs["llama"][0]
+    expected = run(make_llm(target, **engine_args), prompts, params, abort_at_step=4)
+    sixth = expected["3"][0][0][5]  # request 3 stops at the text of a token it is known to produce
+    params[3] = SamplingParams(max_tokens=37, temperature=0, ignore_eos=True, stop_token_ids=[sixth])
+    expected = run(make_llm(target, **engine_args), prompts, params, abort_at_step=4)
+    spec = make_llm(target, **engine_args, speculative_config=NGRAM)
+    recorded = [(prompts[int(k)], r[0][0]) for k, r in expected.items()]
+    spec.engine.runner.drafter.proposer = ReplayProposer(recorded, 4, corrupt_rate=0.3)
+    core = spec.engine.core
+    in_flight_on_return = []
+    step = core.step
+
+    def step_noting_queue():
+        outputs = step()
+        in_flight_on_return.append(len(core.batch_queue))
+        return outputs
+
+    core.step = step_noting_queue
+    assert run(spec, prompts, params, abort_at_step=4) == expected
+    assert spec.engine.scheduler.spec.num_accepted_tokens > 0 and spec.engine.scheduler.num_preemptions > 0
+    # Every return but the last (nothing left to launch) leaves the next step on the device.
+    assert in_flight_on_return[-1] == 0 and all(depth == 1 for depth in in_flight_on_return[:-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_method_on_the_gpu(hf_model_dirs) -> None:

@@ -3,15 +3,16 @@ is injected (anything with `prepare(SchedulerOutput)`, the step's host half, and
 returning an output whose `result()` is a ModelRunnerOutput), so the core itself never touches a
 tensor.
 
-With async scheduling the queue holds two steps: step N+1 is scheduled and launched while step N runs
-on the device, and only then does the core wait for step N's tokens. Without it the queue holds one
-step and the loop is synchronous; so does a step that speculates, since the next step verifies the
-drafts proposed from its tokens. A step that samples under grammars launches its forward pass, then
-takes in step N's tokens (which advance the grammars), then has its masks filled on a helper thread
-(llguidance's threads, without the GIL) while the loop returns step N's outputs and schedules the
-next step and prepares its inputs (the host half); its sampling is queued just before the next step
-launches (or when its own tokens are wanted), so the fill overlaps the forward pass and the host's
-own work. The offline `LLM` and the server's core process run this same loop.
+With async scheduling the queue holds two steps: step N+1 is scheduled and launched while step N runs on
+the device, and only then does the core wait for step N's tokens. Without it the queue holds one step
+and the loop is synchronous; so does a step that speculates, since the next step verifies the drafts
+proposed from its tokens: that next step is launched as soon as they are in, before step() returns, so
+the caller's work on the outputs overlaps the device. A step that samples under grammars launches its
+forward pass, then takes in step N's tokens (which advance the grammars), then has its masks filled on a
+helper thread (llguidance's threads, without the GIL) while the loop returns step N's outputs and
+schedules the next step and prepares its inputs (the host half); its sampling is queued just before the
+next step launches (or when its own tokens are wanted), so the fill overlaps the forward pass and the
+host's own work. The offline `LLM` and the server's core process run this same loop.
 """
 
 from __future__ import annotations

@@ -26,25 +26,36 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device, non_blocking=True)
 
 
-def staged(arrays: list[np.ndarray], dtype: np.dtype, device: torch.device) -> list[torch.Tensor]:
-    """The arrays on the device in one copy: packed into pinned host memory (the caching host
-    allocator does not reuse it before the copy is done), so the copy never blocks the host.
+def staged(
+    arrays: list[np.ndarray], dtype: np.dtype | list[np.dtype], device: torch.device
+) -> list[torch.Tensor]:
+    """The arrays on the device in one copy (dtype: one for all, or one per array): packed into pinned
+    host memory (the caching host allocator does not reuse it before the copy is done), so the copy never
+    blocks the host.
 
     Each array starts on a 16-byte boundary: Triton specialises kernels on pointer alignment, so
     views at batch-dependent offsets would compile new kernel variants in the middle of serving."""
-    align = 16 // np.dtype(dtype).itemsize
+    dtypes = [np.dtype(d) for d in dtype] if isinstance(dtype, list) else [np.dtype(dtype)] * len(arrays)
     offsets, total = [], 0
-    for a in arrays:
+    for a, d in zip(arrays, dtypes):
         offsets.append(total)
-        total += -(-a.size // align) * align
+        total += -(-a.size * d.itemsize // 16) * 16
     cuda = device.type == "cuda"
-    host = torch.empty(total, dtype=_TORCH_DTYPE[np.dtype(dtype)], pin_memory=cuda)
-    packed = host.numpy()  # filled in place: no extra copy into pinned memory
-    for a, offset in zip(arrays, offsets):
-        packed[offset : offset + a.size] = a.ravel()
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    packed = host.numpy()  # filled in place (converting each array to its dtype): no extra copy
+    host_views = {d: packed.view(d) for d in set(dtypes)}  # one typed view per dtype, sliced by element
+    for a, d, offset in zip(arrays, dtypes, offsets):
+        start = offset // d.itemsize
+        host_views[d][start : start + a.size] = a.ravel()
     if cuda:
         host = host.to(device, non_blocking=True)
-    return [host[o : o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
+    views = {d: host.view(_TORCH_DTYPE[d]) for d in host_views}
+    tensors = []
+    for a, d, offset in zip(arrays, dtypes, offsets):
+        start = offset // d.itemsize
+        tensor = views[d][start : start + a.size]
+        tensors.append(tensor if a.ndim == 1 else tensor.view(a.shape))
+    return tensors
 
 
 def cpu_has_native_bf16() -> bool:

@@ -179,7 +179,7 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _staged(self, arrays: list[np.ndarray], dtype: np.dtype) -> list[torch.Tensor]:
+    def _staged(self, arrays: list[np.ndarray], dtype: np.dtype | list[np.dtype]) -> list[torch.Tensor]:
         return staged(arrays, dtype, self.device)
 
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -190,21 +190,20 @@ class ModelRunner:
         return input_ids, positions, md
 
     def _stage(self, inputs: StepInputs, rows: VerifyRows | None = None) -> tuple:
-        """The step's host arrays (and a verifying step's rows) on the device in two pinned copies;
+        """The step's host arrays (and a verifying step's rows) on the device in one pinned copy;
         input_ids hold a placeholder where the previous step's sampled token goes (`_gather_pending`,
         which must follow that sampling)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
         row_arrays = [] if rows is None else [rows.logit_rows, rows.draft_ids, rows.request_of]
-        input_ids, positions, slot_mapping, pending_dst, pending_src, *row_tensors = self._staged(
-            [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays, *row_arrays], np.int64
-        )
+        int64 = [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays, *row_arrays]
+        int32 = [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables]
+        tensors = self._staged(int64 + int32, [np.int64] * len(int64) + [np.int32] * len(int32))
+        input_ids, positions, slot_mapping, pending_dst, pending_src = tensors[:5]
+        query_start_loc, seq_lens, block_tables = tensors[len(int64) :]
         if rows is not None:
-            logit_rows, draft_ids, request_of = row_tensors
+            logit_rows, draft_ids, request_of = tensors[5 : len(int64)]
             rows = rows._replace(logit_rows=logit_rows, draft_ids=draft_ids, request_of=request_of)
-        query_start_loc, seq_lens, block_tables = self._staged(
-            [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables], np.int32
-        )
         md = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,

@@ -42,7 +42,9 @@ def verify_rows(inputs: StepInputs, drafts: dict[str, list[int]]) -> VerifyRows:
     draft_ids = np.full(hidden_rows.shape[0], -1, dtype=np.int64)
     for first, row in zip(first_rows, row_drafts):
         draft_ids[first : first + len(row)] = row
-    return VerifyRows(hidden_rows, draft_ids, request_of, request_of.tolist(), first_rows.tolist(), row_drafts)
+    return VerifyRows(
+        hidden_rows, draft_ids, request_of, request_of.tolist(), first_rows.tolist(), row_drafts
+    )
 
 
 def verify(
