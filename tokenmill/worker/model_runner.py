@@ -52,8 +52,7 @@ class Prepared(NamedTuple):
     scheduler_output: SchedulerOutput
     inputs: StepInputs | None  # None: a pooling step, run whole at launch
     scoring: list  # (row, state, start, tokens) of chunks that score prompt logprobs
-    sampling_batch: SamplingBatch | None
-    staged: tuple | None  # input_ids, positions, metadata, the pending gather's indices, verify rows
+    staged: tuple | None  # input_ids, positions, metadata, the pending gather's indices
 
 
 class ModelRunner:
@@ -185,25 +184,22 @@ class ModelRunner:
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, the previous step's tokens gathered in (prepare, then launch's
         half)."""
-        input_ids, positions, md, pending, _ = self._stage(inputs)
+        input_ids, positions, md, pending = self._stage(inputs)
         self._gather_pending(input_ids, pending)
         return input_ids, positions, md
 
-    def _stage(self, inputs: StepInputs, rows: VerifyRows | None = None) -> tuple:
-        """The step's host arrays (and a verifying step's rows) on the device in one pinned copy;
-        input_ids hold a placeholder where the previous step's sampled token goes (`_gather_pending`,
-        which must follow that sampling)."""
+    def _stage(self, inputs: StepInputs) -> tuple:
+        """The step's host arrays on the device in one pinned copy; input_ids hold a placeholder where
+        the previous step's sampled token goes (`_gather_pending`, which must follow that sampling)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
-        row_arrays = [] if rows is None else [rows.logit_rows, rows.draft_ids, rows.request_of]
-        int64 = [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays, *row_arrays]
-        int32 = [inputs.query_start_loc, inputs.seq_lens, inputs.block_tables]
-        tensors = self._staged(int64 + int32, [np.int64] * len(int64) + [np.int32] * len(int32))
-        input_ids, positions, slot_mapping, pending_dst, pending_src = tensors[:5]
-        query_start_loc, seq_lens, block_tables = tensors[len(int64) :]
-        if rows is not None:
-            logit_rows, draft_ids, request_of = tensors[5 : len(int64)]
-            rows = rows._replace(logit_rows=logit_rows, draft_ids=draft_ids, request_of=request_of)
+        staged = self._staged(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays,
+             inputs.query_start_loc, inputs.seq_lens, inputs.block_tables],
+            [np.int64] * 5 + [np.int32] * 3,
+        )  # fmt: skip
+        input_ids, positions, slot_mapping, pending_dst, pending_src = staged[:5]
+        query_start_loc, seq_lens, block_tables = staged[5:]
         md = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -218,7 +214,28 @@ class ModelRunner:
                 and inputs.max_query_len == inputs.max_seq_len
             ),
         )
-        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None, rows
+        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None
+
+    def _for_sampling(
+        self, inputs: StepInputs, drafts: dict[str, list[int]] | None
+    ) -> tuple[SamplingBatch, VerifyRows | None]:
+        """The step's sampling batch and, for a step that verifies drafts, its logit rows on the device."""
+        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
+        batch = build_sampling_batch(
+            requests, inputs.samples, self.generators, self.device, self.hf_config.vocab_size
+        )
+        if not drafts:
+            return batch, None
+        rows = verify_rows(inputs, drafts)
+        logit_rows, draft_ids, request_of = self._staged(
+            [rows.logit_rows, rows.draft_ids, rows.request_of], np.int64
+        )
+        return batch, rows._replace(logit_rows=logit_rows, draft_ids=draft_ids, request_of=request_of)
+
+    @staticmethod
+    def _logit_rows(md: AttentionMetadata, rows: VerifyRows | None) -> torch.Tensor:
+        """Every verified position's row (a verifying step), else each request's last."""
+        return rows.logit_rows if rows is not None else md.query_start_loc[1:].long() - 1
 
     def _gather_pending(self, input_ids: torch.Tensor, pending: tuple | None) -> None:
         if pending is not None:
@@ -257,7 +274,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.forget(request_id)
         if self.pooling_type is not None:
-            return Prepared(scheduler_output, None, [], None, None)
+            return Prepared(scheduler_output, None, [], None)
         states = self.input_batch.requests
         # Requests asking for prompt logprobs whose chunk still scores prompt tokens need every row's
         # hidden state, which only the eager path keeps (read before prepare advances the counts).
@@ -268,52 +285,45 @@ class ModelRunner:
             and states[request_id].num_computed_tokens + 1 < states[request_id].num_prompt_tokens
         ]
         inputs = self.input_batch.prepare(scheduler_output)
-        requests = [self.input_batch.requests[r] for r in inputs.req_ids]
-        batch = build_sampling_batch(
-            requests, inputs.samples, self.generators, self.device, self.hf_config.vocab_size
-        )
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        rows = verify_rows(inputs, drafts) if drafts else None  # every verified position's logits
-        return Prepared(scheduler_output, inputs, scoring, batch, self._stage(inputs, rows))
+        return Prepared(scheduler_output, inputs, scoring, self._stage(inputs))
 
     @torch.inference_mode()
     def launch(self, prepared: Prepared) -> PendingRunnerOutput | AwaitingGrammar:
         """The device's half: the previous step's tokens gathered in, the forward pass, its logits; then
-        sampling, or an AwaitingGrammar for the masks."""
-        scheduler_output, inputs, scoring, sampling_batch, staged_inputs = prepared
+        sampling, or an AwaitingGrammar for the masks. What only sampling needs (the sampling batch, a
+        verifying step's rows) is built once the forward pass is queued: off the host's path to the
+        device, which a speculating loop cannot hide. Nothing between prepare() and launch() changes the
+        request states it reads."""
+        scheduler_output, inputs, scoring, staged_inputs = prepared
         if inputs is None:
             return self._execute_pooling(scheduler_output)
-        input_ids, positions, md, pending, rows = staged_inputs
+        input_ids, positions, md, pending = staged_inputs
         self._gather_pending(input_ids, pending)
-        self._pending_views(inputs, sampling_batch)
-        # The next step's inputs read this step's tokens by these rows (set now, so that its prepare
-        # need not wait for a deferred sampling).
-        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
         prompt_logprobs = None
         if self.drafter is not None:
             self.drafter.before_target(input_ids, positions, md)
         if self.decode_graphs is not None and not scoring and self.decode_graphs.can_run(inputs):
             logits = self.decode_graphs.run(input_ids, positions, md)
-            rows = None  # one token a request: its logit row is its last, as in plain decode
+            batch, rows = self._for_sampling(inputs, None)  # one token a request: its last row
+        elif self.verify_graphs is not None and not scoring and self.verify_graphs.can_run(inputs):
+            all_logits = self.verify_graphs.run(input_ids, positions, md)  # every token row's, one graph
+            batch, rows = self._for_sampling(inputs, scheduler_output.scheduled_spec_decode_tokens)
+            logits = all_logits[self._logit_rows(md, rows)]
         else:
-            if rows is not None:  # every verified position's logits, not only each request's last
-                logit_rows = rows.logit_rows
+            piecewise = self.piecewise_graphs
+            if piecewise is not None and not scoring and piecewise.can_run(input_ids.shape[0], md):
+                hidden = piecewise.run(input_ids, positions, md)
             else:
-                logit_rows = md.query_start_loc[1:].long() - 1
-            verify_graphs = self.verify_graphs
-            if verify_graphs is not None and not scoring and verify_graphs.can_run(inputs):
-                # Logits of every token row, whole steps in one graph.
-                logits = verify_graphs.run(input_ids, positions, md)[logit_rows]
-            else:
-                piecewise = self.piecewise_graphs
-                if piecewise is not None and not scoring and piecewise.can_run(input_ids.shape[0], md):
-                    hidden = piecewise.run(input_ids, positions, md)
-                else:
-                    hidden = self.model(input_ids, positions, md)
-                logits = self.model.compute_logits(hidden[logit_rows])
-                if scoring:
-                    prompt_logprobs = score_prompt_tokens(self.model, hidden, inputs.query_start_loc, scoring)
-        step = Launched(scheduler_output, inputs, sampling_batch, logits, rows, prompt_logprobs)
+                hidden = self.model(input_ids, positions, md)
+            batch, rows = self._for_sampling(inputs, scheduler_output.scheduled_spec_decode_tokens)
+            logits = self.model.compute_logits(hidden[self._logit_rows(md, rows)])
+            if scoring:
+                prompt_logprobs = score_prompt_tokens(self.model, hidden, inputs.query_start_loc, scoring)
+        self._pending_views(inputs, batch)
+        # The next step's inputs read this step's tokens by these rows (set now, so that its prepare
+        # need not wait for a deferred sampling).
+        self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
+        step = Launched(scheduler_output, inputs, batch, logits, rows, prompt_logprobs)
         launched = AwaitingGrammar(self, step) if scheduler_output.grammar_req_ids else self._sample(step)
         if self.drafter is not None:
             self.drafter.after_target(launched.inputs)
