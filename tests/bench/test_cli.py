@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,32 @@ def test_serve_replays_a_trace_at_its_own_pace(fake_server, tmp_path: Path, proc
     assert result["request_rate"] == "trace" and result["trace_speedup"] == 2.0
     assert result["duration"] == pytest.approx(0.1, abs=0.03)  # 200 ms of trace at 2x speed
     assert result["tpots"] == [None, None]  # one-token answers
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_serve_reports_where_the_long_gaps_were_and_its_own_gc_pauses(
+    fake_server, tmp_path: Path, processes: str
+) -> None:
+    """A stream's 150 ms gap after its second token is listed (request, chunk, when, how long) and the
+    20 ms ones are not; each client process reports its garbage-collection pauses."""
+    server = fake_server(lambda payload: Script(ttft_s=0.0, itl_s=[0.02, 0.15, 0.02], num_tokens=4))
+    args = _parse(
+        ["serve", "--base-url", server.base_url, "--model", "m", "--dataset-name", "file", "--dataset-path",
+         str(_prompts_file(tmp_path, 2)), "--output-json", str(tmp_path / "r.json"), "--disable-tqdm",
+         "--num-client-processes", processes]
+    )  # fmt: skip
+    before = time.time()
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    gaps = result["long_gaps"]
+    assert sorted((request, chunk) for _, request, chunk, _ in gaps) == [(0, 2), (1, 2)]
+    for ended, _, _, ms in gaps:
+        assert 140 <= ms < 400 and before < ended < time.time()
+    pauses = result["client_gc"]
+    assert [p["process"] for p in pauses] == (
+        ["bench client"] if processes == "1" else ["bench client 0", "bench client 1"]
+    )
+    assert all(len(p["collections"]) == 3 and p["max_ms"] >= 0 for p in pauses)
 
 
 def test_serve_with_no_successful_request_exits_nonzero(tmp_path: Path) -> None:

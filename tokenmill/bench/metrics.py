@@ -120,6 +120,24 @@ def summarize(
     return summary
 
 
+def long_gaps(
+    results: Sequence[RequestResult], clock_to_wall: float, over_s: float = 0.1, limit: int = 500
+) -> list[tuple[float, int, int, float]]:
+    """Inter-token gaps of at least over_s, in time order (at most `limit`): (wall-clock time the gap
+    ended, request index, chunk index in its stream, milliseconds). clock_to_wall: time.time() minus
+    time.perf_counter(), the clock the results' times are on; wall times line up with server logs."""
+    gaps = []
+    for index, result in enumerate(results):
+        if not result.success:
+            continue
+        arrival = result.start_time + result.ttft
+        for chunk, gap in enumerate(result.itl, start=1):
+            arrival += gap
+            if gap >= over_s:
+                gaps.append((round(arrival + clock_to_wall, 4), index, chunk, round(gap * 1e3, 2)))
+    return sorted(gaps)[:limit]
+
+
 def error_counts(errors: Sequence[str]) -> list[tuple[str, int]]:
     """Distinct failure messages with how often each occurred, most frequent first."""
     counts: dict[str, int] = {}

@@ -26,9 +26,16 @@ from tokenmill.bench.arrivals import (
 )
 from tokenmill.bench.client import ENDPOINTS, RequestInput, RequestResult, send_request
 from tokenmill.bench.datasets import SampleRequest, samples_from_args
-from tokenmill.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles, summarize
+from tokenmill.bench.metrics import (
+    long_gaps,
+    parse_goodput,
+    parse_metric_names,
+    parse_percentiles,
+    summarize,
+)
 from tokenmill.bench.report import format_rate, format_summary, format_sweep
 from tokenmill.bench.tokenizer import BenchTokenizer, load_tokenizer, resolve_tokenizer_source
+from tokenmill.gc_pauses import GCPauses
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class LoadRun(NamedTuple):
     duration_s: float
     warmup_errors: list[str]
     start_time: float = 0.0  # perf_counter at the first timed send
+    clock_to_wall: float = 0.0  # time.time() - time.perf_counter(): the results' times on the wall clock
+    gc_pauses: tuple[dict, ...] = ()  # each client process's garbage-collection pauses while timed
 
 
 async def run_load(
@@ -62,6 +71,7 @@ async def run_load(
     show_progress: bool = False,
     start_gate: Callable[[], object] | None = None,
     on_request_done: Callable[[], object] | None = None,
+    name: str = "bench client",
 ) -> LoadRun:
     """Send `samples[i]` at `offsets[i]` seconds after the start, at most `max_concurrency` in flight.
 
@@ -69,6 +79,8 @@ async def run_load(
     not counted. The duration runs from the first timed send to the last response's end.
     `start_gate` (blocking) is called in a thread after the warm-ups and before the clock starts:
     client processes wait there for each other. `on_request_done` is called as each timed request ends.
+    The client's own garbage-collection pauses while timed are reported (under `name`): its streams
+    see them as inter-token gaps.
     """
     timeout = aiohttp.ClientTimeout(total=target.request_timeout_s)
     # No connection cap: the schedule and --max-concurrency alone decide how many requests are open.
@@ -99,7 +111,9 @@ async def run_load(
             await asyncio.get_running_loop().run_in_executor(None, start_gate)
 
         progress = _progress_bar(len(samples), show_progress)
+        pauses = GCPauses(name).install()
         start = time.perf_counter()
+        clock_to_wall = time.time() - start
         tasks = []
         for sample, offset in zip(samples, offsets, strict=True):
             # Sleep to an absolute send time, so scheduling jitter never accumulates.
@@ -114,9 +128,11 @@ async def run_load(
             tasks.append(task)
         results = list(await asyncio.gather(*tasks))
         duration_s = time.perf_counter() - start
+        pauses.uninstall()
         if progress is not None:
             progress.close()
-    return LoadRun(results, duration_s, [r.error for r in warmup_results if not r.success], start)
+    warmup_errors = [r.error for r in warmup_results if not r.success]
+    return LoadRun(results, duration_s, warmup_errors, start, clock_to_wall, (pauses.summary(),))
 
 
 def run_load_processes(
@@ -193,7 +209,9 @@ def run_load_processes(
         warmup_errors += run.warmup_errors
     start = min(run.start_time for run in outcomes.values())
     end = max(run.start_time + run.duration_s for run in outcomes.values())
-    return LoadRun(results, end - start, warmup_errors, start)
+    runs = [outcomes[rank] for rank in sorted(outcomes)]
+    pauses = tuple(pause for run in runs for pause in run.gc_pauses)
+    return LoadRun(results, end - start, warmup_errors, start, runs[0].clock_to_wall, pauses)
 
 
 def _share(total: int | None, rank: int, processes: int) -> int | None:
@@ -227,6 +245,7 @@ def _client_process(
                 tokenizer=tokenizer,
                 start_gate=start_gate.wait,
                 on_request_done=count_one,
+                name=f"bench client {rank}",
             )
         )
     except BaseException as exc:  # reported to the parent, which raises it there
@@ -306,6 +325,11 @@ def main(args: argparse.Namespace) -> int:
         summary = _with_run_info(
             summary, args, model=model, tokenizer=tokenizer, rate=rate, process=process, slos=slos
         )
+        # Where the long gaps were, and the client's own pauses: a gap a client process made itself
+        # lines up with one of its pauses; the server logs its processes' long pauses with wall times.
+        summary["long_gaps"] = long_gaps(run.results, run.clock_to_wall)
+        summary["client_gc"] = list(run.gc_pauses)
+        summary["clock_to_wall"] = run.clock_to_wall  # perf_counter (the step trace's clock) to wall
         if replay:
             summary.update(request_rate="trace", trace_speedup=args.trace_speedup)
         print(format_summary(summary, percentiles=percentiles, metrics=metrics))

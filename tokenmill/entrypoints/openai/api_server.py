@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
+from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import render_prompt
@@ -303,6 +304,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     gc.collect()
     gc.freeze()
+    GCPauses(f"API process {attach.index if attach else 0}", log_over_s=SERVER_LOG_OVER_S).install()
     try:
         state = ServerState(
             engine, names, metrics, api_key=args.api_key,
