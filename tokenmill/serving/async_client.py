@@ -43,6 +43,9 @@ from tokenmill.serving.step_trace import StepTrace
 API_TRACE_COLUMNS = ("received_s", "outputs", "process_ms", "longest_wait_ms")
 
 logger = logging.getLogger("tokenmill.server")
+# A stream's chunks this far apart are logged with where the time went (a stream at 100 tokens/s has
+# missed ten tokens).
+STREAM_GAP_LOG_S = 0.1
 
 
 class EngineDeadError(RuntimeError):
@@ -71,6 +74,7 @@ class _RequestState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_output_time: float | None = None
     last_output_time: float | None = None
+    queued_since: float | None = None  # when the oldest output not yet handed to the stream arrived
 
 
 class AsyncEngineClient:
@@ -250,6 +254,7 @@ class AsyncEngineClient:
     async def _stream(self, request_id: str, state: _RequestState) -> AsyncIterator[RequestOutput]:
         finished = False
         held = None  # a marker met while merging, handled on the next turn
+        handed = sent_s = None  # when the last chunk went to the HTTP layer, how long it took back
         try:
             while True:
                 item = held if held is not None else await state.queue.get()
@@ -267,7 +272,17 @@ class AsyncEngineClient:
                         break
                     item = merge_outputs(item, following)
                 finished = item.finished
+                now = time.monotonic()
+                if handed is not None and now - handed >= STREAM_GAP_LOG_S:
+                    logger.info(
+                        "stream %s: %.0f ms between chunks: its outputs waited %.0f ms here, the chunk "
+                        "before took %.0f ms to send (if neither is long, the engine core sent late)",
+                        request_id, (now - handed) * 1e3, (now - (state.queued_since or now)) * 1e3,
+                        (sent_s or 0.0) * 1e3,
+                    )  # fmt: skip
+                state.queued_since = None
                 yield item
+                handed, sent_s = now, time.monotonic() - now
                 if finished:
                     return
         finally:
@@ -361,6 +376,8 @@ class AsyncEngineClient:
                         reason = completion.finish_reason or "abort"
                         self.metrics.record_finished(reason, now - state.arrival_time)
             failure = output.error if output.finished else None  # so far only a KV transfer's
+            if state.queued_since is None:
+                state.queued_since = now
             state.queue.put_nowait(KVTransferError(failure) if failure is not None else output)
         if self.metrics is not None:
             self.metrics.record_step(gaps, num_tokens)
