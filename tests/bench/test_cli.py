@@ -134,9 +134,10 @@ def test_serve_reports_where_the_long_gaps_were_and_its_own_gc_pauses(
     assert args.func(args) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     gaps = result["long_gaps"]
-    assert sorted((request, chunk) for _, request, chunk, _ in gaps) == [(0, 2), (1, 2)]
-    for ended, _, _, ms in gaps:
+    assert sorted((request, chunk) for _, request, chunk, *_ in gaps) == [(0, 2), (1, 2)]
+    for ended, _, _, ms, chars, replacements in gaps:
         assert 140 <= ms < 400 and before < ended < time.time()
+        assert chars == len(" t2") and replacements == 0  # the chunk that ended the gap: the third
     pauses = result["client_gc"]
     assert [p["process"] for p in pauses] == (
         ["bench client"] if processes == "1" else ["bench client 0", "bench client 1"]

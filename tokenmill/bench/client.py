@@ -35,6 +35,7 @@ class RequestResult:
     start_time: float = 0.0
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
+    chunk_chars: list[int] = field(default_factory=list)  # characters of text each chunk carried
     latency: float = 0.0
     prompt_len: int = 0
     output_tokens: int = 0
@@ -120,6 +121,7 @@ async def send_request(
                 last_time = now
                 num_chunks += 1
                 text_parts.append(text)
+                result.chunk_chars.append(len(text))
         result.latency = time.perf_counter() - result.start_time
     except Exception as exc:  # a benchmark counts failures; it must not stop on one
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

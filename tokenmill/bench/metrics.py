@@ -122,19 +122,33 @@ def summarize(
 
 def long_gaps(
     results: Sequence[RequestResult], clock_to_wall: float, over_s: float = 0.1, limit: int = 500
-) -> list[tuple[float, int, int, float]]:
+) -> list[tuple[float, int, int, float, int, int]]:
     """Inter-token gaps of at least over_s, in time order (at most `limit`): (wall-clock time the gap
-    ended, request index, chunk index in its stream, milliseconds). clock_to_wall: time.time() minus
-    time.perf_counter(), the clock the results' times are on; wall times line up with server logs."""
+    ended, request index, chunk index in its stream, milliseconds, characters the chunk that ended it
+    carried, how many of them are U+FFFD). A long chunk full of U+FFFD after a gap is text the server
+    held back while the tokens did not yet decode to whole characters, not a late server.
+    clock_to_wall: time.time() minus time.perf_counter(), the clock the results' times are on; wall
+    times line up with server logs."""
     gaps = []
     for index, result in enumerate(results):
         if not result.success:
             continue
         arrival = result.start_time + result.ttft
+        starts = np.cumsum([0, *result.chunk_chars]).tolist()
         for chunk, gap in enumerate(result.itl, start=1):
             arrival += gap
             if gap >= over_s:
-                gaps.append((round(arrival + clock_to_wall, 4), index, chunk, round(gap * 1e3, 2)))
+                text = result.generated_text[starts[chunk] : starts[chunk + 1]] if result.chunk_chars else ""
+                gaps.append(
+                    (
+                        round(arrival + clock_to_wall, 4),
+                        index,
+                        chunk,
+                        round(gap * 1e3, 2),
+                        len(text),
+                        text.count("\ufffd"),
+                    )
+                )
     return sorted(gaps)[:limit]
 
 
