@@ -12,14 +12,26 @@ from __future__ import annotations
 
 import bisect
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from tokenmill import distributed
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.worker.input_batch import StepInputs
+from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
+
+# The largest step the piecewise graphs cover, in tokens.
+PIECEWISE_MAX_TOKENS = 8192
+# The largest batch whose verify steps replay a whole-step graph (larger ones use the piecewise graphs):
+# speculation pays at small batches, and each graph keeps logits for all its token rows.
+VERIFY_GRAPH_MAX_SEQS = 64
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -116,3 +128,41 @@ class DecodeGraphs:
             self.query_start_loc[num_seqs + 1 : size + 1].fill_(num_tokens)
         self.graphs[size].replay()
         return self.logits[size][:num_tokens]
+
+
+def capture_step_graphs(
+    runner: ModelRunner, max_num_batched_tokens: int
+) -> tuple[DecodeGraphs | None, DecodeGraphs | None, PiecewiseGraphs | None]:
+    """The runner's graphs (decode, verify, piecewise), captured once its KV cache exists (the graphs
+    bake in its addresses); None where a kind does not apply: no graphs off CUDA, with enforce_eager,
+    for the pooling runner (it never decodes), for a model whose shapes depend on the data, or under
+    tensor parallelism (graphs around NCCL's collectives are not captured yet)."""
+    config = runner.config
+    if runner.device.type != "cuda" or config.enforce_eager or runner.pooling_type is not None:
+        return None, None, None
+    if not getattr(runner.model, "graph_safe", True) or distributed.tp_size() > 1:
+        return None, None, None
+    decode = DecodeGraphs(
+        runner.model, config.max_num_seqs, runner.max_blocks_per_seq, runner.max_model_len, runner.device
+    )
+    decode.capture()
+    verify = None
+    spec = config.speculative_config
+    if spec is not None:
+        # Verify steps of up to VERIFY_GRAPH_MAX_SEQS requests, each with its drafts and one token more.
+        max_seqs = min(config.max_num_seqs, VERIFY_GRAPH_MAX_SEQS)
+        if spec.disable_by_batch_size is not None:
+            max_seqs = min(max_seqs, spec.disable_by_batch_size)
+        verify = DecodeGraphs(
+            runner.model, max_seqs, runner.max_blocks_per_seq, runner.max_model_len, runner.device,
+            query_len=1 + spec.num_speculative_tokens,
+        )  # fmt: skip
+        verify.capture()
+    piecewise = None
+    if runner.model.kernels.backend == "triton":
+        # Larger steps are device-bound: their launches hide behind the arithmetic.
+        piecewise = PiecewiseGraphs(
+            runner.model, min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS), runner.device
+        )
+        piecewise.capture()
+    return decode, verify, piecewise

@@ -10,14 +10,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tokenmill import distributed
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
 from tokenmill.structured_outputs import apply_bitmask
-from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.cuda_graphs import DecodeGraphs, capture_step_graphs
 from tokenmill.worker.device import resolve_device, resolve_dtype, staged
 from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.input_batch import InputBatch, StepInputs
@@ -39,11 +38,6 @@ logger = logging.getLogger(__name__)
 # 0.4 s and 7.2 s), against one 34 s step at 8192; fp32 steps take about twice as long.
 _GPU_DEFAULT_BATCHED_TOKENS = 8192
 _CPU_DEFAULT_BATCHED_TOKENS = 512
-# The largest step the piecewise graphs cover, in tokens.
-PIECEWISE_MAX_TOKENS = 8192
-# The largest batch whose verify steps replay a whole-step graph (larger ones use the piecewise graphs):
-# speculation pays at small batches, and each graph keeps logits for all its token rows.
-VERIFY_GRAPH_MAX_SEQS = 64
 
 
 class Prepared(NamedTuple):
@@ -103,35 +97,10 @@ class ModelRunner:
         return layers
 
     def capture_cuda_graphs(self, max_num_batched_tokens: int) -> None:
-        """Capture decode graphs once the KV cache exists (the graphs bake in its addresses), and the
-        piecewise graphs that steps with prompt tokens replay around their eager attention."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.pooling_type is not None:
-            return  # the pooling runner never decodes
-        if not getattr(self.model, "graph_safe", True):
-            return  # a forward whose shapes depend on the data (the MoE reference) is not captured
-        if distributed.tp_size() > 1:
-            return  # graphs around NCCL's collectives are not captured yet: tensor-parallel steps run eager
-        self.decode_graphs = DecodeGraphs(
-            self.model, self.config.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device
+        """Once the KV cache exists (the graphs bake in its addresses): worker/cuda_graphs.py."""
+        self.decode_graphs, self.verify_graphs, self.piecewise_graphs = capture_step_graphs(
+            self, max_num_batched_tokens
         )
-        self.decode_graphs.capture()
-        spec = self.config.speculative_config
-        if spec is not None:
-            # Verify steps of up to VERIFY_GRAPH_MAX_SEQS requests, each with its drafts and one token
-            # more.
-            max_seqs = min(self.config.max_num_seqs, VERIFY_GRAPH_MAX_SEQS)
-            if spec.disable_by_batch_size is not None:
-                max_seqs = min(max_seqs, spec.disable_by_batch_size)
-            self.verify_graphs = DecodeGraphs(
-                self.model, max_seqs, self.max_blocks_per_seq, self.max_model_len, self.device,
-                query_len=1 + spec.num_speculative_tokens,
-            )  # fmt: skip
-            self.verify_graphs.capture()
-        if self.model.kernels.backend == "triton":
-            # Larger steps are device-bound: their launches hide behind the arithmetic.
-            max_tokens = min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
-            self.piecewise_graphs = PiecewiseGraphs(self.model, max_tokens, self.device)
-            self.piecewise_graphs.capture()
 
     # ---- KV cache ---------------------------------------------------------------------------
 
