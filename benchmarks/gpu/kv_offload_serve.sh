@@ -6,7 +6,9 @@
 # tier in OUTDIR/kv_offload_<label>.json; the server's own TTFT and queue-time sums beside them (where the
 # client's TTFT goes: the engine's share against the HTTP path's).
 # Usage: benchmarks/gpu/kv_offload_serve.sh OUTDIR   env: RATE=8 PORT=8360 OFFLOAD_GIB=32
-#   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run).
+#   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run). SERVER_EXTRA: more
+#   server flags for both runs (e.g. "--api-server-count 2": the serving path's share of a turn's TTFT,
+#   ~17 ms under this load with one API process, is the same with and without the tier).
 #   PROFILE=1: py-spy samples the server (API process and engine core) for 30 s of each run, raw stacks
 #   in OUTDIR/pyspy_<label>.txt (needs py-spy, e.g. its wheel among the carried ones).
 # Needs the server's wheels installed and .gpu_assets/tokenizer, as serve_vs_offline.sh does.
@@ -26,7 +28,7 @@ workload=${BENCH_ARGS:---conversation-num 64 --conversation-num-system-prompts 6
 --conversation-turn-len 256 --conversation-output-len 128 --num-prompts 384}
 for label in recompute offload; do
   extra=""; [ $label = offload ] && extra="--kv-offload-gib ${OFFLOAD_GIB:-32}"
-  $py -m tokenmill.entrypoints.cli serve $MODEL_ARGS $extra --port "$port" --no-access-log \
+  $py -m tokenmill.entrypoints.cli serve $MODEL_ARGS $extra ${SERVER_EXTRA:-} --port "$port" --no-access-log \
     >"$out/server_kv_$label.log" 2>&1 &
   server=$!
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done

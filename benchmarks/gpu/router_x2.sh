@@ -8,6 +8,9 @@
 # Usage: benchmarks/gpu/router_x2.sh OUTDIR   env: RATES="8 16 32" NUM_PROMPTS=512 PORT=8350
 #   MODEL_ARGS (default: the 8B shape) and BENCH_ARGS override the model and the workload (a CPU smoke
 #   run: MODEL_ARGS="--model default --dtype float32 --max-model-len 2048" with small BENCH_ARGS).
+#   SHARED_GPU=1: both replicas on one GPU (two `serve` processes, each with GPU_SHARE of its memory,
+#   default 0.42, behind a cache_aware `tokenmill router`) where only one GPU is lent: the two replicas
+#   then share the card's compute and bandwidth, so the figures are a proxy for two GPUs, not the goal.
 # Needs the server's wheels installed and .gpu_assets/tokenizer, as serve_vs_offline.sh does.
 set -u
 out=${1:?usage: router_x2.sh OUTDIR}
@@ -24,9 +27,24 @@ fi
 tokenizer=$(echo "$MODEL_ARGS" | sed -E 's/.*--model ([^ ]+).*/\1/')
 workload=${BENCH_ARGS:---conversation-num 128 --conversation-system-len 2048 --conversation-num-system-prompts 8 \
 --conversation-turn-len 256 --conversation-output-len 128}
-$py -m tokenmill.entrypoints.cli serve $MODEL_ARGS --data-parallel-size 2 --port "$port" \
-  --router-policy cache_aware >"$out/router_dp.log" 2>&1 &
-server=$!
+if [ "${SHARED_GPU:-0}" = 1 ]; then
+  replica_pids=""
+  for index in 0 1; do
+    $py -m tokenmill.entrypoints.cli serve $MODEL_ARGS --port $((port + 10 + index)) \
+      --gpu-memory-utilization "${GPU_SHARE:-0.42}" >"$out/replica$index.log" 2>&1 &
+    replica_pids="$replica_pids $!"
+    # One at a time: each sizes its KV cache from the memory free when it starts.
+    for _ in $(seq 600); do curl -sf "http://127.0.0.1:$((port + 10 + index))/health" >/dev/null && break; sleep 0.5; done
+  done
+  $py -m tokenmill.entrypoints.cli router --port "$port" --policy cache_aware --model "$tokenizer" \
+    --backend "http://127.0.0.1:$((port + 10))" --backend "http://127.0.0.1:$((port + 11))" \
+    >"$out/router_dp.log" 2>&1 &
+  server="$! $replica_pids"
+else
+  $py -m tokenmill.entrypoints.cli serve $MODEL_ARGS --data-parallel-size 2 --port "$port" \
+    --router-policy cache_aware >"$out/router_dp.log" 2>&1 &
+  server=$!
+fi
 replicas() { curl -sf "http://127.0.0.1:$port/router/replicas" | $py -c \
   "import json, sys; print(' '.join(r['url'] for r in json.load(sys.stdin) if r['healthy']))"; }
 for _ in $(seq 600); do
