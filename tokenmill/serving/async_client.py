@@ -274,11 +274,14 @@ class AsyncEngineClient:
                 finished = item.finished
                 now = time.monotonic()
                 if handed is not None and now - handed >= STREAM_GAP_LOG_S:
-                    logger.info(
-                        "stream %s: %.0f ms between chunks: its outputs waited %.0f ms here, the chunk "
-                        "before took %.0f ms to send (if neither is long, the engine core sent late)",
-                        request_id, (now - handed) * 1e3, (now - (state.queued_since or now)) * 1e3,
-                        (sent_s or 0.0) * 1e3,
+                    gap, waited = now - handed, now - (state.queued_since or now)
+                    # At info when this process made most of the gap; a long engine step (a big prompt
+                    # chunk, a CPU engine) makes such gaps on every stream, and is only worth a debug line.
+                    level = logging.INFO if max(waited, sent_s or 0.0) >= gap / 2 else logging.DEBUG
+                    logger.log(
+                        level, "stream %s: %.0f ms between chunks: its outputs waited %.0f ms here, the "
+                        "chunk before took %.0f ms to send (if neither is long, the engine core sent late)",
+                        request_id, gap * 1e3, waited * 1e3, (sent_s or 0.0) * 1e3,
                     )  # fmt: skip
                 state.queued_since = None
                 yield item
