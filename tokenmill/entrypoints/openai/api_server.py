@@ -304,7 +304,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     gc.collect()
     gc.freeze()
-    GCPauses(f"API process {attach.index if attach else 0}", log_over_s=SERVER_LOG_OVER_S).install()
+    pauses = GCPauses(f"API process {attach.index if attach else 0}", log_over_s=SERVER_LOG_OVER_S).install()
     try:
         state = ServerState(
             engine, names, metrics, api_key=args.api_key,
@@ -333,6 +333,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         await server.serve(sockets=[sock])
         return server.exit_code
     finally:
+        pauses.uninstall()
         await engine.shutdown(timeout=_STOP_S)
 
 
