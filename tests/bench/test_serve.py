@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.load import LoadRun, ServeTarget, run_load, run_load_processes
 from tokenmill.bench.metrics import summarize
-from tokenmill.bench.serve import LoadRun, ServeTarget, run_load, run_load_processes
 
 from .fake_openai_server import FakeOpenAIServer, Script
 
