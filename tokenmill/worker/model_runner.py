@@ -193,13 +193,7 @@ class ModelRunner:
         batch = build_sampling_batch(
             requests, inputs.samples, self.generators, self.device, self.hf_config.vocab_size
         )
-        if not drafts:
-            return batch, None
-        rows = verify_rows(inputs, drafts)
-        logit_rows, draft_ids, request_of = self._staged(
-            [rows.logit_rows, rows.draft_ids, rows.request_of], np.int64
-        )
-        return batch, rows._replace(logit_rows=logit_rows, draft_ids=draft_ids, request_of=request_of)
+        return batch, verify_rows(self, inputs, drafts) if drafts else None
 
     @staticmethod
     def _logit_rows(md: AttentionMetadata, rows: VerifyRows | None) -> torch.Tensor:

@@ -29,10 +29,9 @@ class VerifyRows(NamedTuple):
     drafts: list[list[int]]  # per request, its drafts
 
 
-def verify_rows(inputs: StepInputs, drafts: dict[str, list[int]]) -> VerifyRows:
-    """The logit rows verification needs (each request's drafts' positions and its last) and how they
-    map back to the requests; the three index fields as host arrays, which the model runner stages to the
-    device with the step's inputs (one copy)."""
+def verify_rows(runner: ModelRunner, inputs: StepInputs, drafts: dict[str, list[int]]) -> VerifyRows:
+    """The logit rows verification needs (each request's drafts' positions and its last) and how
+    they map back to the requests, staged to the device in one copy."""
     counts = np.asarray(inputs.num_drafts, dtype=np.int64) + 1
     ends = inputs.query_start_loc[1:].astype(np.int64)
     hidden_rows = np.concatenate([np.arange(end - n, end) for end, n in zip(ends, counts)])
@@ -42,8 +41,9 @@ def verify_rows(inputs: StepInputs, drafts: dict[str, list[int]]) -> VerifyRows:
     draft_ids = np.full(hidden_rows.shape[0], -1, dtype=np.int64)
     for first, row in zip(first_rows, row_drafts):
         draft_ids[first : first + len(row)] = row
+    logit_rows, draft_tensor, request_tensor = runner._staged([hidden_rows, draft_ids, request_of], np.int64)
     return VerifyRows(
-        hidden_rows, draft_ids, request_of, request_of.tolist(), first_rows.tolist(), row_drafts
+        logit_rows, draft_tensor, request_tensor, request_of.tolist(), first_rows.tolist(), row_drafts
     )
 
 
