@@ -9,6 +9,7 @@
 #   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run). SERVER_EXTRA: more
 #   server flags for both runs (e.g. "--api-server-count 2": the serving path's share of a turn's TTFT,
 #   ~17 ms under this load with one API process, is the same with and without the tier).
+#   LABELS="offload": one of the two runs only (an A/B of two trees in one call).
 #   PROFILE=1: py-spy samples the server (API process and engine core) for 30 s of each run, raw stacks
 #   in OUTDIR/pyspy_<label>.txt (needs py-spy, e.g. its wheel among the carried ones).
 # Needs the server's wheels installed and .gpu_assets/tokenizer, as serve_vs_offline.sh does.
@@ -26,7 +27,7 @@ fi
 tokenizer=$(echo "$MODEL_ARGS" | sed -E 's/.*--model ([^ ]+).*/\1/')
 workload=${BENCH_ARGS:---conversation-num 64 --conversation-num-system-prompts 64 --conversation-system-len 1024 \
 --conversation-turn-len 256 --conversation-output-len 128 --num-prompts 384}
-for label in recompute offload; do
+for label in ${LABELS:-recompute offload}; do
   extra=""; [ $label = offload ] && extra="--kv-offload-gib ${OFFLOAD_GIB:-32}"
   $py -m tokenmill.entrypoints.cli serve $MODEL_ARGS $extra ${SERVER_EXTRA:-} --port "$port" --no-access-log \
     >"$out/server_kv_$label.log" 2>&1 &

@@ -129,9 +129,9 @@ def test_least_load_round_robin_and_random() -> None:
         CacheAware(-1)
 
 
-def test_piecewise_tokenization_equals_whole_and_turns_off_where_it_would_not(tokenizer) -> None:
-    """The hasher tokenizes the text between special tokens piece by piece, cached: every turn of a
-    growing conversation gives the ids tokenizing the whole rendering gives."""
+def test_hashes_of_every_turn_equal_the_whole_renderings(tokenizer) -> None:
+    """The hasher tokenizes through the server's ChatEncoder (earlier turns cached): every turn of a
+    growing conversation hashes as tokenizing the whole rendering does."""
     from tokenmill.serving.prompt import render_prompt
 
     hasher = PromptHasher(tokenizer, block_size=16)
@@ -142,17 +142,4 @@ def test_piecewise_tokenization_equals_whole_and_turns_off_where_it_would_not(to
         want = render_prompt(tokenizer, messages=messages).token_ids
         assert hasher.hashes("/v1/chat/completions", body) == chain(want, 16), turn
         messages = [*messages, {"role": "assistant", "content": f"{turn * turn}."}]
-    assert hasher._split is not None and len(hasher._pieces) > 6
-
-    class Interacting:
-        """A tokenizer whose pieces do not add up: one id per text, its length."""
-
-        added_tokens_decoder = {0: type("T", (), {"content": "<s>", "special": True, "lstrip": False,
-                                                  "rstrip": False, "normalized": False})()}  # fmt: skip
-
-        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-            return [len(text)]
-
-    odd = PromptHasher(Interacting(), block_size=1)
-    assert odd.encode("ab<s>cd") == [7] and odd._split is None  # checked on the first prompt, turned off
-    assert odd.encode("ab<s>cd") == [7]
+    assert hasher.chat_encoder is not None and hasher.chat_encoder.enabled

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import render_prompt
 
@@ -119,6 +120,7 @@ def _chat(args: argparse.Namespace) -> int:
         raise ValueError("chat needs a tokenizer; drop --skip-tokenizer-init.")
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
+    encoder = ChatEncoder(engine.tokenizer)  # each turn tokenizes only what it adds
     print("Type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
@@ -134,7 +136,7 @@ def _chat(args: argparse.Namespace) -> int:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        prompt, token_ids = render_prompt(engine.tokenizer, messages=messages)
+        prompt, token_ids = render_prompt(engine.tokenizer, messages=messages, encode=encoder.encode)
         room = engine.max_model_len - len(token_ids)
         if room < 1:
             messages.pop()

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, pooling_request_params
+from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import Message, render_prompt
 
@@ -19,6 +20,9 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(self.config)
         self._request_counter = itertools.count()
+        # chat() tokenizes conversations from cached pieces: a shared system prompt once.
+        tokenizer = self.engine.tokenizer
+        self._chat_encoder = ChatEncoder(tokenizer) if tokenizer is not None else None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -91,6 +95,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
                 tools=tools,
+                encode=self._chat_encoder.encode if self._chat_encoder is not None else None,
             )
             for conversation in conversations
         ]

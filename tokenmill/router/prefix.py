@@ -8,18 +8,13 @@ which is all routing needs."""
 from __future__ import annotations
 
 import json
-import re
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from tokenmill.core.kv_cache import hash_block, root_hash
+from tokenmill.serving.chat_encoder import ChatEncoder
 
 # Characters per block when hashing text: about 16 tokens of English.
 TEXT_BLOCK_CHARS = 64
-# Pieces of rendered prompts (the text between special tokens) kept tokenized.
-_PIECE_CACHE_SIZE = 8192
-# Every so many prompts, the piecewise tokenization is checked against tokenizing the whole text.
-_CHECK_EVERY = 64
 
 
 def chain(items: Sequence, block_size: int) -> list[int]:
@@ -42,21 +37,8 @@ class PromptHasher:
         self.tokenizer = tokenizer
         self.fixed = block_size is not None
         self.block_size = block_size or 16
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
-        self._special: dict[str, int] = {}
-        self._split = None
-        self._count = 0
-        if tokenizer is not None:
-            added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-            # Special tokens that match exactly, whatever surrounds them: the tokenizer cuts the text
-            # at them before anything else, so the pieces between them tokenize independently.
-            self._special = {
-                token.content: token_id for token_id, token in added.items()
-                if token.special and not (token.lstrip or token.rstrip or token.normalized)
-            }  # fmt: skip
-            if self._special:
-                alternatives = "|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True))
-                self._split = re.compile(f"({alternatives})")
+        # The rendered chat tokenized from cached pieces, as the server does (earlier turns once).
+        self.chat_encoder = ChatEncoder(tokenizer) if tokenizer is not None else None
 
     def hashes(self, path: str, body: object) -> list[int]:
         """The prompt's block hashes; [] for a request whose prompt cannot be read (the replica it goes
@@ -78,46 +60,15 @@ class PromptHasher:
 
             messages = [ChatMessage.model_validate(m).template_dict() for m in body["messages"]]
             rendered = render_prompt(
-                _PieceCachedTokenizer(self),
+                self.tokenizer,
                 messages=messages,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 tools=body.get("tools"),
+                encode=self.chat_encoder.encode if self.chat_encoder is not None else None,
             )
             return rendered.token_ids
         prompt = _first_prompt(body.get("prompt") if path.endswith("completions") else body.get("input"))
         return render_prompt(self.tokenizer, prompt).token_ids
-
-    def encode(self, text: str) -> list[int]:
-        """The rendered prompt's token ids, as tokenizer.encode(text, add_special_tokens=False) gives
-        them, but assembled from cached pieces: a conversation's system prompt and earlier turns are
-        tokenized once, not at every turn (tokenizing a long prompt is most of the router's time). A
-        sample of prompts is checked against the whole-text tokenization; one mismatch (a tokenizer
-        whose pieces interact) turns the cache off."""
-        if self._split is None:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        ids: list[int] = []
-        for piece in self._split.split(text):
-            if not piece:
-                continue
-            special = self._special.get(piece)
-            if special is not None:
-                ids.append(special)
-                continue
-            cached = self._pieces.get(piece)
-            if cached is None:
-                cached = self.tokenizer.encode(piece, add_special_tokens=False)
-                self._pieces[piece] = cached
-                if len(self._pieces) > _PIECE_CACHE_SIZE:
-                    self._pieces.popitem(last=False)
-            else:
-                self._pieces.move_to_end(piece)
-            ids.extend(cached)
-        self._count += 1
-        if self._count % _CHECK_EVERY == 1 and ids != self.tokenizer.encode(text, add_special_tokens=False):
-            self._split = None
-            self._pieces.clear()
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
 
 
 def _first_prompt(prompt: object) -> str | list[int]:
@@ -140,18 +91,3 @@ def _content(content: object) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return content if isinstance(content, str) else ""
-
-
-class _PieceCachedTokenizer:
-    """The tokenizer as render_prompt uses it, with the rendered chat encoded through the hasher's cache."""
-
-    def __init__(self, hasher: PromptHasher) -> None:
-        self._hasher = hasher
-
-    def __getattr__(self, name: str):
-        return getattr(self._hasher.tokenizer, name)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if add_special_tokens:
-            return self._hasher.tokenizer.encode(text, add_special_tokens=True)
-        return self._hasher.encode(text)

@@ -4,7 +4,7 @@ the engine runs: the one place a chat template is applied and a prompt is tokeni
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 Message = dict
@@ -25,6 +25,7 @@ def render_prompt(
     chat_template: str | None = None,
     add_special_tokens: bool = True,
     tools: list[dict] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> RenderedPrompt:
     """Render and tokenize exactly one of `prompt` (text or token ids) or `messages` (a chat conversation).
 
@@ -34,7 +35,10 @@ def render_prompt(
 
     tools (OpenAI's function tools) go to a chat template that renders them; one that has no place for
     them (the embedded SmolLM2's) gets them described in a system message, with earlier calls and
-    results written in the hermes form (`<tool_call>`, `<tool_response>`)."""
+    results written in the hermes form (`<tool_call>`, `<tool_response>`).
+
+    encode: how a rendered chat becomes token ids (a ChatEncoder's, serving/chat_encoder.py, which keeps
+    the pieces of earlier turns); by default the tokenizer's encode without special tokens."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages.")
     if messages is not None:
@@ -56,6 +60,8 @@ def render_prompt(
             )
         except Exception as exc:  # a template may raise anything on a conversation it does not accept
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        if encode is not None:
+            return RenderedPrompt(text, encode(text))
         return RenderedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, str):
         if tokenizer is None:

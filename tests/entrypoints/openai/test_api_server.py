@@ -58,6 +58,22 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert_error(server.post("/tokenize", json={"prompt": "a", "messages": MESSAGES}), 400)
 
 
+def test_a_growing_conversation_tokenizes_as_its_whole_rendering(server):
+    """The server tokenizes chats through its ChatEncoder (earlier turns from cached pieces): every turn's
+    ids equal the whole rendering tokenized, the first time and again."""
+    from tokenmill.loader import resolve_model
+    from tokenmill.serving.prompt import render_prompt
+
+    tokenizer = resolve_model("default").load_tokenizer()
+    messages = [{"role": "system", "content": " Answer in French.  Use digits.\n"}]
+    for turn in range(4):
+        messages = [*messages, {"role": "user", "content": f"Question {turn}: été ou hiver ?\t"}]
+        want = render_prompt(tokenizer, messages=messages).token_ids
+        for _ in range(2):
+            assert server.post("/tokenize", json={"messages": messages}).json()["tokens"] == want, turn
+        messages = [*messages, {"role": "assistant", "content": f" {turn}\n\n"}]
+
+
 def test_reset_prefix_cache(server, client):
     def cached_tokens() -> int:
         result = client.completions.create(model="default", prompt="one two three " * 12, max_tokens=1)

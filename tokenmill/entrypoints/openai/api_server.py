@@ -179,7 +179,9 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
             raise bad_request("this server runs with --skip-tokenizer-init and has no tokenizer.")
         if request.messages is not None:
             messages, add_generation_prompt = request.messages, request.add_generation_prompt
-            render = functools.partial(render_chat, tokenizer, messages, add_generation_prompt)
+            render = functools.partial(
+                render_chat, tokenizer, messages, add_generation_prompt, encode=state.encode_chat
+            )
         else:
             render = functools.partial(
                 render_prompt, tokenizer, request.prompt, add_special_tokens=request.add_special_tokens

@@ -16,6 +16,7 @@ from tokenmill.core.kv_transfer import RemotePrefill
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serving.async_client import AsyncEngineClient
+from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import RenderedPrompt, render_prompt
 
@@ -46,6 +47,17 @@ class ServerState:
     text_worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenmill-text")
     )
+    # Tokenizes rendered chats from cached pieces (earlier turns once), on the text worker only.
+    chat_encoder: ChatEncoder | None = None
+
+    def __post_init__(self) -> None:
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if self.chat_encoder is None and tokenizer is not None:
+            self.chat_encoder = ChatEncoder(tokenizer)
+
+    @property
+    def encode_chat(self) -> Callable[[str], list[int]] | None:
+        return self.chat_encoder.encode if self.chat_encoder is not None else None
 
     async def remote_prefill(
         self, token_ids: list[int], params: SamplingParams, n: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
@@ -40,14 +40,19 @@ from .tool_calls import (
 
 
 def render_chat(
-    tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, tools: list | None = None
+    tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> RenderedPrompt:
     """The conversation through the model's chat template; tools (and earlier calls and results) go where
-    the template puts them, or into the system message when it has no place for them."""
+    the template puts them, or into the system message when it has no place for them. encode: the
+    server's ChatEncoder (earlier turns tokenized once), else the tokenizer's own."""
     dicts = [m.template_dict() for m in messages]
     try:
         return render_prompt(
-            tokenizer, messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools
+            tokenizer, messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools, encode=encode
         )
     except ValueError as exc:
         raise bad_request(str(exc), param="messages" if tokenizer is not None else None) from exc
@@ -130,7 +135,12 @@ class ChatServing:
                 param="tool_choice",
             )
         prompt_text, prompt_ids = await state.off_loop(
-            render_chat, engine.tokenizer, request.messages, request.add_generation_prompt, request.tools
+            render_chat,
+            engine.tokenizer,
+            request.messages,
+            request.add_generation_prompt,
+            request.tools,
+            state.encode_chat,
         )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"

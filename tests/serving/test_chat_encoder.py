@@ -1,0 +1,124 @@
+"""ChatEncoder: a rendered chat's token ids from cached pieces equal tokenizing the whole text, and the
+cache turns itself off for tokenizers whose pieces interact."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tokenmill.serving import chat_encoder as chat_encoder_module
+from tokenmill.serving.chat_encoder import ChatEncoder
+from tokenmill.serving.prompt import render_prompt
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    from tokenmill.loader import resolve_model
+
+    return resolve_model("default").load_tokenizer()
+
+
+def whole(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_every_turn_of_a_growing_conversation_tokenizes_as_the_whole_text(smollm_tokenizer) -> None:
+    encoder = ChatEncoder(smollm_tokenizer)
+    assert encoder.enabled
+    messages = [{"role": "system", "content": "Be brief and exact.  Numbers as digits.\n"}]
+    for turn in range(8):
+        messages = [*messages, {"role": "user", "content": f" Turn {turn}: what's {turn} x {turn}?\t né"}]
+        want = render_prompt(smollm_tokenizer, messages=messages)
+        got = render_prompt(smollm_tokenizer, messages=messages, encode=encoder.encode)
+        assert got == want, turn
+        messages = [*messages, {"role": "assistant", "content": f"{turn * turn}.\n\n"}]
+    assert encoder.enabled and len(encoder._pieces) > 8
+    # Each earlier message is one cached piece: the next turn tokenizes only what it adds.
+    calls = []
+    real = smollm_tokenizer.encode
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(smollm_tokenizer, name)
+
+        def encode(self, text, add_special_tokens=True):
+            calls.append(text)
+            return real(text, add_special_tokens=add_special_tokens)
+
+    encoder.tokenizer = Counting()
+    messages = [*messages, {"role": "user", "content": "A new question."}]
+    render_prompt(smollm_tokenizer, messages=messages, encode=encoder.encode)
+    assert calls and all("Turn" not in text for text in calls)  # earlier turns came from the cache
+
+
+def test_the_cache_keeps_at_most_its_token_budget(smollm_tokenizer) -> None:
+    encoder = ChatEncoder(smollm_tokenizer, max_cached_tokens=40)
+    for i in range(30):
+        text = f"<|im_start|>user\nquestion number {i} about things<|im_end|>\n<|im_start|>assistant\n"
+        assert encoder.encode(text) == whole(smollm_tokenizer, text)
+        assert encoder._cached_tokens <= 40
+    assert encoder.enabled
+    with pytest.raises(ValueError, match="max_cached_tokens"):
+        ChatEncoder(smollm_tokenizer, max_cached_tokens=-1)
+
+
+def metaspace_tokenizer(prepend_scheme: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a Metaspace pre-tokenizer, as sentencepiece conversions have."""
+    chars = sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\n\téöü"))
+    vocab = {"<unk>": 0, "<s>": 1, "[INST]": 2, "[/INST]": 3, **{c: i + 4 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme), pre_tokenizers.Split("", "isolated")]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        unk_token="<unk>",
+        additional_special_tokens=["[INST]", "[/INST]"],
+    )
+
+
+def test_a_tokenizer_that_prepends_to_its_first_piece_only_is_tokenized_whole() -> None:
+    first = metaspace_tokenizer("first")
+    text = "<s>[INST]hello there[/INST]fine, thanks"
+    # Whole, "hello" is not the text's start and gets no "▁"; alone it would.
+    assert whole(first, text)[2] != whole(first, "hello there")[0]
+    encoder = ChatEncoder(first)
+    assert not encoder.enabled  # found by the probe, before any prompt
+    assert encoder.encode(text) == whole(first, text)
+
+    always = ChatEncoder(metaspace_tokenizer("always"))
+    assert always.enabled
+    assert always.encode(text) == whole(always.tokenizer, text)
+
+
+def test_a_text_whose_pieces_interact_after_the_probe_is_caught_by_the_sampled_check(monkeypatch) -> None:
+    class Odd:
+        """Pieces add up, except for a text holding "zz": there, one id per text, its length."""
+
+        added_tokens_decoder = {0: type("T", (), {"content": "<s>", "special": True, "lstrip": False,
+                                                  "rstrip": False, "normalized": False})()}  # fmt: skip
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            if "zz" in text and "<s>" in text:
+                return [len(text)]
+            return [0 if piece == "<s>" else ord(piece) for piece in _split(text)]
+
+    def _split(text: str) -> list[str]:
+        out, rest = [], text
+        while rest:
+            if rest.startswith("<s>"):
+                out.append("<s>")
+                rest = rest[3:]
+            else:
+                out.append(rest[0])
+                rest = rest[1:]
+        return out
+
+    encoder = ChatEncoder(Odd())
+    assert encoder.enabled
+    assert encoder.encode("ab<s>cd") == [97, 98, 0, 99, 100]
+    monkeypatch.setattr(chat_encoder_module, "CHECK_EVERY", 1)
+    assert encoder.encode("zz<s>cd") == [7] and not encoder.enabled  # checked, turned off
+    assert encoder.encode("zz<s>cd") == [7]
