@@ -43,7 +43,7 @@ for label in ${LABELS:-recompute offload}; do
     --dataset-name conversations $workload --request-rate "$rate" --ignore-eos --seed 0 \
     --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --disable-tqdm \
     --output-json "$out/kv_offload_$label.json" | grep -iE "ttft|throughput" | head -4
-  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^tokenmill:(prefix_cache_(hits|queries)|kv_offload|(time_to_first_token|request_queue_time)_seconds_(sum|count))" \
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^tokenmill:(prefix_cache_(hits|queries)|kv_offload|(time_to_first_token|request_queue_time|request_intake)_seconds_(sum|count))" \
     >"$out/kv_offload_${label}_metrics.txt"
   cat "$out/kv_offload_${label}_metrics.txt"
   kill -INT $server

@@ -165,6 +165,14 @@ class ServerMetrics:
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
         )
+        # Before "arrival" (when the engine gets the request, as vLLM counts it): what a client's TTFT
+        # holds that time_to_first_token does not.
+        self.request_intake = histogram(
+            "request_intake_seconds",
+            "Time from a chat or completion request's handler to its arrival at the engine: the chat "
+            "template, tokenization, checks, and the wait for the API process's text thread.",
+            _TTFT_BUCKETS,
+        )
         self.inter_token_latency = BulkHistogram(
             histogram(
                 "inter_token_latency_seconds", "Time between consecutive outputs of a request.", _ITL_BUCKETS
@@ -226,6 +234,9 @@ class ServerMetrics:
     def record_first_token(self, seconds: float, num_prompt_tokens: int) -> None:
         self.time_to_first_token.observe(seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_intake(self, seconds: float) -> None:
+        self.request_intake.observe(seconds)
 
     def record_step(self, inter_token_gaps: dict[float, int], num_generated_tokens: int) -> None:
         """One engine step's outputs at once: {gap in seconds: how many requests saw it}, and the

@@ -44,6 +44,9 @@ def test_metrics_use_vllm_names_under_the_tokenmill_prefix(server, client):
         assert f"tokenmill:{name}" in metrics, name
     assert metrics["tokenmill:generation_tokens_total"] >= 2
     assert metrics["tokenmill:time_to_first_token_seconds_count"] >= 1
+    # What a client's TTFT holds before the engine's clock starts: template, tokenization, checks.
+    assert metrics["tokenmill:request_intake_seconds_count"] >= 1
+    assert 0 < metrics["tokenmill:request_intake_seconds_sum"] < 10
 
 
 def test_tokenize_and_detokenize_round_trip(server):

@@ -121,6 +121,7 @@ class ChatServing:
         self.state = state
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        start = time.monotonic()
         state = self.state
         model = state.check_model(request.model)
         state.check_generates()
@@ -153,6 +154,7 @@ class ChatServing:
         await check_constraint(state, request, params)
         tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        state.metrics.record_intake(time.monotonic() - start)
         remote = await state.remote_prefill(prompt_ids, params, request.n)
         stream = engine.add_request(request_id, prompt_ids, params, prompt_text, remote_prefill=remote)
         head = {"id": request_id, "created": int(time.time()), "model": model}

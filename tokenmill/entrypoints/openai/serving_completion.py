@@ -76,6 +76,7 @@ class CompletionServing:
         return prompts
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        start = time.monotonic()
         state = self.state
         model = state.check_model(request.model)
         state.check_generates()
@@ -107,6 +108,7 @@ class CompletionServing:
                 "prompt, n=1 and no streaming",
                 param="kv_transfer_params",
             )
+        state.metrics.record_intake(time.monotonic() - start)
         remotes = [
             await state.remote_prefill(p.token_ids, params, request.n)
             for p, params in zip(prompts, all_params)
