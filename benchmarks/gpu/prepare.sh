@@ -5,7 +5,9 @@
 #   .gpu_assets/  the embedded SmolLM2's tokenizer (read from its GGUF), for real text on dummy weights.
 # Usage: benchmarks/gpu/prepare.sh   (then `run` with carry [".whl", ".gpu_assets"], starting the command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#     .whl/*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD; )
+#     .whl/*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD; ). run_all.sh packs its results into
+#   one tarball when they are more than the device returns (8 files); a call that runs other scripts
+#   should end with `benchmarks/gpu/pack.sh $OUT`.
 set -eu
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-.venv/bin/python}

@@ -142,4 +142,5 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     *) echo "unknown stage $stage" ;;
   esac
 done
+benchmarks/gpu/pack.sh "$out"  # more than the device returns (8 files): one tarball instead
 log done
