@@ -3,11 +3,12 @@ tokens of plain prose written for this project) under each scheme and dtype, and
 unquantized model in the same dtype. Prints JSON.
 INT4 is a compressed-tensors W4A16 checkpoint (group 64, zero points, round-to-nearest) that this script
 makes from the embedded model with the compressed-tensors library (tokenmill/bench/quant_checkpoints.py).
-fp8-kv is the unquantized model with an FP8 KV cache. int4-gptq (not in the default list: about four
-minutes on two CPU cores, half of it writing the calibration text) is a GPTQ-format checkpoint, group 128,
+fp8-kv is the unquantized model with an FP8 KV cache. int4-gptq (not in the default list: about 13
+minutes on two AVX2 cores, 2-3 of them writing the calibration text) is a GPTQ-format checkpoint, group 128,
 zero points, desc_act false: AWQ input scaling, then true-sequential GPTQ (each sublayer calibrated on
 inputs through the ones before it quantized) with act-order over static groups whose ranges come from a
-clipping search, calibrated on ~18,000 tokens the model writes itself. Each checkpoint is
+clipping search, its scales refit to the codes and refined in rounds (quant_checkpoints.REFINE_ROUNDS),
+calibrated on ~18,000 tokens the model writes itself. Each checkpoint is
 made once and scored in every dtype.
 Usage: python benchmarks/quality.py [--dtypes float32,bfloat16] [--schemes none,fp8,fp8-kv,int4]"""
 

@@ -239,3 +239,37 @@ def test_gptq_spreads_rounding_error_to_keep_the_outputs_closer_than_rounding_al
     ).reshape(48, 128)
     error = lambda wq: (x.double() @ (wq - w.double()).t()).norm()  # noqa: E731
     assert error(gptq) < 0.8 * error(rtn)
+
+
+def test_refining_rounds_never_raise_the_layers_output_error(monkeypatch) -> None:
+    """_quantize_into's rounds (GPTQ's codes under the refit scales, then scales refit to them) keep the
+    best of what they find: the output error with rounds is at most the one-pass error, and the packed
+    tensors dequantize to the weight the layer is left with."""
+    from tokenmill.bench import quant_checkpoints as qc
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(768, 256, generator=gen) @ torch.randn(256, 256, generator=gen)
+    hessian = x.double().t() @ x.double()
+    weight = torch.randn(40, 256, generator=gen)
+    errors = {}
+    for rounds in (0, 2):
+        monkeypatch.setattr(qc, "REFINE_ROUNDS", rounds)
+        linear = torch.nn.Linear(256, 40, bias=False)
+        linear.weight.data = weight.clone()
+        tensors: dict = {}
+        qc._quantize_into(tensors, "layer", linear, hessian, group_size=64)
+        groups = torch.arange(256) // 64
+        q = torch.stack([(tensors["layer.qweight"].long() >> (4 * j)) & 15 for j in range(8)], 1).reshape(
+            256, 40
+        )
+        zero = (
+            torch.stack([(tensors["layer.qzeros"].long() >> (4 * j)) & 15 for j in range(8)], 2).reshape(
+                4, 40
+            )
+            + 1
+        )
+        scale = tensors["layer.scales"].double()
+        dequantized = (q.t() - zero[groups].t()) * scale[groups].t()
+        torch.testing.assert_close(dequantized.float(), linear.weight.data)
+        errors[rounds] = qc.output_error(weight, hessian, q.t(), scale, zero.double(), 64)
+    assert errors[2] <= errors[0]

@@ -143,13 +143,16 @@ def group_range(block, importance, shrinks=CLIP_SHRINKS):
     return best[1], best[2]
 
 
-def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_size: int = 128):
+def gptq_quantize(
+    weight, hessian, group_size: int, damp: float = 0.01, block_size: int = 128, ranges: tuple | None = None
+):
     """GPTQ (Frantar et al., 2022) of one linear weight [N, K] with asymmetric 4-bit groups along K:
     columns are quantized one at a time, each one's rounding error spread over the columns not yet
     quantized through the inverse Hessian of the layer's inputs (H = X^T X). Columns go in order of
     descending H diagonal (act-order: the most influential first, while the most columns remain to
     absorb their error) with each group's range fixed beforehand from the original weights by a
     clipping search ("static groups"), so the checkpoint keeps desc_act false and a plain g_idx.
+    ranges: (scale, zero) [G, N] to use instead of the clipping search's.
     Returns (q [N, K] in 0..15, scale [G, N], zero [G, N]) with w ~= (q - zero) * scale."""
     import torch
 
@@ -161,9 +164,11 @@ def gptq_quantize(weight, hessian, group_size: int, damp: float = 0.01, block_si
     w[:, dead] = 0
     importance = torch.diag(h).clone()
     groups = torch.arange(k) // group_size
-    ranges = [group_range(w[:, groups == g], importance[groups == g]) for g in range(int(groups[-1]) + 1)]
-    scale = torch.stack([r[0] for r in ranges])
-    zero = torch.stack([r[1] for r in ranges])
+    if ranges is None:
+        found = [group_range(w[:, groups == g], importance[groups == g]) for g in range(int(groups[-1]) + 1)]
+        scale, zero = torch.stack([r[0] for r in found]), torch.stack([r[1] for r in found])
+    else:
+        scale, zero = ranges
     order = torch.argsort(importance, descending=True)
     w, h = w[:, order], h[order][:, order]
     column_scale, column_zero = scale[groups[order]].t(), zero[groups[order]].t()  # [N, K], in order
@@ -269,6 +274,19 @@ def _input_statistics(inputs: list) -> tuple:
 
 
 REFIT_SCALES = True  # least-squares scales for GPTQ's codes (refit_scales)
+# Further rounds of GPTQ's codes under the refit scales, then scales refit to those codes; the round
+# with the least output error is kept (GPTQ's codes are not optimal for given scales, so a round can
+# come out worse than the one before and a later one better again).
+REFINE_ROUNDS = 4
+
+
+def output_error(weight, hessian, q, scale, zero, group_size: int) -> float:
+    """The layer's output error on the calibration inputs, tr((W - W') H (W - W')^T)."""
+    import torch
+
+    groups = torch.arange(weight.shape[1]) // group_size
+    delta = weight.double() - (q - zero[groups].t()) * scale[groups].t()
+    return float(((delta @ hessian.double()) * delta).sum())
 
 
 def _quantize_into(tensors: dict, name: str, linear, hessian, group_size: int) -> None:
@@ -276,9 +294,18 @@ def _quantize_into(tensors: dict, name: str, linear, hessian, group_size: int) -
     dequantized one, so the sublayers after it calibrate on what the checkpoint will compute."""
     import torch
 
-    q, scale, zero = gptq_quantize(linear.weight.data, hessian, group_size)
+    weight = linear.weight.data
+    q, scale, zero = gptq_quantize(weight, hessian, group_size)
     if REFIT_SCALES:
-        scale = refit_scales(linear.weight.data, hessian, q, scale, zero, group_size).half().double()
+        best = None
+        for round_ in range(1 + REFINE_ROUNDS):
+            if round_:
+                q = gptq_quantize(weight, hessian, group_size, ranges=(scale, zero))[0]
+            scale = refit_scales(weight, hessian, q, scale, zero, group_size).half().double()
+            error = output_error(weight, hessian, q, scale, zero, group_size)
+            if best is None or error < best[0]:
+                best = (error, q, scale)
+        _, q, scale = best
     groups = torch.arange(linear.in_features) // group_size
     linear.weight.data = ((q - zero[groups].t()) * scale[groups].t()).float()
     tensors[f"{name}.qweight"] = pack_gptq_rows(q.t())
