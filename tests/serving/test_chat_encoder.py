@@ -122,3 +122,30 @@ def test_a_text_whose_pieces_interact_after_the_probe_is_caught_by_the_sampled_c
     monkeypatch.setattr(chat_encoder_module, "CHECK_EVERY", 1)
     assert encoder.encode("zz<s>cd") == [7] and not encoder.enabled  # checked, turned off
     assert encoder.encode("zz<s>cd") == [7]
+
+
+def test_threads_sharing_one_encoder_get_the_whole_texts_ids(smollm_tokenizer) -> None:
+    """The router hashes large bodies on worker threads through one encoder: with a tokenizer that lets
+    other threads run while it works and a cache small enough to evict all the time, every thread gets
+    each text's own ids and the cache's token count stays true."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(smollm_tokenizer, name)
+
+        def encode(self, text, add_special_tokens=True):
+            time.sleep(0.001)  # the GIL is free meanwhile, as it is for a tokenizer that releases it
+            return smollm_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    encoder = ChatEncoder(Slow(), max_cached_tokens=64)
+    texts = [
+        f"<|im_start|>system\nrule {i % 5}: be exact<|im_end|>\n<|im_start|>user\nask {i % 7}<|im_end|>\n"
+        for i in range(300)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(encoder.encode, texts))
+    assert got == [whole(smollm_tokenizer, text) for text in texts]
+    assert encoder.enabled
+    assert encoder._cached_tokens == sum(len(ids) for ids in encoder._pieces.values()) <= 64

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from array import array
 from collections import OrderedDict
 
@@ -39,6 +40,7 @@ class ChatEncoder:
         self._pieces: OrderedDict[str, array] = OrderedDict()
         self._cached_tokens = 0
         self._count = 0
+        self._lock = threading.Lock()
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._special = {
             token.content: token_id for token_id, token in added.items()
@@ -57,7 +59,13 @@ class ChatEncoder:
         return self._split is not None
 
     def encode(self, text: str) -> list[int]:
-        """tokenizer.encode(text, add_special_tokens=False), assembled from cached pieces."""
+        """tokenizer.encode(text, add_special_tokens=False), assembled from cached pieces. Safe from
+        several threads (the router hashes large bodies on worker threads); they take turns, which costs
+        nothing a tokenizer holding the GIL would not."""
+        with self._lock:
+            return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
         if self._split is None:
             return self._whole(text)
         ids = self._pieced(text)
