@@ -13,8 +13,9 @@ from tokenmill.bench.metrics import summarize
 
 from .fake_openai_server import FakeOpenAIServer, Script
 
-# Scheduling noise of a 2-core machine; measured on an idle one the error is 1-3 ms.
-TOLERANCE_MS = 10.0
+# Scheduling noise of a 2-core machine; measured on an idle one the error is 1-3 ms, and once 10.1 ms at
+# P90 late in a full suite run on a slower (AVX2) VM.
+TOLERANCE_MS = 15.0
 
 
 def _samples(count: int, output_len: int = 8) -> list[SampleRequest]:
