@@ -64,7 +64,7 @@ class PromptHasher:
                 messages=messages,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 tools=body.get("tools"),
-                encode=self.chat_encoder.encode if self.chat_encoder is not None else None,
+                encode=self.chat_encoder.encode,  # set whenever there is a tokenizer
             )
             return rendered.token_ids
         prompt = _first_prompt(body.get("prompt") if path.endswith("completions") else body.get("input"))

@@ -81,7 +81,7 @@ class ChatEncoder:
     def _whole(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _pieced(self, text: str) -> list[int]:
+    def _pieced(self, text: str, remember: bool = True) -> list[int]:
         assert self._split is not None
         ids: list[int] = []
         for piece in self._split.split(text):
@@ -91,10 +91,11 @@ class ChatEncoder:
             if special is not None:
                 ids.append(special)
                 continue
-            cached = self._pieces.get(piece)
+            cached = self._pieces.get(piece) if remember else None
             if cached is None:
                 cached = array("i", self._whole(piece))
-                self._remember(piece, cached)
+                if remember:
+                    self._remember(piece, cached)
             else:
                 self._pieces.move_to_end(piece)
             ids.extend(cached)
@@ -118,14 +119,8 @@ class ChatEncoder:
             text = "".join(piece + specials[i % len(specials)] for i, piece in enumerate(_PROBE_PIECES))
             texts += [text, special + text, text + special + " tail"]
         try:
-            for text in texts:
-                ids: list[int] = []
-                for piece in self._split.split(text):  # type: ignore[union-attr]
-                    if piece:
-                        special_id = self._special.get(piece)
-                        ids += [special_id] if special_id is not None else self._whole(piece)
-                if ids != self._whole(text):
-                    return False
+            if any(self._pieced(text, remember=False) != self._whole(text) for text in texts):
+                return False
         except Exception:  # a tokenizer that cannot take the probe's text keeps its own way
             return False
         return True
