@@ -5,6 +5,9 @@
 # history against a pool of 3,300 blocks (52,800 tokens). TTFT percentiles and the engine's hits per
 # tier in OUTDIR/kv_offload_<label>.json; the server's own TTFT and queue-time sums beside them (where the
 # client's TTFT goes: the engine's share against the HTTP path's).
+# The turns go to the chat endpoint as messages (system, user, assistant, ...), rendered by the model's
+# template; ENDPOINT=/v1/completions sends each turn's history as one text instead (tokenized whole in
+# every turn: ~10 ms a turn here on the random-token text, which the chat path's piece cache skips).
 # Usage: benchmarks/gpu/kv_offload_serve.sh OUTDIR   env: RATE=8 PORT=8360 OFFLOAD_GIB=32
 #   MODEL_ARGS / BENCH_ARGS override the model and workload (a CPU smoke run). SERVER_EXTRA: more
 #   server flags for both runs (e.g. "--api-server-count 2": the serving path's share of a turn's TTFT,
@@ -36,11 +39,12 @@ for label in ${LABELS:-recompute offload}; do
   if [ "${PROFILE:-0}" = 1 ]; then
     # py-spy from PATH, or from the first PYTHONPATH entry's bin (a wheel installed with --target).
     spy=$(command -v py-spy || echo "${PYTHONPATH%%:*}/bin/py-spy")
-    (sleep 10; "$spy" record -p "$server" --subprocesses --nonblocking -d 30 -r 200 -f raw \
+    (sleep 10; "$spy" record -p "$server" --subprocesses --threads --nonblocking -d 30 -r 200 -f raw \
       -o "$out/pyspy_$label.txt" >/dev/null 2>&1) &
   fi
   $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
-    --dataset-name conversations $workload --request-rate "$rate" --ignore-eos --seed 0 \
+    --dataset-name conversations $workload --endpoint "${ENDPOINT:-/v1/chat/completions}" \
+    --request-rate "$rate" --ignore-eos --seed 0 \
     --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --disable-tqdm \
     --output-json "$out/kv_offload_$label.json" | grep -iE "ttft|throughput" | head -4
   curl -s "http://127.0.0.1:$port/metrics" | grep -E "^tokenmill:(prefix_cache_(hits|queries)|kv_offload|(time_to_first_token|request_queue_time|request_intake)_seconds_(sum|count))" \

@@ -45,6 +45,10 @@ def test_chat_payload_wraps_the_prompt_as_a_user_message() -> None:
     payload = build_payload(request)
     assert payload["messages"] == [{"role": "user", "content": "hi"}]
     assert "prompt" not in payload and "ignore_eos" not in payload
+    turns = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
+    chat = RequestInput(api_url="u", model="m", prompt="be brief\nhi", prompt_len=3, max_tokens=2, chat=True,
+                        messages=turns)  # fmt: skip
+    assert build_payload(chat)["messages"] == list(turns)  # a conversation goes as its turns
 
 
 def test_chat_rejects_token_id_prompts() -> None:

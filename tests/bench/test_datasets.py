@@ -96,6 +96,23 @@ def test_conversations_grow_turn_by_turn_over_shared_system_prompts(tiny_tokeniz
         )  # fmt: skip
 
 
+def test_conversations_as_chat_turns(tiny_tokenizer) -> None:
+    requests = conversation_requests(
+        tiny_tokenizer, num_prompts=6, num_conversations=3, system_prompt_len=12, num_system_prompts=2,
+        turn_len=4, output_len=5, as_messages=True,
+    )  # fmt: skip
+    roles = [[m["role"] for m in r.messages] for r in requests]
+    assert roles == [["system", "user"]] * 3 + [["system", "user", "assistant", "user"]] * 3
+    for r in requests:
+        lengths = [len(tiny_tokenizer.encode(m["content"])) for m in r.messages]
+        assert lengths == [12, 4, 5, 4][: len(lengths)]  # each turn's text alone has its length
+        assert r.prompt_len == sum(lengths) and r.prompt == "\n".join(m["content"] for m in r.messages)
+    # A second turn repeats its conversation's first turn exactly; two system prompts are shared by three.
+    firsts = {r.messages[1]["content"]: r.messages for r in requests[:3]}
+    assert all(firsts[r.messages[1]["content"]] == r.messages[:2] for r in requests[3:])
+    assert len({r.messages[0]["content"] for r in requests}) == 2
+
+
 def test_sharegpt_like_lengths_follow_the_published_shape(tiny_tokenizer) -> None:
     requests = sharegpt_like_requests(tiny_tokenizer, num_prompts=400, seed=0)
     inputs = np.array([r.prompt_len for r in requests])

@@ -25,6 +25,7 @@ class RequestInput:
     chat: bool = False
     ignore_eos: bool = False
     temperature: float = 0.0
+    messages: tuple[dict, ...] | None = None  # a chat's turns; without them the prompt is one user turn
 
 
 @dataclass
@@ -69,7 +70,8 @@ def build_payload(request: RequestInput) -> dict:
     if request.chat:
         if not isinstance(request.prompt, str):
             raise ValueError("/v1/chat/completions takes text prompts; drop --prompts-as-token-ids")
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        turns = request.messages or ({"role": "user", "content": request.prompt},)
+        payload["messages"] = list(turns)
     else:
         payload["prompt"] = request.prompt
     if request.ignore_eos:

@@ -51,6 +51,9 @@ class SampleRequest:
     prompt_len: int
     expected_output_len: int
     timestamp_ms: float | None = None
+    # A chat endpoint's turns ({"role", "content"} each), where the workload is a conversation; `prompt`
+    # then holds the same contents joined, and `prompt_len` their tokens without the template's own.
+    messages: tuple[dict, ...] | None = None
 
 
 class PromptMaker:
@@ -162,6 +165,7 @@ def conversation_requests(
     output_len: int,
     seed: int = 0,
     as_token_ids: bool = False,
+    as_messages: bool = False,
 ) -> list[SampleRequest]:
     """Multi-turn chats: each conversation opens with one of `num_system_prompts` shared system prompts,
     and each turn's prompt is the previous one plus its answer plus a new user message of `turn_len`
@@ -169,13 +173,20 @@ def conversation_requests(
     come turn by turn across conversations (every conversation's first turn in a random order, then every
     second turn...),
     so at a request rate R a conversation's next turn arrives about num_conversations / R seconds after
-    the last: the working set is the system prompts plus every conversation's growing history."""
+    the last: the working set is the system prompts plus every conversation's growing history.
+
+    as_messages: each request carries the conversation as chat turns (system, user, assistant, ...) for
+    a chat endpoint, which renders them with the model's template; otherwise one running text."""
     if min(num_conversations, num_system_prompts) < 1:
         raise ValueError("--conversation-num and --conversation-num-system-prompts must be >= 1")
     if min(system_prompt_len, turn_len, output_len) < 1:
         raise ValueError("--conversation-system-len, -turn-len and -output-len must be >= 1")
     rng = np.random.default_rng(seed)
     maker = PromptMaker(tokenizer, rng)
+    if as_messages:
+        return _conversation_messages(
+            maker, num_prompts, num_conversations, system_prompt_len, num_system_prompts, turn_len, output_len
+        )
     systems = [maker.random_ids(system_prompt_len) for _ in range(num_system_prompts)]
     histories = [list(systems[c % num_system_prompts]) for c in range(num_conversations)]
     requests = []
@@ -188,6 +199,36 @@ def conversation_requests(
             prompt, prompt_len = maker.prompt(list(history), as_token_ids)
             requests.append(SampleRequest(prompt, prompt_len, output_len))
             history += maker.random_ids(output_len)
+    return requests
+
+
+def _conversation_messages(
+    maker: PromptMaker,
+    num_prompts: int,
+    num_conversations: int,
+    system_prompt_len: int,
+    num_system_prompts: int,
+    turn_len: int,
+    output_len: int,
+) -> list[SampleRequest]:
+    """conversation_requests' workload as chat turns, each turn's text fitted to its length on its own."""
+
+    def turn(role: str, num_tokens: int) -> tuple[dict, int]:
+        text, length = maker.fit_text(maker.random_ids(num_tokens), num_tokens)
+        return {"role": role, "content": text}, length
+
+    systems = [turn("system", system_prompt_len) for _ in range(num_system_prompts)]
+    histories = [[systems[c % num_system_prompts]] for c in range(num_conversations)]
+    requests = []
+    while len(requests) < num_prompts:
+        for index in maker.rng.permutation(num_conversations)[: num_prompts - len(requests)]:
+            history = histories[index]
+            history.append(turn("user", turn_len))
+            messages = tuple(message for message, _ in history)
+            prompt = "\n".join(message["content"] for message in messages)
+            prompt_len = sum(length for _, length in history)
+            requests.append(SampleRequest(prompt, prompt_len, output_len, messages=messages))
+            history.append(turn("assistant", output_len))
     return requests
 
 
@@ -376,6 +417,7 @@ def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None
             num_system_prompts=args.conversation_num_system_prompts,
             turn_len=args.conversation_turn_len,
             output_len=args.conversation_output_len,
+            as_messages=getattr(args, "endpoint", None) == "/v1/chat/completions",
             **common,
         )
     return sharegpt_like_requests(tokenizer, output_len=args.sharegpt_output_len, **common)
