@@ -59,3 +59,51 @@ def test_saved_blocks_load_back_bit_for_bit(dtype, device) -> None:
 def test_consecutive_host_blocks_are_one_copy() -> None:
     assert _runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
     assert _runs([]) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_side_stream_copies_keep_their_order_when_a_stream_lags() -> None:
+    """On a GPU the pool's copies run on a save stream and a load stream. Each stream is held up in turn
+    (torch.cuda._sleep queued on it) while the other direction touches the same host row: the copy that
+    came second must still see the first one's effect, and the step's stream must see the loaded block."""
+    torch.manual_seed(0)
+    layers = [layer(8, 4, 2, 64, torch.bfloat16, "cuda") for _ in range(3)]
+    host = HostKVCache(layers, num_blocks=4, device=torch.device("cuda"))
+    streams = host._streams
+    assert streams is not None
+
+    def block(device_block: int) -> list[torch.Tensor]:
+        return [getattr(a, n)[device_block].clone() for a in layers for n in ("k_cache", "v_cache")]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    spin = 200_000_000  # GPU cycles: ~0.1 s, far longer than the host takes to issue what follows
+    # A save held up on its stream, then a load of the same row: the load waits for the save.
+    first = block(1)
+    with torch.cuda.stream(streams.save):
+        torch.cuda._sleep(spin)
+    host.transfer(saves=[(1, 2)], loads=[])
+    host.transfer(saves=[], loads=[(2, 5)])
+    assert same(block(5), first)  # block() reads on the step's stream, after the loads' event
+    # A load held up on its stream, then a save over the same row: the save waits for the load.
+    second = block(3)
+    with torch.cuda.stream(streams.load):
+        torch.cuda._sleep(spin)
+    host.transfer(saves=[], loads=[(2, 6)])
+    host.transfer(saves=[(3, 2)], loads=[])
+    assert same(block(6), first)
+    host.transfer(saves=[], loads=[(2, 7)])
+    assert same(block(7), second)
+    # Copies that share no row do not wait for each other: a load runs while a save is held up.
+    with torch.cuda.stream(streams.save):
+        torch.cuda._sleep(spin * 5)
+    host.transfer(saves=[(4, 0)], loads=[(2, 0)])
+    loaded = torch.cuda.Event()
+    loaded.record(torch.cuda.current_stream())
+    loaded.synchronize()
+    assert not streams.pending[-2][1].query()  # the save is still held up, the load is done
+    assert same(block(0), second)
+    torch.cuda.synchronize()
+    assert host.bytes_saved == 3 * host.block_bytes and host.bytes_loaded == 4 * host.block_bytes

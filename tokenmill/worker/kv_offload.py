@@ -6,15 +6,19 @@ rows (the scheduler's side is core/offload.py). Disaggregation ships the same ro
 The host pool holds whole rows (pinned on a GPU), so a block crosses PCIe in one contiguous copy at full
 bandwidth, and runs of consecutive host blocks in one. A save gathers the evicted device blocks of every
 layer into a device staging tensor of the row layout and copies its rows into the pool; a load copies
-pool rows into a staging tensor and scatters them into each layer's cache. Both run ahead of the step's
-forward pass on the step's stream and never wait for the device: the pool is only ever read and written
-by copies on that stream, in order."""
+pool rows into a staging tensor and scatters them into each layer's cache. The gathers and scatters run
+ahead of the step's forward pass on the step's stream; on a GPU the PCIe copies run on two side streams
+(one each way), so a load's copy starts when the host issues it, while the step before still computes,
+and a save's copy overlaps the step's own forward pass. The step's stream waits only for its loads'
+copies, on the device. A copy that touches a pool row another direction's copy still uses waits for
+it (a row saved in this step or the last and loaded now; a row being loaded and now saved over)."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -99,9 +103,7 @@ class HostKVCache:
             self.disk = np.memmap(
                 self._disk_file, dtype=np.uint8, mode="w+", shape=(num_disk_blocks, self.block_bytes)
             )
-        # The last copies issued between the pool and the device: host-side reads and writes of pool rows
-        # (the disk tier's) wait for them.
-        self._copied: torch.cuda.Event | None = None
+        self._streams = _SideStreams(device) if device.type == "cuda" else None
         self.bytes_saved = 0
         self.bytes_loaded = 0
         self.bytes_spilled = 0
@@ -118,9 +120,10 @@ class HostKVCache:
         """Spills first (host rows to disk, before anything overwrites them), then saves (a device block
         saved here may be the target of one of the loads), then disk reads into host rows, then loads."""
         start = time.perf_counter()
+        streams = self._streams
         if spills or disk_reads:
-            if self._copied is not None:
-                self._copied.synchronize()  # recorded a step ago, at the start of its forward pass
+            if streams is not None:
+                streams.drain()  # host-side reads and writes of pool rows: no copy may be in flight
             assert self.disk is not None
             pool = self.pool.numpy()
             for host_block, slot in spills:
@@ -128,10 +131,11 @@ class HostKVCache:
             self.bytes_spilled += len(spills) * self.block_bytes
         if saves:
             staging = self.rows.gather([d for d, _ in saves])
-            for first, host_first, count in _runs([h for _, h in saves]):
-                self.pool[host_first : host_first + count].copy_(
-                    staging[first : first + count], non_blocking=True
-                )
+            with streams.saving(staging, [h for _, h in saves]) if streams else _nothing():
+                for first, host_first, count in _runs([h for _, h in saves]):
+                    self.pool[host_first : host_first + count].copy_(
+                        staging[first : first + count], non_blocking=True
+                    )
             self.bytes_saved += len(saves) * self.block_bytes
         if disk_reads:
             # Into host rows no copy in flight touches: the saves above write other rows (a host block is
@@ -140,17 +144,78 @@ class HostKVCache:
                 pool[host_block] = self.disk[slot]
             self.bytes_read += len(disk_reads) * self.block_bytes
         if loads:
-            staging = torch.empty((len(loads), self.block_bytes), dtype=torch.uint8, device=self.device)
-            for first, host_first, count in _runs([h for h, _ in loads]):
-                staging[first : first + count].copy_(
-                    self.pool[host_first : host_first + count], non_blocking=True
-                )
+            shape = (len(loads), self.block_bytes)
+            host_blocks = [h for h, _ in loads]
+            with streams.loading(shape, host_blocks) if streams else _staging(shape) as staging:
+                for first, host_first, count in _runs(host_blocks):
+                    staging[first : first + count].copy_(
+                        self.pool[host_first : host_first + count], non_blocking=True
+                    )
             self.rows.scatter(staging, [d for _, d in loads])
             self.bytes_loaded += len(loads) * self.block_bytes
-        if self.disk is not None and (saves or loads) and self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
         self.host_seconds += time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def _staging(shape: tuple[int, int]) -> Iterator[torch.Tensor]:
+    yield torch.empty(shape, dtype=torch.uint8)  # on the CPU, where the pool is the device's own memory
+
+
+class _SideStreams:
+    """The pool's copies on their own CUDA streams, one each way, and what orders them: the rows each
+    direction's copies in flight touch, with an event recorded after them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.save = torch.cuda.Stream(device)
+        self.load = torch.cuda.Stream(device)
+        self.pending: list[tuple[str, torch.cuda.Event, frozenset[int]]] = []  # (direction, done, rows)
+
+    def _wait_for(self, stream: torch.cuda.Stream, direction: str, rows: frozenset[int]) -> None:
+        """stream waits for the other direction's copies in flight that touch any of rows."""
+        self.pending = [p for p in self.pending if not p[1].query()]
+        for other, done, touched in self.pending:
+            if other != direction and not rows.isdisjoint(touched):
+                stream.wait_event(done)
+
+    @contextlib.contextmanager
+    def saving(self, staging: torch.Tensor, host_blocks: list[int]) -> Iterator[None]:
+        """Device-to-host copies of staging (gathered on the current stream) into host_blocks."""
+        rows = frozenset(host_blocks)
+        self.save.wait_stream(torch.cuda.current_stream(self.device))  # the gather into staging
+        self._wait_for(self.save, "save", rows)  # rows a load still reads
+        staging.record_stream(self.save)  # its memory is not reused until the copies are done
+        with torch.cuda.stream(self.save):
+            yield
+            done = torch.cuda.Event()
+            done.record()
+        self.pending.append(("save", done, rows))
+
+    @contextlib.contextmanager
+    def loading(self, shape: tuple[int, int], host_blocks: list[int]) -> Iterator[torch.Tensor]:
+        """Host-to-device copies from host_blocks into the staging tensor yielded (made on the load
+        stream); the current stream waits for them before it goes on (to the scatter)."""
+        rows = frozenset(host_blocks)
+        self._wait_for(self.load, "load", rows)  # rows a save still writes
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.load):
+            staging = torch.empty(shape, dtype=torch.uint8, device=self.device)
+            yield staging
+            done = torch.cuda.Event()
+            done.record()
+        main.wait_event(done)
+        staging.record_stream(main)  # the scatter reads it there
+        self.pending.append(("load", done, rows))
+
+    def drain(self) -> None:
+        for _, done, _ in self.pending:
+            done.synchronize()
+        self.pending.clear()
 
 
 def _runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
