@@ -5,7 +5,9 @@ served were not computed."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 
@@ -90,3 +92,38 @@ def test_bad_disk_tier_knobs_name_them(tmp_path) -> None:
         LLM("default", kv_offload_gib=1, kv_offload_disk=str(tmp_path / "missing"), kv_offload_disk_gib=1)
     with pytest.raises(ValueError, match="kv_offload_disk_gib"):
         LLM("default", kv_offload_gib=1, kv_offload_disk_gib=1)
+
+
+NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_offloaded_prefixes_of_batched_requests(hf_model_dirs, device, async_scheduling) -> None:
+    """A random-weight Llama on token ids, two requests a step (on a GPU in bf16, where the pool's copies
+    run on their own streams): four 160-token prefixes through a pool that holds about two, each visited
+    three times with a new suffix; greedy tokens equal a pool that holds everything."""
+    path, _ = hf_model_dirs["llama"]
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(3, 1000, 160).tolist() for _ in range(4)]
+    lens = [8, 12, 16, 20]
+    rounds = [[p + rng.integers(3, 1000, n).tolist() for p, n in zip(prefixes, lens)] for _ in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def tokens(**pool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(
+            path, skip_tokenizer_init=True, dtype="bfloat16" if device == "cuda" else "float32",
+            device=device, max_model_len=256, block_size=16, async_scheduling=async_scheduling, **pool,
+        )  # fmt: skip
+        out = []
+        for prompts in rounds:  # two at a time: loads and saves share steps with other requests' work
+            for pair in (prompts[:2], prompts[2:]):
+                outputs = llm.generate(prompt_token_ids=pair, sampling_params=params, use_tqdm=False)
+                out += [o.outputs[0].token_ids for o in outputs]
+        return out, llm
+
+    reference, _ = tokens(num_kv_blocks=200)
+    offloaded, llm = tokens(num_kv_blocks=26, kv_offload_gib=0.01)
+    kv = llm.engine.scheduler.kv
+    assert offloaded == reference
+    assert kv.host.num_saved > 0 and kv.host.num_loaded >= 2 * 4 * 9  # rounds 2 and 3 loaded most prefixes
