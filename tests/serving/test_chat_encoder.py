@@ -35,10 +35,19 @@ def test_every_turn_of_a_growing_conversation_tokenizes_as_the_whole_text(smollm
         messages = [*messages, {"role": "assistant", "content": f"{turn * turn}.\n\n"}]
     assert encoder.enabled and len(encoder._pieces) > 8
     # Each earlier message is one cached piece: the next turn tokenizes only what it adds.
-    calls = []
+    calls, batches = [], []
     real = smollm_tokenizer.encode
+    backend = smollm_tokenizer.backend_tokenizer
+
+    class CountingBackend:
+        def encode_batch(self, texts, add_special_tokens=True):
+            calls.extend(texts)
+            batches.append(len(texts))
+            return backend.encode_batch(texts, add_special_tokens=add_special_tokens)
 
     class Counting:
+        backend_tokenizer = CountingBackend()
+
         def __getattr__(self, name):
             return getattr(smollm_tokenizer, name)
 
@@ -48,8 +57,16 @@ def test_every_turn_of_a_growing_conversation_tokenizes_as_the_whole_text(smollm
 
     encoder.tokenizer = Counting()
     messages = [*messages, {"role": "user", "content": "A new question."}]
-    render_prompt(smollm_tokenizer, messages=messages, encode=encoder.encode)
+    want = render_prompt(smollm_tokenizer, messages=messages)
+    assert render_prompt(smollm_tokenizer, messages=messages, encode=encoder.encode) == want
     assert calls and all("Turn" not in text for text in calls)  # earlier turns came from the cache
+    # A conversation seen first: its pieces go to the tokenizer's backend in one batch, ids unchanged.
+    calls.clear()
+    messages = [{"role": "system", "content": "Other rules."}, {"role": "user", "content": "Other question?"}]
+    want = render_prompt(smollm_tokenizer, messages=messages)
+    assert render_prompt(smollm_tokenizer, messages=messages, encode=encoder.encode) == want
+    assert any("Other rules." in text for text in calls) and any("Other question?" in text for text in calls)
+    assert batches and max(batches) >= 2
 
 
 def test_the_cache_keeps_at_most_its_token_budget(smollm_tokenizer) -> None:

@@ -83,23 +83,36 @@ class ChatEncoder:
 
     def _pieced(self, text: str, remember: bool = True) -> list[int]:
         assert self._split is not None
+        pieces = [piece for piece in self._split.split(text) if piece]
+        missing = [
+            piece for piece in dict.fromkeys(pieces)
+            if piece not in self._special and not (remember and piece in self._pieces)
+        ]  # fmt: skip
+        fresh = dict(zip(missing, self._encode_pieces(missing), strict=True))
         ids: list[int] = []
-        for piece in self._split.split(text):
-            if not piece:
-                continue
+        for piece in pieces:
             special = self._special.get(piece)
             if special is not None:
                 ids.append(special)
                 continue
-            cached = self._pieces.get(piece) if remember else None
+            cached = fresh.get(piece)
             if cached is None:
-                cached = array("i", self._whole(piece))
-                if remember:
-                    self._remember(piece, cached)
-            else:
+                cached = self._pieces[piece]
                 self._pieces.move_to_end(piece)
             ids.extend(cached)
+        if remember:
+            for piece, piece_ids in fresh.items():
+                self._remember(piece, piece_ids)
         return ids
+
+    def _encode_pieces(self, pieces: list[str]) -> list[array]:
+        """The pieces no cache holds, tokenized in one batch where the tokenizer has a Rust backend (its
+        threads take them in parallel: a new turn brings at least two, its question and the answer
+        before it, and a conversation seen first here all of them); one by one otherwise."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if len(pieces) > 1 and backend is not None:
+            return [array("i", e.ids) for e in backend.encode_batch(pieces, add_special_tokens=False)]
+        return [array("i", self._whole(piece)) for piece in pieces]
 
     def _remember(self, piece: str, ids: array) -> None:
         if len(ids) > self.max_cached_tokens:
