@@ -290,12 +290,6 @@ class AttachTo:
 
 async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo | None = None) -> int:
     config = engine_config_from_args(args)
-    # A request's chat template and tokenization run on the text thread, which needs the GIL while the
-    # event loop streams tokens: at CPython's 5 ms default it waits up to that long to start, and a long
-    # Python render holds the loop (every stream) as long. Measured under the multi-turn load on the
-    # H200 (four API processes, ~60 streams): 9.4 ms from a chat request's handler to the engine against
-    # 1.1 ms idle; the engine core's loop takes 0.5 ms for the same reason (core/engine.py).
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     names = args.served_model_name or [args.model]
     metrics = ServerMetrics(names[0])
     if attach is None:
