@@ -11,15 +11,14 @@ import pytest
 
 from tokenmill.bench.datasets import (
     SHAREGPT_MAX_INPUT_LEN,
-    TRACE_BLOCK_TOKENS,
-    PromptMaker,
     conversation_requests,
-    file_requests,
     prefix_repetition_requests,
     random_requests,
     samples_from_args,
     sharegpt_like_requests,
 )
+from tokenmill.bench.prompts import PromptMaker
+from tokenmill.bench.traces import TRACE_BLOCK_TOKENS, file_requests
 
 
 def test_random_text_prompts_reencode_to_their_stated_length(tiny_tokenizer) -> None:

@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.load import LoadRun, ServeTarget, run_load, run_load_processes
 from tokenmill.bench.metrics import summarize
+from tokenmill.bench.prompts import SampleRequest
 
 from .fake_openai_server import FakeOpenAIServer, Script
 

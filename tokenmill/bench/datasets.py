@@ -4,14 +4,13 @@ and JSONL files/traces."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from tokenmill.bench.prompts import PromptMaker, SampleRequest
 from tokenmill.bench.tokenizer import BenchTokenizer
+from tokenmill.bench.traces import file_requests
 
 DATASET_NAMES = ("random", "prefix-repetition", "conversations", "sharegpt-like", "file")
 
@@ -25,9 +24,6 @@ SHAREGPT_INPUT_SIGMA = 1.0
 SHAREGPT_OUTPUT_SIGMA = 0.8
 SHAREGPT_MAX_INPUT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
-# Mooncake-style traces name each 512-token block of a prompt by a hash id.
-TRACE_BLOCK_TOKENS = 512
-
 # Everyday English words for the synthetic conversations.
 _WORD_LIST = (
     "the of and to in is it you that he was for on are with as his they be at one have this from or had "
@@ -41,65 +37,6 @@ _WORD_LIST = (
     "spell add even land here must big high such follow act why ask men change went light"
 )
 _WORDS = _WORD_LIST.split()
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """One benchmark request: text or token ids, its length in tokens, and how many tokens to ask for."""
-
-    prompt: str | list[int]
-    prompt_len: int
-    expected_output_len: int
-    timestamp_ms: float | None = None
-    # A chat endpoint's turns ({"role", "content"} each), where the workload is a conversation; `prompt`
-    # then holds the same contents joined, and `prompt_len` their tokens without the template's own.
-    messages: tuple[dict, ...] | None = None
-
-
-class PromptMaker:
-    """Random token ids (special tokens excluded) and text that re-encodes to an exact length."""
-
-    def __init__(self, tokenizer: BenchTokenizer, rng: np.random.Generator) -> None:
-        self.tokenizer = tokenizer
-        self.rng = rng
-        # Only ids that decode to clean text alone: partial UTF-8 byte tokens decode to U+FFFD,
-        # which re-encodes to other tokens and keeps a prompt from ever reaching its exact length.
-        special = tokenizer.special_token_ids
-        self._ids = np.asarray(
-            [
-                token_id
-                for token_id in range(tokenizer.vocab_size)
-                if token_id not in special and _is_clean(tokenizer.decode([token_id]))
-            ],
-            dtype=np.int64,
-        )
-
-    def random_ids(self, num_tokens: int) -> list[int]:
-        return self.rng.choice(self._ids, size=num_tokens).tolist()
-
-    def fit_text(self, token_ids: list[int], target_len: int) -> tuple[str, int]:
-        """Decode, then re-encode (as vLLM does), trimming or topping up until the length is exact.
-
-        Decoded ids can merge or split on re-encoding; a few rounds settle it. Returns the text and
-        its true token count, which is `target_len` unless the rounds ran out.
-        """
-        ids = token_ids[:target_len]
-        text = self.tokenizer.decode(ids)
-        for _ in range(8):
-            reencoded = self.tokenizer.encode(text)
-            if len(reencoded) == target_len:
-                return text, target_len
-            if len(reencoded) > target_len:
-                ids = reencoded[:target_len]
-            else:
-                ids = reencoded + self.random_ids(target_len - len(reencoded))
-            text = self.tokenizer.decode(ids)
-        return text, len(self.tokenizer.encode(text))
-
-    def prompt(self, token_ids: list[int], as_token_ids: bool) -> tuple[str | list[int], int]:
-        if as_token_ids:
-            return token_ids, len(token_ids)
-        return self.fit_text(token_ids, len(token_ids))
 
 
 def random_requests(
@@ -253,88 +190,6 @@ def sharegpt_like_requests(
         prompt, prompt_len = maker.prompt(ids, as_token_ids)
         requests.append(SampleRequest(prompt, prompt_len, output_len or num_output))
     return requests
-
-
-def file_requests(
-    path: str | Path,
-    tokenizer: BenchTokenizer | None,
-    *,
-    num_prompts: int | None = None,
-    default_output_len: int = 128,
-    seed: int = 0,
-    as_token_ids: bool = False,
-) -> list[SampleRequest]:
-    """A JSONL file, one request per line, in file order (a trace is sorted by its timestamps).
-
-    Keys: `prompt` (text or token ids) or `input_length` (random tokens, shared per `hash_ids`
-    block as in Mooncake traces); `output_length`/`max_tokens` (else `default_output_len`);
-    `timestamp` in milliseconds to replay the trace's pacing.
-    """
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"--dataset-path {path} holds no requests")
-    records = [_parse_line(line, path, number) for number, line in enumerate(lines, start=1)]
-    records = records[:num_prompts] if num_prompts else records
-    rng = np.random.default_rng(seed)
-    maker = PromptMaker(tokenizer, rng) if tokenizer is not None else None
-    blocks: dict[object, list[int]] = {}
-    requests = []
-    for record in records:
-        output_len = int(record.get("output_length", record.get("max_tokens", default_output_len)))
-        prompt, prompt_len = _record_prompt(record, tokenizer, maker, blocks, as_token_ids, path)
-        timestamp = record.get("timestamp")
-        requests.append(SampleRequest(prompt, prompt_len, output_len, _float_or_none(timestamp)))
-    if any(r.timestamp_ms is not None for r in requests):
-        if any(r.timestamp_ms is None for r in requests):
-            raise ValueError(f"--dataset-path {path}: either every line has a timestamp or none does")
-        requests.sort(key=lambda r: r.timestamp_ms)
-    return requests
-
-
-def _record_prompt(
-    record: dict,
-    tokenizer: BenchTokenizer | None,
-    maker: PromptMaker | None,
-    blocks: dict[object, list[int]],
-    as_token_ids: bool,
-    path: str | Path,
-) -> tuple[str | list[int], int]:
-    if "prompt" in record:
-        prompt = record["prompt"]
-        if isinstance(prompt, list):
-            return [int(t) for t in prompt], len(prompt)
-        if as_token_ids and tokenizer is not None:
-            ids = tokenizer.encode(prompt)
-            return ids, len(ids)
-        return prompt, len(tokenizer.encode(prompt)) if tokenizer is not None else 0
-    if maker is None:
-        raise ValueError(f"--dataset-path {path} gives input_length without prompts; pass --tokenizer")
-    input_len = int(record["input_length"])
-    ids: list[int] = []
-    for hash_id in record.get("hash_ids", []):
-        if hash_id not in blocks:
-            blocks[hash_id] = maker.random_ids(TRACE_BLOCK_TOKENS)
-        ids += blocks[hash_id]
-    ids = ids[:input_len] + maker.random_ids(max(0, input_len - len(ids)))
-    return maker.prompt(ids, as_token_ids)
-
-
-def _parse_line(line: str, path: str | Path, number: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--dataset-path {path}, line {number}: not JSON ({exc.msg})") from None
-    if not isinstance(record, dict) or not ("prompt" in record or "input_length" in record):
-        raise ValueError(f"--dataset-path {path}, line {number}: needs a 'prompt' or an 'input_length'")
-    return record
-
-
-def _is_clean(text: str) -> bool:
-    return bool(text) and "\ufffd" not in text
-
-
-def _float_or_none(value: object) -> float | None:
-    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def _uniform_lengths(rng: np.random.Generator, length: int, range_ratio: float, count: int) -> list[int]:

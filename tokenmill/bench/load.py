@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from tokenmill.bench.client import RequestInput, RequestResult, send_request
-from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.prompts import SampleRequest
 from tokenmill.bench.tokenizer import BenchTokenizer
 from tokenmill.gc_pauses import GCPauses
 

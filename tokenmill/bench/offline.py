@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tokenmill.bench.datasets import PromptMaker, samples_from_args
+from tokenmill.bench.datasets import samples_from_args
+from tokenmill.bench.prompts import PromptMaker
 from tokenmill.bench.tokenizer import BenchTokenizer, load_tokenizer, resolve_tokenizer_source
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
