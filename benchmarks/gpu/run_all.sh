@@ -115,9 +115,11 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     mixed-step) timeout 240 $py benchmarks/gpu/profile_mixed_step.py --out "$out/mixed_step.json"
                 timeout 240 $py benchmarks/gpu/profile_mixed_step.py --new-per-wave 16 --out "$out/mixed_step_16.json" ;;
     embeddings) timeout 420 $py benchmarks/gpu/bench_embeddings.py --out "$out/embeddings.json" ;;
-    # The CPU tier of the prefix cache: copy speed against pinned copies, and multi-turn TTFT with and without.
+    # The CPU tier of the prefix cache: copy speed against pinned copies, and multi-turn TTFT with and without
+    # (chat turns, four API processes: the configuration of issue 15's figure).
     kv-offload) timeout 120 $py benchmarks/gpu/bench_kv_offload.py --out "$out/kv_offload_copies.json"
-                timeout 560 benchmarks/gpu/kv_offload_serve.sh "$out/kv_offload" ;;
+                SERVER_EXTRA=${SERVER_EXTRA:---api-server-count 4} timeout 560 benchmarks/gpu/kv_offload_serve.sh \
+                  "$out/kv_offload" ;;
     # Mixture of experts (issue 14): the fused kernel against the reference on one Qwen3-30B-A3B layer,
     # then the whole model (dummy weights) on the nano-vllm workload and at batch-1 decode.
     moe) timeout 150 $py benchmarks/gpu/bench_moe.py --out "$out/moe_kernel.json" 2>&1 >/dev/null
