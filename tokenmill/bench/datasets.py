@@ -120,50 +120,31 @@ def conversation_requests(
         raise ValueError("--conversation-system-len, -turn-len and -output-len must be >= 1")
     rng = np.random.default_rng(seed)
     maker = PromptMaker(tokenizer, rng)
-    if as_messages:
-        return _conversation_messages(
-            maker, num_prompts, num_conversations, system_prompt_len, num_system_prompts, turn_len, output_len
-        )
-    systems = [maker.random_ids(system_prompt_len) for _ in range(num_system_prompts)]
-    histories = [list(systems[c % num_system_prompts]) for c in range(num_conversations)]
-    requests = []
-    while len(requests) < num_prompts:
-        # Each round in its own order: a fixed one would let round-robin over an even number of
-        # replicas send every conversation to the same replica every turn.
-        for index in rng.permutation(num_conversations)[: num_prompts - len(requests)]:
-            history = histories[index]
-            history += maker.random_ids(turn_len)
-            prompt, prompt_len = maker.prompt(list(history), as_token_ids)
-            requests.append(SampleRequest(prompt, prompt_len, output_len))
-            history += maker.random_ids(output_len)
-    return requests
 
-
-def _conversation_messages(
-    maker: PromptMaker,
-    num_prompts: int,
-    num_conversations: int,
-    system_prompt_len: int,
-    num_system_prompts: int,
-    turn_len: int,
-    output_len: int,
-) -> list[SampleRequest]:
-    """conversation_requests' workload as chat turns, each turn's text fitted to its length on its own."""
-
-    def turn(role: str, num_tokens: int) -> tuple[dict, int]:
-        text, length = maker.fit_text(maker.random_ids(num_tokens), num_tokens)
+    def turn(role: str, num_tokens: int) -> list[int] | tuple[dict, int]:
+        """A turn's token ids; as a message, its text fitted to its length on its own."""
+        ids = maker.random_ids(num_tokens)
+        if not as_messages:
+            return ids
+        text, length = maker.fit_text(ids, num_tokens)
         return {"role": role, "content": text}, length
 
     systems = [turn("system", system_prompt_len) for _ in range(num_system_prompts)]
     histories = [[systems[c % num_system_prompts]] for c in range(num_conversations)]
     requests = []
     while len(requests) < num_prompts:
-        for index in maker.rng.permutation(num_conversations)[: num_prompts - len(requests)]:
+        # Each round in its own order: a fixed one would let round-robin over an even number of
+        # replicas send every conversation to the same replica every turn.
+        for index in rng.permutation(num_conversations)[: num_prompts - len(requests)]:
             history = histories[index]
             history.append(turn("user", turn_len))
-            messages = tuple(message for message, _ in history)
-            prompt = "\n".join(message["content"] for message in messages)
-            prompt_len = sum(length for _, length in history)
+            if as_messages:
+                messages = tuple(message for message, _ in history)
+                prompt = "\n".join(message["content"] for message in messages)
+                prompt_len = sum(length for _, length in history)
+            else:
+                messages = None
+                prompt, prompt_len = maker.prompt([t for ids in history for t in ids], as_token_ids)
             requests.append(SampleRequest(prompt, prompt_len, output_len, messages=messages))
             history.append(turn("assistant", output_len))
     return requests
