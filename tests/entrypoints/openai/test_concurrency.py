@@ -159,6 +159,8 @@ def test_a_short_request_is_answered_while_a_long_prompt_prefills(server):
         answered = time.monotonic()
     finally:
         sender.join()
-    # Answered within a couple of CPU steps, not after the whole prompt: the long one ends later.
+    # Answered within a couple of CPU steps, not after the whole prompt: the long one ends later, or in the
+    # same step when the short one came in with its last chunk (their answers then cross within
+    # milliseconds in either order; a short request held back would come a whole step, ~0.5 s, after).
     assert answered - start < 3.0
-    assert finished["long"] > answered
+    assert answered < finished["long"] + 0.1
