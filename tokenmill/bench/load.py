@@ -82,7 +82,7 @@ async def run_load(
                 chat=target.chat,
                 ignore_eos=target.ignore_eos,
                 temperature=target.temperature,
-                messages=sample.messages if target.chat else None,
+                messages=sample.messages,
             )
             if limiter is None:
                 return await send_request(session, request, headers=target.headers, tokenizer=tokenizer)

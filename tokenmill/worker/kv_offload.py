@@ -131,8 +131,9 @@ class HostKVCache:
             self.bytes_spilled += len(spills) * self.block_bytes
         if saves:
             staging = self.rows.gather([d for d, _ in saves])
-            with streams.saving(staging, [h for _, h in saves]) if streams else _nothing():
-                for first, host_first, count in _runs([h for _, h in saves]):
+            host_blocks = [h for _, h in saves]
+            with streams.saving(staging, host_blocks) if streams else contextlib.nullcontext():
+                for first, host_first, count in _runs(host_blocks):
                     self.pool[host_first : host_first + count].copy_(
                         staging[first : first + count], non_blocking=True
                     )
@@ -146,7 +147,12 @@ class HostKVCache:
         if loads:
             shape = (len(loads), self.block_bytes)
             host_blocks = [h for h, _ in loads]
-            with streams.loading(shape, host_blocks) if streams else _staging(shape) as staging:
+            copies: contextlib.AbstractContextManager[torch.Tensor]
+            if streams:
+                copies = streams.loading(shape, host_blocks)
+            else:  # on the CPU the pool is the device's own memory: a plain tensor stages the rows
+                copies = contextlib.nullcontext(torch.empty(shape, dtype=torch.uint8))
+            with copies as staging:
                 for first, host_first, count in _runs(host_blocks):
                     staging[first : first + count].copy_(
                         self.pool[host_first : host_first + count], non_blocking=True
@@ -154,16 +160,6 @@ class HostKVCache:
             self.rows.scatter(staging, [d for _, d in loads])
             self.bytes_loaded += len(loads) * self.block_bytes
         self.host_seconds += time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@contextlib.contextmanager
-def _staging(shape: tuple[int, int]) -> Iterator[torch.Tensor]:
-    yield torch.empty(shape, dtype=torch.uint8)  # on the CPU, where the pool is the device's own memory
 
 
 class _SideStreams:
