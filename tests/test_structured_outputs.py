@@ -135,9 +135,9 @@ def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
         events.append(("launch", bool(prepared.scheduler_output.grammar_req_ids)))
         return launch(prepared)
 
-    def fill_later(out):
+    def fill_later(out, into=None):
         events.append(("masks", len(out.grammar_req_ids)))
-        fill = grammar_fill(out)
+        fill = grammar_fill(out, into)
 
         def fill_and_note():
             mask = fill()
@@ -185,7 +185,7 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     )
     core.executor.launch = lambda prepared: events.append("launch") or launch(prepared)
     core.scheduler.update_from_output = lambda *a: events.append("update") or update(*a)
-    core.scheduler.grammar_fill = lambda out: events.append("masks") or grammar_fill(out)
+    core.scheduler.grammar_fill = lambda *a: events.append("masks") or grammar_fill(*a)
     assert chat(overlapped, prompt, params, n=len(params)) == expected
     jsonschema.validate(json.loads(expected[0]), PERSON)
     # Each constrained step: launched, then the step before it taken in, then its masks begun.

@@ -246,11 +246,15 @@ class StructuredOutputs:
         everything: nothing it samples is kept."""
         return self.bitmask_fill(matchers, families)()
 
-    def bitmask_fill(self, matchers: list, families: list[int] | None = None) -> Callable[[], np.ndarray]:
+    def bitmask_fill(
+        self, matchers: list, families: list[int] | None = None, out: np.ndarray | None = None
+    ) -> Callable[[], np.ndarray]:
         """fill_bitmask in two halves: the Python half now (the array, the rows that allow everything,
         the work grouped by family), and a call that runs llguidance's fill without the GIL and returns
-        the array, for a helper thread that should hold the GIL as briefly as it can."""
-        mask = np.zeros((len(matchers), self.words), dtype=np.int32)
+        the array, for a helper thread that should hold the GIL as briefly as it can. out: the array to
+        fill ([len(matchers), words] int32, C-contiguous; every row is written), else a new one."""
+        mask = np.zeros((len(matchers), self.words), dtype=np.int32) if out is None else out
+        assert mask.shape == (len(matchers), self.words) and mask.flags.c_contiguous
         order = (
             range(len(matchers))
             if families is None

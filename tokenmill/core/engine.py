@@ -10,9 +10,12 @@ proposed from its tokens: that next step is launched as soon as they are in, bef
 the caller's work on the outputs overlaps the device. A step that samples under grammars launches its
 forward pass, then takes in step N's tokens (which advance the grammars), then has its masks filled on a
 helper thread (llguidance's threads, without the GIL) while the loop returns step N's outputs and
-schedules the next step and prepares its inputs (the host half); its sampling is queued just before the
-next step launches (or when its own tokens are wanted), so the fill overlaps the forward pass and the
-host's own work. The offline `LLM` and the server's core process run this same loop.
+schedules the next step and prepares its inputs (the host half). On a GPU its masked sampling is queued
+with the forward pass, behind a wait on the device for a counter the helper sets once the masks are in
+pinned memory (AwaitingGrammar.defer): the loop never waits for the masks, and the next step launches
+behind that sampling at once. Elsewhere the sampling is queued just before the next step launches (or
+when its own tokens are wanted), so the fill overlaps the forward pass and the host's own work. The
+offline `LLM` and the server's core process run this same loop.
 """
 
 from __future__ import annotations
@@ -35,10 +38,21 @@ class PendingOutput(Protocol):
     def result(self) -> ModelRunnerOutput: ...
 
 
+class HostMasks(Protocol):
+    """Masks the device waits for: fill `array`, then publish() once (worker/step_output.py)."""
+
+    array: np.ndarray
+
+    def publish(self) -> None: ...
+
+
 class AwaitingGrammar(Protocol):
-    """A launched step that samples under grammars once given their masks."""
+    """A launched step that samples under grammars once given their masks; defer(words), where the
+    device can wait for the host (else None), queues that sampling now behind a wait for HostMasks."""
 
     def with_grammar(self, grammar_bitmask: np.ndarray) -> PendingOutput: ...
+
+    def defer(self, words: int) -> tuple[PendingOutput, HostMasks] | None: ...
 
 
 class Executor(Protocol):
@@ -63,6 +77,19 @@ class _FillingMasks:
 
     def result(self) -> ModelRunnerOutput:
         return self.launch().result()
+
+
+class _DeviceWaitsForMasks:
+    """A grammar step whose masked sampling is queued behind a wait on the device (AwaitingGrammar.defer)
+    while the helper fills its masks: result() waits for the fill (which touches the matchers), then
+    for the tokens."""
+
+    def __init__(self, pending: PendingOutput, masks: Future) -> None:
+        self.pending, self.masks = pending, masks
+
+    def result(self) -> ModelRunnerOutput:
+        self.masks.result()
+        return self.pending.result()
 
 
 class EngineCore:
@@ -130,28 +157,51 @@ class EngineCore:
         if scheduler_output.grammar_req_ids:
             # The masks need the tokens of the step in flight before this one: take them in first,
             # while the device runs this step's forward pass; then fill on the side.
+            words = self.scheduler.structured.words if self.scheduler.structured is not None else 0
+            deferred = cast(AwaitingGrammar, launched).defer(words) if words else None
             finished = bool(self.batch_queue)
-            outputs = self._finish_oldest() if finished else []
-            self._filling = _FillingMasks(cast(AwaitingGrammar, launched), self._fill(scheduler_output))
-            self.batch_queue.append((scheduler_output, self._filling))
+            if deferred is not None:
+                pending, masks = deferred
+                try:
+                    outputs = self._finish_oldest() if finished else []
+                    filled = self._fill(scheduler_output, masks)
+                except BaseException:
+                    masks.publish()  # let the device go on (the step's tokens are never read)
+                    raise
+                self.batch_queue.append((scheduler_output, _DeviceWaitsForMasks(pending, filled)))
+            else:
+                outputs = self._finish_oldest() if finished else []
+                self._filling = _FillingMasks(cast(AwaitingGrammar, launched), self._fill(scheduler_output))
+                self.batch_queue.append((scheduler_output, self._filling))
             return outputs if finished or len(self.batch_queue) < self._in_flight() else None
         self.batch_queue.append((scheduler_output, cast(PendingOutput, launched)))
         return [] if len(self.batch_queue) < self._in_flight() else None
 
-    def _fill(self, scheduler_output: SchedulerOutput) -> Future:
+    def _fill(self, scheduler_output: SchedulerOutput, masks: HostMasks | None = None) -> Future:
         """The step's masks, filled on the helper thread from matchers nothing else touches until the
-        step's tokens are taken in (which waits for them)."""
+        step's tokens are taken in (which waits for them); into `masks`, published when done (or when the
+        fill fails), if given."""
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
             # The helper needs the GIL to hand its result back; the loop's Python would keep it for up
             # to the 5 ms default switch interval (measured on the H200: 0.55x -> 0.58x of unconstrained).
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
-        fill = self.scheduler.grammar_fill(scheduler_output)  # the fill's Python half runs here
+        try:
+            # the fill's Python half runs here
+            fill = self.scheduler.grammar_fill(scheduler_output, None if masks is None else masks.array)
+        except BaseException:
+            if masks is not None:
+                masks.publish()
+            raise
         started = threading.Event()
 
         def run() -> np.ndarray:
             started.set()
-            return fill()  # llguidance lets the GIL go
+            try:
+                return fill()  # llguidance lets the GIL go
+            finally:
+                if masks is not None:
+                    masks.publish()
 
         future = self._mask_thread.submit(run)
         # Wait (without the GIL) until the helper is in: left to the switch interval, its start took

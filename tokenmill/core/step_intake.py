@@ -139,17 +139,17 @@ class StepIntake:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def grammar_fill(self, out: SchedulerOutput) -> Callable[[], np.ndarray]:
+    def grammar_fill(self, out: SchedulerOutput, into: np.ndarray | None = None) -> Callable[[], np.ndarray]:
         """A call that fills the allowed-token rows of a scheduled step's constrained requests
         (grammar_req_ids) from their matchers as they stand, for the engine core to run on its helper
         thread after launching the step and taking in the tokens of the step before it. The matchers are
         picked here; a request that finished meanwhile gets a row that allows everything (its token is
-        dropped)."""
+        dropped). into: the array to fill (else a new one)."""
         assert self.structured is not None  # a request with a grammar was refused without one
         requests = [self.requests.get(r) for r in out.grammar_req_ids]
         matchers = [r.grammar if r is not None else None for r in requests]
         families = [r.grammar_family if r is not None else -1 for r in requests]
-        fill_mask = self.structured.bitmask_fill(matchers, families)  # its Python half, here
+        fill_mask = self.structured.bitmask_fill(matchers, families, into)  # its Python half, here
 
         def fill() -> np.ndarray:
             start = time.perf_counter()

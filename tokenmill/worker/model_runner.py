@@ -26,7 +26,7 @@ from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.sampler import Sampler, SamplingBatch, build_sampling_batch, score_prompt_tokens
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
-from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
+from tokenmill.worker.step_output import AwaitingGrammar, HostMasks, Launched, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
+        # Grammar masks the device waits for (host_masks): the pinned counter it polls, the steps queued.
+        self._mask_counter: torch.Tensor | None = None
+        self._masks_queued = 0
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         self.host_kv: HostKVCache | None = None  # the prefix cache's CPU tier (kv_offload_gib)
         self._block_rows: BlockRows | None = None
@@ -292,8 +295,18 @@ class ModelRunner:
             self.drafter.after_target(launched.inputs)
         return launched
 
+    def host_masks(self, rows: int, words: int) -> HostMasks:
+        """Pinned host memory for a grammar step's masks, and the counter value that says they are in."""
+        if self._mask_counter is None:
+            self._mask_counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        self._masks_queued += 1
+        tensor = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
+        return HostMasks(tensor, self._mask_counter, self._masks_queued)
+
     @torch.inference_mode()
-    def _sample(self, step: Launched, grammar_bitmask: np.ndarray | None = None) -> PendingRunnerOutput:
+    def _sample(
+        self, step: Launched, grammar_bitmask: np.ndarray | HostMasks | None = None
+    ) -> PendingRunnerOutput:
         """The sampling half of a step: the grammar's masks first, then verification or sampling."""
         inputs, batch, logits, rows = step.inputs, step.sampling_batch, step.logits, step.rows
         if grammar_bitmask is not None:
@@ -314,19 +327,26 @@ class ModelRunner:
         inputs: StepInputs,
         logits: torch.Tensor,
         rows: VerifyRows | None,
-        grammar_bitmask: np.ndarray,
+        grammar_bitmask: np.ndarray | HostMasks,
     ) -> None:
         """-inf, in place, at the tokens each constrained request's grammar forbids: at its logit row (a
-        verifying step's: its last, since constrained requests take no drafts)."""
+        verifying step's: its last, since constrained requests take no drafts). HostMasks: the masks the
+        host is still filling; the stream waits for them before copying them in."""
         position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
         logit_rows = []
         for request_id in out.grammar_req_ids:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
-        # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for the
-        # forward pass, leaving the host idle instead of planning the next step.
-        (mask,) = self._staged([grammar_bitmask], np.int32)
         (index,) = self._staged([np.asarray(logit_rows, np.int64)], np.int64)
+        if isinstance(grammar_bitmask, HostMasks):
+            from tokenmill.kernels.host_wait import wait_for_host
+
+            wait_for_host(self._mask_counter, grammar_bitmask.target)
+            mask = grammar_bitmask.tensor.to(self.device, non_blocking=True)
+        else:
+            # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for
+            # the forward pass, leaving the host idle instead of planning the next step.
+            (mask,) = self._staged([grammar_bitmask], np.int32)
         apply_bitmask(logits, index, mask)
 
     # ---- speculative decoding ---------------------------------------------------------------

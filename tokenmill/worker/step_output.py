@@ -119,7 +119,8 @@ class Launched(NamedTuple):
 
 class AwaitingGrammar:
     """A launched step that samples under grammars: with_grammar(masks) applies them and samples. The
-    core fills the masks on the host while the device runs the forward pass."""
+    core fills the masks on the host while the device runs the forward pass. On a GPU, defer(words)
+    queues the masked sampling at once instead, the stream waiting for masks the host fills later."""
 
     def __init__(self, runner: ModelRunner, step: Launched) -> None:
         self.runner = runner
@@ -129,3 +130,28 @@ class AwaitingGrammar:
     def with_grammar(self, grammar_bitmask: np.ndarray) -> PendingRunnerOutput:
         """grammar_bitmask: [grammar requests, words] int32 (Scheduler.grammar_bitmask)."""
         return self.runner._sample(self.step, grammar_bitmask)
+
+    def defer(self, words: int) -> tuple[PendingRunnerOutput, HostMasks] | None:
+        """The step's sampling queued now behind a wait for its masks ([grammar requests, words] int32),
+        which the caller writes into the returned HostMasks and publishes; None where the device cannot
+        wait for the host (a CPU)."""
+        if self.runner.device.type != "cuda":
+            return None
+        masks = self.runner.host_masks(len(self.step.scheduler_output.grammar_req_ids), words)
+        return self.runner._sample(self.step, masks), masks
+
+
+class HostMasks:
+    """A grammar step's masks in pinned host memory, which the device reads once the host has filled
+    them: `array` [rows, words] int32 to fill, then publish() (exactly once, also when the fill fails,
+    or the device waits for ever) writes the step's number into the counter the device polls
+    (kernels/host_wait.py). Steps publish in the order they were queued."""
+
+    def __init__(self, tensor: torch.Tensor, counter: torch.Tensor, target: int) -> None:
+        self.tensor = tensor  # kept alive until the copy that reads it is queued behind the wait
+        self.array = tensor.numpy()
+        self.counter = counter.numpy()
+        self.target = target
+
+    def publish(self) -> None:
+        self.counter[0] = max(int(self.counter[0]), self.target)

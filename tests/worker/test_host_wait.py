@@ -1,0 +1,101 @@
+"""A stream that waits for the host (kernels/host_wait.py): work queued behind the wait does not run until
+the host publishes, then reads what the host wrote after queueing it. And the engine's grammar steps that
+use it (their masked sampling queued with the forward pass, the masks filled later) write exactly the
+tokens of the path that queues the sampling only once the masks are in."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+TOKENIZER = Path(__file__).resolve().parents[2] / ".gpu_assets" / "tokenizer"
+
+
+def test_the_stream_runs_what_follows_the_wait_once_the_host_publishes() -> None:
+    from tokenmill.kernels.host_wait import wait_for_host
+
+    counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    host = torch.zeros(3, 1001, dtype=torch.int32, pin_memory=True)
+    for target in (1, 2):  # the counter only grows: the second wait is for a later value
+        wait_for_host(counter, target)
+        on_device = host.to("cuda", non_blocking=True) * 2
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.05)
+        assert not done.query()  # the stream is held at the wait
+        expected = torch.randint(-(2**31), 2**31 - 1, host.shape, dtype=torch.int32)
+        host.copy_(expected)  # written after the copy was queued
+        counter[0] = target
+        done.synchronize()
+        assert torch.equal(on_device.cpu(), expected * 2)
+
+
+def test_a_wait_published_from_another_thread() -> None:
+    from tokenmill.kernels.host_wait import wait_for_host
+
+    counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    wait_for_host(counter, 7)
+    value = torch.ones(1, device="cuda") + 1
+    threading.Timer(0.02, lambda: counter.numpy().__setitem__(0, 7)).start()
+    torch.cuda.synchronize()
+    assert value.item() == 2
+
+
+@pytest.mark.skipif(not TOKENIZER.is_dir(), reason="needs the tokenizer of benchmarks/gpu/prepare.sh")
+def test_grammar_steps_queued_before_their_masks_write_what_the_waiting_loop_writes(
+    tmp_path, monkeypatch
+) -> None:
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.worker.step_output import AwaitingGrammar
+
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+              "age": {"type": "integer"}}, "required": ["name", "age"]}  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": schema}),
+        SamplingParams(
+            max_tokens=24, temperature=0.9, seed=4, structured_outputs={"regex": "[a-z]{3,9}@x\\.org"}
+        ),
+        SamplingParams(max_tokens=6, temperature=0, structured_outputs={"choice": ["red", "green", "blue"]}),
+        SamplingParams(max_tokens=30, temperature=0),
+    ] * 6  # fmt: skip
+    prompts = [f"request {i}: write it." for i in range(len(params))]
+
+    def run() -> list[list[int]]:
+        llm = LLM(str(tmp_path), load_format="dummy", max_model_len=512, max_num_seqs=16, seed=0)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for o, p in zip(outputs, params):
+            text = o.outputs[0].text
+            if p.structured_outputs is not None and o.outputs[0].finish_reason == "stop":
+                so = p.structured_outputs
+                if so.regex is not None:
+                    assert re.fullmatch(so.regex, text)
+                elif so.choice is not None:
+                    assert text in so.choice
+                else:
+                    assert set(json.loads(text)) == {"name", "age"}
+        del llm
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    deferred = run()
+    monkeypatch.setattr(AwaitingGrammar, "defer", lambda self, words: None)
+    assert run() == deferred
