@@ -28,29 +28,42 @@ def test_the_stream_runs_what_follows_the_wait_once_the_host_publishes() -> None
 
     counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
     host = torch.zeros(3, 1001, dtype=torch.int32, pin_memory=True)
+    # Allocated before the wait is queued: a cudaMalloc behind a pending wait blocks until it ends.
+    on_device, doubled = torch.empty_like(host, device="cuda"), torch.empty_like(host, device="cuda")
+    done = torch.cuda.Event()
     for target in (1, 2):  # the counter only grows: the second wait is for a later value
         wait_for_host(counter, target)
-        on_device = host.to("cuda", non_blocking=True) * 2
-        done = torch.cuda.Event()
+        on_device.copy_(host, non_blocking=True)
+        torch.mul(on_device, 2, out=doubled)
         done.record()
         time.sleep(0.05)
         assert not done.query()  # the stream is held at the wait
-        expected = torch.randint(-(2**31), 2**31 - 1, host.shape, dtype=torch.int32)
+        expected = torch.randint(-(2**30), 2**30, host.shape, dtype=torch.int32)
         host.copy_(expected)  # written after the copy was queued
         counter[0] = target
         done.synchronize()
-        assert torch.equal(on_device.cpu(), expected * 2)
+        assert torch.equal(doubled.cpu(), expected * 2)
+    assert counter[1] == 0
 
 
-def test_a_wait_published_from_another_thread() -> None:
+def test_a_wait_published_from_another_thread_while_this_one_blocks() -> None:
     from tokenmill.kernels.host_wait import wait_for_host
 
     counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
     wait_for_host(counter, 7)
-    value = torch.ones(1, device="cuda") + 1
-    threading.Timer(0.02, lambda: counter.numpy().__setitem__(0, 7)).start()
+    threading.Timer(0.05, lambda: counter.numpy().__setitem__(0, 7)).start()
+    big = torch.ones(1 << 28, dtype=torch.int8, device="cuda")  # a cudaMalloc: returns after the publish
     torch.cuda.synchronize()
-    assert value.item() == 2
+    assert big[-1].item() == 1 and counter[1] == 0
+
+
+def test_a_wait_never_published_gives_up_and_says_so() -> None:
+    from tokenmill.kernels.host_wait import _wait_kernel
+
+    counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    _wait_kernel[(1,)](counter, 1, 1000, num_warps=1)
+    torch.cuda.synchronize()
+    assert counter.tolist() == [0, 1]
 
 
 @pytest.mark.skipif(not TOKENIZER.is_dir(), reason="needs the tokenizer of benchmarks/gpu/prepare.sh")
@@ -81,7 +94,8 @@ def test_grammar_steps_queued_before_their_masks_write_what_the_waiting_loop_wri
     prompts = [f"request {i}: write it." for i in range(len(params))]
 
     def run() -> list[list[int]]:
-        llm = LLM(str(tmp_path), load_format="dummy", max_model_len=512, max_num_seqs=16, seed=0)
+        options = dict(max_model_len=512, max_num_seqs=16, seed=0, gpu_memory_utilization=0.2)
+        llm = LLM(str(tmp_path), load_format="dummy", **options)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         for o, p in zip(outputs, params):
             text = o.outputs[0].text
@@ -97,5 +111,5 @@ def test_grammar_steps_queued_before_their_masks_write_what_the_waiting_loop_wri
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     deferred = run()
-    monkeypatch.setattr(AwaitingGrammar, "defer", lambda self, words: None)
+    monkeypatch.setattr(AwaitingGrammar, "host_masks", lambda self, words: None)
     assert run() == deferred

@@ -10,10 +10,11 @@ proposed from its tokens: that next step is launched as soon as they are in, bef
 the caller's work on the outputs overlaps the device. A step that samples under grammars launches its
 forward pass, then takes in step N's tokens (which advance the grammars), then has its masks filled on a
 helper thread (llguidance's threads, without the GIL) while the loop returns step N's outputs and
-schedules the next step and prepares its inputs (the host half). On a GPU its masked sampling is queued
-with the forward pass, behind a wait on the device for a counter the helper sets once the masks are in
-pinned memory (AwaitingGrammar.defer): the loop never waits for the masks, and the next step launches
-behind that sampling at once. Elsewhere the sampling is queued just before the next step launches (or
+schedules the next step and prepares its inputs (the host half). On a GPU the masks go to pinned
+memory and the masked sampling is queued as soon as the fill has begun, behind a wait on the device for
+a counter the helper sets once they are in (AwaitingGrammar.host_masks): the loop never waits for the
+masks, and the next step launches behind that sampling. Elsewhere the sampling is queued just before
+the next step launches (or
 when its own tokens are wanted), so the fill overlaps the forward pass and the host's own work. The
 offline `LLM` and the server's core process run this same loop.
 """
@@ -39,20 +40,23 @@ class PendingOutput(Protocol):
 
 
 class HostMasks(Protocol):
-    """Masks the device waits for: fill `array`, then publish() once (worker/step_output.py)."""
+    """Masks the device waits for: fill `array`, then publish() once; check() after the step's tokens
+    (worker/step_output.py)."""
 
     array: np.ndarray
 
     def publish(self) -> None: ...
 
+    def check(self) -> None: ...
+
 
 class AwaitingGrammar(Protocol):
-    """A launched step that samples under grammars once given their masks; defer(words), where the
-    device can wait for the host (else None), queues that sampling now behind a wait for HostMasks."""
+    """A launched step that samples under grammars once given their masks: an array, or the HostMasks
+    from host_masks(words) (None where the device cannot wait for the host), filled after."""
 
-    def with_grammar(self, grammar_bitmask: np.ndarray) -> PendingOutput: ...
+    def with_grammar(self, grammar_bitmask: np.ndarray | HostMasks) -> PendingOutput: ...
 
-    def defer(self, words: int) -> tuple[PendingOutput, HostMasks] | None: ...
+    def host_masks(self, words: int) -> HostMasks | None: ...
 
 
 class Executor(Protocol):
@@ -80,16 +84,18 @@ class _FillingMasks:
 
 
 class _DeviceWaitsForMasks:
-    """A grammar step whose masked sampling is queued behind a wait on the device (AwaitingGrammar.defer)
-    while the helper fills its masks: result() waits for the fill (which touches the matchers), then
-    for the tokens."""
+    """A grammar step whose masked sampling is queued behind a wait on the device while the helper fills
+    its masks (AwaitingGrammar.host_masks): result() waits for the fill (which touches the matchers),
+    then for the tokens."""
 
-    def __init__(self, pending: PendingOutput, masks: Future) -> None:
-        self.pending, self.masks = pending, masks
+    def __init__(self, pending: PendingOutput, filled: Future, masks: HostMasks) -> None:
+        self.pending, self.filled, self.masks = pending, filled, masks
 
     def result(self) -> ModelRunnerOutput:
-        self.masks.result()
-        return self.pending.result()
+        self.filled.result()
+        output = self.pending.result()
+        self.masks.check()
+        return output
 
 
 class EngineCore:
@@ -157,21 +163,19 @@ class EngineCore:
         if scheduler_output.grammar_req_ids:
             # The masks need the tokens of the step in flight before this one: take them in first,
             # while the device runs this step's forward pass; then fill on the side.
-            words = self.scheduler.structured.words if self.scheduler.structured is not None else 0
-            deferred = cast(AwaitingGrammar, launched).defer(words) if words else None
+            awaiting = cast(AwaitingGrammar, launched)
             finished = bool(self.batch_queue)
-            if deferred is not None:
-                pending, masks = deferred
-                try:
-                    outputs = self._finish_oldest() if finished else []
-                    filled = self._fill(scheduler_output, masks)
-                except BaseException:
-                    masks.publish()  # let the device go on (the step's tokens are never read)
-                    raise
-                self.batch_queue.append((scheduler_output, _DeviceWaitsForMasks(pending, filled)))
+            outputs = self._finish_oldest() if finished else []
+            structured = self.scheduler.structured
+            masks = awaiting.host_masks(structured.words) if structured is not None else None
+            if masks is not None:
+                # The fill first: once the wait is queued, a call that blocks on the device (an allocation)
+                # returns only when the helper has published the masks.
+                filled = self._fill(scheduler_output, masks)
+                pending = awaiting.with_grammar(masks)
+                self.batch_queue.append((scheduler_output, _DeviceWaitsForMasks(pending, filled, masks)))
             else:
-                outputs = self._finish_oldest() if finished else []
-                self._filling = _FillingMasks(cast(AwaitingGrammar, launched), self._fill(scheduler_output))
+                self._filling = _FillingMasks(awaiting, self._fill(scheduler_output))
                 self.batch_queue.append((scheduler_output, self._filling))
             return outputs if finished or len(self.batch_queue) < self._in_flight() else None
         self.batch_queue.append((scheduler_output, cast(PendingOutput, launched)))

@@ -85,6 +85,7 @@ class ModelRunner:
         self._last_row_of: dict[str, int] = {}
         # Grammar masks the device waits for (host_masks): the pinned counter it polls, the steps queued.
         self._mask_counter: torch.Tensor | None = None
+        self._device_masks: torch.Tensor | None = None
         self._masks_queued = 0
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         self.host_kv: HostKVCache | None = None  # the prefix cache's CPU tier (kv_offload_gib)
@@ -342,7 +343,13 @@ class ModelRunner:
             from tokenmill.kernels.host_wait import wait_for_host
 
             wait_for_host(self._mask_counter, grammar_bitmask.target)
-            mask = grammar_bitmask.tensor.to(self.device, non_blocking=True)
+            rows, words = grammar_bitmask.tensor.shape
+            if self._device_masks is None or self._device_masks.shape[0] < rows:
+                # kept, so that queueing behind a pending wait does not allocate (cudaMalloc waits for it)
+                shape = (max(rows, 64), words)
+                self._device_masks = torch.empty(shape, dtype=torch.int32, device=self.device)
+            mask = self._device_masks[:rows, :words]
+            mask.copy_(grammar_bitmask.tensor, non_blocking=True)
         else:
             # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for
             # the forward pass, leaving the host idle instead of planning the next step.

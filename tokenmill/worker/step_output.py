@@ -119,26 +119,26 @@ class Launched(NamedTuple):
 
 class AwaitingGrammar:
     """A launched step that samples under grammars: with_grammar(masks) applies them and samples. The
-    core fills the masks on the host while the device runs the forward pass. On a GPU, defer(words)
-    queues the masked sampling at once instead, the stream waiting for masks the host fills later."""
+    core fills the masks on the host while the device runs the forward pass. On a GPU they go into
+    host_masks(words), and with_grammar of those queues the masked sampling at once, the stream waiting
+    until the host publishes them."""
 
     def __init__(self, runner: ModelRunner, step: Launched) -> None:
         self.runner = runner
         self.step = step
         self.inputs = step.inputs
 
-    def with_grammar(self, grammar_bitmask: np.ndarray) -> PendingRunnerOutput:
-        """grammar_bitmask: [grammar requests, words] int32 (Scheduler.grammar_bitmask)."""
+    def with_grammar(self, grammar_bitmask: np.ndarray | HostMasks) -> PendingRunnerOutput:
+        """grammar_bitmask: [grammar requests, words] int32 (Scheduler.grammar_bitmask), or the
+        HostMasks (from host_masks) that the host publishes once filled: the device waits for them."""
         return self.runner._sample(self.step, grammar_bitmask)
 
-    def defer(self, words: int) -> tuple[PendingRunnerOutput, HostMasks] | None:
-        """The step's sampling queued now behind a wait for its masks ([grammar requests, words] int32),
-        which the caller writes into the returned HostMasks and publishes; None where the device cannot
-        wait for the host (a CPU)."""
+    def host_masks(self, words: int) -> HostMasks | None:
+        """Pinned memory for the step's masks ([grammar requests, words] int32), which the device can
+        wait for; None where it cannot (a CPU). Fill and publish them, or the step never samples."""
         if self.runner.device.type != "cuda":
             return None
-        masks = self.runner.host_masks(len(self.step.scheduler_output.grammar_req_ids), words)
-        return self.runner._sample(self.step, masks), masks
+        return self.runner.host_masks(len(self.step.scheduler_output.grammar_req_ids), words)
 
 
 class HostMasks:
@@ -155,3 +155,8 @@ class HostMasks:
 
     def publish(self) -> None:
         self.counter[0] = max(int(self.counter[0]), self.target)
+
+    def check(self) -> None:
+        """After the step's tokens are in: raise if the device gave up waiting for the masks."""
+        if self.counter[1]:
+            raise RuntimeError("the device gave up waiting for a grammar step's masks (kernels/host_wait.py)")

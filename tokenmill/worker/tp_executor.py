@@ -123,6 +123,10 @@ class _MasksToAll:
         self.executor.broadcast("masks", grammar_bitmask)
         return self.launched.with_grammar(grammar_bitmask)
 
+    def host_masks(self, words: int) -> None:
+        """The other ranks get the masks as an array: rank 0 waits for them on the host."""
+        return None
+
 
 class TensorParallelExecutor:
     """Rank 0's side: the engine core's executor, and the channel to the other ranks."""
