@@ -31,13 +31,19 @@ def test_the_stream_runs_what_follows_the_wait_once_the_host_publishes() -> None
     # Allocated before the wait is queued: a cudaMalloc behind a pending wait blocks until it ends.
     on_device, doubled = torch.empty_like(host, device="cuda"), torch.empty_like(host, device="cuda")
     done = torch.cuda.Event()
-    for target in (1, 2):  # the counter only grows: the second wait is for a later value
+    # Every kernel loaded before a wait is pending: CUDA loads a module at its first launch (lazy
+    # loading), and loading waits for the device, so it would wait for the wait (here: until it gives up).
+    wait_for_host(counter, 0)
+    on_device.copy_(host, non_blocking=True)
+    torch.mul(on_device, 2, out=doubled)
+    torch.cuda.synchronize()
+    for target in (5, 9):  # the counter only grows: the second wait is for a later value
         wait_for_host(counter, target)
         on_device.copy_(host, non_blocking=True)
         torch.mul(on_device, 2, out=doubled)
         done.record()
         time.sleep(0.05)
-        assert not done.query()  # the stream is held at the wait
+        assert not done.query(), (target, counter.tolist())  # the stream is held at the wait
         expected = torch.randint(-(2**30), 2**30, host.shape, dtype=torch.int32)
         host.copy_(expected)  # written after the copy was queued
         counter[0] = target
@@ -61,9 +67,13 @@ def test_a_wait_never_published_gives_up_and_says_so() -> None:
     from tokenmill.kernels.host_wait import _wait_kernel
 
     counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-    _wait_kernel[(1,)](counter, 1, 1000, num_warps=1)
+    _wait_kernel[(1,)](counter, 1, 10**6, num_warps=1)  # compiled and warm
     torch.cuda.synchronize()
-    assert counter.tolist() == [0, 1]
+    counter[1] = 0
+    start = time.perf_counter()
+    _wait_kernel[(1,)](counter, 1, 50 * 10**6, num_warps=1)
+    torch.cuda.synchronize()
+    assert counter.tolist() == [0, 1] and 0.045 < time.perf_counter() - start < 1.0
 
 
 @pytest.mark.skipif(not TOKENIZER.is_dir(), reason="needs the tokenizer of benchmarks/gpu/prepare.sh")

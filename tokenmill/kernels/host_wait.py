@@ -6,7 +6,7 @@ it. The engine queues a grammar step's masked sampling this way while its masks 
 While a wait is pending, the host must not block on the device in a call that keeps the GIL (measured
 on the H200: a device allocation that reaches cudaMalloc blocks until the wait ends; torch lets the GIL
 go there, `Tensor.is_pinned()` does not), or the thread that would write the counter never runs. As a
-safety net the wait gives up after about two seconds and writes 1 to counter[1], which the caller reads
+safety net the wait gives up after two seconds and writes 1 to counter[1], which the caller reads
 as a failure."""
 
 from __future__ import annotations
@@ -15,18 +15,29 @@ import torch
 import triton
 import triton.language as tl
 
-# Polls before the wait gives up: each one a read across PCIe (~1 us), so a few seconds in all.
-MAX_POLLS = 1 << 21
+# Nanoseconds (the device's global timer) before the wait gives up.
+TIMEOUT_NS = 2_000_000_000
 
 
 @triton.jit
-def _wait_kernel(counter, target, max_polls):
+def _now(like):
+    # %globaltimer: nanoseconds; the operand only gives the result its shape
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [like], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+# Not specialised on its values (Triton compiles a variant for 1 and for multiples of 16 otherwise).
+@triton.jit(do_not_specialize=["target", "timeout_ns"])
+def _wait_kernel(counter, target, timeout_ns):
     # A volatile load is a relaxed load at system scope: each one reads the host's memory afresh.
     value = tl.load(counter, volatile=True)
-    polls = 0
-    while (value < target) & (polls < max_polls):
+    zero = tl.full([], 0, tl.int32)
+    start = _now(zero)
+    waited = start - start
+    while (value < target) & (waited < timeout_ns):
         value = tl.load(counter, volatile=True)
-        polls += 1
+        waited = _now(zero) - start
     if value < target:
         tl.store(counter + 1, 1)
 
@@ -34,4 +45,4 @@ def _wait_kernel(counter, target, max_polls):
 def wait_for_host(counter: torch.Tensor, target: int) -> None:
     """Queue on the current stream a wait until counter[0] (int64 [2], in pinned host memory, written
     only by the host and only upwards) is at least `target`; counter[1] becomes 1 if it gives up."""
-    _wait_kernel[(1,)](counter, target, MAX_POLLS, num_warps=1)
+    _wait_kernel[(1,)](counter, target, TIMEOUT_NS, num_warps=1)
