@@ -300,9 +300,24 @@ class ModelRunner:
         """Pinned host memory for a grammar step's masks, and the counter value that says they are in."""
         if self._mask_counter is None:
             self._mask_counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+            self._load_mask_kernels(words)
         self._masks_queued += 1
         tensor = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
         return HostMasks(tensor, self._mask_counter, self._masks_queued)
+
+    @torch.inference_mode()
+    def _load_mask_kernels(self, words: int) -> None:
+        """Run the kernels a grammar step queues behind its wait once, with no wait pending: a kernel's
+        first launch loads its module, which waits for the device, so behind a pending wait it would
+        wait for the masks (and for ever if the thread that publishes them needs what it holds)."""
+        from tokenmill.kernels.host_wait import wait_for_host
+
+        assert self._mask_counter is not None
+        wait_for_host(self._mask_counter, 0)
+        logits = torch.zeros((1, 32 * words), dtype=self.dtype, device=self.device)
+        mask = torch.zeros((1, words), dtype=torch.int32, pin_memory=True).to(self.device, non_blocking=True)
+        apply_bitmask(logits, torch.zeros(1, dtype=torch.int64, device=self.device), mask)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _sample(
