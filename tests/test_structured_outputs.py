@@ -193,6 +193,36 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     assert overlaps > 20 and overlaps == events.count("masks") - 1
 
 
+def test_masks_the_device_waits_for_give_the_tokens_of_masks_given_before_sampling(monkeypatch) -> None:
+    """On a GPU a grammar step's sampling is queued before its masks are filled, behind a wait on the
+    device (AwaitingGrammar.host_masks; kernels/host_wait.py). The same engine path on the CPU (forced
+    here; the sampling waits on the host instead) writes what the masks given before sampling write."""
+    from tokenmill.worker.step_output import AwaitingGrammar, HostMasks
+
+    params = [
+        SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": PERSON}),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=5, structured_outputs={"regex": "[a-z ]{3,12}"}),
+        SamplingParams(max_tokens=10, temperature=0, structured_outputs={"choice": ["red", "green"]}),
+        SamplingParams(max_tokens=12, temperature=0),
+    ]
+    prompt = "Describe a user of our website."
+    overlapped = LLM(
+        "default", max_model_len=2048, max_num_batched_tokens=256, dtype="float32", async_scheduling=True
+    )
+    expected = chat(overlapped, prompt, params, n=len(params))
+    published = []
+    publish = HostMasks.publish
+    monkeypatch.setattr(HostMasks, "publish", lambda self: published.append(self.target) or publish(self))
+    monkeypatch.setattr(
+        AwaitingGrammar,
+        "host_masks",
+        lambda self, words: self.runner.host_masks(len(self.step.scheduler_output.grammar_req_ids), words),
+    )
+    overlapped.engine.scheduler.kv.reset_prefix_cache()
+    assert chat(overlapped, prompt, params, n=len(params)) == expected
+    assert len(published) > 10 and published == sorted(published)
+
+
 def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> None:
     """Copies of one compiled matcher take turns at its lexer, so requests live at once are dealt over up
     to max_families compilations of their constraint (one used by a request at a time stays at one);

@@ -298,11 +298,13 @@ class ModelRunner:
 
     def host_masks(self, rows: int, words: int) -> HostMasks:
         """Pinned host memory for a grammar step's masks, and the counter value that says they are in."""
+        cuda = self.device.type == "cuda"
         if self._mask_counter is None:
-            self._mask_counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-            self._load_mask_kernels(words)
+            self._mask_counter = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+            if cuda:
+                self._load_mask_kernels(words)
         self._masks_queued += 1
-        tensor = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
+        tensor = torch.empty((rows, words), dtype=torch.int32, pin_memory=cuda)
         return HostMasks(tensor, self._mask_counter, self._masks_queued)
 
     @torch.inference_mode()
@@ -354,7 +356,10 @@ class ModelRunner:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
         (index,) = self._staged([np.asarray(logit_rows, np.int64)], np.int64)
-        if isinstance(grammar_bitmask, HostMasks):
+        if isinstance(grammar_bitmask, HostMasks) and self.device.type != "cuda":
+            grammar_bitmask.published.wait()
+            mask = grammar_bitmask.tensor
+        elif isinstance(grammar_bitmask, HostMasks):
             from tokenmill.kernels.host_wait import wait_for_host
 
             wait_for_host(self._mask_counter, grammar_bitmask.target)
