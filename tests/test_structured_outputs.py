@@ -216,7 +216,9 @@ def test_masks_the_device_waits_for_give_the_tokens_of_masks_given_before_sampli
     monkeypatch.setattr(
         AwaitingGrammar,
         "host_masks",
-        lambda self, words: self.runner.host_masks(len(self.step.scheduler_output.grammar_req_ids), words),
+        lambda self, words: self.runner.grammar_masks.host_masks(
+            len(self.step.scheduler_output.grammar_req_ids), words
+        ),
     )
     overlapped.engine.scheduler.kv.reset_prefix_cache()
     assert chat(overlapped, prompt, params, n=len(params)) == expected

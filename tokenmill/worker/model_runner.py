@@ -15,10 +15,10 @@ from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.loader import ModelSource
-from tokenmill.structured_outputs import apply_bitmask
 from tokenmill.worker.cuda_graphs import DecodeGraphs, capture_step_graphs
 from tokenmill.worker.device import resolve_device, resolve_dtype, staged
 from tokenmill.worker.drafter import make_drafter
+from tokenmill.worker.grammar_masks import GrammarMasks
 from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
@@ -83,10 +83,7 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and each request's row in it.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_row_of: dict[str, int] = {}
-        # Grammar masks the device waits for (host_masks): the pinned counter it polls, the steps queued.
-        self._mask_counter: torch.Tensor | None = None
-        self._device_masks: torch.Tensor | None = None
-        self._masks_queued = 0
+        self.grammar_masks = GrammarMasks(self.device, self.dtype)
         self.pooler = Pooler(pooling_type, self.device) if pooling_type is not None else None
         self.host_kv: HostKVCache | None = None  # the prefix cache's CPU tier (kv_offload_gib)
         self._block_rows: BlockRows | None = None
@@ -296,31 +293,6 @@ class ModelRunner:
             self.drafter.after_target(launched.inputs)
         return launched
 
-    def host_masks(self, rows: int, words: int) -> HostMasks:
-        """Pinned host memory for a grammar step's masks, and the counter value that says they are in."""
-        cuda = self.device.type == "cuda"
-        if self._mask_counter is None:
-            self._mask_counter = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
-            if cuda:
-                self._load_mask_kernels(words)
-        self._masks_queued += 1
-        tensor = torch.empty((rows, words), dtype=torch.int32, pin_memory=cuda)
-        return HostMasks(tensor, self._mask_counter, self._masks_queued)
-
-    @torch.inference_mode()
-    def _load_mask_kernels(self, words: int) -> None:
-        """Run the kernels a grammar step queues behind its wait once, with no wait pending: a kernel's
-        first launch loads its module, which waits for the device, so behind a pending wait it would
-        wait for the masks (and for ever if the thread that publishes them needs what it holds)."""
-        from tokenmill.kernels.host_wait import wait_for_host
-
-        assert self._mask_counter is not None
-        wait_for_host(self._mask_counter, 0)
-        logits = torch.zeros((1, 32 * words), dtype=self.dtype, device=self.device)
-        mask = torch.zeros((1, words), dtype=torch.int32, pin_memory=True).to(self.device, non_blocking=True)
-        apply_bitmask(logits, torch.zeros(1, dtype=torch.int64, device=self.device), mask)
-        torch.cuda.synchronize(self.device)
-
     @torch.inference_mode()
     def _sample(
         self, step: Launched, grammar_bitmask: np.ndarray | HostMasks | None = None
@@ -348,33 +320,14 @@ class ModelRunner:
         grammar_bitmask: np.ndarray | HostMasks,
     ) -> None:
         """-inf, in place, at the tokens each constrained request's grammar forbids: at its logit row (a
-        verifying step's: its last, since constrained requests take no drafts). HostMasks: the masks the
-        host is still filling; the stream waits for them before copying them in."""
+        verifying step's: its last, since constrained requests take no drafts)."""
         position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
         logit_rows = []
         for request_id in out.grammar_req_ids:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
         (index,) = self._staged([np.asarray(logit_rows, np.int64)], np.int64)
-        if isinstance(grammar_bitmask, HostMasks) and self.device.type != "cuda":
-            grammar_bitmask.published.wait()
-            mask = grammar_bitmask.tensor
-        elif isinstance(grammar_bitmask, HostMasks):
-            from tokenmill.kernels.host_wait import wait_for_host
-
-            wait_for_host(self._mask_counter, grammar_bitmask.target)
-            rows, words = grammar_bitmask.tensor.shape
-            if self._device_masks is None or self._device_masks.shape[0] < rows:
-                # kept, so that queueing behind a pending wait does not allocate (cudaMalloc waits for it)
-                shape = (max(rows, 64), words)
-                self._device_masks = torch.empty(shape, dtype=torch.int32, device=self.device)
-            mask = self._device_masks[:rows, :words]
-            mask.copy_(grammar_bitmask.tensor, non_blocking=True)
-        else:
-            # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for
-            # the forward pass, leaving the host idle instead of planning the next step.
-            (mask,) = self._staged([grammar_bitmask], np.int32)
-        apply_bitmask(logits, index, mask)
+        self.grammar_masks.apply(logits, index, grammar_bitmask)
 
     # ---- speculative decoding ---------------------------------------------------------------
 

@@ -139,7 +139,7 @@ class AwaitingGrammar:
         wait for; None where it cannot (a CPU). Fill and publish them, or the step never samples."""
         if self.runner.device.type != "cuda":
             return None
-        return self.runner.host_masks(len(self.step.scheduler_output.grammar_req_ids), words)
+        return self.runner.grammar_masks.host_masks(len(self.step.scheduler_output.grammar_req_ids), words)
 
 
 class HostMasks:
