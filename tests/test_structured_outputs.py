@@ -197,7 +197,8 @@ def test_masks_the_device_waits_for_give_the_tokens_of_masks_given_before_sampli
     """On a GPU a grammar step's sampling is queued before its masks are filled, behind a wait on the
     device (AwaitingGrammar.host_masks; kernels/host_wait.py). The same engine path on the CPU (forced
     here; the sampling waits on the host instead) writes what the masks given before sampling write."""
-    from tokenmill.worker.step_output import AwaitingGrammar, HostMasks
+    from tokenmill.worker.grammar_masks import HostMasks
+    from tokenmill.worker.step_output import AwaitingGrammar
 
     params = [
         SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": PERSON}),

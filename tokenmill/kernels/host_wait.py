@@ -3,9 +3,9 @@ has written a given value there, so the work queued behind it on the stream (a c
 still writing, the kernels that read it) runs once that data is in, without the host waiting to queue
 it. The engine queues a grammar step's masked sampling this way while its masks are being filled.
 
-While a wait is pending, the host must not block on the device in a call that keeps the GIL (measured
-on the H200: a device allocation that reaches cudaMalloc blocks until the wait ends; torch lets the GIL
-go there, `Tensor.is_pinned()` does not), or the thread that would write the counter never runs. As a
+While a wait is pending, some host calls block until it ends (measured on the H200: a device allocation
+that reaches cudaMalloc, and the first launch of a kernel whose module is not loaded yet); the thread
+that writes the counter must not need anything such a call holds (torch's ops let the GIL go). As a
 safety net the wait gives up after two seconds and writes 1 to counter[1], which the caller reads
 as a failure."""
 

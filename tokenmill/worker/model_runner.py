@@ -18,7 +18,7 @@ from tokenmill.loader import ModelSource
 from tokenmill.worker.cuda_graphs import DecodeGraphs, capture_step_graphs
 from tokenmill.worker.device import resolve_device, resolve_dtype, staged
 from tokenmill.worker.drafter import make_drafter
-from tokenmill.worker.grammar_masks import GrammarMasks
+from tokenmill.worker.grammar_masks import GrammarMasks, HostMasks
 from tokenmill.worker.input_batch import InputBatch, StepInputs
 from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
@@ -26,7 +26,7 @@ from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
 from tokenmill.worker.sampler import Sampler, SamplingBatch, build_sampling_batch, score_prompt_tokens
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
-from tokenmill.worker.step_output import AwaitingGrammar, HostMasks, Launched, PendingRunnerOutput
+from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 

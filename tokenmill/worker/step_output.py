@@ -4,7 +4,6 @@ everything the step reports (PendingRunnerOutput), read once the engine core ask
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch
 
 from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.worker.grammar_masks import HostMasks
 from tokenmill.worker.input_batch import StepInputs
 from tokenmill.worker.sampler import LogprobTensors, SamplingBatch, Verified, resolve_drafts
 
@@ -140,28 +140,3 @@ class AwaitingGrammar:
         if self.runner.device.type != "cuda":
             return None
         return self.runner.grammar_masks.host_masks(len(self.step.scheduler_output.grammar_req_ids), words)
-
-
-class HostMasks:
-    """A grammar step's masks in pinned host memory, which the device reads once the host has filled
-    them: `array` [rows, words] int32 to fill, then publish() (exactly once, also when the fill fails,
-    or the device waits for ever) writes the step's number into the counter the device polls
-    (kernels/host_wait.py). Steps publish in the order they were queued. On a CPU (where only tests
-    take this path: the engine fills the masks before the step samples there) the sampling waits for
-    `published` on the host."""
-
-    def __init__(self, tensor: torch.Tensor, counter: torch.Tensor, target: int) -> None:
-        self.tensor = tensor  # kept alive until the copy that reads it is queued behind the wait
-        self.array = tensor.numpy()
-        self.counter = counter.numpy()
-        self.target = target
-        self.published = threading.Event()
-
-    def publish(self) -> None:
-        self.counter[0] = max(int(self.counter[0]), self.target)
-        self.published.set()
-
-    def check(self) -> None:
-        """After the step's tokens are in: raise if the device gave up waiting for the masks."""
-        if self.counter[1]:
-            raise RuntimeError("the device gave up waiting for a grammar step's masks (kernels/host_wait.py)")
