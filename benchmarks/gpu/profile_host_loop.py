@@ -31,6 +31,8 @@ from shapes import shape_dir  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
+from tokenmill.worker.sampler import Sampler  # noqa: E402
+from tokenmill.worker.step_output import AwaitingGrammar  # noqa: E402
 
 
 def _timed(owner, name: str, phase: str, seconds: dict) -> None:
@@ -58,6 +60,15 @@ def instrument(llm: LLM) -> dict:
     _timed(core.scheduler, "update_from_output", "take in tokens", seconds)
     _timed(engine.output_processor, "process", "outputs", seconds)
     _timed(engine, "step", "loop total", seconds)
+    # Parts of the phases above (or of "other", the grammar step's work outside them), for where the
+    # constrained step's extra host time goes.
+    runner = core.executor
+    _timed(core, "_fill", "fill submitted: its Python half, the helper started (in other)", seconds)
+    _timed(AwaitingGrammar, "with_grammar", "masked sampling queued (in other)", seconds)
+    if hasattr(runner, "grammar_masks"):
+        _timed(runner.grammar_masks, "apply", "masks applied (in masked sampling queued)", seconds)
+        _timed(runner, "_for_sampling", "sampling batch built (in launch)", seconds)
+    _timed(Sampler, "__call__", "sampler (in launch or sampling queued)", seconds)
     return seconds
 
 

@@ -85,6 +85,29 @@ def test_temperature_sampling_follows_distribution():
     assert torch.allclose(freq[:3], probs[:3], atol=0.03)
 
 
+def test_sampling_never_draws_a_token_without_mass_and_matches_the_masses():
+    """Masses scattered over a wide vocabulary with holes (a grammar's mask, top-k), rows that do not sum
+    to 1 (min-p): each draw lands on a token with mass, in proportion to it."""
+    from tokenmill.worker.sampler import _random_sample
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, rows = 4099, 3000
+    mass = torch.rand(vocab, generator=gen) * (torch.rand(vocab, generator=gen) < 0.01)
+    mass[0] = mass[-1] = 0.0  # holes at both ends
+    mass[[5, 1000, 4097]] = torch.tensor([3.0, 1.0, 0.5])
+    probs = (mass * 0.37).repeat(rows, 1)
+    torch.manual_seed(0)
+    tokens = _random_sample(probs, {7: torch.Generator().manual_seed(9)})
+    assert bool((mass[tokens] > 0).all())
+    freq = torch.bincount(tokens, minlength=vocab).float() / rows
+    expected = mass / mass.sum()
+    assert torch.allclose(freq[[5, 1000, 4097]], expected[[5, 1000, 4097]], atol=0.03)
+    # A row whose every token is masked but one draws that one.
+    only = torch.zeros(2, vocab)
+    only[:, 4098] = 1e-30
+    assert _random_sample(only, {}).tolist() == [4098, 4098]
+
+
 def test_seed_gives_same_tokens_whatever_the_batch():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     seeded = SamplingParams(temperature=1.0, seed=42)

@@ -25,6 +25,8 @@ class CachedRequestState:
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens sampled by a step still in flight: on the device, not yet in output_token_ids.
     num_pending_tokens: int = 0
+    # (vocab size, the row's sampling knobs and flags), worker/sampler.py's, computed on first use.
+    sampling_knobs: tuple | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids

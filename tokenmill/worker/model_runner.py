@@ -154,22 +154,28 @@ class ModelRunner:
     def to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, the previous step's tokens gathered in (prepare, then launch's
         half)."""
-        input_ids, positions, md, pending = self._stage(inputs)
+        input_ids, positions, md, pending, _ = self._stage(inputs)
         self._gather_pending(input_ids, pending)
         return input_ids, positions, md
 
-    def _stage(self, inputs: StepInputs) -> tuple:
+    def _stage(self, inputs: StepInputs, grammar_req_ids: list[str] | None = None) -> tuple:
         """The step's host arrays on the device in one pinned copy; input_ids hold a placeholder where
-        the previous step's sampled token goes (`_gather_pending`, which must follow that sampling)."""
+        the previous step's sampled token goes (`_gather_pending`, which must follow that sampling).
+        grammar_req_ids: a step's constrained requests, whose logit rows (each request's last: a step
+        without drafts) travel in the same copy, for the masks (_sample)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
+        if grammar_req_ids:
+            position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
+            index_arrays.append(np.fromiter(map(position.__getitem__, grammar_req_ids), np.int64))
         staged = self._staged(
             [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays,
              inputs.query_start_loc, inputs.seq_lens, inputs.block_tables],
-            [np.int64] * 5 + [np.int32] * 3,
+            [np.int64] * (3 + len(index_arrays)) + [np.int32] * 3,
         )  # fmt: skip
         input_ids, positions, slot_mapping, pending_dst, pending_src = staged[:5]
-        query_start_loc, seq_lens, block_tables = staged[5:]
+        grammar_rows = staged[5] if grammar_req_ids else None
+        query_start_loc, seq_lens, block_tables = staged[-3:]
         md = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -184,7 +190,7 @@ class ModelRunner:
                 and inputs.max_query_len == inputs.max_seq_len
             ),
         )
-        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None
+        return input_ids, positions, md, (pending_dst, pending_src) if pending_rows else None, grammar_rows
 
     def _for_sampling(
         self, inputs: StepInputs, drafts: dict[str, list[int]] | None
@@ -249,7 +255,11 @@ class ModelRunner:
             and states[request_id].num_computed_tokens + 1 < states[request_id].num_prompt_tokens
         ]
         inputs = self.input_batch.prepare(scheduler_output)
-        return Prepared(scheduler_output, inputs, scoring, self._stage(inputs))
+        # A verifying step's rows are known only at launch: its constrained requests' rows are staged then.
+        grammar = (
+            scheduler_output.grammar_req_ids if not scheduler_output.scheduled_spec_decode_tokens else None
+        )
+        return Prepared(scheduler_output, inputs, scoring, self._stage(inputs, grammar))
 
     @torch.inference_mode()
     def launch(self, prepared: Prepared) -> PendingRunnerOutput | AwaitingGrammar:
@@ -261,7 +271,7 @@ class ModelRunner:
         scheduler_output, inputs, scoring, staged_inputs = prepared
         if inputs is None:
             return self._execute_pooling(scheduler_output)
-        input_ids, positions, md, pending = staged_inputs
+        input_ids, positions, md, pending, grammar_rows = staged_inputs
         self._gather_pending(input_ids, pending)
         prompt_logprobs = None
         if self.drafter is not None:
@@ -287,7 +297,7 @@ class ModelRunner:
         # The next step's inputs read this step's tokens by these rows (set now, so that its prepare
         # need not wait for a deferred sampling).
         self._last_row_of = {request_id: row for row, request_id in enumerate(inputs.req_ids)}
-        step = Launched(scheduler_output, inputs, batch, logits, rows, prompt_logprobs)
+        step = Launched(scheduler_output, inputs, batch, logits, rows, prompt_logprobs, grammar_rows)
         launched = AwaitingGrammar(self, step) if scheduler_output.grammar_req_ids else self._sample(step)
         if self.drafter is not None:
             self.drafter.after_target(launched.inputs)
@@ -300,7 +310,10 @@ class ModelRunner:
         """The sampling half of a step: the grammar's masks first, then verification or sampling."""
         inputs, batch, logits, rows = step.inputs, step.sampling_batch, step.logits, step.rows
         if grammar_bitmask is not None:
-            self._mask_grammar(step.scheduler_output, inputs, logits, rows, grammar_bitmask)
+            index = step.grammar_rows
+            if index is None:
+                index = self._grammar_rows(step.scheduler_output, inputs, rows)
+            self.grammar_masks.apply(logits, index, grammar_bitmask)
         if rows is not None:
             pending = verify(self, inputs, batch, logits, rows, step.prompt_logprobs)
         else:
@@ -311,23 +324,18 @@ class ModelRunner:
         pending.propose_drafts = step.scheduler_output.propose_drafts
         return pending
 
-    def _mask_grammar(
-        self,
-        out: SchedulerOutput,
-        inputs: StepInputs,
-        logits: torch.Tensor,
-        rows: VerifyRows | None,
-        grammar_bitmask: np.ndarray | HostMasks,
-    ) -> None:
-        """-inf, in place, at the tokens each constrained request's grammar forbids: at its logit row (a
-        verifying step's: its last, since constrained requests take no drafts)."""
+    def _grammar_rows(
+        self, out: SchedulerOutput, inputs: StepInputs, rows: VerifyRows | None
+    ) -> torch.Tensor:
+        """The logit row of each constrained request, on the device, where prepare did not stage them (a
+        verifying step's: a request's last, since constrained requests take no drafts)."""
         position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
         logit_rows = []
         for request_id in out.grammar_req_ids:
             i = position[request_id]
             logit_rows.append(i if rows is None else rows.first_rows[i] + len(rows.drafts[i]))
         (index,) = self._staged([np.asarray(logit_rows, np.int64)], np.int64)
-        self.grammar_masks.apply(logits, index, grammar_bitmask)
+        return index
 
     # ---- speculative decoding ---------------------------------------------------------------
 

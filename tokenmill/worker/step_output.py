@@ -116,6 +116,7 @@ class Launched(NamedTuple):
     logits: torch.Tensor
     rows: VerifyRows | None  # a verifying step's logit rows
     prompt_logprobs: dict | None
+    grammar_rows: torch.Tensor | None = None  # the constrained requests' logit rows, staged by prepare
 
 
 class AwaitingGrammar:
