@@ -72,6 +72,26 @@ def test_regex_choice_grammar_and_json_object(llm) -> None:
     assert isinstance(json.loads(texts[3]), dict)
 
 
+def test_a_completed_grammar_ends_its_request_with_the_token_that_completed_it(llm) -> None:
+    """The grammar takes in a step's tokens on the helper that fills the next step's masks, so a grammar
+    completed by token N is seen complete when step N+1's tokens come in: the request ends at N all the
+    same, N+1's token dropped, whatever EOS would do (ignored here) and however much max_tokens allows."""
+    choice, digits = {"choice": ["red", "green"]}, {"regex": "[0-9]{5}"}
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, structured_outputs=choice),
+        SamplingParams(max_tokens=30, temperature=0.9, seed=4, ignore_eos=True, structured_outputs=digits),
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+    ]
+    messages = [[{"role": "user", "content": "Pick a colour, then a number."}]] * 3
+    outputs = [o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)]
+    assert outputs[0].text in ("red", "green") and re.fullmatch("[0-9]{5}", outputs[1].text)
+    tokenizer = llm.get_tokenizer()
+    for output in outputs[:2]:
+        assert output.finish_reason == "stop"
+        assert tokenizer.decode(output.token_ids) == output.text  # no token past the grammar's end
+    assert len(outputs[2].token_ids) == 30 and outputs[2].finish_reason == "length"
+
+
 def test_n_sequences_each_follow_the_grammar(llm) -> None:
     params = SamplingParams(
         n=3, max_tokens=12, temperature=1.0, seed=7, structured_outputs={"regex": "(yes|no)!{1,3}"}

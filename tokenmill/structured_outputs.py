@@ -247,12 +247,17 @@ class StructuredOutputs:
         return self.bitmask_fill(matchers, families)()
 
     def bitmask_fill(
-        self, matchers: list, families: list[int] | None = None, out: np.ndarray | None = None
+        self,
+        matchers: list,
+        families: list[int] | None = None,
+        out: np.ndarray | None = None,
+        consume: list[tuple[Any, int]] | None = None,
     ) -> Callable[[], np.ndarray]:
-        """fill_bitmask in two halves: the Python half now (the array, the rows that allow everything,
-        the work grouped by family), and a call that runs llguidance's fill without the GIL and returns
-        the array, for a helper thread that should hold the GIL as briefly as it can. out: the array to
-        fill ([len(matchers), words] int32, C-contiguous; every row is written), else a new one."""
+        """fill_bitmask in two halves: the Python half now (the array, the work grouped by family), and a
+        call for a helper thread that first hands `consume`'s (matcher, token) pairs to their matchers,
+        then fills the masks, both in llguidance without the GIL (the rows that allow everything, for
+        matchers stopped by then, in between), and returns the array. out: the array to fill ([len(matchers),
+        words] int32, C-contiguous; every row is written), else a new one."""
         mask = np.zeros((len(matchers), self.words), dtype=np.int32) if out is None else out
         assert mask.shape == (len(matchers), self.words) and mask.flags.c_contiguous
         order = (
@@ -260,16 +265,18 @@ class StructuredOutputs:
             if families is None
             else sorted(range(len(matchers)), key=families.__getitem__)
         )
-        work = []
-        for row in order:
-            matcher = matchers[row]
-            if matcher is None or matcher.is_stopped():
-                mask[row] = -1
-            else:
-                work.append((matcher, row))
         executor = self._executor
 
         def fill() -> np.ndarray:
+            if consume:  # a token the mask did not allow leaves its matcher in error, which is stopped
+                executor.consume_token_par(consume)
+            work = []
+            for row in order:
+                matcher = matchers[row]
+                if matcher is None or matcher.is_stopped():
+                    mask[row] = -1
+                else:
+                    work.append((matcher, row))
             if work:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
             return mask

@@ -52,6 +52,47 @@ def test_the_stream_runs_what_follows_the_wait_once_the_host_publishes() -> None
     assert counter[1] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(dtype) -> None:
+    """apply_bitmask_from_host against the torch masking: logits a slice of wider rows (as the LM head's
+    padded vocabulary leaves them) and wider than the mask's words (the tokens past them are forbidden),
+    rows picked out of order, masks written into the same pinned buffer step after step (a stale read of
+    an earlier step's words would show), each after the kernel was queued and published from another
+    thread."""
+    from tokenmill.kernels.host_wait import apply_bitmask_from_host
+    from tokenmill.structured_outputs import apply_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, words = 1030, 32  # 1030 tokens, masks for 1024
+    counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    host = torch.zeros(5, words, dtype=torch.int32, pin_memory=True)
+    rows = torch.tensor([6, 0, 3, 7, 2], device="cuda")
+    wide = torch.randn(8, 1040, generator=gen).to(dtype).cuda()
+    apply_bitmask_from_host(wide[:, :vocab], rows, host, counter, 0)  # compiled and loaded, no wait
+    torch.cuda.synchronize()
+    for step in range(1, 6):
+        wide = torch.randn(8, 1040, generator=gen).to(dtype).cuda()
+        logits = wide[:, :vocab]
+        expected = logits.cpu()
+        apply_bitmask_from_host(logits, rows, host, counter, step)
+        done = torch.cuda.Event()
+        done.record()
+        masks = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int64)
+        masks = masks.to(torch.int32)
+
+        def publish(masks=masks, step=step) -> None:
+            time.sleep(0.02)
+            host.copy_(masks)
+            counter.numpy()[0] = step
+
+        threading.Thread(target=publish).start()
+        done.synchronize()
+        apply_bitmask(expected, rows.cpu(), masks)
+        assert torch.equal(logits.cpu(), expected), step
+        assert torch.equal(wide[:, vocab:].cpu().isinf().any(), torch.tensor(False))  # nothing past the slice
+    assert counter[1] == 0
+
+
 def test_a_wait_published_from_another_thread_while_this_one_blocks() -> None:
     from tokenmill.kernels.host_wait import wait_for_host
 

@@ -8,12 +8,14 @@ the device, and only then does the core wait for step N's tokens. Without it the
 and the loop is synchronous; so does a step that speculates, since the next step verifies the drafts
 proposed from its tokens: that next step is launched as soon as they are in, before step() returns, so
 the caller's work on the outputs overlaps the device. A step that samples under grammars launches its
-forward pass, then takes in step N's tokens (which advance the grammars), then has its masks filled on a
-helper thread (llguidance's threads, without the GIL) while the loop returns step N's outputs and
-schedules the next step and prepares its inputs (the host half). On a GPU the masks go to pinned
-memory and the masked sampling is queued as soon as the fill has begun, behind a wait on the device for
-a counter the helper sets once they are in (AwaitingGrammar.host_masks): the loop never waits for the
-masks, and the next step launches behind that sampling. Elsewhere the sampling is queued just before
+forward pass, then takes in step N's tokens, then has its masks filled on a helper thread (llguidance's
+threads, without the GIL: first step N's tokens into the grammars, then the masks) while the loop
+returns step N's outputs and schedules the next step and prepares its inputs (the host half); a grammar
+that step N's token completed ends its request when the next step's tokens come in, that token dropped.
+On a GPU the masks go to pinned memory and the masked sampling is queued as soon as the fill has begun,
+its masking kernel waiting on the device for a counter the helper sets once they are in
+(AwaitingGrammar.host_masks): the loop never waits for the masks, and the next step launches behind
+that sampling. Elsewhere the sampling is queued just before
 the next step launches (or when its own tokens are wanted), so the fill overlaps the forward pass and
 the host's own work. The offline `LLM` and the server's core process run this same loop.
 """

@@ -67,9 +67,12 @@ class Request:
         self.spec_acceptance = 1.0  # running average of its drafts' acceptance (optimistic at first)
         self.spec_steps_off = 0  # decode steps it skipped drafts for low acceptance
         # Structured outputs: the llguidance matcher of its constraint, advanced with every output token,
-        # and which of the constraint's compiled copies it came from (structured_outputs.py).
+        # and which of the constraint's compiled copies it came from (structured_outputs.py). Its tokens
+        # reach the matcher on the helper thread that fills the next step's masks (Scheduler.grammar_fill):
+        # until then they wait here.
         self.grammar = None
         self.grammar_family = -1
+        self.grammar_unconsumed: list[int] = []
         self.block_ids: list[int] = []
         # Chained hashes of this request's full blocks, and how many of them are in the prefix cache.
         self.block_hashes: list[int] = []

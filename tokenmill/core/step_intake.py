@@ -74,15 +74,18 @@ class StepIntake:
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
             status = None
             appended = 0
+            if request.grammar is not None and request.grammar.is_stopped():
+                # Its grammar completed with the token before this one (consumed since, by this step's
+                # fill): that one was its last, and this step's token is dropped.
+                status = RequestStatus.FINISHED_STOPPED
+                new_token_ids = []
             for token_id in new_token_ids:  # a stop among accepted drafts ends the request there
                 request.append_output_token(token_id)
                 appended += 1
                 status = self._check_stop(request)
                 if request.grammar is not None and status is None:
-                    # The mask let only this token through; a grammar that is complete ends the request.
-                    request.grammar.consume_token(token_id)
-                    if request.grammar.is_stopped():
-                        status = RequestStatus.FINISHED_STOPPED
+                    # The mask let only this token through; the next step's fill hands it to the grammar.
+                    request.grammar_unconsumed.append(token_id)
                 if status is not None:
                     break
             if running:
@@ -147,9 +150,18 @@ class StepIntake:
         dropped). into: the array to fill (else a new one)."""
         assert self.structured is not None  # a request with a grammar was refused without one
         requests = [self.requests.get(r) for r in out.grammar_req_ids]
-        matchers = [r.grammar if r is not None else None for r in requests]
-        families = [r.grammar_family if r is not None else -1 for r in requests]
-        fill_mask = self.structured.bitmask_fill(matchers, families, into)  # its Python half, here
+        matchers, families, consume = [], [], []
+        for request in requests:
+            if request is None:
+                matchers.append(None)
+                families.append(-1)
+                continue
+            matchers.append(request.grammar)
+            families.append(request.grammar_family)
+            if request.grammar_unconsumed:
+                consume.extend((request.grammar, token_id) for token_id in request.grammar_unconsumed)
+                request.grammar_unconsumed = []
+        fill_mask = self.structured.bitmask_fill(matchers, families, into, consume)  # its Python half, here
 
         def fill() -> np.ndarray:
             start = time.perf_counter()

@@ -1,7 +1,9 @@
 """A stream that waits for the host: one program spins on a counter in pinned host memory until the host
 has written a given value there, so the work queued behind it on the stream (a copy of data the host is
 still writing, the kernels that read it) runs once that data is in, without the host waiting to queue
-it. The engine queues a grammar step's masked sampling this way while its masks are being filled.
+it. The engine queues a grammar step's masked sampling this way while its masks are being filled: the
+wait and the masking in one kernel (apply_bitmask_from_host), each program reading its request's mask
+straight from the pinned buffer the host fills.
 
 While a wait is pending, some host calls block until it ends (measured on the H200: a device allocation
 that reaches cudaMalloc, and the first launch of a kernel whose module is not loaded yet); the thread
@@ -27,10 +29,10 @@ def _now(like):
     )
 
 
-# Not specialised on its values (Triton compiles a variant for 1 and for multiples of 16 otherwise).
-@triton.jit(do_not_specialize=["target", "timeout_ns"])
-def _wait_kernel(counter, target, timeout_ns):
-    # A volatile load is a relaxed load at system scope: each one reads the host's memory afresh.
+@triton.jit
+def _wait(counter, target, timeout_ns):
+    """Spin until counter[0] >= target or timeout_ns have passed; whether it was reached. A volatile load
+    is a relaxed load at system scope: each one reads the host's memory afresh."""
     value = tl.load(counter, volatile=True)
     zero = tl.full([], 0, tl.int32)
     start = _now(zero)
@@ -40,9 +42,62 @@ def _wait_kernel(counter, target, timeout_ns):
         waited = _now(zero) - start
     if value < target:
         tl.store(counter + 1, 1)
+    return value >= target
+
+
+# Not specialised on its values (Triton compiles a variant for 1 and for multiples of 16 otherwise).
+@triton.jit(do_not_specialize=["target", "timeout_ns"])
+def _wait_kernel(counter, target, timeout_ns):
+    _wait(counter, target, timeout_ns)
+
+
+@triton.jit(do_not_specialize=["target", "timeout_ns"])
+def _wait_then_mask_kernel(
+    logits, stride_logits, rows, mask, stride_mask, vocab, words, counter, target, timeout_ns,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program r: the wait, then -inf at logits row rows[r] wherever mask row r (int32 words in pinned
+    host memory: bit j of word i for token 32 i + j; tokens past its last word are forbidden) has a 0 bit.
+    The words are read over the bus with volatile loads (not from a cache line an earlier step's read of
+    the same buffer left), after a system-scope fence (not before the counter said they are in)."""
+    if _wait(counter, target, timeout_ns):
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)
+        row = tl.load(rows + r).to(tl.int64)
+        WORDS: tl.constexpr = BLOCK // 32
+        for first in range(0, vocab, BLOCK):
+            word = first // 32 + tl.arange(0, WORDS)
+            bits = tl.load(mask + r * stride_mask + word, mask=word < words, other=0, volatile=True)
+            allowed = (bits[:, None] >> tl.arange(0, 32)[None, :]) & 1
+            cols = first + tl.arange(0, BLOCK)
+            forbidden = tl.reshape(allowed, [BLOCK]) == 0
+            minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(logits.dtype.element_ty)
+            tl.store(logits + row * stride_logits + cols, minus_inf, mask=(cols < vocab) & forbidden)
+
+
+_MASK_BLOCK = 4096
 
 
 def wait_for_host(counter: torch.Tensor, target: int) -> None:
     """Queue on the current stream a wait until counter[0] (int64 [2], in pinned host memory, written
     only by the host and only upwards) is at least `target`; counter[1] becomes 1 if it gives up."""
     _wait_kernel[(1,)](counter, target, TIMEOUT_NS, num_warps=1)
+
+
+def apply_bitmask_from_host(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, counter: torch.Tensor, target: int
+) -> None:
+    """Queue on the current stream, in one launch: the wait of wait_for_host(counter, target), then
+    kernels/bitmask.py's masking of logits [R, V] at rows [N] (int64, on the device) from bitmask [N, W]
+    (int32, in pinned host memory), read where the host wrote it (no copy to queue). If the wait gives
+    up, the logits are left unmasked (and counter[1] says so)."""
+    if rows.numel() == 0:
+        return
+    assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1 and bitmask.dtype == torch.int32
+    _wait_then_mask_kernel[(rows.numel(),)](
+        logits, logits.stride(0), rows, bitmask, bitmask.stride(0), logits.shape[1], bitmask.shape[1],
+        counter, target, TIMEOUT_NS, BLOCK=_MASK_BLOCK, num_warps=4,
+    )  # fmt: skip

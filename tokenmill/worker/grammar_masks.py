@@ -1,6 +1,6 @@
 """Grammar masks onto a step's logits: rows the host filled before the step samples (staged with the
-step's inputs), or rows in pinned memory the host fills after the sampling is queued, which the stream
-waits for (HostMasks; kernels/host_wait.py)."""
+step's inputs), or rows in pinned memory the host fills after the sampling is queued, which the masking
+kernel waits for and reads in place (HostMasks; kernels/host_wait.py)."""
 
 from __future__ import annotations
 
@@ -45,55 +45,50 @@ class GrammarMasks:
         self.counter: torch.Tensor | None = None  # the pinned counter the device polls
         self.queued = 0  # steps given HostMasks so far: each one's counter value
         # One pinned buffer serves every step: a step's masks are filled only after the step before it
-        # returned its tokens, so the copy of that step's masks has run. The device's copy is kept too, so
-        # that queueing behind a pending wait does not allocate (a cudaMalloc waits for the wait).
+        # returned its tokens, so the device has read that step's masks.
         self.on_host: torch.Tensor | None = None
-        self.on_device: torch.Tensor | None = None
+        self._loaded: set[tuple] = set()  # the logits layouts the masking kernel has run on
 
     def host_masks(self, rows: int, words: int) -> HostMasks:
         """Pinned host memory for a grammar step's masks, and the counter value that says they are in."""
         if self.counter is None:
             self.counter = torch.zeros(2, dtype=torch.int64, pin_memory=self.cuda)
-            if self.cuda:
-                self._load_kernels(words)
         if self.on_host is None or self.on_host.shape[0] < rows:
-            shape = (max(rows, 64), words)
-            self.on_host = torch.empty(shape, dtype=torch.int32, pin_memory=self.cuda)
-            if self.cuda:
-                self.on_device = torch.empty(shape, dtype=torch.int32, device=self.device)
+            self.on_host = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=self.cuda)
         self.queued += 1
         return HostMasks(self.on_host[:rows], self.counter, self.queued)
 
-    @torch.inference_mode()
-    def _load_kernels(self, words: int) -> None:
-        """Run the kernels a grammar step queues behind its wait once, with no wait pending: a kernel's
-        first launch loads its module, which waits for the device, so behind a pending wait it would
-        wait for the masks (and until the wait gives up if the thread that publishes them needs what
-        the waiting one holds)."""
-        from tokenmill.kernels.host_wait import wait_for_host
+    def _load_kernel(self, logits: torch.Tensor, index: torch.Tensor, words: int) -> None:
+        """Run the masking kernel once for this logits layout with nothing to wait for and nothing to
+        mask: the first launch of a kernel variant compiles it and loads its module, and a module load
+        waits for the device, so behind a pending wait it would wait for the masks (and until the wait
+        gives up if the thread that publishes them needs what the waiting one holds). No wait is pending
+        here: the step before this one has returned its tokens."""
+        from tokenmill.kernels.host_wait import apply_bitmask_from_host
 
         assert self.counter is not None
-        wait_for_host(self.counter, 0)
-        logits = torch.zeros((1, 32 * words), dtype=self.dtype, device=self.device)
-        mask = torch.zeros((1, words), dtype=torch.int32, pin_memory=True).to(self.device, non_blocking=True)
-        apply_bitmask(logits, torch.zeros(1, dtype=torch.int64, device=self.device), mask)
-        torch.cuda.synchronize(self.device)
+        key = (logits.dtype, logits.stride(0), logits.shape[1], words)
+        if key not in self._loaded:
+            allowed = torch.full((1, words), -1, dtype=torch.int32, pin_memory=True)
+            apply_bitmask_from_host(logits, index[:1], allowed, self.counter, 0)
+            torch.cuda.synchronize(self.device)
+            self._loaded.add(key)
 
     def apply(self, logits: torch.Tensor, index: torch.Tensor, bitmask: np.ndarray | HostMasks) -> None:
         """-inf at logits row index[i] wherever row i of the masks has a 0 bit. HostMasks: the masks the
-        host is still filling; the stream waits for them before copying them in (on a CPU, the host)."""
+        host is still filling; the stream waits for them, then reads them from host memory (on a CPU,
+        the host waits)."""
         if isinstance(bitmask, HostMasks) and not self.cuda:
             bitmask.published.wait()
-            mask = bitmask.tensor
+            apply_bitmask(logits, index, bitmask.tensor)
         elif isinstance(bitmask, HostMasks):
-            from tokenmill.kernels.host_wait import wait_for_host
+            from tokenmill.kernels.host_wait import apply_bitmask_from_host
 
-            assert self.counter is not None and self.on_device is not None
-            wait_for_host(self.counter, bitmask.target)
-            mask = self.on_device[: bitmask.tensor.shape[0]]
-            mask.copy_(bitmask.tensor, non_blocking=True)
+            assert self.counter is not None
+            self._load_kernel(logits, index, bitmask.tensor.shape[1])
+            apply_bitmask_from_host(logits, index, bitmask.tensor, self.counter, bitmask.target)
         else:
             # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for
             # the forward pass, leaving the host idle instead of planning the next step.
             (mask,) = staged([bitmask], np.int32, self.device)
-        apply_bitmask(logits, index, mask)
+            apply_bitmask(logits, index, mask)
