@@ -250,7 +250,7 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
     """Copies of one compiled matcher take turns at its lexer, so requests live at once are dealt over up
     to max_families compilations of their constraint (one used by a request at a time stays at one);
     the masks, grouped by family for llguidance's threads, land in each request's own row; finished
-    (None) and stopped matchers allow everything."""
+    (None) matchers allow everything, stopped ones EOS alone (llguidance's own row for them)."""
     import numpy as np
 
     from tokenmill.loader import resolve_model
@@ -286,9 +286,13 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
         rows, [families[5], -1, family, families[0], 0, *families[1:5], families[6]]
     )
     assert (grouped == structured.fill_bitmask(rows)).all()
+    eos_only = np.zeros(structured.words, np.int32)
+    eos_only[tokenizer.eos_token_id // 32] = 1 << (tokenizer.eos_token_id % 32)
     for row, m in enumerate(rows):
-        if m is None or m.is_stopped():
+        if m is None:
             assert (grouped[row] == -1).all()
+        elif m.is_stopped():
+            assert (grouped[row] == eos_only).all()
         else:
             assert grouped[row].tobytes() == m.compute_bitmask()[: structured.words * 4]
     with pytest.raises(ValueError, match="mask_threads"):

@@ -242,8 +242,9 @@ class StructuredOutputs:
     def fill_bitmask(self, matchers: list, families: list[int] | None = None) -> np.ndarray:
         """One row of allowed tokens per matcher, [len(matchers), words] int32, filled in parallel by
         llguidance's threads, the matchers grouped by family (`families`, as matcher() returned them).
-        A None matcher (its request finished while the step ran) or a stopped one gets a row that allows
-        everything: nothing it samples is kept."""
+        A None matcher (its request finished while the step ran) gets a row that allows everything, a
+        stopped one (complete, or in error) llguidance's row that allows EOS only: nothing either samples
+        is kept."""
         return self.bitmask_fill(matchers, families)()
 
     def bitmask_fill(
@@ -253,11 +254,11 @@ class StructuredOutputs:
         out: np.ndarray | None = None,
         consume: list[tuple[Any, int]] | None = None,
     ) -> Callable[[], np.ndarray]:
-        """fill_bitmask in two halves: the Python half now (the array, the work grouped by family), and a
-        call for a helper thread that first hands `consume`'s (matcher, token) pairs to their matchers,
-        then fills the masks, both in llguidance without the GIL (the rows that allow everything, for
-        matchers stopped by then, in between), and returns the array. out: the array to fill ([len(matchers),
-        words] int32, C-contiguous; every row is written), else a new one."""
+        """fill_bitmask in two halves: the Python half now (the array, the rows that allow everything, the
+        work grouped by family), and a call for a helper thread that hands `consume`'s (matcher, token)
+        pairs to their matchers, then fills the masks, both in llguidance without the GIL, and returns
+        the array. out: the array to fill ([len(matchers), words] int32, C-contiguous; every row is
+        written), else a new one."""
         mask = np.zeros((len(matchers), self.words), dtype=np.int32) if out is None else out
         assert mask.shape == (len(matchers), self.words) and mask.flags.c_contiguous
         order = (
@@ -265,18 +266,20 @@ class StructuredOutputs:
             if families is None
             else sorted(range(len(matchers)), key=families.__getitem__)
         )
+        work = []
+        for row in order:
+            matcher = matchers[row]
+            if matcher is None:
+                mask[row] = -1
+            else:
+                work.append((matcher, row))
         executor = self._executor
 
         def fill() -> np.ndarray:
+            # Between the two calls the helper takes the GIL back once; whether a matcher is stopped is
+            # not asked (that would be Python between them too): llguidance's mask for one allows EOS.
             if consume:  # a token the mask did not allow leaves its matcher in error, which is stopped
                 executor.consume_token_par(consume)
-            work = []
-            for row in order:
-                matcher = matchers[row]
-                if matcher is None or matcher.is_stopped():
-                    mask[row] = -1
-                else:
-                    work.append((matcher, row))
             if work:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
             return mask
