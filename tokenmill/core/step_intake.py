@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -150,7 +150,9 @@ class StepIntake:
         dropped). into: the array to fill (else a new one)."""
         assert self.structured is not None  # a request with a grammar was refused without one
         requests = [self.requests.get(r) for r in out.grammar_req_ids]
-        matchers, families, consume = [], [], []
+        matchers: list[Any] = []
+        families: list[int] = []
+        consume: list[tuple[Any, int]] = []  # (matcher, token) for each token not yet in its grammar
         for request in requests:
             if request is None:
                 matchers.append(None)
