@@ -16,17 +16,19 @@ def reference(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> tor
     vocab = logits.shape[1]
     for mask_row, row in enumerate(rows):
         for token in range(vocab):
-            if not (int(bitmask[mask_row, token // 32]) >> (token % 32)) & 1:
+            word = int(bitmask[mask_row, token // 32]) if token // 32 < bitmask.shape[1] else 0
+            if not (word >> (token % 32)) & 1:
                 out[row, token] = float("-inf")
     return out
 
 
-@pytest.mark.parametrize(("num_rows", "vocab"), [(5, 77), (3, 32), (9, 1001)])
-def test_masks_only_the_forbidden_tokens_of_the_given_rows(num_rows: int, vocab: int) -> None:
+@pytest.mark.parametrize(("num_rows", "vocab", "words"), [(5, 77, 3), (3, 32, 1), (9, 1001, 32), (4, 100, 3)])
+def test_masks_only_the_forbidden_tokens_of_the_given_rows(num_rows: int, vocab: int, words: int) -> None:
+    """(4, 100, 3): logits wider than the mask's words, whose tokens past them are forbidden."""
     rng = np.random.default_rng(vocab)
     logits = torch.randn(num_rows, vocab)
     rows = sorted(rng.choice(num_rows, size=num_rows - 1, replace=False).tolist())[::-1]  # any order
-    bitmask = rng.integers(-(2**31), 2**31, size=(len(rows), (vocab + 31) // 32), dtype=np.int64)
+    bitmask = rng.integers(-(2**31), 2**31, size=(len(rows), words), dtype=np.int64)
     bitmask = bitmask.astype(np.int32)
     expected = reference(logits, rows, bitmask)
     apply_bitmask(logits, rows, bitmask)
