@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.bitmask import MASK_BLOCK, mask_row
+
 # Nanoseconds (the device's global timer) before the wait gives up.
 TIMEOUT_NS = 2_000_000_000
 
@@ -67,18 +69,7 @@ def _wait_then_mask_kernel(
         )  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         row = tl.load(rows + r).to(tl.int64)
-        WORDS: tl.constexpr = BLOCK // 32
-        for first in range(0, vocab, BLOCK):
-            word = first // 32 + tl.arange(0, WORDS)
-            bits = tl.load(mask + r * stride_mask + word, mask=word < words, other=0, volatile=True)
-            allowed = (bits[:, None] >> tl.arange(0, 32)[None, :]) & 1
-            cols = first + tl.arange(0, BLOCK)
-            forbidden = tl.reshape(allowed, [BLOCK]) == 0
-            minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(logits.dtype.element_ty)
-            tl.store(logits + row * stride_logits + cols, minus_inf, mask=(cols < vocab) & forbidden)
-
-
-_MASK_BLOCK = 4096
+        mask_row(logits + row * stride_logits, mask + r * stride_mask, vocab, words, BLOCK, True)
 
 
 def wait_for_host(counter: torch.Tensor, target: int) -> None:
@@ -99,5 +90,5 @@ def apply_bitmask_from_host(
     assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1 and bitmask.dtype == torch.int32
     _wait_then_mask_kernel[(rows.numel(),)](
         logits, logits.stride(0), rows, bitmask, bitmask.stride(0), logits.shape[1], bitmask.shape[1],
-        counter, target, TIMEOUT_NS, BLOCK=_MASK_BLOCK, num_warps=4,
+        counter, target, TIMEOUT_NS, BLOCK=MASK_BLOCK, num_warps=4,
     )  # fmt: skip
