@@ -155,12 +155,12 @@ def test_masks_are_filled_after_the_forward_pass_is_launched(llm) -> None:
         events.append(("launch", bool(prepared.scheduler_output.grammar_req_ids)))
         return launch(prepared)
 
-    def fill_later(out, into=None):
+    def fill_later(out, into=None, in_flight=None):
         events.append(("masks", len(out.grammar_req_ids)))
-        fill = grammar_fill(out, into)
+        fill = grammar_fill(out, into, in_flight)
 
-        def fill_and_note():
-            mask = fill()
+        def fill_and_note(*args):
+            mask = fill(*args)
             events.append(("filled", threading.current_thread().name.startswith("tokenmill-masks")))
             return mask
 
@@ -205,12 +205,21 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     )
     core.executor.launch = lambda prepared: events.append("launch") or launch(prepared)
     core.scheduler.update_from_output = lambda *a: events.append("update") or update(*a)
-    core.scheduler.grammar_fill = lambda *a: events.append("masks") or grammar_fill(*a)
+    straight = []  # whether each fill took the tokens of the step in flight from its output
+
+    def fill(out, into=None, in_flight=None):
+        events.append("masks")
+        straight.append(in_flight is not None)
+        return grammar_fill(out, into, in_flight)
+
+    core.scheduler.grammar_fill = fill
     assert chat(overlapped, prompt, params, n=len(params)) == expected
     jsonschema.validate(json.loads(expected[0]), PERSON)
-    # Each constrained step: launched, then the step before it taken in, then its masks begun.
-    overlaps = "".join(e[0] for e in events).count("lum")
+    # Each constrained step: launched, then its masks begun (the helper takes the tokens of the step
+    # before it from that step's output), then that step taken in.
+    overlaps = "".join(e[0] for e in events).count("lmu")
     assert overlaps > 20 and overlaps == events.count("masks") - 1
+    assert sum(straight) == overlaps
 
 
 def test_masks_the_device_waits_for_give_the_tokens_of_masks_given_before_sampling(monkeypatch) -> None:

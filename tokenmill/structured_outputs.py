@@ -253,12 +253,14 @@ class StructuredOutputs:
         families: list[int] | None = None,
         out: np.ndarray | None = None,
         consume: list[tuple[Any, int]] | None = None,
-    ) -> Callable[[], np.ndarray]:
+        claimed: tuple[Callable[[], list[int]], list[tuple[Any, int]]] | None = None,
+    ) -> Callable[..., np.ndarray]:
         """fill_bitmask in two halves: the Python half now (the array, the rows that allow everything, the
         work grouped by family), and a call for a helper thread that hands `consume`'s (matcher, token)
-        pairs to their matchers, then fills the masks, both in llguidance without the GIL, and returns
-        the array. out: the array to fill ([len(matchers), words] int32, C-contiguous; every row is
-        written), else a new one."""
+        pairs to their matchers, then `claimed`'s tokens (a call returning a step's tokens, one a row,
+        once they are on the host, and (matcher, row) pairs), calls its argument, then fills the masks,
+        each in llguidance without the GIL, and returns the array. out: the array to fill
+        ([len(matchers), words] int32, C-contiguous; every row is written), else a new one."""
         mask = np.zeros((len(matchers), self.words), dtype=np.int32) if out is None else out
         assert mask.shape == (len(matchers), self.words) and mask.flags.c_contiguous
         order = (
@@ -274,17 +276,41 @@ class StructuredOutputs:
             else:
                 work.append((matcher, row))
         executor = self._executor
+        rounds = _rounds(consume) if consume else []
 
-        def fill() -> np.ndarray:
-            # Between the two calls the helper takes the GIL back once; whether a matcher is stopped is
-            # not asked (that would be Python between them too): llguidance's mask for one allows EOS.
-            if consume:  # a token the mask did not allow leaves its matcher in error, which is stopped
-                executor.consume_token_par(consume)
+        def fill(consumed: Callable[[], None] = lambda: None) -> np.ndarray:
+            # Between the calls the helper takes the GIL back; whether a matcher is stopped is not asked
+            # (that would be Python between them too): llguidance's mask for one allows EOS. A token the
+            # mask did not allow leaves its matcher in error, which is stopped.
+            for pairs in rounds:
+                executor.consume_token_par(pairs)
+            if claimed:
+                tokens_of, rows = claimed
+                tokens = tokens_of()
+                executor.consume_token_par([(matcher, tokens[row]) for matcher, row in rows])
+            consumed()
             if work:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
             return mask
 
         return fill
+
+
+def _rounds(pairs: list[tuple[Any, int]]) -> list[list[tuple[Any, int]]]:
+    """(matcher, token) pairs in order, split so no list names a matcher twice (llguidance's parallel
+    consume refuses that): a matcher's k-th token goes in the k-th list. Almost always one list."""
+    rounds: list[list[tuple[Any, int]]] = [[]]
+    seen: list[set[int]] = [set()]
+    for matcher, token in pairs:
+        depth = 0
+        while id(matcher) in seen[depth]:
+            depth += 1
+            if depth == len(rounds):
+                rounds.append([])
+                seen.append(set())
+        rounds[depth].append((matcher, token))
+        seen[depth].add(id(matcher))
+    return rounds
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:

@@ -20,8 +20,10 @@ import shutil
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,6 +74,34 @@ def instrument(llm: LLM) -> dict:
     return seconds
 
 
+def siblings(cpu: int) -> set[int]:
+    """The CPUs sharing `cpu`'s physical core (itself alone where the topology is not exposed)."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    out: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def device_mask_events(runner, events: list) -> None:
+    """CUDA events around each masking kernel (which waits for the host's masks, then applies them)."""
+    inner = runner.grammar_masks.apply
+
+    def apply(logits, index, bitmask):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        inner(logits, index, bitmask)
+        after.record()
+        events.append((before, after))
+
+    runner.grammar_masks.apply = apply
+
+
 def run(llm: LLM, seconds: dict, prompts, params) -> dict:
     core = llm.engine.core
     seconds.clear()
@@ -103,6 +133,14 @@ def run(llm: LLM, seconds: dict, prompts, params) -> dict:
     }
 
 
+def device_waits(events: list) -> float | None:
+    """Mean ms the device spent in the masking kernel (waiting for the masks, then applying them)."""
+    if not events:
+        return None
+    events[-1][1].synchronize()
+    return round(sum(b.elapsed_time(a) for b, a in events) / len(events), 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -116,7 +154,9 @@ def main() -> None:
     parser.add_argument("--config-overrides", default="{}", help="JSON over the config (CPU smoke)")
     parser.add_argument(
         "--runs", default=f"none,{MASK_THREADS}x{MAX_FAMILIES},none,{MASK_THREADS}x{MAX_FAMILIES}",
-        help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema)",
+        help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
+        "THREADSxFAMILIES:pool (llguidance's threads kept off the first physical core) or :loop (that, and "
+        "the loop pinned to that core), or :siN (the GIL's switch interval N us for the run)",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -129,24 +169,51 @@ def main() -> None:
     rng = np.random.default_rng(0)
     report = {"shape": args.shape, "batch": args.batch, "requests": args.requests, "runs": {}}
     structured = llm.engine.core.scheduler.structured
+    allowed = os.sched_getaffinity(0)
+    loop_cpus = siblings(min(allowed)) & allowed
+    helper_cpus = (allowed - loop_cpus) or allowed
+    report["cpus"] = {"allowed": sorted(allowed), "loop core": sorted(loop_cpus)}
+    events: list = []
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))  # as the engine's first fill sets it
+    if torch.cuda.is_available():
+        device_mask_events(llm.engine.core.executor, events)
     runs = []
     for run_spec in args.runs.split(","):
+        run_spec, _, pin = run_spec.partition(":")
         threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
         label = "none" if threads is None else f"json threads={threads} families={families}"
+        label += f" pinned={pin}" if pin else ""
         label += f" #{sum(r[0].startswith(label) for r in runs) + 1}"
-        runs.append((label, threads and int(threads), families and int(families)))
-    for label, threads, families in runs:
+        runs.append((label, threads and int(threads), families and int(families), pin))
+    for label, threads, families, pin in runs:
         constraint = None
+        os.sched_setaffinity(0, allowed)
+        sys.setswitchinterval(int(pin[2:]) * 1e-6 if pin.startswith("si") else 0.0005)
         if threads is not None:
             constraint = StructuredOutputsParams(json=SCHEMA)
-            # A fresh compilation cache and llguidance executor for this many threads and families.
+            # A fresh compilation cache and llguidance executor for this many threads and families; its
+            # threads (made now) take the CPUs of the thread that makes them.
             structured.__init__(structured.load_tokenizer, structured.vocab_size, threads, families)
+            if pin in ("pool", "loop"):
+                os.sched_setaffinity(0, helper_cpus)
+            assert structured.ll_tokenizer is not None  # built now, with its executor's threads
+            core = llm.engine.core
+            if core._mask_thread is not None:
+                core._mask_thread.shutdown()
+            core._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
+            core._mask_thread.submit(lambda: None).result()  # made now, on these CPUs
+            if pin == "loop":
+                os.sched_setaffinity(0, loop_cpus)
+            else:
+                os.sched_setaffinity(0, allowed)
         # Fresh random prompts for each run and its warm-up: nothing comes from the prefix cache.
         prompts = rng.integers(100, 40000, (args.requests + args.batch, args.input_len)).tolist()
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint)
         warm = SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=constraint)
         llm.generate(prompt_token_ids=prompts[args.requests :], sampling_params=warm, use_tqdm=False)
+        events.clear()
         report["runs"][label] = run(llm, seconds, prompts[: args.requests], params)
+        report["runs"][label]["device_masking_ms_per_masked_step"] = device_waits(events)
         print(f"{label}: {json.dumps(report['runs'][label])}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)

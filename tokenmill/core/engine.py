@@ -74,10 +74,12 @@ class _FillingMasks:
     def __init__(self, awaiting: AwaitingGrammar, masks: Future) -> None:
         self.awaiting, self.masks = awaiting, masks
         self.pending: PendingOutput | None = None
+        self.grammar_stopped: frozenset[str] = frozenset()
 
     def launch(self) -> PendingOutput:
         if self.pending is None:
-            self.pending = self.awaiting.with_grammar(self.masks.result())
+            mask, self.grammar_stopped = self.masks.result()
+            self.pending = self.awaiting.with_grammar(mask)
         return self.pending
 
     def result(self) -> ModelRunnerOutput:
@@ -91,12 +93,21 @@ class _DeviceWaitsForMasks:
 
     def __init__(self, pending: PendingOutput, filled: Future, masks: HostMasks) -> None:
         self.pending, self.filled, self.masks = pending, filled, masks
+        self.grammar_stopped: frozenset[str] = frozenset()
 
     def result(self) -> ModelRunnerOutput:
-        self.filled.result()
+        _, self.grammar_stopped = self.filled.result()
         output = self.pending.result()
         self.masks.check()
         return output
+
+
+def _tokens_in_flight(step: PendingOutput) -> tuple | None:
+    """A step in flight's rows and a call for its tokens (PendingRunnerOutput.tokens_in_flight), where its
+    executor offers them; None elsewhere."""
+    inner = getattr(step, "pending", step)  # a grammar step: its queued sampling
+    offer = getattr(inner, "tokens_in_flight", None)
+    return offer() if offer is not None else None
 
 
 class EngineCore:
@@ -162,52 +173,73 @@ class EngineCore:
         self._launch_filled()
         launched = self.executor.launch(prepared)
         if scheduler_output.grammar_req_ids:
-            # The masks need the tokens of the step in flight before this one: take them in first,
-            # while the device runs this step's forward pass; then fill on the side.
+            # The masks need the tokens of the step in flight before this one: the helper takes them
+            # straight from that step's output as soon as they are on the host, and fills on the side,
+            # while the device runs this step's forward pass and the loop takes the same tokens in.
             awaiting = cast(AwaitingGrammar, launched)
-            finished = bool(self.batch_queue)
-            outputs = self._finish_oldest() if finished else []
+            in_flight = _tokens_in_flight(self.batch_queue[-1][1]) if self.batch_queue else None
             structured = self.scheduler.structured
             masks = awaiting.host_masks(structured.words) if structured is not None else None
             if masks is not None:
                 # The fill first: once the wait is queued, a call that blocks on the device (an allocation)
                 # returns only when the helper has published the masks.
-                filled = self._fill(scheduler_output, masks)
+                filled, consumed = self._fill(scheduler_output, masks, in_flight)
                 pending = awaiting.with_grammar(masks)
-                self.batch_queue.append((scheduler_output, _DeviceWaitsForMasks(pending, filled, masks)))
+                step: PendingOutput = _DeviceWaitsForMasks(pending, filled, masks)
             else:
-                self._filling = _FillingMasks(awaiting, self._fill(scheduler_output))
-                self.batch_queue.append((scheduler_output, self._filling))
+                filled, consumed = self._fill(scheduler_output, None, in_flight)
+                step = self._filling = _FillingMasks(awaiting, filled)
+            if in_flight is not None:
+                # Until the helper has handed the tokens to the grammars (a GIL taken between its calls
+                # into llguidance waits for the loop's Python up to a switch interval), then take them in.
+                consumed.wait()
+            finished = bool(self.batch_queue)
+            outputs = self._finish_oldest() if finished else []
+            self.batch_queue.append((scheduler_output, step))
             return outputs if finished or len(self.batch_queue) < self._in_flight() else None
         self.batch_queue.append((scheduler_output, cast(PendingOutput, launched)))
         return [] if len(self.batch_queue) < self._in_flight() else None
 
-    def _fill(self, scheduler_output: SchedulerOutput, masks: HostMasks | None = None) -> Future:
+    def _fill(
+        self,
+        scheduler_output: SchedulerOutput,
+        masks: HostMasks | None = None,
+        in_flight: tuple | None = None,
+    ) -> tuple[Future, threading.Event]:
         """The step's masks, filled on the helper thread from matchers nothing else touches until the
         step's tokens are taken in (which waits for them); into `masks`, published when done (or when the
-        fill fails), if given."""
+        fill fails), if given. in_flight: the step before, whose tokens the helper takes from its output
+        (Scheduler.grammar_fill). The future gives (masks, the requests whose grammar is stopped); the
+        event is set once the grammars have their tokens (or the fill failed)."""
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
             # The helper needs the GIL to hand its result back; the loop's Python would keep it for up
             # to the 5 ms default switch interval (measured on the H200: 0.55x -> 0.58x of unconstrained).
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         # the fill's Python half runs here (the device does not wait for `masks` yet)
-        fill = self.scheduler.grammar_fill(scheduler_output, None if masks is None else masks.array)
-        started = threading.Event()
+        into = None if masks is None else masks.array
+        fill = self.scheduler.grammar_fill(scheduler_output, into, in_flight)
+        started, consumed = threading.Event(), threading.Event()
+        published = []
 
-        def run() -> np.ndarray:
+        def publish() -> None:
+            if masks is not None and not published:
+                published.append(True)
+                masks.publish()
+
+        def run() -> tuple[np.ndarray, frozenset[str]]:
             started.set()
             try:
-                return fill()  # llguidance lets the GIL go
+                return fill(publish, consumed.set)  # llguidance lets the GIL go
             finally:
-                if masks is not None:
-                    masks.publish()
+                consumed.set()
+                publish()
 
         future = self._mask_thread.submit(run)
         # Wait (without the GIL) until the helper is in: left to the switch interval, its start took
         # ~0.5 ms on the H200 host while the loop's Python ran on.
         started.wait()
-        return future
+        return future, consumed
 
     def _launch_filled(self) -> None:
         """Queue the last grammar step's sampling (waiting for its masks) before anything else launches."""
@@ -224,4 +256,5 @@ class EngineCore:
         start = time.perf_counter()
         output = pending.result()
         self.seconds_on_tokens += time.perf_counter() - start
-        return self.scheduler.update_from_output(scheduler_output, output)
+        stopped = getattr(pending, "grammar_stopped", frozenset())
+        return self.scheduler.update_from_output(scheduler_output, output, stopped)

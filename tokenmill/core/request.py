@@ -69,10 +69,12 @@ class Request:
         # Structured outputs: the llguidance matcher of its constraint, advanced with every output token,
         # and which of the constraint's compiled copies it came from (structured_outputs.py). Its tokens
         # reach the matcher on the helper thread that fills the next step's masks (Scheduler.grammar_fill):
-        # until then they wait here.
+        # until then they wait here. A token still on its way from the device when that fill was planned
+        # goes to the matcher straight from the step's output instead ("claimed": not kept here).
         self.grammar = None
         self.grammar_family = -1
         self.grammar_unconsumed: list[int] = []
+        self.grammar_claimed = 0
         self.block_ids: list[int] = []
         # Chained hashes of this request's full blocks, and how many of them are in the prefix cache.
         self.block_hashes: list[int] = []

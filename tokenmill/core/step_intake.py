@@ -21,6 +21,35 @@ if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputs
 
 
+class GrammarFill:
+    """A step's mask fill for the helper thread (StepIntake.grammar_fill): call it with the function that
+    publishes the masks to whoever waits for them, and one it calls once the grammars have their tokens.
+    It fills, publishes, and then (off the masks' path) asks the matchers which are stopped. Returns
+    (masks, the ids of the requests whose grammar is complete or in error), the second for
+    update_from_output."""
+
+    def __init__(
+        self, intake: StepIntake, fill_mask: Callable[..., np.ndarray], req_ids: list[str], matchers: list
+    ) -> None:
+        self.intake, self.fill_mask = intake, fill_mask
+        self.req_ids, self.matchers = req_ids, matchers
+
+    def __call__(
+        self, publish: Callable[[], None] = lambda: None, consumed: Callable[[], None] = lambda: None
+    ) -> tuple[np.ndarray, frozenset[str]]:
+        start = time.perf_counter()
+        mask = self.fill_mask(consumed)
+        self.intake.grammar_mask_seconds += time.perf_counter() - start
+        self.intake.grammar_mask_steps += 1
+        publish()
+        stopped = frozenset(
+            request_id
+            for request_id, matcher in zip(self.req_ids, self.matchers)
+            if matcher is not None and matcher.is_stopped()
+        )
+        return mask, stopped
+
+
 class StepIntake:
     """update_from_output, the stop checks and grammar_fill, over the Scheduler's requests, KV manager,
     speculation state and structured outputs."""
@@ -36,8 +65,13 @@ class StepIntake:
     _finish: Callable[[Request, RequestStatus], None]
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        grammar_stopped: frozenset[str] = frozenset(),
     ) -> list[EngineCoreOutput]:
+        """grammar_stopped: the requests whose grammar the step's fill found complete (or in error) once
+        it had the token before this step's (GrammarFill)."""
         outputs = []
         prompt_logprobs = runner_output.prompt_logprobs
         self.spec.begin_update()
@@ -74,7 +108,7 @@ class StepIntake:
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
             status = None
             appended = 0
-            if request.grammar is not None and request.grammar.is_stopped():
+            if request_id in grammar_stopped:
                 # Its grammar completed with the token before this one (consumed since, by this step's
                 # fill): that one was its last, and this step's token is dropped.
                 status = RequestStatus.FINISHED_STOPPED
@@ -83,9 +117,13 @@ class StepIntake:
                 request.append_output_token(token_id)
                 appended += 1
                 status = self._check_stop(request)
-                if request.grammar is not None and status is None:
-                    # The mask let only this token through; the next step's fill hands it to the grammar.
-                    request.grammar_unconsumed.append(token_id)
+                if request.grammar is not None:
+                    # The mask let only this token through; the next step's fill hands it to the grammar
+                    # (or already took it from the device).
+                    if request.grammar_claimed:
+                        request.grammar_claimed -= 1
+                    elif status is None:
+                        request.grammar_unconsumed.append(token_id)
                 if status is not None:
                     break
             if running:
@@ -142,18 +180,30 @@ class StepIntake:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def grammar_fill(self, out: SchedulerOutput, into: np.ndarray | None = None) -> Callable[[], np.ndarray]:
+    def grammar_fill(
+        self,
+        out: SchedulerOutput,
+        into: np.ndarray | None = None,
+        in_flight: tuple[list[str], list[bool], Callable[[], list[int]]] | None = None,
+    ) -> GrammarFill:
         """A call that fills the allowed-token rows of a scheduled step's constrained requests
-        (grammar_req_ids) from their matchers as they stand, for the engine core to run on its helper
-        thread after launching the step and taking in the tokens of the step before it. The matchers are
-        picked here; a request that finished meanwhile gets a row that allows everything (its token is
-        dropped). into: the array to fill (else a new one)."""
+        (grammar_req_ids) from their matchers, for the engine core to run on its helper thread after
+        launching the step. The matchers are picked here; a request that finished meanwhile gets a row
+        that allows everything (its token is dropped). into: the array to fill (else a new one).
+        in_flight: the step before, not yet taken in (PendingRunnerOutput.tokens_in_flight): the tokens
+        its rows sample go to their grammars straight from it, so the fill need not wait for the core to
+        take them in; the take-in then leaves them out of grammar_unconsumed."""
         assert self.structured is not None  # a request with a grammar was refused without one
-        requests = [self.requests.get(r) for r in out.grammar_req_ids]
+        req_ids = out.grammar_req_ids
+        requests = [self.requests.get(r) for r in req_ids]
+        rows = {}
+        if in_flight is not None:
+            rows = {request_id: row for row, (request_id, keeps) in enumerate(zip(*in_flight[:2])) if keeps}
         matchers: list[Any] = []
         families: list[int] = []
         consume: list[tuple[Any, int]] = []  # (matcher, token) for each token not yet in its grammar
-        for request in requests:
+        claimed: list[tuple[Any, int]] = []  # (matcher, row of the step in flight)
+        for request_id, request in zip(req_ids, requests):
             if request is None:
                 matchers.append(None)
                 families.append(-1)
@@ -163,13 +213,11 @@ class StepIntake:
             if request.grammar_unconsumed:
                 consume.extend((request.grammar, token_id) for token_id in request.grammar_unconsumed)
                 request.grammar_unconsumed = []
-        fill_mask = self.structured.bitmask_fill(matchers, families, into, consume)  # its Python half, here
-
-        def fill() -> np.ndarray:
-            start = time.perf_counter()
-            mask = fill_mask()
-            self.grammar_mask_seconds += time.perf_counter() - start
-            self.grammar_mask_steps += 1
-            return mask
-
-        return fill
+            row = rows.get(request_id)
+            if row is not None:
+                claimed.append((request.grammar, row))
+                request.grammar_claimed += 1
+        fill_mask = self.structured.bitmask_fill(  # its Python half, here
+            matchers, families, into, consume, (in_flight[2], claimed) if claimed and in_flight else None
+        )
+        return GrammarFill(self, fill_mask, req_ids, matchers)

@@ -4,6 +4,7 @@ everything the step reports (PendingRunnerOutput), read once the engine core ask
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -63,6 +64,20 @@ class PendingRunnerOutput:
         if self.ready is not None:
             self.ready.record()
         self._result: ModelRunnerOutput | None = None
+
+    def tokens_in_flight(self) -> tuple[list[str], list[bool], Callable[[], list[int]]] | None:
+        """For a grammar fill that takes this step's tokens before the core does: (the rows' request ids,
+        whether each row keeps its token, a call for any thread that waits for the tokens, without the
+        GIL, and returns one a row). None for a step that verified drafts (several tokens a row)."""
+        if self.verified is not None:
+            return None
+
+        def tokens() -> list[int]:
+            if self.ready is not None:
+                self.ready.synchronize()
+            return self.sampled.tolist()
+
+        return self.req_ids, self.samples, tokens
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
