@@ -174,7 +174,7 @@ def main() -> None:
     helper_cpus = (allowed - loop_cpus) or allowed
     report["cpus"] = {"allowed": sorted(allowed), "loop core": sorted(loop_cpus)}
     events: list = []
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))  # as the engine's first fill sets it
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0001))  # as the engine's first fill sets it
     if torch.cuda.is_available():
         device_mask_events(llm.engine.core.executor, events)
     runs = []
@@ -188,7 +188,7 @@ def main() -> None:
     for label, threads, families, pin in runs:
         constraint = None
         os.sched_setaffinity(0, allowed)
-        sys.setswitchinterval(int(pin[2:]) * 1e-6 if pin.startswith("si") else 0.0005)
+        sys.setswitchinterval(int(pin[2:]) * 1e-6 if pin.startswith("si") else 0.0001)  # the engine's
         if threads is not None:
             constraint = StructuredOutputsParams(json=SCHEMA)
             # A fresh compilation cache and llguidance executor for this many threads and families; its

@@ -8,10 +8,12 @@ the device, and only then does the core wait for step N's tokens. Without it the
 and the loop is synchronous; so does a step that speculates, since the next step verifies the drafts
 proposed from its tokens: that next step is launched as soon as they are in, before step() returns, so
 the caller's work on the outputs overlaps the device. A step that samples under grammars launches its
-forward pass, then takes in step N's tokens, then has its masks filled on a helper thread (llguidance's
-threads, without the GIL: first step N's tokens into the grammars, then the masks) while the loop
-returns step N's outputs and schedules the next step and prepares its inputs (the host half); a grammar
-that step N's token completed ends its request when the next step's tokens come in, that token dropped.
+forward pass, then has its masks filled on a helper thread (llguidance's threads, without the GIL:
+first step N's tokens into the grammars, taken straight from step N's output as soon as they reach the
+host, then the masks); once the tokens are in the grammars the loop takes step N in, returns its
+outputs and schedules the next step and prepares its inputs (the host half) while the masks fill; a
+grammar that step N's token completed ends its request when the next step's tokens come in, that token
+dropped.
 On a GPU the masks go to pinned memory and the masked sampling is queued as soon as the fill has begun,
 its masking kernel waiting on the device for a counter the helper sets once they are in
 (AwaitingGrammar.host_masks): the loop never waits for the masks, and the next step launches behind
@@ -213,14 +215,16 @@ class EngineCore:
         event is set once the grammars have their tokens (or the fill failed)."""
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
-            # The helper needs the GIL to hand its result back; the loop's Python would keep it for up
-            # to the 5 ms default switch interval (measured on the H200: 0.55x -> 0.58x of unconstrained).
-            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+            # The helper takes the GIL between its calls into llguidance and to publish the masks; the
+            # loop's Python would keep it for up to the 5 ms default switch interval (H200: 0.55x -> 0.58x
+            # of unconstrained at 0.5 ms), and at 0.1 ms the device waited 0.36-0.38 ms a step in the
+            # masking kernel against 0.48-0.55 (docs/performance.md, seventeenth session).
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0001))
         # the fill's Python half runs here (the device does not wait for `masks` yet)
         into = None if masks is None else masks.array
         fill = self.scheduler.grammar_fill(scheduler_output, into, in_flight)
         started, consumed = threading.Event(), threading.Event()
-        published = []
+        published: list[bool] = []
 
         def publish() -> None:
             if masks is not None and not published:
@@ -256,5 +260,5 @@ class EngineCore:
         start = time.perf_counter()
         output = pending.result()
         self.seconds_on_tokens += time.perf_counter() - start
-        stopped = getattr(pending, "grammar_stopped", frozenset())
+        stopped: frozenset[str] = getattr(pending, "grammar_stopped", frozenset())
         return self.scheduler.update_from_output(scheduler_output, output, stopped)
