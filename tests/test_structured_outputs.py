@@ -10,6 +10,7 @@ import re
 import threading
 
 import jsonschema
+import numpy as np
 import pytest
 
 from tests.schemas import PERSON
@@ -369,3 +370,34 @@ def test_offline_chat_with_tools_and_a_named_call(llm) -> None:
     )[0]
     assert "<tools>" in output.prompt and "get_weather" in output.prompt
     assert isinstance(json.loads(output.outputs[0].text)["city"], str)
+
+
+def test_grammars_under_preemption_write_the_same_with_async_scheduling() -> None:
+    """Preempted constrained requests keep their tokens and grammars: with async scheduling the helper
+    takes each step's tokens from the step in flight ("claimed", Request.grammar_claimed) unless the
+    request left the next step (preempted), when they reach the grammar through the core instead. Both
+    loops write the same, every output fits its constraint, and the cache is empty after."""
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(100, 40000, 30 + 7 * i)] for i in range(5)]
+    letters, code = {"regex": "[a-z]{24}"}, {"regex": "[0-9]{3}-[a-z]{9}"}
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, structured_outputs=letters),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=4, structured_outputs=code),
+        SamplingParams(max_tokens=30, temperature=0, structured_outputs={"choice": ["alpha beta", "gamma"]}),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=7, structured_outputs={"json": PERSON}),
+        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+    ]
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            "default", dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=64,
+            max_model_len=128, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        results[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+        scheduler = llm.engine.scheduler
+        assert scheduler.num_preemptions > 0
+        assert scheduler.kv.pool.num_free_blocks == scheduler.kv.num_blocks
+        texts = [o.outputs[0].text for o in outputs]
+        assert re.fullmatch("[a-z]{24}", texts[0]) and re.fullmatch("[0-9]{3}-[a-z]{9}", texts[1])
+        assert texts[2] in ("alpha beta", "gamma")
+    assert results[True] == results[False]
