@@ -312,6 +312,38 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
     assert np.unique(grouped[[0, 3]], axis=0).shape[0] == 2  # two states, two masks
 
 
+def test_the_fill_hands_each_matcher_its_tokens_in_order() -> None:
+    """Tokens waiting for a fill (taken in by the core, or claimed from the step in flight, rows read once
+    its tokens are in) reach their matchers in order before the masks are computed; a matcher with two
+    waiting tokens (llguidance's parallel consume refuses a matcher named twice) gets both."""
+    import numpy as np
+
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import StructuredOutputs
+
+    source = resolve_model("default")
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=2)
+    ids = source.load_tokenizer().encode("abcabcabc", add_special_tokens=False)
+    constraint = StructuredOutputsParams(regex="(abc)+")
+    first, second, third = (structured.matcher(constraint)[0] for _ in range(3))
+    consume = [(first, ids[0]), (second, ids[0]), (first, ids[1])]
+    calls = []
+    fill = structured.bitmask_fill(
+        [first, second, third],
+        consume=consume,
+        claimed=(lambda: calls.append("tokens") or [ids[2], -1], [(third, 0)]),
+    )
+    mask = fill(lambda: calls.append("consumed"))
+    assert calls == ["tokens", "consumed"]
+    reference = structured.matcher(constraint)[0]
+    for count, matcher in ((2, first), (1, second), (1, third)):
+        expected = reference.deep_copy()
+        assert expected.consume_tokens(ids[:count] if matcher is not third else [ids[2]])
+        row = [first, second, third].index(matcher)
+        assert mask[row].tobytes() == expected.compute_bitmask()[: structured.words * 4]
+    assert not any(m.is_error() for m in (first, second, third)) and np.any(mask != 0)
+
+
 def test_families_follow_the_requests_live_at_once(llm, monkeypatch) -> None:
     """The engine releases a request's family when it ends: a constraint used one request at a time
     keeps one compilation, three at once get three; and the compilations kept over every constraint

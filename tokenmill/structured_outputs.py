@@ -276,14 +276,19 @@ class StructuredOutputs:
             else:
                 work.append((matcher, row))
         executor = self._executor
-        rounds = _rounds(consume) if consume else []
+        # llguidance's parallel consume refuses a matcher named twice; a matcher holds at most one token
+        # between fills, but several would go one at a time rather than fail the step.
+        serial = bool(consume) and len({id(matcher) for matcher, _ in consume}) < len(consume)
 
         def fill(consumed: Callable[[], None] = lambda: None) -> np.ndarray:
             # Between the calls the helper takes the GIL back; whether a matcher is stopped is not asked
             # (that would be Python between them too): llguidance's mask for one allows EOS. A token the
             # mask did not allow leaves its matcher in error, which is stopped.
-            for pairs in rounds:
-                executor.consume_token_par(pairs)
+            if serial:
+                for matcher, token in consume:
+                    matcher.consume_token(token)
+            elif consume:
+                executor.consume_token_par(consume)
             if claimed:
                 tokens_of, rows = claimed
                 tokens = tokens_of()
@@ -294,23 +299,6 @@ class StructuredOutputs:
             return mask
 
         return fill
-
-
-def _rounds(pairs: list[tuple[Any, int]]) -> list[list[tuple[Any, int]]]:
-    """(matcher, token) pairs in order, split so no list names a matcher twice (llguidance's parallel
-    consume refuses that): a matcher's k-th token goes in the k-th list. Almost always one list."""
-    rounds: list[list[tuple[Any, int]]] = [[]]
-    seen: list[set[int]] = [set()]
-    for matcher, token in pairs:
-        depth = 0
-        while id(matcher) in seen[depth]:
-            depth += 1
-            if depth == len(rounds):
-                rounds.append([])
-                seen.append(set())
-        rounds[depth].append((matcher, token))
-        seen[depth].add(id(matcher))
-    return rounds
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:

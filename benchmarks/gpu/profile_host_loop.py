@@ -20,7 +20,6 @@ import shutil
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -72,20 +71,6 @@ def instrument(llm: LLM) -> dict:
         _timed(runner, "_for_sampling", "sampling batch built (in launch)", seconds)
     _timed(Sampler, "__call__", "sampler (in launch or sampling queued)", seconds)
     return seconds
-
-
-def siblings(cpu: int) -> set[int]:
-    """The CPUs sharing `cpu`'s physical core (itself alone where the topology is not exposed)."""
-    try:
-        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-            text = f.read().strip()
-    except OSError:
-        return {cpu}
-    out: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        out.update(range(int(low), int(high or low) + 1))
-    return out
 
 
 def device_mask_events(runner, events: list) -> None:
@@ -155,8 +140,7 @@ def main() -> None:
     parser.add_argument(
         "--runs", default=f"none,{MASK_THREADS}x{MAX_FAMILIES},none,{MASK_THREADS}x{MAX_FAMILIES}",
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
-        "THREADSxFAMILIES:pool (llguidance's threads kept off the first physical core) or :loop (that, and "
-        "the loop pinned to that core), or :siN (the GIL's switch interval N us for the run)",
+        "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -169,43 +153,25 @@ def main() -> None:
     rng = np.random.default_rng(0)
     report = {"shape": args.shape, "batch": args.batch, "requests": args.requests, "runs": {}}
     structured = llm.engine.core.scheduler.structured
-    allowed = os.sched_getaffinity(0)
-    loop_cpus = siblings(min(allowed)) & allowed
-    helper_cpus = (allowed - loop_cpus) or allowed
-    report["cpus"] = {"allowed": sorted(allowed), "loop core": sorted(loop_cpus)}
     events: list = []
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0001))  # as the engine's first fill sets it
     if torch.cuda.is_available():
         device_mask_events(llm.engine.core.executor, events)
     runs = []
     for run_spec in args.runs.split(","):
-        run_spec, _, pin = run_spec.partition(":")
+        run_spec, _, interval = run_spec.partition(":si")
         threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
         label = "none" if threads is None else f"json threads={threads} families={families}"
-        label += f" pinned={pin}" if pin else ""
+        label += f" switch={interval}us" if interval else ""
         label += f" #{sum(r[0].startswith(label) for r in runs) + 1}"
-        runs.append((label, threads and int(threads), families and int(families), pin))
-    for label, threads, families, pin in runs:
+        runs.append((label, threads and int(threads), families and int(families), interval))
+    for label, threads, families, interval in runs:
         constraint = None
-        os.sched_setaffinity(0, allowed)
-        sys.setswitchinterval(int(pin[2:]) * 1e-6 if pin.startswith("si") else 0.0001)  # the engine's
+        # The engine's first fill lowers the switch interval to 100 us (and never raises it).
+        sys.setswitchinterval(int(interval) * 1e-6 if interval else 0.0001)
         if threads is not None:
             constraint = StructuredOutputsParams(json=SCHEMA)
-            # A fresh compilation cache and llguidance executor for this many threads and families; its
-            # threads (made now) take the CPUs of the thread that makes them.
+            # A fresh compilation cache and llguidance executor for this many threads and families.
             structured.__init__(structured.load_tokenizer, structured.vocab_size, threads, families)
-            if pin in ("pool", "loop"):
-                os.sched_setaffinity(0, helper_cpus)
-            assert structured.ll_tokenizer is not None  # built now, with its executor's threads
-            core = llm.engine.core
-            if core._mask_thread is not None:
-                core._mask_thread.shutdown()
-            core._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
-            core._mask_thread.submit(lambda: None).result()  # made now, on these CPUs
-            if pin == "loop":
-                os.sched_setaffinity(0, loop_cpus)
-            else:
-                os.sched_setaffinity(0, allowed)
         # Fresh random prompts for each run and its warm-up: nothing comes from the prefix cache.
         prompts = rng.integers(100, 40000, (args.requests + args.batch, args.input_len)).tolist()
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint)

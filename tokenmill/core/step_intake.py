@@ -28,23 +28,31 @@ class GrammarFill:
     (masks, the ids of the requests whose grammar is complete or in error), the second for
     update_from_output."""
 
-    fill_mask: Callable[..., np.ndarray]  # Structured.bitmask_fill's second half
-
-    def __init__(self, intake: StepIntake, req_ids: list[str], matchers: list) -> None:
+    def __init__(
+        self,
+        intake: StepIntake,
+        req_ids: list[str],
+        matchers: list,
+        families: list[int],
+        into: np.ndarray | None,
+        consume: list[tuple[Any, int]],
+        claimed: list[tuple[Any, int]],
+        tokens: Callable[[], list[int]] | None,
+    ) -> None:
+        assert intake.structured is not None
         self.intake, self.req_ids, self.matchers = intake, req_ids, matchers
-        self.waited = 0.0  # seconds the fill waited for the tokens of the step in flight
+        self.tokens = tokens  # the step in flight's tokens, for the `claimed` (matcher, row) pairs
+        self.waited = 0.0  # seconds the fill waited for them: left out of the mask time reported
+        self.fill_mask = intake.structured.bitmask_fill(  # its Python half, here
+            matchers, families, into, consume, (self._wait_for_tokens, claimed) if claimed else None
+        )
 
-    def timed(self, tokens: Callable[[], list[int]]) -> Callable[[], list[int]]:
-        """`tokens`, its wait kept out of the mask time the benchmarks report."""
-
-        def wait() -> list[int]:
-            start = time.perf_counter()
-            try:
-                return tokens()
-            finally:
-                self.waited = time.perf_counter() - start
-
-        return wait
+    def _wait_for_tokens(self) -> list[int]:
+        assert self.tokens is not None
+        start = time.perf_counter()
+        tokens = self.tokens()
+        self.waited = time.perf_counter() - start
+        return tokens
 
     def __call__(
         self, publish: Callable[[], None] = lambda: None, consumed: Callable[[], None] = lambda: None
@@ -229,12 +237,5 @@ class StepIntake:
             if row is not None:
                 claimed.append((request.grammar, row))
                 request.grammar_claimed += 1
-        fill = GrammarFill(self, req_ids, matchers)
-        fill.fill_mask = self.structured.bitmask_fill(  # its Python half, here
-            matchers,
-            families,
-            into,
-            consume,
-            (fill.timed(in_flight[2]), claimed) if claimed and in_flight else None,
-        )
-        return fill
+        tokens = in_flight[2] if in_flight is not None else None
+        return GrammarFill(self, req_ids, matchers, families, into, consume, claimed, tokens)
