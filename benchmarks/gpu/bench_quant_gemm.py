@@ -39,13 +39,20 @@ from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: 
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
 from tokenmill.kernels.int4_gemm import w4a16_gemm  # noqa: E402
-from tokenmill.kernels.skinny_gemm import SkinnyConfig, default_config, w4a16_skinny, w8a16_skinny  # noqa: E402
+from tokenmill.kernels.skinny_gemm import (  # noqa: E402
+    SkinnyConfig,
+    default_config,
+    dense_gemv,
+    w4a16_skinny,
+    w8a16_skinny,
+)
 
 SHAPES = {  # name: (N, K) of Llama-3.1-8B
     "qkv": (6144, 4096),
     "o": (4096, 4096),
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
+    "lm_head": (128256, 4096),  # bf16 in every scheme: only cuBLAS and the dense one-row kernel
 }
 GROUP = 128
 POOL_BYTES = 320 << 20  # weight copies per graph: more than L2 (50 MB) many times over
@@ -64,8 +71,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def sweep_configs(bits: int, rows: int) -> list[SkinnyConfig]:
     """The first pass: tile sizes and K splits at four warps."""
     if rows == 1:
-        block_ns = (8, 16, 32) if bits == 4 else (16, 32, 64)
-        block_ks = (512, 1024, 2048) if bits == 4 else (256, 512, 1024, 2048)
+        block_ns = (8, 16, 32) if bits in (4, 16) else (16, 32, 64)
+        block_ks = {4: (512, 1024, 2048), 8: (256, 512, 1024, 2048), 16: (128, 256, 512, 1024)}[bits]
         return [SkinnyConfig(n, k, s, 4, 1) for n in block_ns for k in block_ks for s in (1, 2)]
     block_ks = (256, 512, 1024) if bits == 4 else (128, 256, 512)
     return [SkinnyConfig(n, k, s, 4, 3) for n in (16, 32, 64) for k in block_ks for s in (1, 2, 4, 8)]
@@ -77,6 +84,8 @@ def refinements(base: SkinnyConfig, bits: int, rows: int) -> list[SkinnyConfig]:
     if rows > 1:
         return [base._replace(num_warps=w, num_stages=st) for w in (2, 4, 8) for st in (2, 3, 4, 5)]
     unrolls = (1, 2) if bits == 4 else (1, 2, 4)
+    if bits == 16:
+        return [base._replace(num_warps=w, unroll=u) for w in (4, 8) for u in unrolls]
     return [base._replace(num_warps=w, unroll=u) for w in (2, 4, 8) for u in unrolls]
 
 
@@ -114,6 +123,18 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
 
     us = timed(lambda c: F.linear(x, w[c]), copies)
     result["bf16_cublas"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6}
+    if rows == 1:
+        got = dense_gemv(x, w[0])
+        us = timed(lambda c: dense_gemv(x, w[c]), copies)
+        config = list(default_config(rows, n, k, 16, DEVICE))
+        result["bf16_dense_gemv"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6, "config": config,
+                                     "rel_err": rel_err(got, F.linear(x.float(), w[0].float()))}  # fmt: skip
+        if "w16" in do_sweep:
+            result["bf16_dense_gemv_sweep"] = sweep(
+                lambda c, cfg: dense_gemv(x, w[c], config=cfg), 16, rows, copies, bf16_bytes, budget_s
+            )
+    if name == "lm_head":
+        return result
 
     # FP8, per-row weight scales; each copy its own random weight.
     fp8_bytes = n * k + n * 4
@@ -240,8 +261,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-rows", default="1", help="row counts that get the tile sweep")
-    parser.add_argument("--sweep-kernels", default="w8,w4", help="which skinny kernels the sweep times")
+    parser.add_argument("--sweep-kernels", default="w8,w4", help="of w16 (dense bf16), w8, w4")
     parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"of {','.join(SHAPES)}")
     parser.add_argument("--fp8-gemm", action="store_true", help="the W8A8 GEMMs at decode batches")
     parser.add_argument("--budget-s", type=float, default=300, help="all the sweeps together")
     args = parser.parse_args()
@@ -251,17 +273,18 @@ def main() -> int:
     sweep_rows = args.sweep_rows.split(",") if args.sweep else []
     kernels = tuple(args.sweep_kernels.split(","))
     # The budget is shared evenly by the (shape, rows, kernel) sweeps.
-    share = args.budget_s / max(1, len(SHAPES) * len(sweep_rows) * len(kernels))
+    shapes = args.shapes.split(",")
+    share = args.budget_s / max(1, len(shapes) * len(sweep_rows) * len(kernels))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.fp8_gemm:
-        budget = args.budget_s / len(row_counts) / len(SHAPES)
-        cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in SHAPES]
+        budget = args.budget_s / len(row_counts) / len(shapes)
+        cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]
     else:
         cases = [
             (n, r, lambda n=n, r=r: case(n, r, kernels if str(r) in sweep_rows else (), share))
             for r in row_counts
-            for n in SHAPES
+            for n in shapes
         ]
     for name, rows, body in cases:
         try:

@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured host-loop kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -86,6 +86,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                   --out "$out/decode_8b_fp8.json" ;;
     throughput-8b-fp8) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
                          --quantization fp8 --out "$out/throughput_llama_8b_fp8.json" ;;
+    # Batch-1 decode graphs with and without programmatic dependent launch, L2 prefetch and dense GEMV,
+    # replayed in turns in one process per dtype (bench_pdl.py).
+    pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
+           $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
     decode-int4) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
                    --out "$out/decode_8b_int4.json" ;;
     decode-kv32k) for kv in auto fp8; do timeout 280 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 \

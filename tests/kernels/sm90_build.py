@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import activation, attention, kv_cache, norm, rotary, skinny_gemm
+from tokenmill.kernels import activation, attention, kv_cache, norm, pdl, rotary, skinny_gemm
 
 SM90 = GPUTarget("cuda", 90, 32)
 _TRITON_TYPES = {
@@ -54,7 +54,9 @@ class _Recorder:
         return self._compile
 
     def _compile(self, *args: object, **kwargs: object) -> None:
-        options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+        options = {
+            name: kwargs.pop(name) for name in ("num_warps", "num_stages", "launch_pdl") if name in kwargs
+        }
         bound = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
         signature, constants, attrs = {}, {}, {}
         for index, (name, param) in enumerate(zip(self.fn.arg_names, self.fn.params, strict=True)):
@@ -142,6 +144,7 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             x = torch.empty(rows, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+        skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
 
 
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
@@ -159,8 +162,11 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (activation, "_silu_and_mul_kernel"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]
-    for module, name, fn in originals:
+    originals.append((pdl, "enabled", pdl.enabled))
+    for module, name, fn in originals[:-1]:
         setattr(module, name, _Recorder(fn, builds))
+    # Built as an sm_90 GPU launches them: with programmatic dependent launch.
+    pdl.enabled = lambda x: True
     try:
         _attention_launches(dtype)
         _small_launches(dtype)

@@ -11,7 +11,13 @@ pytest.importorskip("triton")
 
 from tokenmill.kernels.quant_reference import dequantize_int4, w8a16_gemm  # noqa: E402
 from tokenmill.kernels.reference import FP8_DTYPE  # noqa: E402
-from tokenmill.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, w4a16_skinny, w8a16_skinny  # noqa: E402
+from tokenmill.kernels.skinny_gemm import (  # noqa: E402
+    MAX_ROWS,
+    SkinnyConfig,
+    dense_gemv,
+    w4a16_skinny,
+    w8a16_skinny,
+)
 
 from .test_int4_gemm import make_weight  # noqa: E402
 
@@ -80,6 +86,29 @@ def test_w8a16_matches_dequantize_then_matmul(m, n, k, config, dtype) -> None:
     assert_close(got, want, dtype)
     reference = w8a16_gemm(x.double(), w_q.to(DEVICE), w_scale.to(DEVICE))
     assert_close(reference, want, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "config"),
+    [
+        (64, 128, SkinnyConfig(16, 64, 1, 4, 2)),
+        (72, 200, SkinnyConfig(16, 64, 2, 4, 2)),  # K not a multiple of the tile, split K
+        (64, 1024, SkinnyConfig(16, 128, 2, 4, 1)),  # even split: no masks along K
+        (40, 520, SkinnyConfig(8, 128, 1, 2, 1, unroll=3)),
+        (4100, 264, None),  # the default tiles, N past a tile
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_gemv_matches_matmul(n, k, config, dtype) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(1, 1, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    got = dense_gemv(x, w, bias, config=config)
+    assert got.dtype == dtype and got.shape == (1, 1, n)
+    assert_close(got.reshape(1, n), x.reshape(1, k).double() @ w.double().t() + bias.double(), dtype)
+    with pytest.raises(ValueError, match="one row"):
+        dense_gemv(torch.randn(2, k).to(DEVICE, dtype), w)
 
 
 def test_leading_dims_empty_batch_and_limits() -> None:

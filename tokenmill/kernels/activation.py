@@ -6,12 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import pdl
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x, out, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """silu(gate) is rounded to the input dtype before the product, as torch's two ops round."""
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -33,6 +38,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] > 0:
         grid = (rows.shape[0], triton.cdiv(intermediate, _BLOCK))
         _silu_and_mul_kernel[grid](
-            rows, out, rows.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=_BLOCK, num_warps=4
+            rows,
+            out,
+            rows.stride(0),
+            out.stride(0),
+            INTERMEDIATE=intermediate,
+            BLOCK=_BLOCK,
+            num_warps=4,
+            **pdl.launch_args(x),
         )
     return out.view(*x.shape[:-1], intermediate)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import sm_count
+from tokenmill.kernels import pdl, sm_count
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
@@ -145,11 +145,13 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     SEQ_FILTER: tl.constexpr = 0,
     DOT_FP16: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
     SEQ_FILTER 1 takes only the requests with one query token, 2 only the others (0: every request): a
     batch that mixes prompt chunks and decodes runs as two launches, each with its own tile size."""
+    pdl.start(PDL)  # before the early exits below: every program waits
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
@@ -248,8 +250,10 @@ def _reduce_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one (request, head) of a decode by their log-sum-exp weights."""
+    pdl.start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc + seq)
@@ -374,7 +378,7 @@ def paged_attention(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
             DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query),
         )  # fmt: skip
 
     small = config if decode else decode_config(group, query.element_size(), k_cache.element_size())
@@ -397,6 +401,6 @@ def paged_attention(
         _reduce_splits_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),
             NUM_SPLITS=num_kv_splits, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4, **pdl.launch_args(query),
         )  # fmt: skip
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -22,9 +24,11 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
     then normalise in fp32, round to the input dtype, and multiply by the weight."""
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -63,7 +67,7 @@ def _launch(
             rows.stride(0), residual_rows.stride(0) if residual_rows is not None else 0,
             out.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps,
             HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 512, 1), 16),
+            num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
         )  # fmt: skip
     out = out.view(*x.shape[:-1], hidden_size)
     if residual_out is not None:

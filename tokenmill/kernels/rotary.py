@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import pdl
+
 
 @triton.jit
 def _rotate_heads(
@@ -66,10 +68,12 @@ def _rotary_kernel(
     KV_BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token, its cos/sin row read once for every head: query and key rotated in place;
     with WRITE_KV the rotated key and the value are then stored at the token's slot (none for slot -1,
     padding). FP8: stored as x / scale, saturated to e4m3."""
+    pdl.start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + tok).to(tl.int64)
     cols = tl.arange(0, HALF_DIM_PAD)
@@ -122,7 +126,7 @@ def _launch(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_DIM=half_dim, HALF_DIM_PAD=triton.next_power_of_2(half_dim), KV_BLOCK_SIZE=k_cache.shape[1],
-        FP8=k_cache.dtype == torch.float8_e4m3fn, WRITE_KV=write_kv, num_warps=4,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, WRITE_KV=write_kv, num_warps=4, **pdl.launch_args(query),
     )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import k_splits, sm_count
+from tokenmill.kernels import k_splits, pdl, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -89,6 +89,7 @@ def _w4a16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row of x against BLOCK_N rows of the packed weight; BLOCK_W words (8 values each) per step.
 
@@ -103,6 +104,7 @@ def _w4a16_gemv_kernel(
     n_ok = rn < N
     rn_ld = rn % N
     lo, hi = _span(tl.cdiv(K, 8), pid_k, SPLIT_K, BLOCK_W)
+    pdl.start(PDL)
     cols = tl.arange(0, BLOCK_W)
     base = w_packed + rn_ld[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
@@ -174,8 +176,10 @@ def _w4a16_skinny_kernel(
     BLOCK_W: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """2-16 rows of x: each nibble's [BLOCK_N, BLOCK_W] plane is dequantized and goes through tl.dot."""
+    pdl.start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -223,6 +227,9 @@ def _w8a16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    VEC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row of x against BLOCK_N rows of e4m3 weights: products summed in fp32 registers and reduced
     across threads once at the end; the row scale applied to the sum. (A tile of 8-bit values carried
@@ -234,9 +241,10 @@ def _w8a16_gemv_kernel(
     n_ok = rn < N
     rn_ld = rn % N
     lo, hi = _span(K, pid_k, SPLIT_K, BLOCK_K)
+    pdl.start(PDL)
     cols = tl.arange(0, BLOCK_K)
     base = w + rn_ld[:, None] * stride_wn + cols[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(lo, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
         rk = k0 + cols
@@ -250,13 +258,15 @@ def _w8a16_gemv_kernel(
         else:
             wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
             xk = tl.load(x_ptr, mask=(rk < hi)[None, :], other=0.0)
-        # Each thread holds 16 consecutive values (one 16-byte load): summed there, the tile that is
-        # carried across iterations is a sixteenth of the loaded one.
+        # Each thread holds VEC consecutive values (one 16-byte load): summed there, the tile that is
+        # carried across iterations is a VEC-th of the loaded one.
         product = wt.to(tl.float32) * xk.to(tl.float32)
-        acc += tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
-    s = tl.load(w_scale + rn_ld)
+        acc += tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+    result = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        result *= tl.load(w_scale + rn_ld)
     rm = tl.arange(0, 1)
-    _store(out, (tl.sum(acc, axis=1) * s)[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+    _store(out, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
 
 
 @triton.jit
@@ -276,8 +286,10 @@ def _w8a16_skinny_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """2-16 rows of x: the e4m3 tile goes to x's dtype and through tl.dot; the row scale at the end."""
+    pdl.start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -306,12 +318,14 @@ def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> S
                 config = SkinnyConfig(16, 1024, 1, num_warps=4, num_stages=1, unroll=2)
             else:
                 config = SkinnyConfig(8 if n <= 4096 else 16, 2048, 1, num_warps=4, num_stages=1, unroll=2)
-        elif n >= 16384:
-            config = SkinnyConfig(16, 256, 1, num_warps=4, num_stages=1)
-        elif k >= 8192:
-            config = SkinnyConfig(16, 2048, 1, num_warps=8, num_stages=1, unroll=2)
-        else:
-            config = SkinnyConfig(16, 1024, 1, num_warps=8, num_stages=1, unroll=4)
+        else:  # 8 or 16 bits: the same bytes a step
+            wide = bits // 8
+            if n >= 16384:
+                config = SkinnyConfig(16, 256 // wide, 1, num_warps=4, num_stages=1)
+            elif k >= 8192:
+                config = SkinnyConfig(16, 2048 // wide, 1, num_warps=8, num_stages=1, unroll=2)
+            else:
+                config = SkinnyConfig(16, 1024 // wide, 1, num_warps=8, num_stages=1, unroll=4)
         tiles = triton.cdiv(n, config.block_n)
         if tiles >= sm_count(device):
             return config
@@ -385,12 +399,13 @@ def w4a16_skinny(
             _w4a16_gemv_kernel[grid](
                 x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
                 MAGIC, SUB=sub, EVEN_K=even, UNROLL=config.unroll, **common,
+                **_gemv4_pdl(x2),
             )  # fmt: skip
         else:
             _w4a16_skinny_kernel[grid](
                 x2, w_packed, scale, zero_arg, out, m, n, k, x2.stride(0), w_packed.stride(0),
                 scale.stride(0), z_stride, out.stride(0), MAGIC,
-                BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common,
+                BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
     return _launch(x, m, n, config, launch, bias)
@@ -423,15 +438,48 @@ def w8a16_skinny(
         if m == 1:
             _w8a16_gemv_kernel[grid](
                 x2, w_q, w_scale, out, n, k, w_q.stride(0),
-                EVEN_K=_even(k, config.block_k, config), UNROLL=config.unroll, **common,
+                EVEN_K=_even(k, config.block_k, config), UNROLL=config.unroll, HAS_SCALE=True, VEC=16,
+                **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
             _w8a16_skinny_kernel[grid](
                 x2, w_q, w_scale, out, m, n, k, x2.stride(0), w_q.stride(0), out.stride(0),
-                BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common,
+                BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
     return _launch(x, m, n, config, launch, bias)
+
+
+def dense_gemv(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """One row x [..., K] @ w^T for a dense 16-bit weight [N, K]: the FP8 one-row kernel without its scale.
+    At batch-1 decode of the 8B shape it reads the weights faster than cuBLAS's GEMV (H200: the whole
+    step 4.27 against 4.59 ms, docs/performance.md), and launches with PDL as cuBLAS cannot."""
+    x2 = _rows(x)
+    m, k = x2.shape
+    n = w.shape[0]
+    if m != 1 or w.stride(1) != 1:
+        raise ValueError("dense_gemv takes one row and a weight contiguous along K")
+    config = config or default_config(1, n, k, 16, x.device)
+
+    def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
+        _w8a16_gemv_kernel[grid](
+            x2, w, w, out, n, k, w.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            SPLIT_K=config.split_k, EVEN_K=_even(k, config.block_k, config), UNROLL=config.unroll,
+            HAS_SCALE=False, VEC=8, num_warps=config.num_warps, num_stages=config.num_stages,
+            **pdl.launch_args(x2),
+        )  # fmt: skip
+
+    return _launch(x, m, n, config, launch, bias)
+
+
+# Whether the one-row 4-bit kernel launches with PDL (see bench_pdl.py).
+GEMV4_PDL = True
+
+
+def _gemv4_pdl(x: torch.Tensor) -> dict:
+    return pdl.launch_args(x) if GEMV4_PDL else {"PDL": False, "launch_pdl": False}
 
 
 def _precision(x: torch.Tensor) -> str:

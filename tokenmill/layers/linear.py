@@ -4,6 +4,7 @@ torch.distributed yet: a module computes its own rank's part; gathering or all-r
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,8 +15,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import distributed
+from tokenmill.kernels import skinny_kernel, sm_count
 
 ShardId = str | int | None
+# TOKENMILL_DENSE_GEMV=0 keeps every unquantized linear on cuBLAS.
+DENSE_GEMV = os.environ.get("TOKENMILL_DENSE_GEMV", "1") != "0"
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; at one 16-bit row on a GPU, against a weight with at least 16 output rows per
+    multiprocessor (no K split needed to fill the GPU), kernels/skinny_gemm.py's dense_gemv."""
+    if DENSE_GEMV and x.dtype != torch.float32 and x.numel() == x.shape[-1] and x.is_cuda:
+        gemv = skinny_kernel(x, "dense_gemv")
+        if gemv is not None and weight.shape[0] >= 16 * sm_count(x.device) and weight.stride(1) == 1:
+            return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 
@@ -97,7 +113,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
 
 # While a model is built for a quantized checkpoint: makes the method each linear layer gets by default.

@@ -9,7 +9,7 @@ from torch import nn
 
 from tokenmill import distributed
 from tokenmill.layers.cpu_packed import packed_linear
-from tokenmill.layers.linear import ShardId, divide
+from tokenmill.layers.linear import ShardId, dense_linear, divide
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -116,5 +116,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         if packed is not None:
             logits = packed_linear(hidden, packed, self.bias)
         else:
-            logits = F.linear(hidden, self.weight, self.bias)
+            logits = dense_linear(hidden, self.weight, self.bias)
         return distributed.all_gather(logits, dim=-1)

@@ -1,0 +1,156 @@
+"""Batch-1 decode step of one model, in variants captured side by side in one process: with and without
+programmatic dependent launch (kernels/pdl.py), and for a bf16 model cuBLAS against
+kernels/skinny_gemm.py's dense_gemv. Each variant is its own CUDA graph over the
+same weights and KV cache; the graphs are replayed in turns, so that the ratios hold within the call.
+Every variant's logits are compared with the first variant's (same kernels: bitwise; else the largest
+difference), and replayed twice more to see that they do not change (a PDL kernel that read before its
+wait would show here first).
+
+    python benchmarks/gpu/bench_pdl.py [--shape llama-3.1-8b] [--quantization fp8|int4] [--context 256]
+                                       [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import ceilings, dummy_llm  # noqa: E402
+from shapes import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
+
+import tokenmill.layers.linear as linear  # noqa: E402
+from tokenmill.kernels import pdl, skinny_gemm  # noqa: E402
+from tokenmill.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+
+_PDL_ENABLED = pdl.enabled
+
+
+def variants(quantization: str | None) -> list[dict]:
+    """{name: (PDL, dense GEMV, PDL on the 4-bit one-row kernel)}: a bf16 model with cuBLAS and with
+    dense_gemv; a quantized one with and without PDL (int4 also with PDL everywhere but its GEMV)."""
+    if quantization is None:
+        return [
+            {"name": "cublas-nopdl", "pdl": False, "gemv": False},
+            {"name": "cublas-pdl", "pdl": True, "gemv": False},
+            {"name": "triton-nopdl", "pdl": False, "gemv": True},
+            {"name": "triton-pdl", "pdl": True, "gemv": True},
+        ]
+    out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
+    if quantization == "int4":
+        out.append({"name": "pdl-but-gemv4", "pdl": True, "gemv4_pdl": False})
+    return out
+
+
+def capture(runner, variant: dict, context: int) -> DecodeGraphs:
+    pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
+    skinny_gemm.GEMV4_PDL = variant.get("gemv4_pdl", True)
+    linear.DENSE_GEMV = variant.get("gemv", True)
+    try:
+        graphs = DecodeGraphs(runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device)
+        graphs.capture()
+    finally:
+        pdl.enabled = _PDL_ENABLED
+        skinny_gemm.GEMV4_PDL = True
+    # One request at `context` tokens over distinct blocks; its new token into a real slot.
+    block = runner.block_size
+    blocks = min(-(-context // block), graphs.block_tables.shape[1])
+    graphs.block_tables[0, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32)
+    graphs.seq_lens[0] = context
+    graphs.positions[0] = context - 1
+    graphs.slot_mapping[0] = block + context - 1
+    graphs.input_ids[0] = 17
+    return graphs
+
+
+def time_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    llm = dummy_llm(
+        args.shape, max_num_seqs=1, enforce_eager=True, quantization=args.quantization,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    graphs = {v["name"]: capture(runner, v, args.context) for v in variants(args.quantization)}
+    names = list(graphs)
+    logits = {}
+    for key in names:
+        graphs[key].graphs[1].replay()
+        logits[key] = graphs[key].logits[1].float().clone()
+    first = logits[names[0]]
+    times: dict[str, list[float]] = {key: [] for key in names}
+    for round_ in range(args.rounds):
+        order = names if round_ % 2 == 0 else names[::-1]
+        for key in order:
+            times[key].append(time_ms(graphs[key].graphs[1], args.replays))
+    stable = {}
+    for key in names:
+        graphs[key].graphs[1].replay()
+        stable[key] = bool(torch.equal(graphs[key].logits[1].float(), logits[key]))
+    weight_dtype = {"fp8": "fp8", "int4": "int4"}.get(args.quantization or "", "bf16")
+    bytes_per_step = (
+        decode_weight_bytes(args.shape, weight_dtype) + kv_bytes_per_token(args.shape) * args.context
+    )
+    copy_bandwidth = ceilings(args)["copy_bandwidth_Bps"]
+    floor_ms = bytes_per_step / copy_bandwidth * 1e3
+    result = {
+        "copy_bandwidth_Bps": copy_bandwidth,
+        "floor_ms": floor_ms,
+        "shape": args.shape,
+        "quantization": args.quantization or "none",
+        "context": args.context,
+        "device": torch.cuda.get_device_name(),
+        "variants": {
+            key: {
+                "step_ms_median": statistics.median(times[key]),
+                "step_ms_min": min(times[key]),
+                "vs_first": statistics.median(times[key]) / statistics.median(times[names[0]]),
+                "of_roofline": floor_ms / statistics.median(times[key]),
+                "max_abs_logit_diff_vs_first": (logits[key] - first).abs().max().item(),
+                "bitwise_vs_first": bool(torch.equal(logits[key], first)),
+                "stable_over_replays": stable[key],
+            }
+            for key in names
+        },
+        "bytes_per_step": bytes_per_step,
+    }
+    for key, row in result["variants"].items():
+        print(
+            f"{key:24s} {row['step_ms_median']:.4f} ms (min {row['step_ms_min']:.4f}) "
+            f"x{row['vs_first']:.3f} roofline {row['of_roofline']:.1%} "
+            f"diff {row['max_abs_logit_diff_vs_first']:.3g} "
+            f"bitwise {row['bitwise_vs_first']} stable {row['stable_over_replays']}",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(result, file, indent=1)
+    del graphs, llm
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()

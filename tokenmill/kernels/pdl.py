@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL, compute capability 9.0 and later).
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running: its
+programs become resident as soon as every program of the one before has signalled (here at its start),
+and wait in `griddepcontrol.wait` until that kernel has finished and its writes are visible. At batch-1
+decode a step is some 300 short launches in a CUDA graph; without PDL each one waits for the previous
+one to drain before its programs are even placed, and the HBM idles through every small kernel (norm,
+rotary, attention, SiLU). With it, the placement overlaps the previous kernel. (A GEMV asking L2 for its
+first weight bytes before it waits was tried and made the step slower: docs/performance.md.)
+
+The rules every kernel here follows when its PDL constexpr is set, and which make it safe: it waits
+before it reads anything an earlier kernel may have written and before it writes anything, and every
+program waits, early exits included (a kernel whose programs exit unwaited could finish before its
+predecessor, and its successor's wait would then pass too early). Kernels launched without PDL (torch's
+own, cuBLAS) keep the stream's usual ordering, and a PDL kernel after them simply starts when they end.
+
+TOKENMILL_PDL=0 turns it off (read once per device). The CPU interpreter never uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+ENV = "TOKENMILL_PDL"
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device launch with PDL."""
+    return x.is_cuda and _device_supports(x.device.index)
+
+
+def launch_args(x: torch.Tensor) -> dict[str, bool]:
+    """The kernel's PDL constexpr and Triton's launch option, which must agree: splat into a launch."""
+    on = enabled(x)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@functools.lru_cache(maxsize=16)
+def _device_supports(index: int | None) -> bool:
+    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next kernel's programs be placed (they wait before touching this kernel's outputs)."""
+    if PDL:
+        tl_cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible."""
+    if PDL:
+        tl_cuda.gdc_wait()
+
+
+@triton.jit
+def start(PDL: tl.constexpr):
+    """release then wait: the prologue of a kernel with nothing to do before its inputs are ready."""
+    release(PDL)
+    wait(PDL)
