@@ -33,8 +33,9 @@ _PDL_ENABLED = pdl.enabled
 
 
 def variants(quantization: str | None) -> list[dict]:
-    """{name: (PDL, dense GEMV, PDL on the 4-bit one-row kernel)}: a bf16 model with cuBLAS and with
-    dense_gemv; a quantized one with and without PDL (int4 also with PDL everywhere but its GEMV)."""
+    """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
+    and with dense_gemv; a quantized one with and without PDL (int4 also with PDL on its GEMV, which
+    the default leaves off)."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -44,20 +45,21 @@ def variants(quantization: str | None) -> list[dict]:
         ]
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     if quantization == "int4":
-        out.append({"name": "pdl-but-gemv4", "pdl": True, "gemv4_pdl": False})
+        out.append({"name": "pdl-gemv4-too", "pdl": True, "gemv4_pdl": True})
     return out
 
 
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
-    skinny_gemm.GEMV4_PDL = variant.get("gemv4_pdl", True)
+    default_gemv4 = skinny_gemm.GEMV4_PDL
+    skinny_gemm.GEMV4_PDL = variant.get("gemv4_pdl", default_gemv4)
     linear.DENSE_GEMV = variant.get("gemv", True)
     try:
         graphs = DecodeGraphs(runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device)
         graphs.capture()
     finally:
         pdl.enabled = _PDL_ENABLED
-        skinny_gemm.GEMV4_PDL = True
+        skinny_gemm.GEMV4_PDL = default_gemv4
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

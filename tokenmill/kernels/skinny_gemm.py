@@ -318,14 +318,23 @@ def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> S
                 config = SkinnyConfig(16, 1024, 1, num_warps=4, num_stages=1, unroll=2)
             else:
                 config = SkinnyConfig(8 if n <= 4096 else 16, 2048, 1, num_warps=4, num_stages=1, unroll=2)
-        else:  # 8 or 16 bits: the same bytes a step
-            wide = bits // 8
-            if n >= 16384:
-                config = SkinnyConfig(16, 256 // wide, 1, num_warps=4, num_stages=1)
+        elif bits == 16:  # the sweep of 2026-12-03: LM head, gate+up, down, O, QKV of the 8B shape
+            if n >= 65536:
+                config = SkinnyConfig(8, 512, 1, num_warps=4, num_stages=1)
+            elif n >= 16384:
+                config = SkinnyConfig(8, 512, 1, num_warps=4, num_stages=1, unroll=4)
             elif k >= 8192:
-                config = SkinnyConfig(16, 2048 // wide, 1, num_warps=8, num_stages=1, unroll=2)
+                config = SkinnyConfig(16, 1024, 1, num_warps=8, num_stages=1, unroll=2)
+            elif n <= 4096:
+                config = SkinnyConfig(16, 1024, 1, num_warps=8, num_stages=1, unroll=4)
             else:
-                config = SkinnyConfig(16, 1024 // wide, 1, num_warps=8, num_stages=1, unroll=4)
+                config = SkinnyConfig(8, 1024, 1, num_warps=8, num_stages=1)
+        elif n >= 16384:
+            config = SkinnyConfig(16, 256, 1, num_warps=4, num_stages=1)
+        elif k >= 8192:
+            config = SkinnyConfig(16, 2048, 1, num_warps=8, num_stages=1, unroll=2)
+        else:
+            config = SkinnyConfig(16, 1024, 1, num_warps=8, num_stages=1, unroll=4)
         tiles = triton.cdiv(n, config.block_n)
         if tiles >= sm_count(device):
             return config
@@ -474,8 +483,9 @@ def dense_gemv(
     return _launch(x, m, n, config, launch, bias)
 
 
-# Whether the one-row 4-bit kernel launches with PDL (see bench_pdl.py).
-GEMV4_PDL = True
+# Whether the one-row 4-bit kernel launches with PDL: off, since with it the INT4 8B step ran 1-6%
+# slower (H200, bench_pdl.py, two calls), unlike bf16 and FP8.
+GEMV4_PDL = False
 
 
 def _gemv4_pdl(x: torch.Tensor) -> dict:
