@@ -2,7 +2,7 @@
 and counts the SASS instructions of each loop by opcode: how many instructions the inner loop spends per
 value, read before any device time is spent. A loop is the span from a backward branch's target to it.
 
-    python benchmarks/sass_loop.py tokenmill.kernels.skinny_gemm:_w8a16_gemv_kernel \\
+    python benchmarks/sass_loop.py tokenmill.kernels.gemv:w8a16_gemv_kernel \\
         --sig x=*bf16,w=*fp8e4nv,w_scale=*fp32,out=*bf16,N=i32,K=i32,stride_wn=i32 \\
         --const BLOCK_N=32,BLOCK_K=256,SPLIT_K=1,EVEN_K=1 --aligned x,w,w_scale,out,N,K,stride_wn \\
         --num-warps 8 [--arch 90] [--dump kernel.sass]

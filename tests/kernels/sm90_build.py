@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import activation, attention, kv_cache, norm, pdl, rotary, skinny_gemm
+from tokenmill.kernels import activation, attention, gemv, kv_cache, norm, pdl, rotary, skinny_gemm
 
 SM90 = GPUTarget("cuda", 90, 32)
 _TRITON_TYPES = {
@@ -152,9 +152,9 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     kernels = [
         (attention, "_paged_attention_kernel"),
         (attention, "_reduce_splits_kernel"),
-        (skinny_gemm, "_w4a16_gemv_kernel"),
+        (gemv, "w4a16_gemv_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
-        (skinny_gemm, "_w8a16_gemv_kernel"),
+        (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),

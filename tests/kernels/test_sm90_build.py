@@ -29,9 +29,9 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
     assert {build["kernel"] for build in builds} == {
         "_paged_attention_kernel",
         "_reduce_splits_kernel",
-        "_w4a16_gemv_kernel",
+        "w4a16_gemv_kernel",
         "_w4a16_skinny_kernel",
-        "_w8a16_gemv_kernel",
+        "w8a16_gemv_kernel",
         "_w8a16_skinny_kernel",
         "_write_kv_cache_kernel",
         "_rms_norm_kernel",
