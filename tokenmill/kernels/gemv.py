@@ -146,8 +146,9 @@ def w8a16_gemv_kernel(
     VEC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row of x against BLOCK_N rows of e4m3 weights: products summed in fp32 registers and reduced
-    across threads once at the end; the row scale applied to the sum. (A tile of 8-bit values carried
+    """One row of x against BLOCK_N rows of e4m3 weights (HAS_SCALE: the row scale applied to the sum) or
+    of 16-bit ones (no scale; VEC values to a 16-byte load: 16 or 8): products summed in fp32 registers
+    and reduced across threads once at the end. (A tile of 8-bit values carried
     across iterations, as a register prefetch would, is held a byte per register: the repacking costs
     more than the overlap gains, seen in the SASS. Unrolling puts the loads in flight together instead.)"""
     pid_n = tl.program_id(0)

@@ -49,21 +49,9 @@ def _device_supports(index: int | None) -> bool:
 
 
 @triton.jit
-def release(PDL: tl.constexpr):
-    """Let the next kernel's programs be placed (they wait before touching this kernel's outputs)."""
+def start(PDL: tl.constexpr):
+    """A kernel's prologue under PDL: let the next kernel's programs be placed (they wait before touching
+    this kernel's outputs), then wait until the kernel before has finished and its writes are visible."""
     if PDL:
         tl_cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """Wait until the kernel before has finished and its writes are visible."""
-    if PDL:
         tl_cuda.gdc_wait()
-
-
-@triton.jit
-def start(PDL: tl.constexpr):
-    """release then wait: the prologue of a kernel with nothing to do before its inputs are ready."""
-    release(PDL)
-    wait(PDL)
