@@ -44,6 +44,19 @@ def span(units, pid_k, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _program_rows(w, N, units, stride_wn, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """A one-row program's output rows, whether each is real, the pointers to the first BLOCK units of its
+    weight rows (rows past N read row N-1's copy, never stored) and its [lo, hi) along K; then the PDL
+    wait, after which the program may read x."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = w + (rn % N)[:, None] * stride_wn + tl.arange(0, BLOCK)[None, :]
+    lo, hi = span(units, tl.program_id(1), SPLIT_K, BLOCK)
+    pdl.start(PDL)
+    return rn, rn < N, base, lo, hi
+
+
+@triton.jit
 def w4a16_gemv_kernel(
     x,
     w_packed,
@@ -73,15 +86,11 @@ def w4a16_gemv_kernel(
     scale is applied once per SUB words (one group), the zero point once per SUB words through the sum
     of x. With EVEN_K no load is masked along K (the loads stay 16-byte vectors); rows past N read row
     N-1's copy and are not stored."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    rn, n_ok, base, lo, hi = _program_rows(
+        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL
+    )
     rn_ld = rn % N
-    lo, hi = span(tl.cdiv(K, 8), pid_k, SPLIT_K, BLOCK_W)
-    pdl.start(PDL)
     cols = tl.arange(0, BLOCK_W)
-    base = w_packed + rn_ld[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
@@ -151,15 +160,9 @@ def w8a16_gemv_kernel(
     and reduced across threads once at the end. (A tile of 8-bit values carried
     across iterations, as a register prefetch would, is held a byte per register: the repacking costs
     more than the overlap gains, seen in the SASS. Unrolling puts the loads in flight together instead.)"""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    rn, n_ok, base, lo, hi = _program_rows(w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL)
     rn_ld = rn % N
-    lo, hi = span(K, pid_k, SPLIT_K, BLOCK_K)
-    pdl.start(PDL)
     cols = tl.arange(0, BLOCK_K)
-    base = w + rn_ld[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(lo, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
