@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import k_splits
+from tokenmill.kernels import gemv, k_splits
 
 PACK = 8
 
@@ -80,12 +80,7 @@ def _w4a16_kernel(
             q = q - z.to(tl.float32)
         w = (q * s.to(tl.float32)).to(xt.dtype)
         acc += tl.dot(xt, tl.trans(w), input_precision=PRECISION)
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    o_offsets = rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out + o_offsets, acc.to(out.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(out + o_offsets, acc, mask=o_mask)
+    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
 def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
