@@ -86,7 +86,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                   --out "$out/decode_8b_fp8.json" ;;
     throughput-8b-fp8) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
                          --quantization fp8 --out "$out/throughput_llama_8b_fp8.json" ;;
-    # Batch-1 decode graphs with and without programmatic dependent launch, L2 prefetch and dense GEMV,
+    # Batch-1 decode graphs with and without programmatic dependent launch and the dense one-row GEMV,
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;

@@ -162,10 +162,10 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (activation, "_silu_and_mul_kernel"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]
-    originals.append((pdl, "enabled", pdl.enabled))
-    for module, name, fn in originals[:-1]:
+    for module, name, fn in originals:
         setattr(module, name, _Recorder(fn, builds))
     # Built as an sm_90 GPU launches them: with programmatic dependent launch.
+    originals.append((pdl, "enabled", pdl.enabled))
     pdl.enabled = lambda x: True
     try:
         _attention_launches(dtype)

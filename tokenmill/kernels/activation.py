@@ -38,13 +38,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] > 0:
         grid = (rows.shape[0], triton.cdiv(intermediate, _BLOCK))
         _silu_and_mul_kernel[grid](
-            rows,
-            out,
-            rows.stride(0),
-            out.stride(0),
-            INTERMEDIATE=intermediate,
-            BLOCK=_BLOCK,
-            num_warps=4,
+            rows, out, rows.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=_BLOCK, num_warps=4,
             **pdl.launch_args(x),
-        )
+        )  # fmt: skip
     return out.view(*x.shape[:-1], intermediate)

@@ -35,9 +35,10 @@ def enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and _device_supports(x.device.index)
 
 
-def launch_args(x: torch.Tensor) -> dict[str, bool]:
-    """The kernel's PDL constexpr and Triton's launch option, which must agree: splat into a launch."""
-    on = enabled(x)
+def launch_args(x: torch.Tensor, allowed: bool = True) -> dict[str, bool]:
+    """The kernel's PDL constexpr and Triton's launch option, which must agree: splat into a launch.
+    allowed=False: this launch goes without PDL wherever it runs."""
+    on = allowed and enabled(x)
     return {"PDL": on, "launch_pdl": on}
 
 

@@ -236,7 +236,7 @@ def w4a16_skinny(
             gemv.w4a16_gemv_kernel[grid](
                 x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
                 gemv.MAGIC, SUB=sub, EVEN_K=even, UNROLL=config.unroll, **common,
-                **_gemv4_pdl(x2),
+                **pdl.launch_args(x2, GEMV4_PDL),
             )  # fmt: skip
         else:
             _w4a16_skinny_kernel[grid](
@@ -314,10 +314,6 @@ def dense_gemv(
 # Whether the one-row 4-bit kernel launches with PDL: off, since with it the INT4 8B step ran 1-6%
 # slower (H200, bench_pdl.py, two calls), unlike bf16 and FP8.
 GEMV4_PDL = False
-
-
-def _gemv4_pdl(x: torch.Tensor) -> dict:
-    return pdl.launch_args(x) if GEMV4_PDL else {"PDL": False, "launch_pdl": False}
 
 
 def _precision(x: torch.Tensor) -> str:

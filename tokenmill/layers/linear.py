@@ -25,7 +25,7 @@ DENSE_GEMV = os.environ.get("TOKENMILL_DENSE_GEMV", "1") != "0"
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; at one 16-bit row on a GPU, against a weight with at least 16 output rows per
     multiprocessor (no K split needed to fill the GPU), kernels/skinny_gemm.py's dense_gemv."""
-    if DENSE_GEMV and x.dtype != torch.float32 and x.numel() == x.shape[-1] and x.is_cuda:
+    if DENSE_GEMV and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
         gemv = skinny_kernel(x, "dense_gemv")
         if gemv is not None and weight.shape[0] >= 16 * sm_count(x.device) and weight.stride(1) == 1:
             return gemv(x, weight, bias)
