@@ -71,9 +71,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def sweep_configs(bits: int, rows: int) -> list[SkinnyConfig]:
     """The first pass: tile sizes and K splits at four warps."""
     if rows == 1:
-        block_ns = (8, 16, 32) if bits in (4, 16) else (16, 32, 64)
-        block_ks = {4: (512, 1024, 2048), 8: (256, 512, 1024, 2048), 16: (128, 256, 512, 1024)}[bits]
-        return [SkinnyConfig(n, k, s, 4, 1) for n in block_ns for k in block_ks for s in (1, 2)]
+        block_ns = (8, 16, 32) if bits in (4, 16) else (8, 16, 32, 64)
+        block_ks = {4: (512, 1024, 2048), 8: (512, 1024, 2048, 4096), 16: (128, 256, 512, 1024)}[bits]
+        # No K split for FP8 at one row: every linear of the 8B shape fills the SMs without one.
+        splits = (1,) if bits == 8 else (1, 2)
+        return [SkinnyConfig(n, k, s, 4, 1) for n in block_ns for k in block_ks for s in splits]
     block_ks = (256, 512, 1024) if bits == 4 else (128, 256, 512)
     return [SkinnyConfig(n, k, s, 4, 3) for n in (16, 32, 64) for k in block_ks for s in (1, 2, 4, 8)]
 
