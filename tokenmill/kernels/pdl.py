@@ -14,13 +14,20 @@ program waits, early exits included (a kernel whose programs exit unwaited could
 predecessor, and its successor's wait would then pass too early). Kernels launched without PDL (torch's
 own, cuBLAS) keep the stream's usual ordering, and a PDL kernel after them simply starts when they end.
 
-TOKENMILL_PDL=0 turns it off (read once per device). The CPU interpreter never uses it.
+Only launches inside `in_graphs()` use it: the CUDA graph captures and their warm-ups (which build the
+same kernel variants, so nothing compiles while a stream captures). Launched eagerly, a PDL launch costs the
+host more and buys nothing measurable: with it everywhere the 0.6B throughput run (host-bound, mostly
+eager prompt steps beside graphed decodes) was 2% slower in three of three A/B pairs (H200,
+docs/performance.md). TOKENMILL_PDL=0 turns it off (read once per device). The CPU interpreter never
+uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -28,11 +35,24 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 ENV = "TOKENMILL_PDL"
+_graph_depth = 0
+
+
+@contextlib.contextmanager
+def in_graphs() -> Iterator[None]:
+    """Launches inside go with PDL (where the device supports it): wrap a CUDA graph's capture and the
+    warm-up forwards before it."""
+    global _graph_depth
+    _graph_depth += 1
+    try:
+        yield
+    finally:
+        _graph_depth -= 1
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether kernels on x's device launch with PDL."""
-    return x.is_cuda and _device_supports(x.device.index)
+    """Whether kernels on x's device launch with PDL now."""
+    return _graph_depth > 0 and x.is_cuda and _device_supports(x.device.index)
 
 
 def launch_args(x: torch.Tensor, allowed: bool = True) -> dict[str, bool]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill import distributed
+from tokenmill.kernels import pdl
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.worker.input_batch import StepInputs
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
@@ -88,12 +89,13 @@ class DecodeGraphs:
         self.query_start_loc.copy_(torch.arange(self.query_start_loc.numel(), dtype=torch.int32) * q)
         self.seq_lens.fill_(q)
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            for _ in range(2):
-                self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size] = self._forward(size)
+            with pdl.in_graphs():
+                for _ in range(2):
+                    self._forward(size)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[size] = self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph

@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from tokenmill.kernels import pdl
 from tokenmill.layers.attention import Attention, AttentionMetadata
 
 logger = logging.getLogger("tokenmill")
@@ -91,7 +92,7 @@ class PiecewiseGraphs:
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), pdl.in_graphs():
                 for size in reversed(self.sizes):
                     self._forward(size)  # warm-up: cuBLAS and Triton pick and build their kernels
                     torch.cuda.synchronize()
