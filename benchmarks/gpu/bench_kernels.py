@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tokenmill.kernels import activation, attention, kv_cache, norm, reference, rotary  # noqa: E402
+from tokenmill.kernels import activation, attention, kv_cache, norm, reference, rotary, split_kv  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_BLOCK_SIZE = 32, 8, 128, 16
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -136,7 +136,7 @@ def decode_case(batch: int, context: int, sweep: bool, kv_dtype: torch.dtype = D
 
         return time_us(step, calls_per_graph, replays=50)
 
-    splits = attention.default_num_kv_splits(batch, NUM_KV_HEADS, context, query.device)
+    splits = split_kv.default_num_kv_splits(batch, NUM_KV_HEADS, context, query.device)
     us = measure(None)
     result = {"us": us, "kv_tb_per_s": kv_bytes / us / 1e6, "num_kv_splits": splits, "kv_pool_copies": copies}
     want = reference.paged_attention(

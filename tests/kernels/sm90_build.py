@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import activation, attention, gemv, kv_cache, norm, pdl, rotary, skinny_gemm
+from tokenmill.kernels import activation, attention, gemv, kv_cache, norm, pdl, rotary, skinny_gemm, split_kv
 
 SM90 = GPUTarget("cuda", 90, 32)
 _TRITON_TYPES = {
@@ -151,7 +151,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     builds: list[Build] = []
     kernels = [
         (attention, "_paged_attention_kernel"),
-        (attention, "_reduce_splits_kernel"),
+        (split_kv, "_reduce_splits_kernel"),
         (gemv, "w4a16_gemv_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (gemv, "w8a16_gemv_kernel"),

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels import attention, reference  # noqa: E402
+from tokenmill.kernels import attention, reference, split_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -195,11 +195,11 @@ def test_writes_into_a_strided_out_and_reads_a_strided_query() -> None:
 
 def test_default_num_kv_splits_is_a_power_of_two_from_host_ints() -> None:
     cpu = torch.device("cpu")
-    assert attention.default_num_kv_splits(1, 8, None, cpu) == 2
-    assert attention.default_num_kv_splits(1, 1, None, cpu) == 16
-    assert attention.default_num_kv_splits(1, 1, 300, cpu) == 2
-    assert attention.default_num_kv_splits(1, 3, None, cpu) == 4  # 6 rounded down to a power of two
-    assert attention.default_num_kv_splits(128, 8, 8192, cpu) == 1
+    assert split_kv.default_num_kv_splits(1, 8, None, cpu) == 2
+    assert split_kv.default_num_kv_splits(1, 1, None, cpu) == 16
+    assert split_kv.default_num_kv_splits(1, 1, 300, cpu) == 2
+    assert split_kv.default_num_kv_splits(1, 3, None, cpu) == 4  # 6 rounded down to a power of two
+    assert split_kv.default_num_kv_splits(128, 8, 8192, cpu) == 1
 
 
 def test_reference_accepts_the_launch_hints() -> None:

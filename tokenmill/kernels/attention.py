@@ -10,13 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import pdl, sm_count
+from tokenmill.kernels import pdl
+from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
-# A split shorter than this spends more on the reduce than it gains in parallelism.
-_MIN_TOKENS_PER_SPLIT = 256
-_MAX_KV_SPLITS = 32
 
 
 class TileConfig(NamedTuple):
@@ -238,54 +236,6 @@ def _paged_attention_kernel(
         tl.store(partial_lse + partial_row, lse, mask=row_ok)
 
 
-@triton.jit
-def _reduce_splits_kernel(
-    partial_out,
-    partial_lse,
-    out,
-    query_start_loc,
-    stride_o_tok,
-    stride_o_head,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Merge the splits of one (request, head) of a decode by their log-sum-exp weights."""
-    pdl.start(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(query_start_loc + seq)
-    if tl.load(query_start_loc + seq + 1) == q_start:
-        return
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
-    lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
-    # An empty split wrote lse -inf and a zero output, so it weighs nothing here.
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    part_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
-    part = tl.load(partial_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_mask, other=0.0)
-    result = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
-    o_offsets = q_start * stride_o_tok + head * stride_o_head + dims
-    tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
-
-
-def default_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
-) -> int:
-    """KV splits for a decode: enough programs for two per multiprocessor, never a split under
-    _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. A power of two, so a server compiles at most
-    six variants. Any count is correct for any lengths (the kernel splits by the seq_lens it reads), so a
-    CUDA graph captured with one count stays valid when the lengths change."""
-    splits = triton.cdiv(2 * sm_count(device), max(num_seqs * num_kv_heads, 1))
-    if max_seq_len is not None:
-        splits = min(splits, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
-    splits = max(1, min(splits, _MAX_KV_SPLITS))
-    return 1 << (splits.bit_length() - 1)
-
-
 def decode_config(group: int, element_size: int, cache_element_size: int | None = None) -> TileConfig:
     """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache reads
     128 keys a tile, as many bytes as 64 bf16 keys (with 64, FP8 KV ran slower than bf16 at 32k, H200)."""
@@ -398,9 +348,5 @@ def paged_attention(
         partial_out = partial_lse = out
     launch(grid, partial_out, partial_lse, config, block_q, num_kv_splits, decode, 2 if split_mixed else 0)
     if num_kv_splits > 1:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_kv_splits, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4, **pdl.launch_args(query),
-        )  # fmt: skip
+        merge_splits(partial_out, partial_lse, out, query_start_loc, num_seqs, num_kv_splits)
     return out

@@ -1,0 +1,81 @@
+"""Split-KV decode: how many splits of its keys a decode's programs take, and the launch that merges
+the splits' partial outputs by their log-sum-exps (kernels/attention.py writes them)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels import pdl, sm_count
+
+# A split shorter than this spends more on the reduce than it gains in parallelism.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_KV_SPLITS = 32
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    partial_out,
+    partial_lse,
+    out,
+    query_start_loc,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Merge the splits of one (request, head) of a decode by their log-sum-exp weights."""
+    pdl.start(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) == q_start:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
+    # An empty split wrote lse -inf and a zero output, so it weighs nothing here.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+    part = tl.load(partial_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_mask, other=0.0)
+    result = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    o_offsets = q_start * stride_o_tok + head * stride_o_head + dims
+    tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def merge_splits(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_seqs: int,
+    num_splits: int,
+) -> None:
+    """out[token of each request, head] from the fp32 partial outputs [request, head, split, head_dim]
+    and their base-2 log-sum-exps [request, head, split]; requests with no query token are skipped."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    _reduce_splits_kernel[(num_seqs, num_heads)](
+        partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), num_warps=4,
+        **pdl.launch_args(out),
+    )  # fmt: skip
+
+
+def default_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
+) -> int:
+    """KV splits for a decode: enough programs for two per multiprocessor, never a split under
+    _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. A power of two, so a server compiles at most
+    six variants. Any count is correct for any lengths (the kernel splits by the seq_lens it reads), so a
+    CUDA graph captured with one count stays valid when the lengths change."""
+    splits = triton.cdiv(2 * sm_count(device), max(num_seqs * num_kv_heads, 1))
+    if max_seq_len is not None:
+        splits = min(splits, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
+    splits = max(1, min(splits, _MAX_KV_SPLITS))
+    return 1 << (splits.bit_length() - 1)
