@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured host-loop kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k quant-gemm profile-quant pdl server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 decode-kv32k attention-variants quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -70,6 +70,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                  --gaps-ms 0 --out "$out/grammar_masks_matrix.json" 2>&1 >/dev/null ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
+    # Decode attention variants at 16 x 32k built from attention.py's text (FP8 KV: layouts, conversion,
+    # occupancy, keys as the MMA's M dimension with FP8 tensor cores), against the kernel as it is.
+    attention-variants) timeout 400 $py benchmarks/gpu/ab_attention.py --out "$out/attention_variants.json" \
+                          2>&1 | grep -v Warning | tail -40 ;;
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \
