@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from tokenmill import distributed
-from tokenmill.kernels import pdl
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.worker.input_batch import StepInputs
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
@@ -84,6 +83,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # Imported here: kernels' Triton modules load only once a device (or the test's interpreter
+        # setting) is known.
+        from tokenmill.kernels import pdl
+
         # Warm-up inputs: every request's query_len tokens at positions 0.. into no slot.
         q = self.query_len
         self.query_start_loc.copy_(torch.arange(self.query_start_loc.numel(), dtype=torch.int32) * q)

@@ -25,7 +25,6 @@ import time
 import torch
 from torch import nn
 
-from tokenmill.kernels import pdl
 from tokenmill.layers.attention import Attention, AttentionMetadata
 
 logger = logging.getLogger("tokenmill")
@@ -86,6 +85,8 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from tokenmill.kernels import pdl  # here: see DecodeGraphs.capture
+
         start = time.perf_counter()
         for layer in self.layers:
             layer.split = self._split
