@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 
+from tokenmill.core.chunking import chunk_within
 from tokenmill.core.kv_cache import KVCacheManager, PrefixHit, cdiv
 from tokenmill.core.kv_transfer import KVTransfers
 from tokenmill.core.outputs import EngineCoreOutput
@@ -192,8 +192,8 @@ class Scheduler(StepIntake):
             if drafts:  # a decode verifying drafts: one token and the drafts, at decode cost
                 num_new = cost = 1 + len(drafts)
             else:
-                num_new, cost = self._chunk(
-                    request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
+                num_new, cost = chunk_within(
+                    self.context_cost, request.num_computed_tokens, num_wanted, room, fresh=not num_scheduled
                 )
             if num_wanted > 1 and num_new < num_wanted:
                 cut.append(request)
@@ -252,7 +252,8 @@ class Scheduler(StepIntake):
             if request.sampling_params.prompt_logprobs is None:
                 hit = self.kv.get_computed_blocks(request)
             num_hit_tokens = hit.num_tokens
-            num_new, cost = self._chunk(
+            num_new, cost = chunk_within(
+                self.context_cost,
                 num_hit_tokens,
                 request.num_tokens - num_hit_tokens,
                 min(budget, prefill_room),
@@ -290,7 +291,9 @@ class Scheduler(StepIntake):
                 continue
             num_new, cost = num_scheduled.get(request.request_id, 0), cost_of.get(request.request_id, 0)
             num_wanted = request.num_tokens_with_placeholders - request.num_computed_tokens
-            longer, longer_cost = self._chunk(request.num_computed_tokens, num_wanted, room + cost)
+            longer, longer_cost = chunk_within(
+                self.context_cost, request.num_computed_tokens, num_wanted, room + cost
+            )
             if longer <= num_new:
                 continue
             allocated = self.kv.allocate_slots(request, self.spec.with_lookahead(request, longer))
@@ -370,25 +373,6 @@ class Scheduler(StepIntake):
             >= request.num_tokens_with_placeholders
         ]
         return {"grammar_req_ids": sampling} if sampling else {}
-
-    def _chunk(self, start: int, num_wanted: int, budget: int, fresh: bool = False) -> tuple[int, int]:
-        """(tokens, cost) of the longest run of at most num_wanted tokens from position `start` whose cost
-        fits the budget. A token costs 1, plus context_cost per earlier token it attends to when it is
-        part of a prompt chunk, so a chunk deep into a long prompt is shorter and every step takes about
-        the same time where the step's cost is its arithmetic (a CPU). A fresh step always moves."""
-        if num_wanted <= 1 or not self.context_cost:
-            num_new = min(num_wanted, budget)
-            return num_new, num_new
-        a, b = self.context_cost, 1 + self.context_cost * start
-        num_new = min(num_wanted, int((math.sqrt(b * b + 2 * a * budget) - b) / a))
-        while num_new > 0 and self._chunk_cost(start, num_new) > budget:
-            num_new -= 1
-        if num_new == 0 and fresh:
-            return 1, max(1, budget)
-        return num_new, self._chunk_cost(start, num_new)
-
-    def _chunk_cost(self, start: int, num_tokens: int) -> int:
-        return num_tokens + math.ceil(self.context_cost * num_tokens * (start + num_tokens / 2))
 
     def _can_admit(self) -> bool:
         """True when a waiting request could take a seat this step (blocks permitting)."""
