@@ -17,7 +17,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.serving.async_client import AsyncEngineClient, EngineDeadError, EngineOverloadedError
+from tokenmill.serving.async_client import AsyncEngineClient
+from tokenmill.serving.core_link import EngineDeadError, EngineOverloadedError
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.metrics import ServerMetrics
 

@@ -19,11 +19,17 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_transfer import RemotePrefill
-from tokenmill.loader import resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.serving.core_link import CoreSockets, CoreWatch, wait_ready
-from tokenmill.serving.core_process import run_engine_core
+from tokenmill.serving.core_link import (
+    CoreSockets,
+    CoreWatch,
+    EngineDeadError,
+    EngineOverloadedError,
+    KVTransferError,
+    connect,
+    spawn_core,
+)
 from tokenmill.serving.core_protocol import (
     AbortRequests,
     AddRequest,
@@ -46,18 +52,6 @@ logger = logging.getLogger("tokenmill.server")
 # A stream's chunks this far apart are logged with where the time went (a stream at 100 tokens/s has
 # missed ten tokens).
 STREAM_GAP_LOG_S = 0.1
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process has died; no request can complete."""
-
-
-class KVTransferError(RuntimeError):
-    """Disaggregation: the request's KV never came from its prefill peer (the core ended it)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is at its cap (EngineConfig.max_waiting_requests)."""
 
 
 class _Aborted:
@@ -129,14 +123,7 @@ class AsyncEngineClient:
     async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None) -> AsyncEngineClient:
         """Start the engine-core process and wait until its model is loaded."""
         sockets = CoreSockets.bind()
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(config, [sockets.input_address], [sockets.output_address]),
-            name="tokenmill-engine-core",
-            daemon=True,
-        )
-        process.start()
-        logger.info("engine core process started (pid %d)", process.pid)
+        process = spawn_core(config, sockets)
         try:
             return await cls._connect(config, metrics, sockets, process)
         except BaseException:
@@ -168,17 +155,11 @@ class AsyncEngineClient:
         process: multiprocessing.process.BaseProcess | CoreWatch,
         client_index: int = 0,
     ) -> AsyncEngineClient:
-        try:
-            # The tokenizer loads here while the core loads the model; a bad model path fails here first.
-            model, load_format = config.model, config.load_format
-            source = await asyncio.to_thread(resolve_model, model, load_format, config.tokenizer)
-            tokenizer = None if config.skip_tokenizer_init else await asyncio.to_thread(source.load_tokenizer)
-            ready = await wait_ready(sockets, process)
-        except BaseException:
-            sockets.close()
-            raise
-        eos = source.eos_token_ids(tokenizer)
-        return cls(config, ready, tokenizer, eos, process, sockets, metrics, source.hf_config, client_index)
+        link = await connect(config, sockets, process)
+        return cls(
+            config, link.ready, link.tokenizer, link.eos_token_ids, process, sockets, metrics, link.hf_config,
+            client_index,
+        )  # fmt: skip
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (politely, then by force) and release the sockets."""

@@ -1,21 +1,40 @@
-"""An API process's link to the engine-core process: its pair of ZMQ sockets, a watch on the core's life
-when another process started it, and the wait for the core's EngineReady."""
+"""An API process's link to the engine-core process: its pair of ZMQ sockets, the core's start (or a watch
+on its life when another process started it), the wait for its EngineReady, and the errors a request
+can meet through the link."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import select
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
+from tokenmill.config import EngineConfig
+from tokenmill.loader import resolve_model
+from tokenmill.serving.core_process import run_engine_core
 from tokenmill.serving.core_protocol import EngineDead, EngineReady, message_decoder
 
 _READY_POLL_MS = 200
+logger = logging.getLogger("tokenmill.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process has died; no request can complete."""
+
+
+class KVTransferError(RuntimeError):
+    """Disaggregation: the request's KV never came from its prefill peer (the core ended it)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its cap (EngineConfig.max_waiting_requests)."""
 
 
 class CoreSockets:
@@ -94,3 +113,42 @@ async def wait_ready(
             raise RuntimeError("engine core process exited before it connected.")
         await asyncio.sleep(0.01)
     return message
+
+
+def spawn_core(config: EngineConfig, sockets: CoreSockets) -> multiprocessing.process.BaseProcess:
+    """Start the engine-core process, which connects to these sockets."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core,
+        args=(config, [sockets.input_address], [sockets.output_address]),
+        name="tokenmill-engine-core",
+        daemon=True,
+    )
+    process.start()
+    logger.info("engine core process started (pid %d)", process.pid)
+    return process
+
+
+@dataclass
+class CoreLink:
+    """What an API process learns while the core loads: the core's EngineReady, and the tokenizer."""
+
+    ready: EngineReady
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    hf_config: object
+
+
+async def connect(
+    config: EngineConfig, sockets: CoreSockets, process: multiprocessing.process.BaseProcess | CoreWatch
+) -> CoreLink:
+    """Load the tokenizer while the core loads the model (a bad model path fails here first), then wait
+    for the core; the sockets are closed if either fails."""
+    try:
+        model, load_format = config.model, config.load_format
+        source = await asyncio.to_thread(resolve_model, model, load_format, config.tokenizer)
+        tokenizer = None if config.skip_tokenizer_init else await asyncio.to_thread(source.load_tokenizer)
+        ready = await wait_ready(sockets, process)
+    except BaseException:
+        sockets.close()
+        raise
+    return CoreLink(ready, tokenizer, source.eos_token_ids(tokenizer), source.hf_config)

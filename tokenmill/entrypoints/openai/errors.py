@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenmill.serving.async_client import EngineDeadError, EngineOverloadedError, KVTransferError
+from tokenmill.serving.core_link import EngineDeadError, EngineOverloadedError, KVTransferError
 
 logger = logging.getLogger("tokenmill.server")
 
