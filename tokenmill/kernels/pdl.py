@@ -15,11 +15,10 @@ predecessor, and its successor's wait would then pass too early). Kernels launch
 own, cuBLAS) keep the stream's usual ordering, and a PDL kernel after them simply starts when they end.
 
 Only launches inside `in_graphs()` use it: the CUDA graph captures and their warm-ups (which build the
-same kernel variants, so nothing compiles while a stream captures). Launched eagerly, a PDL launch costs the
-host more and buys nothing measurable: with it everywhere the 0.6B throughput run (host-bound, mostly
-eager prompt steps beside graphed decodes) was 2% slower in three of three A/B pairs (H200,
-docs/performance.md). TOKENMILL_PDL=0 turns it off (read once per device). The CPU interpreter never
-uses it.
+same kernel variants, so nothing compiles while a stream captures; worker/cuda_graphs.py). With it on
+eager launches too, the 0.6B throughput run (host-bound, its prompt steps eager beside graphed decodes)
+was 2% slower in three of three A/B pairs (H200, docs/performance.md). TOKENMILL_PDL=0 turns it off
+(read once per device). The CPU interpreter never uses it.
 """
 
 from __future__ import annotations

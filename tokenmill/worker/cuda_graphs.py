@@ -83,22 +83,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        # Imported here: kernels' Triton modules load only once a device (or the test's interpreter
-        # setting) is known.
-        from tokenmill.kernels import pdl
-
         # Warm-up inputs: every request's query_len tokens at positions 0.. into no slot.
         q = self.query_len
         self.query_start_loc.copy_(torch.arange(self.query_start_loc.numel(), dtype=torch.int32) * q)
         self.seq_lens.fill_(q)
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            with pdl.in_graphs():
-                for _ in range(2):
-                    self._forward(size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[size] = self._forward(size)
+            for _ in range(2):
+                self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[size] = self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
@@ -147,27 +142,33 @@ def capture_step_graphs(
         return None, None, None
     if not getattr(runner.model, "graph_safe", True) or distributed.tp_size() > 1:
         return None, None, None
-    decode = DecodeGraphs(
-        runner.model, config.max_num_seqs, runner.max_blocks_per_seq, runner.max_model_len, runner.device
-    )
-    decode.capture()
-    verify = None
-    spec = config.speculative_config
-    if spec is not None:
-        # Verify steps of up to VERIFY_GRAPH_MAX_SEQS requests, each with its drafts and one token more.
-        max_seqs = min(config.max_num_seqs, VERIFY_GRAPH_MAX_SEQS)
-        if spec.disable_by_batch_size is not None:
-            max_seqs = min(max_seqs, spec.disable_by_batch_size)
-        verify = DecodeGraphs(
-            runner.model, max_seqs, runner.max_blocks_per_seq, runner.max_model_len, runner.device,
-            query_len=1 + spec.num_speculative_tokens,
-        )  # fmt: skip
-        verify.capture()
-    piecewise = None
-    if runner.model.kernels.backend == "triton":
-        # Larger steps are device-bound: their launches hide behind the arithmetic.
-        piecewise = PiecewiseGraphs(
-            runner.model, min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS), runner.device
+    # Imported here: kernels' Triton modules load only once a device (or the tests' interpreter setting)
+    # is known.
+    from tokenmill.kernels import pdl
+
+    # The graphs' kernels (and the warm-ups that build them) launch with PDL; eager steps' do not.
+    with pdl.in_graphs():
+        decode = DecodeGraphs(
+            runner.model, config.max_num_seqs, runner.max_blocks_per_seq, runner.max_model_len, runner.device
         )
-        piecewise.capture()
+        decode.capture()
+        verify = None
+        spec = config.speculative_config
+        if spec is not None:
+            # Verify steps of up to VERIFY_GRAPH_MAX_SEQS requests, each with its drafts and one token more.
+            max_seqs = min(config.max_num_seqs, VERIFY_GRAPH_MAX_SEQS)
+            if spec.disable_by_batch_size is not None:
+                max_seqs = min(max_seqs, spec.disable_by_batch_size)
+            verify = DecodeGraphs(
+                runner.model, max_seqs, runner.max_blocks_per_seq, runner.max_model_len, runner.device,
+                query_len=1 + spec.num_speculative_tokens,
+            )  # fmt: skip
+            verify.capture()
+        piecewise = None
+        if runner.model.kernels.backend == "triton":
+            # Larger steps are device-bound: their launches hide behind the arithmetic.
+            piecewise = PiecewiseGraphs(
+                runner.model, min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS), runner.device
+            )
+            piecewise.capture()
     return decode, verify, piecewise

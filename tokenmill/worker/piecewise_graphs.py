@@ -85,15 +85,13 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        from tokenmill.kernels import pdl  # here: see DecodeGraphs.capture
-
         start = time.perf_counter()
         for layer in self.layers:
             layer.split = self._split
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), pdl.in_graphs():
+            with torch.cuda.stream(stream):
                 for size in reversed(self.sizes):
                     self._forward(size)  # warm-up: cuBLAS and Triton pick and build their kernels
                     torch.cuda.synchronize()
