@@ -2,7 +2,8 @@
 grouped by name, with the sum of kernel time per step against the step's wall time (the gap is the
 device waiting for the host, or launch gaps inside the graph).
 Usage: python benchmarks/gpu/profile_decode.py [--shape llama-3.1-8b] [--output-len 256] [--out FILE]
-                                              [--batch 1] [--quantization fp8|int4] [--kv-cache-dtype fp8]"""
+                                              [--batch 1] [--quantization fp8|int4] [--kv-cache-dtype fp8]
+                                              [--input-len 128] [--decode-only]"""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ from bench_engine import dummy_llm  # noqa: E402
 from tokenmill import SamplingParams  # noqa: E402
 
 
+def profiled(llm, prompt, params) -> tuple[float, dict[str, tuple[float, int]]]:
+    """One generate under torch.profiler: its wall seconds, and each CUDA kernel's (total us, calls)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return wall, {e.key: (e.self_device_time_total, e.count) for e in kernels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -31,35 +44,42 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="fp8 | int4 (online)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out")
+    parser.add_argument(
+        "--decode-only", action="store_true",
+        help="subtract a profiled run of the same prompts with one output token (their prefill; prefix "
+        "caching off, so both runs prefill in full)",
+    )  # fmt: skip
     args = parser.parse_args()
     llm = dummy_llm(
         args.shape, max_num_seqs=max(64, args.batch), quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.decode_only,
     )  # fmt: skip
     prompt = [[(7 * i + 13 * b) % 10000 for i in range(args.input_len)] for b in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for _ in range(2):
         llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+    wall, totals = profiled(llm, prompt, params)
     steps = args.output_len
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total_us = sum(e.self_device_time_total for e in kernels)
+    if args.decode_only:
+        # The same prompts with one output token: their prefill (and its first token), taken away from
+        # every kernel's total, leaves the decode steps alone.
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        llm.generate(prompt_token_ids=prompt, sampling_params=one, use_tqdm=False)
+        prefill_wall, prefill = profiled(llm, prompt, one)
+        print(f"prefill (and first token): wall {prefill_wall * 1e3:.1f} ms, "
+              f"kernels {sum(t for t, _ in prefill.values()) / 1e3:.1f} ms")  # fmt: skip
+        wall -= prefill_wall
+        steps -= 1
+        for name, (us, count) in prefill.items():
+            have_us, have_count = totals.get(name, (0.0, 0))
+            totals[name] = (have_us - us, have_count - count)
     rows = [
-        {
-            "name": e.key[:90],
-            "calls_per_step": e.count / steps,
-            "us_per_step": e.self_device_time_total / steps,
-        }
-        for e in kernels
+        {"name": name[:90], "calls_per_step": count / steps, "us_per_step": us / steps}
+        for name, (us, count) in sorted(totals.items(), key=lambda item: -item[1][0])
     ]
+    total_us = sum(us for us, _ in totals.values())
     print(f"wall {wall / steps * 1e3:.3f} ms/step, kernels {total_us / steps / 1e3:.3f} ms/step, "
-          f"{sum(e.count for e in kernels) / steps:.0f} kernels/step")  # fmt: skip
+          f"{sum(count for _, count in totals.values()) / steps:.0f} kernels/step")  # fmt: skip
     for row in rows[: args.top]:
         print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['name']}")
     if args.out:
