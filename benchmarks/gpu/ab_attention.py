@@ -1,5 +1,6 @@
-"""Decode attention variants at batch 16 x 32k context (Llama-3.1-8B's layout), us per layer, against
-the kernel as it is: the A/B behind docs/performance.md's FP8 KV entries, rerunnable.
+"""Decode attention variants at batch 16 x 32k context (or --case B x L: 256 x 544 is a throughput
+run's decode), Llama-3.1-8B's layout, us per layer, against the kernel as it is: the A/B behind
+docs/performance.md's FP8 KV entries, rerunnable.
 
 The variants are built at run time from tokenmill/kernels/attention.py's own text by a few edits
 (`EDITS`; an edit that no longer matches stops the run, so the A/B is always against today's kernel):
@@ -13,7 +14,9 @@ plus the page layout (token-major as the engine allocates it, or head-major, whi
 already take through strides) and launch options (tiles, splits, maxnreg). Each timing is a CUDA
 graph of launches over two copies of the pool (bench_kernels.time_us).
 
-    python benchmarks/gpu/ab_attention.py [--groups base,layout,convert,occupancy,trans] [--out FILE]
+    python benchmarks/gpu/ab_attention.py [--groups base,layout,convert,occupancy,trans,tiles]
+                                          [--case 16x32768] [--out FILE]
+(tiles: the FP8 cache's tile, warps and stages without KV splits, for many short requests)
 """
 
 from __future__ import annotations
@@ -218,10 +221,13 @@ def build_variants():
 
 
 def main() -> int:
+    global BATCH, CONTEXT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", default="base,layout,convert,occupancy,trans")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--case", default="16x32768", help="requests x context (a multiple of 16)")
     args = parser.parse_args()
+    BATCH, CONTEXT = (int(v) for v in args.case.split("x"))
     groups = set(args.groups.split(","))
     variants = build_variants()
     dev = "cuda"
@@ -297,6 +303,18 @@ def main() -> int:
             for n in splits:
                 label = f"{tuple(config) if config else ''}{extra or ''}"
                 run(f"fp8_{label}_s{n}", variants, k8, v8, n, extra, config)
+    if "tiles" in groups:
+        for splits in (1, 2):
+            run(f"bf16_s{splits}", attention, k_bf, v_bf, splits)
+            run(f"fp8_s{splits}", attention, k8, v8, splits)
+        for extra, config in (
+            ({}, tile(16, 128, 4, 2)), ({}, tile(16, 128, 8, 3)), ({"maxnreg": 128}, None),
+            ({}, tile(16, 64, 4, 2)), ({}, tile(16, 64, 4, 3)), ({}, tile(16, 64, 4, 4)),
+            ({}, tile(16, 64, 2, 3)), ({}, tile(16, 32, 4, 3)), ({}, tile(16, 32, 2, 3)),
+            ({"INTCVT": True}, None), ({"INTCVT": True}, tile(16, 64, 4, 3)),
+        ):  # fmt: skip
+            label = f"{tuple(config) if config else ''}{extra or ''}"
+            run(f"fp8_{label}_s1", variants, k8, v8, 1, extra, config)
     if "trans" in groups:
         for splits in (2, 4):
             run(f"fp8_trans_fp8mma_s{splits}", variants, k8, v8, splits, {"TRANS": True, "FP8MMA": True})
