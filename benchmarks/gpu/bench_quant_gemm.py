@@ -265,6 +265,29 @@ def fp8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
 
     result["scaled_mm_us"] = timed(scaled_mm, copies)
     want = scaled_mm(0).float()
+    # The same with fast accumulation (no promotion of the FP8 tensor cores' partial sums to fp32), and
+    # with one scale per tensor (cuBLAS has other kernels for it), each against the row-wise result.
+    one = torch.ones((), device=DEVICE)
+    for label, scale_a, scale_b, fast in (
+        ("scaled_mm_fast", x_scale, None, True),
+        ("scaled_mm_tensorwise", one, one, False),
+        ("scaled_mm_tensorwise_fast", one, one, True),
+    ):  # fmt: skip
+
+        def variant(c: int, scale_a=scale_a, scale_b=scale_b, fast=fast) -> torch.Tensor:
+            w_q, w_scale = fp8[c]
+            return torch._scaled_mm(
+                x_q, w_q.t(), scale_a=scale_a, scale_b=w_scale.view(1, -1) if scale_b is None else scale_b,
+                out_dtype=torch.bfloat16, use_fast_accum=fast,
+            )  # fmt: skip
+
+        try:
+            result[f"{label}_us"] = timed(variant, copies)
+            if scale_b is None:
+                got = variant(0).float()
+                result[f"{label}_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        except Exception as error:  # noqa: BLE001 - a mode this torch lacks is reported
+            result[f"{label}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
     got = fp8_rowwise_gemm(x_q, x_scale, *fp8[0], None, torch.bfloat16).float()
     result["triton_rel_err_vs_scaled_mm"] = ((got - want).abs().max() / want.abs().max()).item()
     result["triton_default"] = list(fp8_default_config(rows, n, k))
