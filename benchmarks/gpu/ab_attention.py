@@ -198,8 +198,9 @@ EDITS = [
      "**pdl.launch_args(query), **EXTRA,\n        )  # fmt: skip\n\n    small"),
     ("    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:",
      "    if k_cache.stride(3) != 1:"),
-    ("        config = decode_config(group, query.element_size(), k_cache.element_size())",
-     "        config = CONFIG or decode_config(group, query.element_size(), k_cache.element_size())"),
+    ("        config = decode_config(group, query.element_size(), k_cache.element_size(), programs_per_sm)",
+     "        config = CONFIG or decode_config(group, query.element_size(), k_cache.element_size(),\n"
+     "                                         programs_per_sm)"),
     ("class TileConfig(NamedTuple):", "EXTRA = {}\nCONFIG = None\n\n\nclass TileConfig(NamedTuple):"),
 ]
 # fmt: on

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels import attention, reference, split_kv  # noqa: E402
+from tokenmill.kernels import attention, reference, sm_count, split_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -342,3 +342,21 @@ def test_reference_chunks_over_a_prefix_match_dense_attention(contiguous: bool, 
     got = reference.paged_attention(*batch)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.double(), dense_attention(batch), **tol)
+
+
+def test_fp8_cache_decode_of_many_requests_takes_the_small_tile_and_matches() -> None:
+    # Many short requests (at least _FP8_MANY_PROGRAMS programs per multiprocessor; the interpreter
+    # counts 8) read an FP8 cache in 64-key tiles of two warps; a few long ones in 128-key tiles.
+    seq_lens = [(37 * i) % 190 + 1 for i in range(20)]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, dtype=torch.bfloat16)
+    k8 = batch.k_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = batch.v_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    many = len(seq_lens) * 2 / sm_count(batch.query.device)
+    assert many >= attention._FP8_MANY_PROGRAMS
+    assert attention.decode_config(4, 2, 1, many) == attention.TileConfig(16, 64, 2, 3)
+    assert attention.decode_config(4, 2, 1, 1.0) == attention.TileConfig(16, 128, 4, 3)
+    assert attention.decode_config(4, 2, 2, many) == attention.TileConfig(16, 64, 4, 3)  # bf16 cache
+    dequantized = batch._replace(k_cache=k8.to(torch.bfloat16), v_cache=v8.to(torch.bfloat16))
+    got = attention.paged_attention(*fp8, max_query_len=1, max_seq_len=max(seq_lens))
+    torch.testing.assert_close(got, reference.paged_attention(*dequantized), **BF16_TOL)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import pdl
+from tokenmill.kernels import pdl, sm_count
 from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
@@ -236,15 +236,24 @@ def _paged_attention_kernel(
         tl.store(partial_lse + partial_row, lse, mask=row_ok)
 
 
-def decode_config(group: int, element_size: int, cache_element_size: int | None = None) -> TileConfig:
+# Programs per multiprocessor from which a decode launch over an FP8 cache takes small tiles of two warps.
+_FP8_MANY_PROGRAMS = 4
+
+
+def decode_config(
+    group: int, element_size: int, cache_element_size: int | None = None, programs_per_sm: float = 0.0
+) -> TileConfig:
     """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache reads
-    128 keys a tile, as many bytes as 64 bf16 keys (with 64, FP8 KV ran slower than bf16 at 32k, H200)."""
-    block_n = 64 if element_size <= 2 else 32
-    if cache_element_size == 1 and element_size <= 2:
-        block_n = 128
-    return TileConfig(
-        block_m=max(16, triton.next_power_of_2(group)), block_n=block_n, num_warps=4, num_stages=3
-    )
+    128 keys a tile, as many bytes as 64 bf16 keys (with 64, FP8 KV ran slower than bf16 at 32k, H200);
+    but a launch of many short programs (many requests, no KV splits: programs_per_sm of at least
+    _FP8_MANY_PROGRAMS) reads 64 keys a tile with two warps, the fastest at 256 x 544 and 128 x 1,024 on
+    an H200 (docs/performance.md: 122 against 141 us and 100 against 107 us a layer)."""
+    block_m = max(16, triton.next_power_of_2(group))
+    fp8_cache = cache_element_size == 1 and element_size <= 2
+    if fp8_cache and programs_per_sm >= _FP8_MANY_PROGRAMS:
+        return TileConfig(block_m=block_m, block_n=64, num_warps=2, num_stages=3)
+    block_n = 128 if fp8_cache else 64 if element_size <= 2 else 32
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
 
 
 def prefill_config(max_query_len: int, group: int, head_dim: int, element_size: int) -> TileConfig:
@@ -303,11 +312,12 @@ def paged_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     decode = max_query_len == 1
     if decode:
-        config = decode_config(group, query.element_size(), k_cache.element_size())
         block_q = 1
         if num_kv_splits is None:
             num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
         grid = (num_seqs, num_kv_heads, num_kv_splits)
+        programs_per_sm = num_seqs * num_kv_heads * num_kv_splits / sm_count(query.device)
+        config = decode_config(group, query.element_size(), k_cache.element_size(), programs_per_sm)
     else:
         config = prefill_config(max_query_len, group, head_dim, query.element_size())
         block_q = config.block_m // group
