@@ -345,9 +345,11 @@ def test_reference_chunks_over_a_prefix_match_dense_attention(contiguous: bool, 
 
 
 def test_fp8_cache_decode_of_many_requests_takes_the_small_tile_and_matches() -> None:
-    # Many short requests (at least _FP8_MANY_PROGRAMS programs per multiprocessor; the interpreter
-    # counts 8) read an FP8 cache in 64-key tiles of two warps; a few long ones in 128-key tiles.
-    seq_lens = [(37 * i) % 190 + 1 for i in range(20)]
+    # Many short requests (_FP8_MANY_PROGRAMS programs per multiprocessor: 16 requests of 2 KV heads in
+    # the interpreter, which counts 8; 264 on an H200) read an FP8 cache in 64-key tiles of two warps;
+    # a few long ones in 128-key tiles.
+    requests = attention._FP8_MANY_PROGRAMS * sm_count(DEVICE) // 2
+    seq_lens = [(37 * i) % 190 + 1 for i in range(requests)]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, dtype=torch.bfloat16)
     k8 = batch.k_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
     v8 = batch.v_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
