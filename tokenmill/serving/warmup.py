@@ -68,6 +68,9 @@ def warm_up(parts: EngineParts) -> None:
     for length in lengths:  # alone: the dense path
         run(tokens(length))
     run(*map(tokens, lengths), params=variants)  # together: varlen prefill, then a decode batch
+    # A full decode batch: launches of many programs take tiles of their own (an FP8 cache's decode
+    # attention, kernels/attention.py's decode_config), which eager steps would otherwise compile late.
+    run(*(tokens(3) for _ in range(min(scheduler.max_num_seqs, 512))))
     # Short prompts beside another request (the paged path, not the dense one): the paged kernel's tile
     # grows with the step's longest query, and serving meets every size class of it next to decodes.
     for length in (n for n in (2, 3, 4, 5, 8, 11, 16, 17, 40, 64, 65) if n <= longest):
