@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured host-loop kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 throughput-8b-fp8kv decode-kv32k attention-variants quant-gemm profile-quant pdl server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -94,6 +94,15 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # reads rival the weights': FP8 weights alone gave 1.07x).
     throughput-8b-fp8kv) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
                            --quantization fp8 --kv-cache-dtype fp8 --out "$out/throughput_llama_8b_fp8_kv.json" ;;
+    # bf16, FP8 weights, FP8 weights + FP8 KV on the nano-vllm workload in one stage (the ratios the
+    # issue asks for come from one call), then where a 256-request decode step goes in each.
+    throughput-8b-quant)
+      n=0; for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8"; do n=$((n+1))
+        timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 $q \
+          --out "$out/throughput_llama_8b_quant_$n.json" 2>&1 | grep output_tok_s | tail -1; done ;;
+    profile-b256) n=0; for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8"; do n=$((n+1))
+                    timeout 170 $py benchmarks/gpu/profile_decode.py --batch 256 --input-len 512 --output-len 64 \
+                      --decode-only $q --out "$out/profile_b256_$n.json" 2>&1 | grep -v Warning | head -12; done ;;
     # Batch-1 decode graphs with and without programmatic dependent launch and the dense one-row GEMV,
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
