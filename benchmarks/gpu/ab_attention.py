@@ -316,6 +316,11 @@ def main() -> int:
         ):  # fmt: skip
             label = f"{tuple(config) if config else ''}{extra or ''}"
             run(f"fp8_{label}_s1", variants, k8, v8, 1, extra, config)
+        # V transposed in the page: the P.V operand's pairs of keys are adjacent bytes, so its shared-
+        # memory reads are not byte by byte (sm_90 SASS of the 64-key, two-warp loop: 188 -> 45 LDS,
+        # 28.4 -> 19.0 warp instructions a key; benchmarks/sass_loop.py's way of counting).
+        for config in (tile(16, 64, 2, 3), tile(16, 128, 4, 3)):
+            run(f"fp8_v_t_{tuple(config)}_s1", variants, k8, v8_t, 1, {"V_T": True}, config)
     if "trans" in groups:
         for splits in (2, 4):
             run(f"fp8_trans_fp8mma_s{splits}", variants, k8, v8, splits, {"TRANS": True, "FP8MMA": True})
