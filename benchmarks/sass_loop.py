@@ -4,7 +4,8 @@ value, read before any device time is spent. A loop is the span from a backward 
 
     python benchmarks/sass_loop.py tokenmill.kernels.gemv:w8a16_gemv_kernel \\
         --sig x=*bf16,w=*fp8e4nv,w_scale=*fp32,out=*bf16,N=i32,K=i32,stride_wn=i32 \\
-        --const BLOCK_N=32,BLOCK_K=256,SPLIT_K=1,EVEN_K=1 --aligned x,w,w_scale,out,N,K,stride_wn \\
+        --const BLOCK_N=8,BLOCK_K=2048,SPLIT_K=1,EVEN_K=1,UNROLL=1,HAS_SCALE=1,VEC=16,PDL=0 \\
+        --aligned x,w,w_scale,out,N,K,stride_wn \\
         --num-warps 8 [--arch 90] [--dump kernel.sass]
 
 --aligned names the arguments Triton would find divisible by 16 at launch (pointers from torch, sizes
@@ -16,15 +17,21 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+# A cache of its own for each run: Triton's on-disk key for a kernel compiled this way does not tell
+# apart constexprs that only trade values (FLAG_A=1, FLAG_B=0 against FLAG_A=0, FLAG_B=1), and a run
+# would count another variant's SASS.
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sass_loop-")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 
 def _pairs(text: str) -> dict[str, str]:
