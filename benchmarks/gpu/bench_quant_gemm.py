@@ -46,6 +46,8 @@ from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     w4a16_skinny,
     w8a16_skinny,
 )
+from tokenmill.kernels.w4a16_mma import default_config as w4a16_mma_config  # noqa: E402
+from tokenmill.kernels.w4a16_mma import w4a16_mma  # noqa: E402
 
 SHAPES = {  # name: (N, K) of Llama-3.1-8B
     "qkv": (6144, 4096),
@@ -224,6 +226,18 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     config = list(default_config(rows, n, k, 4, DEVICE))
     result["w4a16_skinny"] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "config": config,
                               "rel_err": rel_err(got, want)}  # fmt: skip
+    # The tensor-core candidate (kernels/w4a16_mma.py, not yet in the engine) over a few tiles.
+    got = w4a16_mma(x, int4[0][0], int4[0][1], None, GROUP)
+    result["w4a16_mma"] = {"rel_err": rel_err(got, want), "tiles": {}}
+    for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        splits = min(16, k // 128, max(1, 264 // math.ceil(n / block_n)))
+        tile = w4a16_mma_config(rows, n, k)._replace(block_n=block_n, num_warps=warps, split_k=splits)
+        us = timed(
+            lambda c, cfg=tile: w4a16_mma(x, int4[c][0], int4[c][1], None, GROUP, config=cfg), int4_copies
+        )
+        result["w4a16_mma"]["tiles"][f"{block_n}x{warps}w_split{splits}"] = {
+            "us": us, "tb_per_s": int4_bytes / us / 1e6
+        }  # fmt: skip
     if "w4" in do_sweep:
         result["w4a16_skinny_sweep"] = sweep(
             lambda c, cfg: w4a16_skinny(x, int4[c][0], int4[c][1], None, GROUP, config=cfg),

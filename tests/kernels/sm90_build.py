@@ -20,7 +20,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels import activation, attention, gemv, kv_cache, norm, pdl, rotary, skinny_gemm, split_kv
+from tokenmill.kernels import (
+    activation,
+    attention,
+    gemv,
+    kv_cache,
+    norm,
+    pdl,
+    rotary,
+    skinny_gemm,
+    split_kv,
+    w4a16_mma,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 _TRITON_TYPES = {
@@ -144,6 +155,7 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             x = torch.empty(rows, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+            w4a16_mma.w4a16_mma(x, packed, scale, None, 128)  # with the inline PTX: no interpreter here
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
 
 
@@ -156,6 +168,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),
+        (w4a16_mma, "_w4a16_mma_kernel"),
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),

@@ -1,0 +1,61 @@
+"""kernels/w4a16_mma.py against the dequantize-then-matmul reference: awkward row and column counts,
+K splits, zero points or none, bf16 and fp16 (in the interpreter on a CPU: the nibbles by shifts; on a
+GPU: by the inline PTX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import quant_reference as ref
+from tokenmill.kernels.skinny_gemm import SkinnyConfig
+from tokenmill.kernels.w4a16_mma import default_config, supports, w4a16_mma
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make(n: int, k: int, group: int, zero_points: bool, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(dtype)
+    zero = torch.randint(-3, 4, (n, k // group), dtype=torch.int8, generator=gen) if zero_points else None
+    return [t.to(DEVICE) if t is not None else None for t in (ref.pack_int4(q), scale, zero)]
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,group,zero_points,split",
+    [
+        (1, 40, 256, 128, True, 1),
+        (3, 70, 512, 256, False, 2),
+        (16, 33, 384, 128, True, 3),
+        (1, 64, 1024, 128, False, 4),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_the_dequantized_matmul(rows, n, k, group, zero_points, split, dtype) -> None:
+    packed, scale, zero = make(n, k, group, zero_points, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    config = SkinnyConfig(block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=2)
+    got = w4a16_mma(x, packed, scale, zero, group, config=config)
+    want = ref.w4a16_gemm(x, packed, scale, zero, group)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bias_and_leading_dims_and_default_tiles() -> None:
+    packed, scale, zero = make(48, 512, 128, True, torch.bfloat16)
+    x = torch.randn(2, 1, 512).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(48).to(torch.bfloat16).to(DEVICE)
+    got = w4a16_mma(x, packed, scale, zero, 128, bias)
+    want = ref.w4a16_gemm(x, packed, scale, zero, 128, bias)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert default_config(1, 4096, 4096).split_k > 1  # 128 tiles of 32 rows: K splits fill the GPU
+
+
+def test_refuses_what_it_cannot_take() -> None:
+    packed, scale, zero = make(16, 256, 128, False, torch.bfloat16)
+    assert not supports(torch.empty(17, 256, dtype=torch.bfloat16), 128, 256)  # more than 16 rows
+    assert not supports(torch.empty(1, 256, dtype=torch.bfloat16), 64, 256)  # groups under 128 values
+    assert not supports(torch.empty(1, 256, dtype=torch.float32), 128, 256)
+    with pytest.raises(ValueError, match="w4a16_mma takes"):
+        w4a16_mma(torch.empty(1, 256, dtype=torch.float32, device=DEVICE), packed, scale, zero, 128)

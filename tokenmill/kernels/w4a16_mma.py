@@ -1,0 +1,214 @@
+"""A 4-bit weight GEMM for 1-16 rows of activations on tensor cores, dequantizing with two instructions
+per pair of values: the candidate for decode's INT4 linears, where the one-row kernel of
+kernels/gemv.py spends about 4.3 instructions a value (three ALU operations, each in fp32) and stays
+bound by them rather than by memory (docs/performance.md). Not yet called by the engine: it is
+measured first (`benchmarks/gpu/bench_quant_gemm.py`, case w4a16_mma).
+
+Layout as kernels/skinny_gemm.py's w4a16_skinny: int32 [N, K/8] words, value 8w + i in bits 4i..4i+3
+stored as q + 8, group scales [N, K/group], optional int8 zero points [N, K/group].
+
+One iteration covers one group's 128 values of BLOCK_N weight rows (16 words a row). On the GPU one
+LOP3 puts two nibbles of a word (i and i + 4: bits 4i and 4i + 16) into the mantissas of a pair of
+16-bit floats over the magic 128 (bf16) or 1024 (fp16), which is exact, and one packed subtraction
+takes the magic and the stored offset 8 away: q in x's dtype, two values for two instructions (and a
+shift for three pairs of four), no conversion. The pairs (i, i + 4) of every word form a
+[BLOCK_N, 32] plane, which meets the activations' values 8w + i and 8w + i + 4 in one tl.dot (16
+rows: the smallest tensor-core tile; rows past M are zero). The group's scale and zero
+point are applied to the fp32 sums once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The
+interpreter (no PTX) takes the nibbles with shifts and masks instead: the same values.
+The reference is kernels/quant_reference.py's w4a16_gemm.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
+from tokenmill.kernels import gemv, pdl
+from tokenmill.kernels.skinny_gemm import SkinnyConfig
+
+TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
+
+# (a & b) | c as LOP3's lookup table, and each dtype's magic pair and magic + 8 pair.
+_LUT = 0xEA
+_MAGIC = {"bf16": (0x43004300, 0x43084308, "bf16x2"), "fp16": (0x64006400, 0x64086408, "f16x2")}
+
+
+def _dequant_asm(kind: str) -> str:
+    """PTX: word $4 (again in $5, ignored) -> four registers of two 16-bit q each: $i holds nibbles i
+    and i + 4."""
+    magic, offset, suffix = _MAGIC[kind]
+    lines = ["{", ".reg .b32 w, c;", f"mov.b32 c, {offset:#x};"]
+    for i in range(4):
+        source = "$4" if i == 0 else "w"
+        if i:
+            lines.append(f"shr.b32 w, $4, {4 * i};")
+        lines.append(f"lop3.b32 ${i}, {source}, 0x000f000f, {magic:#x}, {_LUT:#x};")
+        lines.append(f"sub.rn.{suffix} ${i}, ${i}, c;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_ASM_BF16 = tl.constexpr(_dequant_asm("bf16"))
+_ASM_FP16 = tl.constexpr(_dequant_asm("fp16"))
+
+
+@triton.jit
+def _nibble(packed, i: tl.constexpr, DTYPE: tl.constexpr):
+    return (((packed >> (4 * i)) & 0xF).to(tl.float32) - 8.0).to(DTYPE)
+
+
+@triton.jit
+def _pair(packed, i: tl.constexpr, DTYPE: tl.constexpr):
+    return tl.join(_nibble(packed, i, DTYPE), _nibble(packed, i + 4, DTYPE))
+
+
+@triton.jit
+def _planes(packed, DTYPE: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
+    """Four planes [R, C, 2] of packed [R, C] int32 words: plane i holds nibbles i and i + 4 of each
+    word, as q = stored - 8 in DTYPE. The word goes in twice (pack=2), so that each call returns its
+    pairs in whole 32-bit registers, ready for the tensor cores without a byte shuffle."""
+    both = tl.join(packed, packed)
+    if ASM and BF16:
+        bf16 = tl.bfloat16
+        planes = tl.inline_asm_elementwise(
+            _ASM_BF16, "=r,=r,=r,=r,r,r", [both], dtype=(bf16, bf16, bf16, bf16), is_pure=True, pack=2
+        )
+    elif ASM:
+        fp16 = tl.float16
+        planes = tl.inline_asm_elementwise(
+            _ASM_FP16, "=r,=r,=r,=r,r,r", [both], dtype=(fp16, fp16, fp16, fp16), is_pure=True, pack=2
+        )
+    else:
+        planes = (
+            _pair(packed, 0, DTYPE), _pair(packed, 1, DTYPE),
+            _pair(packed, 2, DTYPE), _pair(packed, 3, DTYPE),
+        )  # fmt: skip
+    return planes
+
+
+@triton.jit
+def _w4a16_mma_kernel(
+    x,
+    w_packed,
+    scale,
+    zero,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    ASM: tl.constexpr,
+    BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.start(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rn_ld = rn % N  # rows past N read row N-1's copy and are not stored: no masks on the weight loads
+    rm = tl.arange(0, 16)
+    m_ok = rm < M
+    lo, hi = gemv.span(K // 8, pid_k, SPLIT_K, WORDS)
+    rw = tl.arange(0, WORDS)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for w0 in range(lo, hi, WORDS):
+        w0 = tl.multiple_of(w0, WORDS)
+        packed = tl.load(w_packed + rn_ld[:, None] * stride_wn + (w0 + rw)[None, :])
+        planes = _planes(packed, x.dtype.element_ty, ASM, BF16)
+        part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        x_sum = tl.zeros([16], dtype=tl.float32)
+        for i in tl.static_range(4):
+            # Plane i's values are 8w + i and 8w + i + 4 of each word w, in that order along K.
+            k = tl.reshape(tl.join((w0 + rw) * 8 + i, (w0 + rw) * 8 + i + 4), [2 * WORDS])
+            xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+            plane = tl.reshape(planes[i], [BLOCK_N, 2 * WORDS])
+            part = tl.dot(xi, tl.trans(plane), part)
+            if HAS_ZERO:
+                x_sum += tl.sum(xi.to(tl.float32), axis=1)
+        group = (w0 * 8) // GROUP
+        s = tl.load(scale + rn_ld * stride_sn + group).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(zero + rn_ld * stride_zn + group).to(tl.float32)
+            part -= x_sum[:, None] * z[None, :]
+        acc += part * s[None, :]
+    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+
+
+def default_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """Not yet swept on a GPU: 32 rows of weight per program, K split until there are about two programs
+    per multiprocessor on an H200 (132)."""
+    block_n = 32
+    tiles = triton.cdiv(n, block_n)
+    groups = k // TILE_K
+    split = 1
+    while tiles * split < 264 and split * 2 <= groups and split < 16:
+        split *= 2
+    return SkinnyConfig(block_n=block_n, block_k=TILE_K, split_k=split, num_warps=4, num_stages=3)
+
+
+def supports(x: torch.Tensor, group_size: int, in_features: int) -> bool:
+    """Whether w4a16_mma takes this call: 16-bit activations of at most 16 rows, groups of a multiple
+    of 128 values, and K a whole number of groups."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and rows <= MAX_ROWS
+        and group_size % TILE_K == 0
+        and in_features % group_size == 0
+    )
+
+
+def w4a16_mma(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16 or fp16, at most 16 rows) @ W^T -> [..., N] in x's dtype."""
+    k = x.shape[-1]
+    if not supports(x, group_size, k):
+        raise ValueError(
+            f"w4a16_mma takes bf16/fp16 activations of at most {MAX_ROWS} rows and groups of a multiple of "
+            f"{TILE_K} dividing K; got {x.dtype}, {x.numel() // max(k, 1)} rows, group {group_size}, K {k}"
+        )
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], w_packed.shape[0]
+    config = config or default_config(m, n, k)
+    if config.split_k > 1:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        zero_arg = zero if zero is not None else scale
+        _w4a16_mma_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+            x2, w_packed, scale, zero_arg, out, m, n, k, x2.stride(0), w_packed.stride(0), scale.stride(0),
+            zero.stride(0) if zero is not None else 0, out.stride(0),
+            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=config.block_n, WORDS=TILE_K // 8,
+            SPLIT_K=config.split_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            BF16=x.dtype == torch.bfloat16, num_warps=config.num_warps, num_stages=config.num_stages,
+            **pdl.launch_args(x2),
+        )  # fmt: skip
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
