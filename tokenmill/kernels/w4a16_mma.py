@@ -113,6 +113,7 @@ def _w4a16_mma_kernel(
     SPLIT_K: tl.constexpr,
     ASM: tl.constexpr,
     BF16: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
@@ -125,17 +126,22 @@ def _w4a16_mma_kernel(
     m_ok = rm < M
     lo, hi = gemv.span(K // 8, pid_k, SPLIT_K, WORDS)
     rw = tl.arange(0, WORDS)
+    w_rows = w_packed + rn_ld[:, None] * stride_wn + rw[None, :]
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for w0 in range(lo, hi, WORDS):
         w0 = tl.multiple_of(w0, WORDS)
-        packed = tl.load(w_packed + rn_ld[:, None] * stride_wn + (w0 + rw)[None, :])
+        packed = tl.load(w_rows + w0)
         planes = _planes(packed, x.dtype.element_ty, ASM, BF16)
         part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([16], dtype=tl.float32)
         for i in tl.static_range(4):
             # Plane i's values are 8w + i and 8w + i + 4 of each word w, in that order along K.
             k = tl.reshape(tl.join((w0 + rw) * 8 + i, (w0 + rw) * 8 + i + 4), [2 * WORDS])
-            xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+            if ONE_ROW:  # one load of the row; the other 15 rows of the tile are zeros
+                x_row = tl.load(x + k)
+                xi = tl.where(rm[:, None] == 0, x_row[None, :], tl.zeros_like(x_row)[None, :])
+            else:
+                xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
             plane = tl.reshape(planes[i], [BLOCK_N, 2 * WORDS])
             part = tl.dot(xi, tl.trans(plane), part)
             if HAS_ZERO:
@@ -205,7 +211,8 @@ def w4a16_mma(
             zero.stride(0) if zero is not None else 0, out.stride(0),
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=config.block_n, WORDS=TILE_K // 8,
             SPLIT_K=config.split_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
-            BF16=x.dtype == torch.bfloat16, num_warps=config.num_warps, num_stages=config.num_stages,
+            BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, num_warps=config.num_warps,
+            num_stages=config.num_stages,
             **pdl.launch_args(x2),
         )  # fmt: skip
     out = out.to(x.dtype)
