@@ -229,7 +229,7 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     # The tensor-core candidate (kernels/w4a16_mma.py, not yet in the engine) over a few tiles.
     got = w4a16_mma(x, int4[0][0], int4[0][1], None, GROUP)
     result["w4a16_mma"] = {"rel_err": rel_err(got, want), "tiles": {}}
-    for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+    for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8)):
         splits = min(16, k // 128, max(1, 264 // math.ceil(n / block_n)))
         tile = w4a16_mma_config(rows, n, k)._replace(block_n=block_n, num_warps=warps, split_k=splits)
         us = timed(
