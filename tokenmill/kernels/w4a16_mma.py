@@ -134,6 +134,7 @@ def _w4a16_mma_kernel(
         planes = _planes(packed, x.dtype.element_ty, ASM, BF16)
         part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([16], dtype=tl.float32)
+        x_part = tl.zeros([2 * WORDS], dtype=tl.float32)
         for i in tl.static_range(4):
             # Plane i's values are 8w + i and 8w + i + 4 of each word w, in that order along K.
             k = tl.reshape(tl.join((w0 + rw) * 8 + i, (w0 + rw) * 8 + i + 4), [2 * WORDS])
@@ -144,10 +145,14 @@ def _w4a16_mma_kernel(
                 xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
             plane = tl.reshape(planes[i], [BLOCK_N, 2 * WORDS])
             part = tl.dot(xi, tl.trans(plane), part)
-            if HAS_ZERO:
+            if HAS_ZERO and ONE_ROW:  # elementwise here, reduced once per group below
+                x_part += x_row.to(tl.float32)
+            elif HAS_ZERO:
                 x_sum += tl.sum(xi.to(tl.float32), axis=1)
         group = (w0 * 8) // GROUP
         s = tl.load(scale + rn_ld * stride_sn + group).to(tl.float32)
+        if HAS_ZERO and ONE_ROW:  # the row's sum, in the tile's row 0
+            x_sum = tl.where(rm == 0, tl.sum(x_part, axis=0), 0.0)
         if HAS_ZERO:
             z = tl.load(zero + rn_ld * stride_zn + group).to(tl.float32)
             part -= x_sum[:, None] * z[None, :]
