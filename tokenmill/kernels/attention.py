@@ -316,7 +316,8 @@ def paged_attention(
         if num_kv_splits is None:
             num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
         grid = (num_seqs, num_kv_heads, num_kv_splits)
-        programs_per_sm = num_seqs * num_kv_heads * num_kv_splits / sm_count(query.device)
+        # Split launches keep the long-context tiles (the small ones were measured without splits).
+        programs_per_sm = num_seqs * num_kv_heads / sm_count(query.device) if num_kv_splits == 1 else 0.0
         config = decode_config(group, query.element_size(), k_cache.element_size(), programs_per_sm)
     else:
         config = prefill_config(max_query_len, group, head_dim, query.element_size())
