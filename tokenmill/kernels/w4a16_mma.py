@@ -1,6 +1,6 @@
 """A 4-bit weight GEMM for 1-16 rows of activations on tensor cores, dequantizing with two instructions
 per pair of values: the candidate for decode's INT4 linears, where the one-row kernel of
-kernels/gemv.py spends about 4.3 instructions a value (three ALU operations, each in fp32) and stays
+kernels/gemv.py spends 4.3-4.7 instructions a value (three ALU operations, each in fp32) and stays
 bound by them rather than by memory (docs/performance.md). Not yet called by the engine: it is
 measured first (`benchmarks/gpu/bench_quant_gemm.py`, case w4a16_mma).
 
