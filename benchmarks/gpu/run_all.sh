@@ -102,7 +102,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
           --out "$out/throughput_llama_8b_quant_$n.json" 2>&1 | grep output_tok_s | tail -1; done ;;
     profile-b256) n=0; for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8"; do n=$((n+1))
                     timeout 170 $py benchmarks/gpu/profile_decode.py --batch 256 --input-len 512 --output-len 64 \
-                      --decode-only $q --out "$out/profile_b256_$n.json" 2>&1 | grep -v Warning | head -12; done ;;
+                      --decode-only --top 10 $q --out "$out/profile_b256_$n.json" 2>&1 | grep -v Warning | tail -12; done ;;
     # Batch-1 decode graphs with and without programmatic dependent launch and the dense one-row GEMV,
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
