@@ -77,9 +77,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \
-                     --output-len 128 --out "$out/profile_decode_8b_$q.json" | head -16; done
+                     --output-len 128 --top 14 --out "$out/profile_decode_8b_$q.json" | tail -16; done
                    for q in none fp8; do timeout 150 $py benchmarks/gpu/profile_decode.py --batch 128 --output-len 64 \
-                     $([ $q = fp8 ] && echo --quantization fp8) --out "$out/profile_decode_8b_b128_$q.json" | head -16
+                     $([ $q = fp8 ] && echo --quantization fp8) --top 14 --out "$out/profile_decode_8b_b128_$q.json" | tail -16
                    done ;;
     quant-gemm) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --sweep --budget-s 200 --out "$out/quant_gemm.json" \
                   2>&1 | tail -5 ;;
