@@ -230,12 +230,11 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     got = w4a16_mma(x, int4[0][0], int4[0][1], None, GROUP)
     result["w4a16_mma"] = {"rel_err": rel_err(got, want), "tiles": {}}
     for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8)):
-        splits = min(16, k // 128, max(1, 264 // math.ceil(n / block_n)))
-        tile = w4a16_mma_config(rows, n, k)._replace(block_n=block_n, num_warps=warps, split_k=splits)
+        tile = w4a16_mma_config(n, k, DEVICE, block_n, warps)
         us = timed(
             lambda c, cfg=tile: w4a16_mma(x, int4[c][0], int4[c][1], None, GROUP, config=cfg), int4_copies
         )
-        result["w4a16_mma"]["tiles"][f"{block_n}x{warps}w_split{splits}"] = {
+        result["w4a16_mma"]["tiles"][f"{block_n}x{warps}w_split{tile.split_k}"] = {
             "us": us, "tb_per_s": int4_bytes / us / 1e6
         }  # fmt: skip
     if "w4" in do_sweep:

@@ -174,13 +174,13 @@ def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> S
     return config._replace(split_k=k_splits(tiles, k, config.block_k, device, limit=8))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] as [rows, K] with unit stride along K."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def _launch(
+def launch_over_rows(
     x: torch.Tensor, m: int, n: int, config: SkinnyConfig, launch, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """Calls launch(out, grid) over the [n] outputs of m rows in config's tiles (out fp32 and zeroed when
@@ -212,7 +212,7 @@ def w4a16_skinny(
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype; group_size a multiple of 8."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     m, k = x2.shape
     n = w_packed.shape[0]
     if m > MAX_ROWS or group_size % 8:
@@ -245,7 +245,7 @@ def w4a16_skinny(
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
-    return _launch(x, m, n, config, launch, bias)
+    return launch_over_rows(x, m, n, config, launch, bias)
 
 
 def w8a16_skinny(
@@ -257,7 +257,7 @@ def w8a16_skinny(
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ (w_q * w_scale)^T -> [..., N] in x's dtype: w_q e4m3 [N, K],
     w_scale fp32 with one value per row ([N] or [N, 1])."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     m, k = x2.shape
     n = w_q.shape[0]
     if m > MAX_ROWS:
@@ -284,7 +284,7 @@ def w8a16_skinny(
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
-    return _launch(x, m, n, config, launch, bias)
+    return launch_over_rows(x, m, n, config, launch, bias)
 
 
 def dense_gemv(
@@ -293,7 +293,7 @@ def dense_gemv(
     """One row x [..., K] @ w^T for a dense 16-bit weight [N, K]: the FP8 one-row kernel without its scale.
     At batch-1 decode of the 8B shape it reads the weights faster than cuBLAS's GEMV (H200: the whole
     step 4.27 against 4.59 ms, docs/performance.md), and launches with PDL as cuBLAS cannot."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     m, k = x2.shape
     n = w.shape[0]
     if m != 1 or w.stride(1) != 1:
@@ -308,7 +308,7 @@ def dense_gemv(
             **pdl.launch_args(x2),
         )  # fmt: skip
 
-    return _launch(x, m, n, config, launch, bias)
+    return launch_over_rows(x, m, n, config, launch, bias)
 
 
 # Whether the one-row 4-bit kernel launches with PDL: off, since with it the INT4 8B step ran 1-6%

@@ -28,10 +28,12 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import gemv, pdl
-from tokenmill.kernels.skinny_gemm import SkinnyConfig
+from tokenmill.kernels import gemv, k_splits, pdl
+from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_rows
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
+# Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (a & b) | c as LOP3's lookup table, and each dtype's magic pair and magic + 8 pair.
 _LUT = 0xEA
@@ -160,17 +162,13 @@ def _w4a16_mma_kernel(
     gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
-def default_config(m: int, n: int, k: int) -> SkinnyConfig:
+def default_config(
+    n: int, k: int, device: torch.device, block_n: int = 128, num_warps: int = 4
+) -> SkinnyConfig:
     """Not yet swept on a GPU: 128 rows of weight per program (fewer rows pay more of the loop's fixed
-    instructions per value, counted in the sm_90 SASS), K split until there are about two programs per
-    multiprocessor on an H200 (132)."""
-    block_n = 128
-    tiles = triton.cdiv(n, block_n)
-    groups = k // TILE_K
-    split = 1
-    while tiles * split < 264 and split * 2 <= groups and split < 16:
-        split *= 2
-    return SkinnyConfig(block_n=block_n, block_k=TILE_K, split_k=split, num_warps=4, num_stages=3)
+    instructions per value, counted in the sm_90 SASS), K split as the other skinny GEMMs split it."""
+    split = k_splits(triton.cdiv(n, block_n), k, TILE_K, device, limit=16)
+    return SkinnyConfig(block_n=block_n, block_k=TILE_K, split_k=split, num_warps=num_warps, num_stages=3)
 
 
 def supports(x: torch.Tensor, group_size: int, in_features: int) -> bool:
@@ -201,27 +199,19 @@ def w4a16_mma(
             f"w4a16_mma takes bf16/fp16 activations of at most {MAX_ROWS} rows and groups of a multiple of "
             f"{TILE_K} dividing K; got {x.dtype}, {x.numel() // max(k, 1)} rows, group {group_size}, K {k}"
         )
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x)
     m, n = x2.shape[0], w_packed.shape[0]
-    config = config or default_config(m, n, k)
-    if config.split_k > 1:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        zero_arg = zero if zero is not None else scale
-        _w4a16_mma_kernel[(triton.cdiv(n, config.block_n), config.split_k)](
+    config = config or default_config(n, k, x.device)
+    zero_arg = zero if zero is not None else scale
+
+    def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
+        _w4a16_mma_kernel[grid](
             x2, w_packed, scale, zero_arg, out, m, n, k, x2.stride(0), w_packed.stride(0), scale.stride(0),
             zero.stride(0) if zero is not None else 0, out.stride(0),
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=config.block_n, WORDS=TILE_K // 8,
-            SPLIT_K=config.split_k, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            SPLIT_K=config.split_k, ASM=not _INTERPRETED,
             BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **pdl.launch_args(x2),
+            num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip
-    out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], n)
+
+    return launch_over_rows(x, m, n, config, launch, bias)
