@@ -14,6 +14,11 @@ time_us). Every case checks its output against the torch reference.
 --fp8-gemm instead times the W8A8 GEMMs at decode batches (--rows, e.g. 32,64,128,256,512): bf16 cuBLAS,
 torch._scaled_mm on quantized activations, the per-token quantization alone, and the Triton row-wise FP8
 GEMM (kernels/fp8_gemm.py) over its tile configs, the activations quantized beforehand as for cuBLAS.
+
+--int4-rows instead times the INT4 (W4A16, groups of 128) GEMMs at every batch size (--rows, e.g.
+1,2,4,8,16,32,64,128,256,2048): bf16 cuBLAS beside the INT4 linears' own dispatch (int4_gemm.w4a16_linear)
+and each kernel it can choose (one-row, tensor-core at 16/32/64 activation rows a program, tiled, the whole
+weight dequantized for cuBLAS, and that dequantization alone), so its row bounds are set by measurement.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_us  # noqa: E402
 
 from tokenmill.kernels import quant_reference  # noqa: E402
+from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
-from tokenmill.kernels.int4_gemm import w4a16_gemm  # noqa: E402
+from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig,
     default_config,
@@ -245,6 +251,49 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     return result
 
 
+def int4_rows_case(name: str, rows: int) -> dict:
+    """INT4 at `rows` activation rows: bf16 cuBLAS and every INT4 path (module docstring, --int4-rows)."""
+    n, k = SHAPES[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    bf16_bytes = n * k * 2
+    copies = max(1, math.ceil(POOL_BYTES / bf16_bytes))
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
+    us = timed(lambda c: F.linear(x, w[c]), copies)
+    result["bf16_cublas"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6}
+    w.clear()  # the bf16 copies' memory back before the INT4 ones
+    int4_bytes = n * k // 2 + n * (k // GROUP) * 2
+    int4_copies = max(1, math.ceil(POOL_BYTES / int4_bytes))
+    int4 = [
+        (torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=gen),
+         (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.01).to(torch.bfloat16))
+        for _ in range(int4_copies)
+    ]  # fmt: skip
+    want = quant_reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
+    paths = {"linear": w4a16_linear, "tiled": w4a16_gemm, "dequant_gemm": w4a16_dequant_gemm}
+    if rows <= 16:
+        paths["skinny"] = w4a16_skinny
+    # The tensor-core kernel past its engine bound too (the bound is what this measures).
+    w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        paths[f"mma_{block_n}x{warps}w"] = lambda *a, b=block_n, wp=warps: w4a16_mma(
+            *a, config=w4a16_mma_config(n, k, DEVICE, b, wp, m=rows)
+        )
+    for label, fn in paths.items():
+        try:
+            got = fn(x, int4[0][0], int4[0][1], None, GROUP)
+            us = timed(lambda c, fn=fn: fn(x, int4[c][0], int4[c][1], None, GROUP), int4_copies)
+            bf16_us = result["bf16_cublas"]["us"]
+            result[label] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "x_bf16": bf16_us / us,
+                             "rel_err": rel_err(got, want)}  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - a path that cannot take this shape
+            result[label] = {"error": f"{type(error).__name__}: {error}"}
+    us = timed(lambda c: dequantize(int4[c][0], int4[c][1], None, GROUP, k, torch.bfloat16), int4_copies)
+    result["dequantize_alone"] = {"us": us, "tb_per_s": (int4_bytes + bf16_bytes) / us / 1e6}
+    return result
+
+
 FP8_GEMM_CONFIGS = [
     Fp8GemmConfig(bm, bn, 128, warps, stages)
     for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4, 5)
@@ -342,6 +391,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"of {','.join(SHAPES)}")
     parser.add_argument("--fp8-gemm", action="store_true", help="the W8A8 GEMMs at decode batches")
+    parser.add_argument("--int4-rows", action="store_true", help="the INT4 GEMMs at every batch size")
     parser.add_argument("--budget-s", type=float, default=300, help="all the sweeps together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -354,7 +404,9 @@ def main() -> int:
     share = args.budget_s / max(1, len(shapes) * len(sweep_rows) * len(kernels))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     row_counts = [int(r) for r in args.rows.split(",")]
-    if args.fp8_gemm:
+    if args.int4_rows:
+        cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
+    elif args.fp8_gemm:
         budget = args.budget_s / len(row_counts) / len(shapes)
         cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]
     else:

@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured host-loop kernels ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -109,6 +109,17 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
     decode-int4) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
                    --out "$out/decode_8b_int4.json" ;;
+    # INT4 beside bf16 where batches are more than one row: the GEMMs at every batch size (which kernel
+    # the INT4 linears take there), decode steps at batch 16 and 64, and the nano-vllm workload.
+    int4-batches)
+      timeout 200 $py benchmarks/gpu/bench_quant_gemm.py --int4-rows --rows 1,2,16,32,64,128,256,2048 --shapes qkv,gate_up,down \
+        --out "$out/int4_rows.json" 2>&1 | grep -v Warning | tail -2
+      for b in 16 64; do for q in none int4; do
+        timeout 150 $bench decode --shape llama-3.1-8b --batch $b --max-num-seqs $b --repeats 2 --output-len 128 \
+          $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_b${b}_$q.json" 2>&1 | grep -i "ms/step\|step_ms" | tail -1
+      done; done
+      timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 --quantization int4 \
+        --out "$out/throughput_llama_8b_int4.json" 2>&1 | grep output_tok_s | tail -1 ;;
     decode-kv32k) for kv in auto fp8; do timeout 280 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 \
                     --output-len 64 --max-model-len 33024 --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv \
                     --out "$out/decode_8b_b16_32k_kv_$kv.json"; done ;;

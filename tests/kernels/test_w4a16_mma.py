@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.kernels import quant_reference as ref
 from tokenmill.kernels.skinny_gemm import SkinnyConfig
-from tokenmill.kernels.w4a16_mma import default_config, supports, w4a16_mma
+from tokenmill.kernels.w4a16_mma import block_rows, default_config, supports, w4a16_mma
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -29,6 +29,9 @@ def make(n: int, k: int, group: int, zero_points: bool, dtype: torch.dtype, seed
         (3, 70, 512, 256, False, 2),
         (16, 33, 384, 128, True, 3),
         (1, 64, 1024, 128, False, 4),
+        (17, 40, 256, 128, True, 2),  # 32 activation rows a program
+        (50, 33, 256, 128, False, 1),  # 64 a program, rows past M masked
+        (64, 48, 384, 128, True, 3),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -40,6 +43,12 @@ def test_matches_the_dequantized_matmul(rows, n, k, group, zero_points, split, d
     want = ref.w4a16_gemm(x, packed, scale, zero, group)
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_default_tiles_split_k_over_every_block_of_rows() -> None:
+    assert [block_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    one = default_config(4096, 4096, DEVICE, m=1).split_k
+    assert default_config(4096, 4096, DEVICE, m=64).split_k <= one  # four blocks of 16 rows' programs
 
 
 def test_bias_and_leading_dims_and_default_tiles() -> None:
@@ -54,7 +63,8 @@ def test_bias_and_leading_dims_and_default_tiles() -> None:
 
 def test_refuses_what_it_cannot_take() -> None:
     packed, scale, zero = make(16, 256, 128, False, torch.bfloat16)
-    assert not supports(torch.empty(17, 256, dtype=torch.bfloat16), 128, 256)  # more than 16 rows
+    assert supports(torch.empty(64, 256, dtype=torch.bfloat16), 128, 256)
+    assert not supports(torch.empty(65, 256, dtype=torch.bfloat16), 128, 256)  # more than MAX_ROWS rows
     assert not supports(torch.empty(1, 256, dtype=torch.bfloat16), 64, 256)  # groups under 128 values
     assert not supports(torch.empty(1, 256, dtype=torch.float32), 128, 256)
     with pytest.raises(ValueError, match="w4a16_mma takes"):

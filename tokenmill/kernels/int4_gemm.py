@@ -6,7 +6,14 @@ kernels/quant_reference.py's w4a16_gemm, of the same signature.
 
 The weight is dequantized in registers, tile by tile, and never written out: decode reads a quarter of
 the bf16 bytes. Small batches (decode) split K across programs so that a matrix with few output tiles
-still fills the GPU; the partial sums meet in an fp32 buffer through atomic adds.
+still fills the GPU; the partial sums meet in an fp32 buffer through atomic adds. The INT4 linears
+call it only where kernels/w4a16_mma.py cannot go (groups not a multiple of 128 values) below
+DEQUANT_ROWS rows.
+
+At DEQUANT_ROWS rows and more (prefill, large decode batches) `w4a16_dequant_gemm` writes the whole
+weight out in x's dtype (`dequantize`: half a byte read and two written per value) and hands it to
+cuBLAS: the GEMM's arithmetic then outweighs that pass, and cuBLAS's tiles beat any of these kernels
+there (docs/performance.md, `bench_quant_gemm.py --int4-rows`).
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import gemv, k_splits
+from tokenmill.kernels import gemv, k_splits, skinny_gemm, w4a16_mma
 
 PACK = 8
+DEQUANT_ROWS = 65  # from here on the weight is dequantized whole for cuBLAS
 
 
 @triton.jit
@@ -129,3 +137,94 @@ def w4a16_gemm(
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], n)
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_packed,
+    scale,
+    zero,
+    out,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_on,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    n_ok = rn < N
+    w_ok = rw < tl.cdiv(K, 8)
+    w_mask = n_ok[:, None] & w_ok[None, :]
+    packed = tl.load(w_packed + rn[:, None] * stride_wn + rw[None, :], mask=w_mask, other=0)
+    q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    q = tl.reshape(q, (BLOCK_N, BLOCK_W * 8)).to(tl.float32) - 8.0
+    rk = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    ok = n_ok[:, None] & (rk < K)[None, :]
+    group = rk // GROUP
+    s = tl.load(scale + rn[:, None] * stride_sn + group[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        q -= tl.load(zero + rn[:, None] * stride_zn + group[None, :], mask=ok, other=0).to(tl.float32)
+    tl.store(out + rn[:, None] * stride_on + rk[None, :], (q * s).to(out.dtype.element_ty), mask=ok)
+
+
+def dequantize(
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The [N, K] weight in `dtype` (quant_reference.dequantize_int4 in one Triton pass)."""
+    n = w_packed.shape[0]
+    out = torch.empty(n, in_features, dtype=dtype, device=w_packed.device)
+    block_n, block_w = 16, 32
+    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(in_features, PACK), block_w))
+    if n and in_features:
+        _dequantize_kernel[grid](
+            w_packed, scale, zero if zero is not None else scale, out, n, in_features, w_packed.stride(0),
+            scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
+            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def w4a16_dequant_gemm(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) through the whole weight dequantized into x's dtype, then cuBLAS."""
+    weight = dequantize(w_packed, scale, zero, group_size, x.shape[-1], x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The INT4 linears' GEMM on a GPU, by activation rows: one row, the one-row kernel
+    (skinny_gemm.w4a16_skinny); up to w4a16_mma.MAX_ROWS, the tensor-core kernel where the groups allow
+    it (else the skinny kernel up to its 16 rows, then the tiled one); from DEQUANT_ROWS on, the weight
+    dequantized whole for cuBLAS."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows >= DEQUANT_ROWS:
+        return w4a16_dequant_gemm(x, w_packed, scale, zero, group_size, bias)
+    if rows >= 2 and w4a16_mma.supports(x, group_size, x.shape[-1]):
+        return w4a16_mma.w4a16_mma(x, w_packed, scale, zero, group_size, bias)
+    if rows <= skinny_gemm.MAX_ROWS and group_size % PACK == 0:
+        return skinny_gemm.w4a16_skinny(x, w_packed, scale, zero, group_size, bias)
+    return w4a16_gemm(x, w_packed, scale, zero, group_size, bias)

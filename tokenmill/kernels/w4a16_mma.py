@@ -1,8 +1,8 @@
-"""A 4-bit weight GEMM for 1-16 rows of activations on tensor cores, dequantizing with two instructions
-per pair of values: the candidate for decode's INT4 linears, where the one-row kernel of
-kernels/gemv.py spends 4.3-4.7 instructions a value (three ALU operations, each in fp32) and stays
-bound by them rather than by memory (docs/performance.md). Not yet called by the engine: it is
-measured first (`benchmarks/gpu/bench_quant_gemm.py`, case w4a16_mma).
+"""A 4-bit weight GEMM on tensor cores for decode's batches of activations (2 to MAX_ROWS rows),
+dequantizing with two instructions per pair of values. The INT4 linears (layers/quantization/int4.py)
+call it between one row (kernels/skinny_gemm.py's w4a16_skinny, faster there) and the batches where
+dequantizing the whole weight for cuBLAS wins (kernels/int4_gemm.py); the measurements that set those
+bounds are in docs/performance.md (`benchmarks/gpu/bench_quant_gemm.py --int4-rows`).
 
 Layout as kernels/skinny_gemm.py's w4a16_skinny: int32 [N, K/8] words, value 8w + i in bits 4i..4i+3
 stored as q + 8, group scales [N, K/group], optional int8 zero points [N, K/group].
@@ -12,8 +12,9 @@ LOP3 puts two nibbles of a word (i and i + 4: bits 4i and 4i + 16) into the mant
 16-bit floats over the magic 128 (bf16) or 1024 (fp16), which is exact, and one packed subtraction
 takes the magic and the stored offset 8 away: q in x's dtype, two values for two instructions (and a
 shift for three pairs of four), no conversion. The pairs (i, i + 4) of every word form a
-[BLOCK_N, 32] plane, which meets the activations' values 8w + i and 8w + i + 4 in one tl.dot (16
-rows: the smallest tensor-core tile; rows past M are zero). The group's scale and zero
+[BLOCK_N, 32] plane, which meets the activations' values 8w + i and 8w + i + 4 in one
+tl.dot (BLOCK_M rows of activations a program, 16 the smallest tensor-core tile; rows past M are
+zero). The group's scale and zero
 point are applied to the fp32 sums once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The
 interpreter (no PTX) takes the nibbles with shifts and masks instead: the same values.
 The reference is kernels/quant_reference.py's w4a16_gemm.
@@ -27,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
 from tokenmill.kernels import gemv, k_splits, pdl
 from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_rows
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
+MAX_ROWS = 64  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
 # Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -110,6 +111,7 @@ def _w4a16_mma_kernel(
     stride_om,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -124,23 +126,23 @@ def _w4a16_mma_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rn_ld = rn % N  # rows past N read row N-1's copy and are not stored: no masks on the weight loads
-    rm = tl.arange(0, 16)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     lo, hi = gemv.span(K // 8, pid_k, SPLIT_K, WORDS)
     rw = tl.arange(0, WORDS)
     w_rows = w_packed + rn_ld[:, None] * stride_wn + rw[None, :]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for w0 in range(lo, hi, WORDS):
         w0 = tl.multiple_of(w0, WORDS)
         packed = tl.load(w_rows + w0)
         planes = _planes(packed, x.dtype.element_ty, ASM, BF16)
-        part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        x_sum = tl.zeros([16], dtype=tl.float32)
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         x_part = tl.zeros([2 * WORDS], dtype=tl.float32)
         for i in tl.static_range(4):
             # Plane i's values are 8w + i and 8w + i + 4 of each word w, in that order along K.
             k = tl.reshape(tl.join((w0 + rw) * 8 + i, (w0 + rw) * 8 + i + 4), [2 * WORDS])
-            if ONE_ROW:  # one load of the row; the other 15 rows of the tile are zeros
+            if ONE_ROW:  # one load of the row; the tile's other rows are zeros
                 x_row = tl.load(x + k)
                 xi = tl.where(rm[:, None] == 0, x_row[None, :], tl.zeros_like(x_row)[None, :])
             else:
@@ -162,18 +164,25 @@ def _w4a16_mma_kernel(
     gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
+def block_rows(m: int) -> int:
+    """Activation rows a program takes: the fewest tensor-core rows that cover m, up to 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def default_config(
-    n: int, k: int, device: torch.device, block_n: int = 128, num_warps: int = 4
+    n: int, k: int, device: torch.device, block_n: int = 128, num_warps: int = 4, m: int = 1
 ) -> SkinnyConfig:
-    """Not yet swept on a GPU: 128 rows of weight per program (fewer rows pay more of the loop's fixed
-    instructions per value, counted in the sm_90 SASS), K split as the other skinny GEMMs split it."""
-    split = k_splits(triton.cdiv(n, block_n), k, TILE_K, device, limit=16)
+    """128 rows of weight per program (fewer rows pay more of the loop's fixed instructions per value,
+    counted in the sm_90 SASS; 128 x 4 warps won the H200 timings at 1 and 16 rows), K split as the
+    other skinny GEMMs split it, over the programs of every block of activation rows."""
+    programs = triton.cdiv(n, block_n) * triton.cdiv(max(m, 1), block_rows(m))
+    split = k_splits(programs, k, TILE_K, device, limit=16)
     return SkinnyConfig(block_n=block_n, block_k=TILE_K, split_k=split, num_warps=num_warps, num_stages=3)
 
 
 def supports(x: torch.Tensor, group_size: int, in_features: int) -> bool:
-    """Whether w4a16_mma takes this call: 16-bit activations of at most 16 rows, groups of a multiple
-    of 128 values, and K a whole number of groups."""
+    """Whether w4a16_mma takes this call: 16-bit activations of at most MAX_ROWS rows, groups of a
+    multiple of 128 values, and K a whole number of groups."""
     rows = x.numel() // max(x.shape[-1], 1)
     return (
         x.dtype in (torch.bfloat16, torch.float16)
@@ -192,7 +201,7 @@ def w4a16_mma(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16 or fp16, at most 16 rows) @ W^T -> [..., N] in x's dtype."""
+    """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype."""
     k = x.shape[-1]
     if not supports(x, group_size, k):
         raise ValueError(
@@ -201,14 +210,16 @@ def w4a16_mma(
         )
     x2 = as_rows(x)
     m, n = x2.shape[0], w_packed.shape[0]
-    config = config or default_config(n, k, x.device)
+    config = config or default_config(n, k, x.device, m=m)
     zero_arg = zero if zero is not None else scale
+    block_m = block_rows(m)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
-        _w4a16_mma_kernel[grid](
+        _w4a16_mma_kernel[(*grid, triton.cdiv(m, block_m))](
             x2, w_packed, scale, zero_arg, out, m, n, k, x2.stride(0), w_packed.stride(0), scale.stride(0),
             zero.stride(0) if zero is not None else 0, out.stride(0),
-            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=config.block_n, WORDS=TILE_K // 8,
+            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            WORDS=TILE_K // 8,
             SPLIT_K=config.split_k, ASM=not _INTERPRETED,
             BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.kernels import skinny_kernel, triton_kernel
+from tokenmill.kernels import triton_kernel
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
@@ -96,11 +96,9 @@ def int4_matmul(
     group_size: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x W^T (+ bias) for W in this module's layout: on CUDA the skinny Triton W4A16 GEMM for decode-sized
-    batches and the tiled one above them, else their reference."""
-    gemm = skinny_kernel(x, "w4a16_skinny") if group_size % PACK == 0 else None
-    if gemm is None and x.is_cuda:
-        gemm = triton_kernel("int4_gemm", "w4a16_gemm")
+    """x W^T (+ bias) for W in this module's layout: on CUDA kernels/int4_gemm.py's w4a16_linear (the
+    kernel chosen by the batch's rows), elsewhere the reference."""
+    gemm = triton_kernel("int4_gemm", "w4a16_linear") if x.is_cuda else None
     return (gemm or w4a16_gemm)(x, packed, scale, zero, group_size, bias)
 
 
