@@ -276,9 +276,10 @@ def int4_rows_case(name: str, rows: int) -> dict:
         paths["skinny"] = w4a16_skinny
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
-    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
-        paths[f"mma_{block_n}x{warps}w"] = lambda *a, b=block_n, wp=warps: w4a16_mma(
-            *a, config=w4a16_mma_config(n, k, DEVICE, b, wp, m=rows)
+    for block_n, warps, natural in ((128, 4, False), (64, 4, True), (128, 4, True), (128, 8, True)):
+        label = f"{'nat' if natural else 'mma'}_{block_n}x{warps}w"
+        paths[label] = lambda *a, b=block_n, wp=warps, nat=natural: w4a16_mma(
+            *a, config=w4a16_mma_config(n, k, DEVICE, b, wp, m=rows), natural=nat
         )
     for label, fn in paths.items():
         try:

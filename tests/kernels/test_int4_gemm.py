@@ -85,10 +85,9 @@ def test_dequant_gemm_with_bias_and_leading_dims() -> None:
     [
         (1, 128, "w4a16_skinny"),
         (2, 128, "w4a16_mma"),
-        (40, 128, "w4a16_mma"),
+        (int4_gemm.MMA_ROWS, 128, "w4a16_mma"),
         (int4_gemm.DEQUANT_ROWS, 128, "w4a16_dequant_gemm"),
         (3, 64, "w4a16_skinny"),  # groups under 128 values: not the tensor-core kernel
-        (40, 64, "w4a16_gemm"),
         (int4_gemm.DEQUANT_ROWS + 7, 64, "w4a16_dequant_gemm"),
     ],
 )
@@ -109,3 +108,13 @@ def test_linear_takes_the_kernel_for_its_rows(monkeypatch, rows, group, kernel) 
     assert taken == [kernel]
     want = x.double() @ dequantize_int4(packed, scale, zero, group, 256, torch.float64).t()
     torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_fp32_activations_past_the_skinny_rows_take_the_tiled_kernel(monkeypatch) -> None:
+    taken = []
+    real = int4_gemm.w4a16_gemm
+    monkeypatch.setattr(int4_gemm, "w4a16_gemm", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    packed, scale, zero = make_weight(20, 256, 128, False, seed=5)
+    x = torch.randn(int4_gemm.DEQUANT_ROWS, 256).to(DEVICE)
+    w4a16_linear(x, packed, scale, zero, 128)
+    assert taken == [1]

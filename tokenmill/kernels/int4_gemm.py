@@ -25,7 +25,8 @@ import triton.language as tl
 from tokenmill.kernels import gemv, k_splits, skinny_gemm, w4a16_mma
 
 PACK = 8
-DEQUANT_ROWS = 65  # from here on the weight is dequantized whole for cuBLAS
+MMA_ROWS = 16  # activation rows up to which w4a16_mma runs (2 and up): it loses to the next path above
+DEQUANT_ROWS = 17  # from here on the weight is dequantized whole for cuBLAS (16-bit activations)
 
 
 @triton.jit
@@ -154,22 +155,31 @@ def _dequantize_kernel(
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    WORDS: tl.constexpr,
+    ASM: tl.constexpr,
+    BF16: tl.constexpr,
 ):
+    """BLOCK_N rows x 8 WORDS values of the weight: w4a16_mma's two-instruction nibble pairs, put back in
+    K's order, then (q - zero) * scale."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rw = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
     n_ok = rn < N
-    w_ok = rw < tl.cdiv(K, 8)
-    w_mask = n_ok[:, None] & w_ok[None, :]
+    w_mask = n_ok[:, None] & (rw < tl.cdiv(K, 8))[None, :]
     packed = tl.load(w_packed + rn[:, None] * stride_wn + rw[None, :], mask=w_mask, other=0)
-    q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    q = tl.reshape(q, (BLOCK_N, BLOCK_W * 8)).to(tl.float32) - 8.0
-    rk = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    planes = w4a16_mma._planes(packed, out.dtype.element_ty, ASM, BF16)
+    q = w4a16_mma.natural_order(planes, BLOCK_N, WORDS).to(tl.float32)
+    rk = tl.program_id(1) * WORDS * 8 + tl.arange(0, WORDS * 8)
     ok = n_ok[:, None] & (rk < K)[None, :]
-    group = rk // GROUP
-    s = tl.load(scale + rn[:, None] * stride_sn + group[None, :], mask=ok, other=0.0).to(tl.float32)
-    if HAS_ZERO:
-        q -= tl.load(zero + rn[:, None] * stride_zn + group[None, :], mask=ok, other=0).to(tl.float32)
+    if GROUP % (WORDS * 8) == 0:  # one group across the tile: one scale (and zero) a row
+        group = (tl.program_id(1) * WORDS * 8) // GROUP
+        s = tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_ZERO:
+            q -= tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)[:, None]
+    else:
+        groups = rk // GROUP
+        s = tl.load(scale + rn[:, None] * stride_sn + groups[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            q -= tl.load(zero + rn[:, None] * stride_zn + groups[None, :], mask=ok, other=0).to(tl.float32)
     tl.store(out + rn[:, None] * stride_on + rk[None, :], (q * s).to(out.dtype.element_ty), mask=ok)
 
 
@@ -184,13 +194,16 @@ def dequantize(
     """The [N, K] weight in `dtype` (quant_reference.dequantize_int4 in one Triton pass)."""
     n = w_packed.shape[0]
     out = torch.empty(n, in_features, dtype=dtype, device=w_packed.device)
-    block_n, block_w = 16, 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(in_features, PACK), block_w))
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"int4_gemm.dequantize writes bf16 or fp16, not {dtype}")
+    block_n, words = 32, 16
+    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(in_features, PACK), words))
     if n and in_features:
         _dequantize_kernel[grid](
             w_packed, scale, zero if zero is not None else scale, out, n, in_features, w_packed.stride(0),
             scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
-            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,
+            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=block_n, WORDS=words,
+            ASM=not w4a16_mma._INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -217,13 +230,13 @@ def w4a16_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The INT4 linears' GEMM on a GPU, by activation rows: one row, the one-row kernel
-    (skinny_gemm.w4a16_skinny); up to w4a16_mma.MAX_ROWS, the tensor-core kernel where the groups allow
-    it (else the skinny kernel up to its 16 rows, then the tiled one); from DEQUANT_ROWS on, the weight
-    dequantized whole for cuBLAS."""
+    (skinny_gemm.w4a16_skinny); 2 to MMA_ROWS, the tensor-core kernel where the groups allow it (else
+    the skinny kernel); from DEQUANT_ROWS on, the weight dequantized whole for cuBLAS; the tiled kernel
+    for what is left (fp32 activations)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows >= DEQUANT_ROWS:
+    if rows >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return w4a16_dequant_gemm(x, w_packed, scale, zero, group_size, bias)
-    if rows >= 2 and w4a16_mma.supports(x, group_size, x.shape[-1]):
+    if 2 <= rows <= MMA_ROWS and w4a16_mma.supports(x, group_size, x.shape[-1]):
         return w4a16_mma.w4a16_mma(x, w_packed, scale, zero, group_size, bias)
     if rows <= skinny_gemm.MAX_ROWS and group_size % PACK == 0:
         return skinny_gemm.w4a16_skinny(x, w_packed, scale, zero, group_size, bias)

@@ -95,6 +95,15 @@ def _planes(packed, DTYPE: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def natural_order(planes, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """_planes' four planes [R, W, 2] -> [R, 8W] in K's order: plane i's pair j is value 8w + 4j + i,
+    so joining (0, 2) and (1, 3), then those two, lays the last three dims out as (j, i // 2, i % 2)."""
+    low = tl.join(planes[0], planes[2])
+    high = tl.join(planes[1], planes[3])
+    return tl.reshape(tl.join(low, high), [ROWS, 8 * WORDS])
+
+
+@triton.jit
 def _w4a16_mma_kernel(
     x,
     w_packed,
@@ -118,6 +127,7 @@ def _w4a16_mma_kernel(
     ASM: tl.constexpr,
     BF16: tl.constexpr,
     ONE_ROW: tl.constexpr,
+    NATURAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
@@ -139,7 +149,17 @@ def _w4a16_mma_kernel(
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         x_part = tl.zeros([2 * WORDS], dtype=tl.float32)
-        for i in tl.static_range(4):
+        if NATURAL:  # the four planes put back in K's order: one dot over the group, x read as it lies
+            k = w0 * 8 + tl.arange(0, 8 * WORDS)
+            if ONE_ROW:
+                x_row = tl.load(x + k)
+                xi = tl.where(rm[:, None] == 0, x_row[None, :], tl.zeros_like(x_row)[None, :])
+            else:
+                xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+            part = tl.dot(xi, tl.trans(natural_order(planes, BLOCK_N, WORDS)), part)
+            if HAS_ZERO:
+                x_sum = tl.sum(xi.to(tl.float32), axis=1)
+        for i in tl.static_range(4 * (1 - NATURAL)):
             # Plane i's values are 8w + i and 8w + i + 4 of each word w, in that order along K.
             k = tl.reshape(tl.join((w0 + rw) * 8 + i, (w0 + rw) * 8 + i + 4), [2 * WORDS])
             if ONE_ROW:  # one load of the row; the tile's other rows are zeros
@@ -155,7 +175,7 @@ def _w4a16_mma_kernel(
                 x_sum += tl.sum(xi.to(tl.float32), axis=1)
         group = (w0 * 8) // GROUP
         s = tl.load(scale + rn_ld * stride_sn + group).to(tl.float32)
-        if HAS_ZERO and ONE_ROW:  # the row's sum, in the tile's row 0
+        if HAS_ZERO and ONE_ROW and not NATURAL:  # the row's sum, in the tile's row 0
             x_sum = tl.where(rm == 0, tl.sum(x_part, axis=0), 0.0)
         if HAS_ZERO:
             z = tl.load(zero + rn_ld * stride_zn + group).to(tl.float32)
@@ -200,8 +220,10 @@ def w4a16_mma(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    natural: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype."""
+    """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype. natural: the
+    dequantized planes put back in K's order for one dot a group (else one dot a plane, x gathered)."""
     k = x.shape[-1]
     if not supports(x, group_size, k):
         raise ValueError(
@@ -221,7 +243,7 @@ def w4a16_mma(
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
             WORDS=TILE_K // 8,
             SPLIT_K=config.split_k, ASM=not _INTERPRETED,
-            BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, num_warps=config.num_warps,
+            BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, NATURAL=natural, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip
 
