@@ -276,10 +276,12 @@ def int4_rows_case(name: str, rows: int) -> dict:
         paths["skinny"] = w4a16_skinny
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
-    for block_n, warps, natural in ((128, 4, False), (64, 4, True), (128, 4, True), (128, 8, True)):
-        label = f"{'nat' if natural else 'mma'}_{block_n}x{warps}w"
-        paths[label] = lambda *a, b=block_n, wp=warps, nat=natural: w4a16_mma(
-            *a, config=w4a16_mma_config(n, k, DEVICE, b, wp, m=rows), natural=nat
+    variants = [(128, 4, False, False), (64, 4, True, False), (128, 4, True, False), (128, 8, True, False),
+                (64, 4, True, True), (128, 4, True, True)]  # fmt: skip
+    for block_n, warps, natural, swap in variants:
+        label = f"{'nat' if natural else 'mma'}_{block_n}x{warps}w{'_swap' if swap else ''}"
+        paths[label] = lambda *a, b=block_n, wp=warps, nat=natural, sw=swap: w4a16_mma(
+            *a, config=w4a16_mma_config(n, k, DEVICE, b, wp, m=rows), natural=nat, swap=sw
         )
     for label, fn in paths.items():
         try:

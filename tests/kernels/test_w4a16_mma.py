@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.kernels import quant_reference as ref
 from tokenmill.kernels.skinny_gemm import SkinnyConfig
-from tokenmill.kernels.w4a16_mma import block_rows, default_config, supports, w4a16_mma
+from tokenmill.kernels.w4a16_mma import MAX_ROWS, block_rows, default_config, supports, w4a16_mma
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -32,15 +32,16 @@ def make(n: int, k: int, group: int, zero_points: bool, dtype: torch.dtype, seed
         (17, 40, 256, 128, True, 2),  # 32 activation rows a program
         (50, 33, 256, 128, False, 1),  # 64 a program, rows past M masked
         (64, 48, 384, 128, True, 3),
+        (100, 40, 256, 128, True, 2),  # two blocks of 64 activation rows
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("natural", [False, True])
-def test_matches_the_dequantized_matmul(rows, n, k, group, zero_points, split, dtype, natural) -> None:
+@pytest.mark.parametrize(("natural", "swap"), [(False, False), (True, False), (True, True)])
+def test_matches_the_dequantized_matmul(rows, n, k, group, zero_points, split, dtype, natural, swap) -> None:
     packed, scale, zero = make(n, k, group, zero_points, dtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     config = SkinnyConfig(block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=2)
-    got = w4a16_mma(x, packed, scale, zero, group, config=config, natural=natural)
+    got = w4a16_mma(x, packed, scale, zero, group, config=config, natural=natural, swap=swap)
     want = ref.w4a16_gemm(x, packed, scale, zero, group)
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -64,8 +65,8 @@ def test_bias_and_leading_dims_and_default_tiles() -> None:
 
 def test_refuses_what_it_cannot_take() -> None:
     packed, scale, zero = make(16, 256, 128, False, torch.bfloat16)
-    assert supports(torch.empty(64, 256, dtype=torch.bfloat16), 128, 256)
-    assert not supports(torch.empty(65, 256, dtype=torch.bfloat16), 128, 256)  # more than MAX_ROWS rows
+    assert supports(torch.empty(MAX_ROWS, 256, dtype=torch.bfloat16), 128, 256)
+    assert not supports(torch.empty(MAX_ROWS + 1, 256, dtype=torch.bfloat16), 128, 256)
     assert not supports(torch.empty(1, 256, dtype=torch.bfloat16), 64, 256)  # groups under 128 values
     assert not supports(torch.empty(1, 256, dtype=torch.float32), 128, 256)
     with pytest.raises(ValueError, match="w4a16_mma takes"):

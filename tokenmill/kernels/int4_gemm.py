@@ -25,8 +25,8 @@ import triton.language as tl
 from tokenmill.kernels import gemv, k_splits, skinny_gemm, w4a16_mma
 
 PACK = 8
-MMA_ROWS = 16  # activation rows up to which w4a16_mma runs (2 and up): it loses to the next path above
-DEQUANT_ROWS = 17  # from here on the weight is dequantized whole for cuBLAS (16-bit activations)
+MMA_ROWS = w4a16_mma.MAX_ROWS  # activation rows up to which w4a16_mma runs (from 2)
+DEQUANT_ROWS = MMA_ROWS + 1  # from here on the weight is dequantized whole for cuBLAS (16-bit activations)
 
 
 @triton.jit

@@ -12,11 +12,13 @@ LOP3 puts two nibbles of a word (i and i + 4: bits 4i and 4i + 16) into the mant
 16-bit floats over the magic 128 (bf16) or 1024 (fp16), which is exact, and one packed subtraction
 takes the magic and the stored offset 8 away: q in x's dtype, two values for two instructions (and a
 shift for three pairs of four), no conversion. The pairs (i, i + 4) of every word form a
-[BLOCK_N, 32] plane, which meets the activations' values 8w + i and 8w + i + 4 in one
-tl.dot (BLOCK_M rows of activations a program, 16 the smallest tensor-core tile; rows past M are
-zero). The group's scale and zero
-point are applied to the fp32 sums once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The
-interpreter (no PTX) takes the nibbles with shifts and masks instead: the same values.
+[BLOCK_N, 32] plane. Up to PLANE_ROWS activation rows each plane meets the activations' values 8w + i
+and 8w + i + 4 in a tl.dot of its own (x gathered); above them the four planes are joined back into K's
+order (natural_order: register moves only) for one tl.dot over the group with x read as it lies, which
+measured faster from 16 rows on. BLOCK_M rows of activations a program (16, the smallest tensor-core
+tile, to 64; rows past M are zero). The group's scale and zero point are applied to the fp32 sums
+once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The interpreter (no PTX) takes the
+nibbles with shifts and masks instead: the same values.
 The reference is kernels/quant_reference.py's w4a16_gemm.
 """
 
@@ -32,7 +34,8 @@ from tokenmill.kernels import gemv, k_splits, pdl
 from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_rows
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
-MAX_ROWS = 64  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
+MAX_ROWS = 128  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
+PLANE_ROWS = 4  # up to these rows one dot a plane (x gathered) is faster; above them the natural order
 # Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -128,6 +131,7 @@ def _w4a16_mma_kernel(
     BF16: tl.constexpr,
     ONE_ROW: tl.constexpr,
     NATURAL: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
@@ -156,7 +160,11 @@ def _w4a16_mma_kernel(
                 xi = tl.where(rm[:, None] == 0, x_row[None, :], tl.zeros_like(x_row)[None, :])
             else:
                 xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
-            part = tl.dot(xi, tl.trans(natural_order(planes, BLOCK_N, WORDS)), part)
+            tile = natural_order(planes, BLOCK_N, WORDS)
+            if SWAP:  # the weight as the MMA's A operand, which may stay in registers: out^T = W x^T
+                part = tl.trans(tl.dot(tile, tl.trans(xi)))
+            else:
+                part = tl.dot(xi, tl.trans(tile), part)
             if HAS_ZERO:
                 x_sum = tl.sum(xi.to(tl.float32), axis=1)
         for i in tl.static_range(4 * (1 - NATURAL)):
@@ -185,16 +193,19 @@ def _w4a16_mma_kernel(
 
 
 def block_rows(m: int) -> int:
-    """Activation rows a program takes: the fewest tensor-core rows that cover m, up to 64."""
+    """Activation rows a program takes: the fewest tensor-core rows that cover m, up to 64 (larger
+    batches take several blocks)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def default_config(
-    n: int, k: int, device: torch.device, block_n: int = 128, num_warps: int = 4, m: int = 1
+    n: int, k: int, device: torch.device, block_n: int | None = None, num_warps: int = 4, m: int = 1
 ) -> SkinnyConfig:
-    """128 rows of weight per program (fewer rows pay more of the loop's fixed instructions per value,
-    counted in the sm_90 SASS; 128 x 4 warps won the H200 timings at 1 and 16 rows), K split as the
-    other skinny GEMMs split it, over the programs of every block of activation rows."""
+    """Four warps and, by the H200 timings of Llama-3.1-8B's linears (docs/performance.md), 128 weight
+    rows a program at up to PLANE_ROWS and past 64 activation rows, 64 between; K split as the other
+    skinny GEMMs split it, over the programs of every block of activation rows."""
+    if block_n is None:
+        block_n = 128 if m <= PLANE_ROWS or m > 64 else 64
     programs = triton.cdiv(n, block_n) * triton.cdiv(max(m, 1), block_rows(m))
     split = k_splits(programs, k, TILE_K, device, limit=16)
     return SkinnyConfig(block_n=block_n, block_k=TILE_K, split_k=split, num_warps=num_warps, num_stages=3)
@@ -220,10 +231,13 @@ def w4a16_mma(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
-    natural: bool = False,
+    natural: bool | None = None,
+    swap: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype. natural: the
-    dequantized planes put back in K's order for one dot a group (else one dot a plane, x gathered)."""
+    dequantized planes put back in K's order for one dot a group, else one dot a plane with x gathered
+    (by default, above PLANE_ROWS rows). swap (natural order only, a candidate being measured): the
+    weight as the MMA's first operand."""
     k = x.shape[-1]
     if not supports(x, group_size, k):
         raise ValueError(
@@ -235,6 +249,7 @@ def w4a16_mma(
     config = config or default_config(n, k, x.device, m=m)
     zero_arg = zero if zero is not None else scale
     block_m = block_rows(m)
+    natural = m > PLANE_ROWS if natural is None else natural
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         _w4a16_mma_kernel[(*grid, triton.cdiv(m, block_m))](
@@ -243,7 +258,8 @@ def w4a16_mma(
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
             WORDS=TILE_K // 8,
             SPLIT_K=config.split_k, ASM=not _INTERPRETED,
-            BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, NATURAL=natural, num_warps=config.num_warps,
+            BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, NATURAL=natural,
+            SWAP=swap and natural, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip
 
