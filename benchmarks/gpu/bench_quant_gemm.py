@@ -271,17 +271,19 @@ def int4_rows_case(name: str, rows: int) -> dict:
         for _ in range(int4_copies)
     ]  # fmt: skip
     want = quant_reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
-    paths = {"linear": w4a16_linear, "tiled": w4a16_gemm, "dequant_gemm": w4a16_dequant_gemm}
-    if rows <= 16:
+    paths = {"linear": w4a16_linear, "dequant_gemm": w4a16_dequant_gemm}
+    if rows <= 16:  # (the tiled kernel, which the engine ran past 16 rows until 2026-12-03, was 7-18x bf16)
         paths["skinny"] = w4a16_skinny
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
-    variants = [(128, 4, False, False), (64, 4, True, False), (128, 4, True, False), (128, 8, True, False),
-                (64, 4, True, True), (128, 4, True, True)]  # fmt: skip
-    for block_n, warps, natural, swap in variants:
-        label = f"{'nat' if natural else 'mma'}_{block_n}x{warps}w{'_swap' if swap else ''}"
-        paths[label] = lambda *a, b=block_n, wp=warps, nat=natural, sw=swap: w4a16_mma(
-            *a, config=w4a16_mma_config(n, k, DEVICE, b, wp, m=rows), natural=nat, swap=sw
+    # (block_n, natural, swap, prefetch) at 4 warps (8 never won, 2026-12-03)
+    variants = [(128, False, False, False), (64, True, False, False), (128, True, False, False),
+                (64, True, True, False), (128, True, True, False), (64, True, False, True),
+                (64, True, True, True)]  # fmt: skip
+    for block_n, natural, swap, prefetch in variants:
+        label = f"{'nat' if natural else 'mma'}_{block_n}x4w" + "_swap" * swap + "_pf" * prefetch
+        paths[label] = lambda *a, b=block_n, nat=natural, sw=swap, pf=prefetch: w4a16_mma(
+            *a, config=w4a16_mma_config(n, k, DEVICE, b, 4, m=rows), natural=nat, swap=sw, prefetch=pf
         )
     for label, fn in paths.items():
         try:

@@ -36,12 +36,19 @@ def make(n: int, k: int, group: int, zero_points: bool, dtype: torch.dtype, seed
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("natural", "swap"), [(False, False), (True, False), (True, True)])
-def test_matches_the_dequantized_matmul(rows, n, k, group, zero_points, split, dtype, natural, swap) -> None:
+@pytest.mark.parametrize(
+    ("natural", "swap", "prefetch"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
+)
+def test_matches_the_dequantized_matmul(
+    rows, n, k, group, zero_points, split, dtype, natural, swap, prefetch
+) -> None:
     packed, scale, zero = make(n, k, group, zero_points, dtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     config = SkinnyConfig(block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=2)
-    got = w4a16_mma(x, packed, scale, zero, group, config=config, natural=natural, swap=swap)
+    got = w4a16_mma(
+        x, packed, scale, zero, group, config=config, natural=natural, swap=swap, prefetch=prefetch
+    )
     want = ref.w4a16_gemm(x, packed, scale, zero, group)
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

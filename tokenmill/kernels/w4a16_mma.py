@@ -132,6 +132,7 @@ def _w4a16_mma_kernel(
     ONE_ROW: tl.constexpr,
     NATURAL: tl.constexpr,
     SWAP: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
@@ -146,9 +147,15 @@ def _w4a16_mma_kernel(
     rw = tl.arange(0, WORDS)
     w_rows = w_packed + rn_ld[:, None] * stride_wn + rw[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:  # the words of each group loaded one iteration ahead, by hand (the pipeliner does not)
+        ahead = tl.load(w_rows + lo, mask=lo < hi, other=0)
     for w0 in range(lo, hi, WORDS):
         w0 = tl.multiple_of(w0, WORDS)
-        packed = tl.load(w_rows + w0)
+        if PREFETCH:
+            packed = ahead
+            ahead = tl.load(w_rows + w0 + WORDS, mask=w0 + WORDS < hi, other=0)
+        else:
+            packed = tl.load(w_rows + w0)
         planes = _planes(packed, x.dtype.element_ty, ASM, BF16)
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -233,11 +240,13 @@ def w4a16_mma(
     config: SkinnyConfig | None = None,
     natural: bool | None = None,
     swap: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype. natural: the
     dequantized planes put back in K's order for one dot a group, else one dot a plane with x gathered
     (by default, above PLANE_ROWS rows). swap (natural order only, a candidate being measured): the
-    weight as the MMA's first operand."""
+    weight as the MMA's first operand. prefetch (a candidate too): each group's words loaded one
+    iteration ahead."""
     k = x.shape[-1]
     if not supports(x, group_size, k):
         raise ValueError(
@@ -259,7 +268,7 @@ def w4a16_mma(
             WORDS=TILE_K // 8,
             SPLIT_K=config.split_k, ASM=not _INTERPRETED,
             BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, NATURAL=natural,
-            SWAP=swap and natural, num_warps=config.num_warps,
+            SWAP=swap and natural, PREFETCH=prefetch, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip
 
