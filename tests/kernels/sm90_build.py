@@ -24,6 +24,7 @@ from tokenmill.kernels import (
     activation,
     attention,
     gemv,
+    int4_gemm,
     kv_cache,
     norm,
     pdl,
@@ -155,7 +156,11 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             x = torch.empty(rows, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
-            w4a16_mma.w4a16_mma(x, packed, scale, None, 128)  # with the inline PTX: no interpreter here
+        # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear): one dot a plane at 2 rows, the
+        # natural order at 16-128 (16, 64 and 2 x 64 activation rows a program), with the inline PTX.
+        for rows in (2, 16, 64, 128):
+            w4a16_mma.w4a16_mma(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
+        int4_gemm.dequantize(packed, scale, None, 128, k, dtype)
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
 
 
@@ -169,6 +174,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),
         (w4a16_mma, "_w4a16_mma_kernel"),
+        (int4_gemm, "_dequantize_kernel"),
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),

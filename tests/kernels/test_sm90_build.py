@@ -34,6 +34,7 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "w8a16_gemv_kernel",
         "_w8a16_skinny_kernel",
         "_w4a16_mma_kernel",
+        "_dequantize_kernel",
         "_write_kv_cache_kernel",
         "_rms_norm_kernel",
         "_rotary_kernel",
