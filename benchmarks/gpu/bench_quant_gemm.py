@@ -159,6 +159,19 @@ def swap_ab_case(x: torch.Tensor, fp8: list, copies: int, nbytes: int, want: tor
             "tb_per_s": {c: round(v[0], 3) for c, v in found.items()}}  # fmt: skip
 
 
+def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[int, int, list]:
+    """(bytes of one, copies, [(packed words, bf16 scales)] * copies): random 4-bit weights [n, k] in
+    symmetric groups of 128 (the online int4 scheme's layout), enough copies to overflow L2."""
+    nbytes = n * k // 2 + n * (k // GROUP) * 2
+    copies = max(1, math.ceil(POOL_BYTES / nbytes))
+    weights = [
+        (torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=gen),
+         (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.01).to(torch.bfloat16))
+        for _ in range(copies)
+    ]  # fmt: skip
+    return nbytes, copies, weights
+
+
 def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> dict:
     n, k = SHAPES[name]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -215,14 +228,7 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
             lambda c, cfg: w8a16_skinny(x, *fp8[c], config=cfg), 8, rows, fp8_copies, fp8_bytes, budget_s
         )
 
-    # INT4, symmetric groups of 128 (the online int4 scheme's layout).
-    int4_bytes = n * k // 2 + n * (k // GROUP) * 2
-    int4_copies = max(1, math.ceil(POOL_BYTES / int4_bytes))
-    int4 = [
-        (torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=gen),
-         (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.01).to(torch.bfloat16))
-        for _ in range(int4_copies)
-    ]  # fmt: skip
+    int4_bytes, int4_copies, int4 = int4_weights(n, k, gen)
     want = quant_reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
     got = w4a16_gemm(x, int4[0][0], int4[0][1], None, GROUP)
     us = timed(lambda c: w4a16_gemm(x, int4[c][0], int4[c][1], None, GROUP), int4_copies)
@@ -232,7 +238,7 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     config = list(default_config(rows, n, k, 4, DEVICE))
     result["w4a16_skinny"] = {"us": us, "tb_per_s": int4_bytes / us / 1e6, "config": config,
                               "rel_err": rel_err(got, want)}  # fmt: skip
-    # The tensor-core candidate (kernels/w4a16_mma.py, not yet in the engine) over a few tiles.
+    # The tensor-core kernel (kernels/w4a16_mma.py) over a few tiles.
     got = w4a16_mma(x, int4[0][0], int4[0][1], None, GROUP)
     result["w4a16_mma"] = {"rel_err": rel_err(got, want), "tiles": {}}
     for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8)):
@@ -263,13 +269,7 @@ def int4_rows_case(name: str, rows: int) -> dict:
     us = timed(lambda c: F.linear(x, w[c]), copies)
     result["bf16_cublas"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6}
     w.clear()  # the bf16 copies' memory back before the INT4 ones
-    int4_bytes = n * k // 2 + n * (k // GROUP) * 2
-    int4_copies = max(1, math.ceil(POOL_BYTES / int4_bytes))
-    int4 = [
-        (torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=gen),
-         (torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.01).to(torch.bfloat16))
-        for _ in range(int4_copies)
-    ]  # fmt: skip
+    int4_bytes, int4_copies, int4 = int4_weights(n, k, gen)
     want = quant_reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
     paths = {"linear": w4a16_linear, "dequant_gemm": w4a16_dequant_gemm}
     if rows <= 16:  # (the tiled kernel, which the engine ran past 16 rows until 2026-12-03, was 7-18x bf16)
