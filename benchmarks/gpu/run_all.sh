@@ -116,7 +116,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
         --out "$out/int4_rows.json" 2>&1 | grep -v Warning | tail -2
       for b in 16 64; do for q in none int4; do
         timeout 150 $bench decode --shape llama-3.1-8b --batch $b --max-num-seqs $b --repeats 2 --output-len 128 \
-          $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_b${b}_$q.json" 2>&1 | grep -i "ms/step\|step_ms" | tail -1
+          $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_b${b}_$q.json" 2>&1 | grep decode_step_ms | tail -1
       done; done
       timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 --quantization int4 \
         --out "$out/throughput_llama_8b_int4.json" 2>&1 | grep output_tok_s | tail -1 ;;
