@@ -273,3 +273,27 @@ def test_refining_rounds_never_raise_the_layers_output_error(monkeypatch) -> Non
         torch.testing.assert_close(dequantized.float(), linear.weight.data)
         errors[rounds] = qc.output_error(weight, hessian, q.t(), scale, zero.double(), 64)
     assert errors[2] <= errors[0]
+
+
+def test_compensated_target_matches_full_precision_outputs_from_perturbed_inputs(monkeypatch) -> None:
+    """The target GPTQ quantizes: the whole way (COMPENSATE 1) it reproduces, on the quantized path's
+    inputs, the full-precision layer's outputs on its own; COMPENSATE blends it with the weight; and it
+    is the weight where the inputs agree (the damping shrinks only the correction)."""
+    from tokenmill.bench import quant_checkpoints as qc
+
+    gen = torch.Generator().manual_seed(2)
+    x_fp = torch.randn(1024, 64, generator=gen) @ torch.randn(64, 64, generator=gen)
+    # Inputs bent by the layers before (a linear distortion, which a linear layer can undo).
+    x_q = x_fp @ (torch.eye(64) + 0.1 * torch.randn(64, 64, generator=gen))
+    weight = torch.randn(24, 64, generator=gen)
+    hessian, cross = x_q.double().t() @ x_q.double(), qc._cross_statistics([x_fp], [x_q])
+    mismatch = lambda w: (x_fp.double() @ weight.double().t() - x_q.double() @ w.double().t()).norm()  # noqa: E731
+    monkeypatch.setattr(qc, "COMPENSATE", 1.0)
+    full = qc.compensated_target(weight, hessian, cross)
+    assert mismatch(full) < 0.1 * mismatch(weight)
+    monkeypatch.setattr(qc, "COMPENSATE", 0.5)
+    torch.testing.assert_close(qc.compensated_target(weight, hessian, cross), (weight + full) / 2)
+    same = qc.compensated_target(
+        weight, x_fp.double().t() @ x_fp.double(), qc._cross_statistics([x_fp], [x_fp])
+    )
+    torch.testing.assert_close(same, weight)

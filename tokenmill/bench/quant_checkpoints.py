@@ -2,7 +2,7 @@
 quality benchmark and its tests: `int4_smollm2`, round-to-nearest with the compressed-tensors library
 (a test dependency), saved as llm-compressor would save it; `gptq_smollm2`, a GPTQ-format checkpoint
 calibrated on token ids (AWQ input scaling, then true-sequential GPTQ with act-order over clipped
-static groups)."""
+static groups, each linear's target moved halfway toward the full-precision model's outputs)."""
 
 from __future__ import annotations
 
@@ -262,6 +262,32 @@ def _fold_awq_scales(linears: list, source, hessian, mean_abs):
     return hessian / (s[:, None] * s[None, :])
 
 
+def _cross_statistics(reference: list, inputs: list):
+    """X^T X~ summed over the tokens: the full-precision model's inputs of a linear (X) against the inputs
+    it sees with everything before it quantized (X~), one tensor per calibration sequence each."""
+    cross = 0
+    for x, y in zip(reference, inputs):
+        cross = cross + x.reshape(-1, x.shape[-1]).double().t() @ y.reshape(-1, y.shape[-1]).double()
+    return cross
+
+
+def compensated_target(weight, hessian, cross, damp: float = 0.01):
+    """The weight whose output on the quantized path's inputs X~ best matches the full-precision layer's
+    output on its own inputs X: argmin_W' |X W^T - X~ W'^T|^2 = W (X^T X~) (X~^T X~)^-1, written as W plus
+    a correction for the inputs' difference, W ((X - X~)^T X~) (X~^T X~)^-1, so that the damping (as
+    GPTQ damps its Hessian) shrinks only the correction: damping the whole product would pull W toward
+    zero along the directions the calibration rarely excites, even where X = X~. Blended by COMPENSATE.
+    GPTQ then quantizes this target, so each layer also absorbs the error the layers before it left in
+    its inputs (as GPTAQ, Li et al., 2025)."""
+    import torch
+
+    h = hessian.double()
+    h = h + damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    w = weight.double()
+    correction = torch.linalg.solve(h, (cross.double() - hessian.double()).t() @ w.t()).t()
+    return (w + COMPENSATE * correction).float()
+
+
 def _input_statistics(inputs: list) -> tuple:
     """X^T X and |X| summed over the tokens (AWQ needs only each channel's relative size, so a sum
     serves as a mean) of a linear's inputs, one tensor per calibration sequence."""
@@ -278,6 +304,10 @@ REFIT_SCALES = True  # least-squares scales for GPTQ's codes (refit_scales)
 # with the least output error is kept (GPTQ's codes are not optimal for given scales, so a round can
 # come out worse than the one before and a later one better again).
 REFINE_ROUNDS = 4
+# How far each linear's target moves from its weight toward compensated_target (0: plain GPTQ). Half the
+# way scored best on the scored text and on held-out text alike; the whole way overcorrects
+# (docs/performance.md, twenty-first session).
+COMPENSATE = 0.5
 
 
 def output_error(weight, hessian, q, scale, zero, group_size: int) -> float:
@@ -289,12 +319,15 @@ def output_error(weight, hessian, q, scale, zero, group_size: int) -> float:
     return float(((delta @ hessian.double()) * delta).sum())
 
 
-def _quantize_into(tensors: dict, name: str, linear, hessian, group_size: int) -> None:
+def _quantize_into(tensors: dict, name: str, linear, hessian, group_size: int, cross=None) -> None:
     """GPTQ of one linear: its packed tensors into `tensors` under `name`, its weight replaced by the
-    dequantized one, so the sublayers after it calibrate on what the checkpoint will compute."""
+    dequantized one, so the sublayers after it calibrate on what the checkpoint will compute. With
+    `cross` (X^T X~, _cross_statistics) the target is compensated_target's, not the weight."""
     import torch
 
     weight = linear.weight.data
+    if cross is not None and COMPENSATE:
+        weight = compensated_target(weight, hessian, cross)
     q, scale, zero = gptq_quantize(weight, hessian, group_size)
     if REFIT_SCALES:
         best = None
@@ -319,7 +352,8 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
     on `calibration` (token ids, one sequence each). Layer by layer and, inside a layer, sublayer by
     sublayer (true-sequential), each linear's Hessian comes from the inputs it sees with everything
     before it already quantized: the calibration's hidden states are kept between layers, and each
-    layer's intermediate activations are computed once per sublayer. The LM head stays unquantized."""
+    layer's intermediate activations are computed once per sublayer. The full-precision model's hidden
+    states are carried beside them, for compensated_target. The LM head stays unquantized."""
     import json
 
     import torch
@@ -331,8 +365,11 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
     with torch.no_grad():
         hidden = [model.model.embed_tokens(torch.tensor([ids])) for ids in calibration]
         rotary = [model.model.rotary_emb(x, torch.arange(x.shape[1])[None]) for x in hidden]
+        hidden_fp = list(hidden)
         for index, layer in enumerate(model.model.layers):
-            hidden = _quantize_layer(layer, f"model.layers.{index}", hidden, rotary, tensors, group_size)
+            hidden, hidden_fp = _quantize_layer(
+                layer, f"model.layers.{index}", hidden, hidden_fp, rotary, tensors, group_size
+            )
     for n, param in model.named_parameters():
         if n.rsplit(".", 1)[0] not in linears:
             tensors[n] = param.data.contiguous()
@@ -351,29 +388,36 @@ def gptq_smollm2(path: str, calibration: list[list[int]], group_size: int = 128)
     return path
 
 
-def _quantize_layer(layer, prefix: str, hidden: list, rotary: list, tensors: dict, group_size: int) -> list:
+def _quantize_layer(
+    layer, prefix: str, hidden: list, hidden_fp: list, rotary: list, tensors: dict, group_size: int
+) -> tuple[list, list]:
     """Quantize one decoder layer true-sequentially: q/k/v, then o_proj, gate/up, down_proj, each one's
     Hessian from its inputs through the sublayers before it already quantized (as GPTQ's reference
-    does). AWQ scales the inputs of q/k/v, gate/up and down; o_proj is left alone: its input channels come
-    from value heads shared by several query heads. Returns the next layer's inputs (the calibration's
-    hidden states through this layer quantized)."""
+    does), and its target from the same inputs of the full-precision model (hidden_fp through copies of
+    the sublayers taken after AWQ's folding, before quantization). AWQ scales the inputs of q/k/v,
+    gate/up and down; o_proj is left alone: its input channels come from value heads shared by several
+    query heads. Returns the next layer's inputs, quantized and full-precision."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     hessian, mean_abs = _input_statistics([layer.input_layernorm(x) for x in hidden])
     hessian = _fold_awq_scales(qkv, layer.input_layernorm.weight, hessian, mean_abs)
-    for name, linear in zip(("q_proj", "k_proj", "v_proj"), qkv):
-        _quantize_into(tensors, f"{prefix}.self_attn.{name}", linear, hessian, group_size)
-    o_inputs = []
-    hook = attn.o_proj.register_forward_pre_hook(lambda module, args: o_inputs.append(args[0]))
+    attn_fp = copy.deepcopy(attn)
     normed = [layer.input_layernorm(x) for x in hidden]
-    for x, position_embeddings in zip(normed, rotary):
-        attn(x, attention_mask=None, position_embeddings=position_embeddings)
-    hook.remove()
+    normed_fp = [layer.input_layernorm(x) for x in hidden_fp]
+    cross = _cross_statistics(normed_fp, normed)
+    for name, linear in zip(("q_proj", "k_proj", "v_proj"), qkv):
+        _quantize_into(tensors, f"{prefix}.self_attn.{name}", linear, hessian, group_size, cross)
+    o_inputs, o_inputs_fp = _o_proj_inputs(attn, normed, rotary), _o_proj_inputs(attn_fp, normed_fp, rotary)
     _quantize_into(
-        tensors, f"{prefix}.self_attn.o_proj", attn.o_proj, _input_statistics(o_inputs)[0], group_size
-    )
+        tensors, f"{prefix}.self_attn.o_proj", attn.o_proj, _input_statistics(o_inputs)[0], group_size,
+        _cross_statistics(o_inputs_fp, o_inputs),
+    )  # fmt: skip
     residual = [
         x + attn(y, attention_mask=None, position_embeddings=p)[0] for x, y, p in zip(hidden, normed, rotary)
+    ]
+    residual_fp = [
+        x + attn_fp(y, attention_mask=None, position_embeddings=p)[0]
+        for x, y, p in zip(hidden_fp, normed_fp, rotary)
     ]
     mlp_inputs = [layer.post_attention_layernorm(x) for x in residual]
     hessian, mean_abs = _input_statistics(mlp_inputs)
@@ -384,11 +428,29 @@ def _quantize_layer(layer, prefix: str, hidden: list, rotary: list, tensors: dic
         [mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm.weight, hessian, mean_abs
     )
     _fold_awq_scales([mlp.down_proj], mlp.up_proj.weight, down_hessian, down_mean_abs)
-    for name in ("gate_proj", "up_proj"):
-        _quantize_into(tensors, f"{prefix}.mlp.{name}", mlp.get_submodule(name), hessian, group_size)
+    mlp_fp = copy.deepcopy(mlp)
     mlp_inputs = [layer.post_attention_layernorm(x) for x in residual]
+    mlp_inputs_fp = [layer.post_attention_layernorm(x) for x in residual_fp]
+    cross = _cross_statistics(mlp_inputs_fp, mlp_inputs)
+    for name in ("gate_proj", "up_proj"):
+        _quantize_into(tensors, f"{prefix}.mlp.{name}", mlp.get_submodule(name), hessian, group_size, cross)
     down_inputs = [mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) for x in mlp_inputs]
+    down_inputs_fp = [mlp_fp.act_fn(mlp_fp.gate_proj(x)) * mlp_fp.up_proj(x) for x in mlp_inputs_fp]
     _quantize_into(
-        tensors, f"{prefix}.mlp.down_proj", mlp.down_proj, _input_statistics(down_inputs)[0], group_size
+        tensors, f"{prefix}.mlp.down_proj", mlp.down_proj, _input_statistics(down_inputs)[0], group_size,
+        _cross_statistics(down_inputs_fp, down_inputs),
+    )  # fmt: skip
+    return (
+        [x + mlp.down_proj(y) for x, y in zip(residual, down_inputs)],
+        [x + mlp_fp.down_proj(y) for x, y in zip(residual_fp, down_inputs_fp)],
     )
-    return [x + mlp.down_proj(y) for x, y in zip(residual, down_inputs)]
+
+
+def _o_proj_inputs(attn, normed: list, rotary: list) -> list:
+    """What o_proj receives from `attn` over the calibration's normed hidden states."""
+    inputs = []
+    hook = attn.o_proj.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    for x, position_embeddings in zip(normed, rotary):
+        attn(x, attention_mask=None, position_embeddings=position_embeddings)
+    hook.remove()
+    return inputs
