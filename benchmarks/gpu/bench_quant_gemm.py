@@ -172,13 +172,20 @@ def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[int, int, list]:
     return nbytes, copies, weights
 
 
-def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> dict:
+def bf16_operands(name: str, rows: int) -> tuple:
+    """(n, k, the generator the case goes on drawing from, bytes of one bf16 weight, copies, x [rows, k],
+    [bf16 weight] * copies) for shape `name`: the start of every case."""
     n, k = SHAPES[name]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     bf16_bytes = n * k * 2
     copies = max(1, math.ceil(POOL_BYTES / bf16_bytes))
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+    return n, k, gen, bf16_bytes, copies, x, w
+
+
+def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> dict:
+    n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
     result: dict = {"shape": name, "n": n, "k": k, "rows": rows, "copies_bf16": copies}
 
     us = timed(lambda c: F.linear(x, w[c]), copies)
@@ -259,12 +266,7 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
 
 def int4_rows_case(name: str, rows: int) -> dict:
     """INT4 at `rows` activation rows: bf16 cuBLAS and every INT4 path (module docstring, --int4-rows)."""
-    n, k = SHAPES[name]
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    bf16_bytes = n * k * 2
-    copies = max(1, math.ceil(POOL_BYTES / bf16_bytes))
-    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+    n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
     result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
     us = timed(lambda c: F.linear(x, w[c]), copies)
     result["bf16_cublas"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6}
