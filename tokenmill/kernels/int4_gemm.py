@@ -7,8 +7,8 @@ kernels/quant_reference.py's w4a16_gemm, of the same signature.
 The weight is dequantized in registers, tile by tile, and never written out: decode reads a quarter of
 the bf16 bytes. Small batches (decode) split K across programs so that a matrix with few output tiles
 still fills the GPU; the partial sums meet in an fp32 buffer through atomic adds. The INT4 linears
-call it only where kernels/w4a16_mma.py cannot go (groups not a multiple of 128 values) below
-DEQUANT_ROWS rows.
+call it only past the skinny kernel's 16 rows where nothing faster goes: groups that are not a
+multiple of 128 values (kernels/w4a16_mma.py's unit) below DEQUANT_ROWS rows, and fp32 activations.
 
 At DEQUANT_ROWS rows and more (prefill, large decode batches) `w4a16_dequant_gemm` writes the whole
 weight out in x's dtype (`dequantize`: half a byte read and two written per value) and hands it to
@@ -166,7 +166,7 @@ def _dequantize_kernel(
     n_ok = rn < N
     w_mask = n_ok[:, None] & (rw < tl.cdiv(K, 8))[None, :]
     packed = tl.load(w_packed + rn[:, None] * stride_wn + rw[None, :], mask=w_mask, other=0)
-    planes = w4a16_mma._planes(packed, out.dtype.element_ty, ASM, BF16)
+    planes = w4a16_mma.nibble_planes(packed, out.dtype.element_ty, ASM, BF16)
     q = w4a16_mma.natural_order(planes, BLOCK_N, WORDS).to(tl.float32)
     rk = tl.program_id(1) * WORDS * 8 + tl.arange(0, WORDS * 8)
     ok = n_ok[:, None] & (rk < K)[None, :]
@@ -192,10 +192,10 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The [N, K] weight in `dtype` (quant_reference.dequantize_int4 in one Triton pass)."""
-    n = w_packed.shape[0]
-    out = torch.empty(n, in_features, dtype=dtype, device=w_packed.device)
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"int4_gemm.dequantize writes bf16 or fp16, not {dtype}")
+    n = w_packed.shape[0]
+    out = torch.empty(n, in_features, dtype=dtype, device=w_packed.device)
     block_n, words = 32, 16
     grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(in_features, PACK), words))
     if n and in_features:
@@ -203,7 +203,7 @@ def dequantize(
             w_packed, scale, zero if zero is not None else scale, out, n, in_features, w_packed.stride(0),
             scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=block_n, WORDS=words,
-            ASM=not w4a16_mma._INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=4,
+            ASM=not w4a16_mma.INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -37,7 +37,7 @@ TILE_K = 128  # values along K per iteration: one group (group sizes must be mul
 MAX_ROWS = 128  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
 PLANE_ROWS = 4  # up to these rows one dot a plane (x gathered) is faster; above them the natural order
 # Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (a & b) | c as LOP3's lookup table, and each dtype's magic pair and magic + 8 pair.
 _LUT = 0xEA
@@ -74,7 +74,7 @@ def _pair(packed, i: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _planes(packed, DTYPE: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
+def nibble_planes(packed, DTYPE: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
     """Four planes [R, C, 2] of packed [R, C] int32 words: plane i holds nibbles i and i + 4 of each
     word, as q = stored - 8 in DTYPE. The word goes in twice (pack=2), so that each call returns its
     pairs in whole 32-bit registers, ready for the tensor cores without a byte shuffle."""
@@ -99,7 +99,7 @@ def _planes(packed, DTYPE: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def natural_order(planes, ROWS: tl.constexpr, WORDS: tl.constexpr):
-    """_planes' four planes [R, W, 2] -> [R, 8W] in K's order: plane i's pair j is value 8w + 4j + i,
+    """nibble_planes' four planes [R, W, 2] -> [R, 8W] in K's order: plane i's pair j is value 8w + 4j + i,
     so joining (0, 2) and (1, 3), then those two, lays the last three dims out as (j, i // 2, i % 2)."""
     low = tl.join(planes[0], planes[2])
     high = tl.join(planes[1], planes[3])
@@ -156,7 +156,7 @@ def _w4a16_mma_kernel(
             ahead = tl.load(w_rows + w0 + WORDS, mask=w0 + WORDS < hi, other=0)
         else:
             packed = tl.load(w_rows + w0)
-        planes = _planes(packed, x.dtype.element_ty, ASM, BF16)
+        planes = nibble_planes(packed, x.dtype.element_ty, ASM, BF16)
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         x_part = tl.zeros([2 * WORDS], dtype=tl.float32)
@@ -266,7 +266,7 @@ def w4a16_mma(
             zero.stride(0) if zero is not None else 0, out.stride(0),
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
             WORDS=TILE_K // 8,
-            SPLIT_K=config.split_k, ASM=not _INTERPRETED,
+            SPLIT_K=config.split_k, ASM=not INTERPRETED,
             BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, NATURAL=natural,
             SWAP=swap and natural, PREFETCH=prefetch, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),
