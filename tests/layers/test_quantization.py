@@ -220,7 +220,7 @@ def test_online_int4_quantizes_every_linear_to_groups_of_128(hf_model_dirs) -> N
 
 
 def test_gptq_spreads_rounding_error_to_keep_the_outputs_closer_than_rounding_alone() -> None:
-    from tokenmill.bench.quant_checkpoints import gptq_quantize
+    from tokenmill.bench.gptq import gptq_quantize
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 128, generator=gen)
@@ -245,6 +245,7 @@ def test_refining_rounds_never_raise_the_layers_output_error(monkeypatch) -> Non
     """_quantize_into's rounds (GPTQ's codes under the refit scales, then scales refit to them) keep the
     best of what they find: the output error with rounds is at most the one-pass error, and the packed
     tensors dequantize to the weight the layer is left with."""
+    from tokenmill.bench import gptq
     from tokenmill.bench import quant_checkpoints as qc
 
     gen = torch.Generator().manual_seed(1)
@@ -271,29 +272,29 @@ def test_refining_rounds_never_raise_the_layers_output_error(monkeypatch) -> Non
         scale = tensors["layer.scales"].double()
         dequantized = (q.t() - zero[groups].t()) * scale[groups].t()
         torch.testing.assert_close(dequantized.float(), linear.weight.data)
-        errors[rounds] = qc.output_error(weight, hessian, q.t(), scale, zero.double(), 64)
+        errors[rounds] = gptq.output_error(weight, hessian, q.t(), scale, zero.double(), 64)
     assert errors[2] <= errors[0]
 
 
-def test_compensated_target_matches_full_precision_outputs_from_perturbed_inputs(monkeypatch) -> None:
-    """The target GPTQ quantizes: the whole way (COMPENSATE 1) it reproduces, on the quantized path's
-    inputs, the full-precision layer's outputs on its own; COMPENSATE blends it with the weight; and it
-    is the weight where the inputs agree (the damping shrinks only the correction)."""
-    from tokenmill.bench import quant_checkpoints as qc
+def test_compensated_target_matches_full_precision_outputs_from_perturbed_inputs() -> None:
+    """The target GPTQ quantizes: the whole way (blend 1) it reproduces, on the quantized path's inputs,
+    the full-precision layer's outputs on its own; blend mixes it with the weight (the maker uses
+    COMPENSATE); and it is the weight where the inputs agree (the damping shrinks only the correction)."""
+    from tokenmill.bench import gptq
 
     gen = torch.Generator().manual_seed(2)
     x_fp = torch.randn(1024, 64, generator=gen) @ torch.randn(64, 64, generator=gen)
     # Inputs bent by the layers before (a linear distortion, which a linear layer can undo).
     x_q = x_fp @ (torch.eye(64) + 0.1 * torch.randn(64, 64, generator=gen))
     weight = torch.randn(24, 64, generator=gen)
-    hessian, cross = x_q.double().t() @ x_q.double(), qc._cross_statistics([x_fp], [x_q])
+    hessian, cross = x_q.double().t() @ x_q.double(), gptq.cross_statistics([x_fp], [x_q])
     mismatch = lambda w: (x_fp.double() @ weight.double().t() - x_q.double() @ w.double().t()).norm()  # noqa: E731
-    monkeypatch.setattr(qc, "COMPENSATE", 1.0)
-    full = qc.compensated_target(weight, hessian, cross)
+    full = gptq.compensated_target(weight, hessian, cross, blend=1.0)
     assert mismatch(full) < 0.1 * mismatch(weight)
-    monkeypatch.setattr(qc, "COMPENSATE", 0.5)
-    torch.testing.assert_close(qc.compensated_target(weight, hessian, cross), (weight + full) / 2)
-    same = qc.compensated_target(
-        weight, x_fp.double().t() @ x_fp.double(), qc._cross_statistics([x_fp], [x_fp])
+    torch.testing.assert_close(
+        gptq.compensated_target(weight, hessian, cross, blend=0.5), (weight + full) / 2
+    )
+    same = gptq.compensated_target(
+        weight, x_fp.double().t() @ x_fp.double(), gptq.cross_statistics([x_fp], [x_fp]), blend=1.0
     )
     torch.testing.assert_close(same, weight)
