@@ -60,6 +60,17 @@ def test_default_tiles_split_k_over_every_block_of_rows() -> None:
     assert default_config(4096, 4096, DEVICE, m=64).split_k <= one  # four blocks of 16 rows' programs
 
 
+def test_weight_rows_a_program_by_batch() -> None:
+    from tokenmill.kernels import sm_count
+
+    assert default_config(4096, 4096, DEVICE, m=2).block_n == 64
+    assert default_config(4096, 4096, DEVICE, m=64).block_n == 64
+    # Past 64 rows, 128 weight rows a program unless that leaves SMs without one.
+    wide = 128 * sm_count(DEVICE)
+    assert default_config(wide, 4096, DEVICE, m=100).block_n == 128
+    assert default_config(wide // 4, 4096, DEVICE, m=100).block_n == 64
+
+
 def test_bias_and_leading_dims_and_default_tiles() -> None:
     packed, scale, zero = make(48, 512, 128, True, torch.bfloat16)
     x = torch.randn(2, 1, 512).to(torch.bfloat16).to(DEVICE)

@@ -12,10 +12,10 @@ LOP3 puts two nibbles of a word (i and i + 4: bits 4i and 4i + 16) into the mant
 16-bit floats over the magic 128 (bf16) or 1024 (fp16), which is exact, and one packed subtraction
 takes the magic and the stored offset 8 away: q in x's dtype, two values for two instructions (and a
 shift for three pairs of four), no conversion. The pairs (i, i + 4) of every word form a
-[BLOCK_N, 32] plane. Up to PLANE_ROWS activation rows each plane meets the activations' values 8w + i
-and 8w + i + 4 in a tl.dot of its own (x gathered); above them the four planes are joined back into K's
-order (natural_order: register moves only) for one tl.dot over the group with x read as it lies, which
-measured faster from 16 rows on. BLOCK_M rows of activations a program (16, the smallest tensor-core
+[BLOCK_N, 32] plane. The four planes are joined back into K's order (natural_order: register moves
+only) for one tl.dot over the group with x read as it lies; with SWAP the weight is the MMA's A operand
+(out^T = W x^T), which the H200 ran fastest up to 64 rows. (One dot a plane with x gathered, the order
+this kernel began with, still runs up to PLANE_ROWS rows; it measured no faster at 2 and slower above.) BLOCK_M rows of activations a program (16, the smallest tensor-core
 tile, to 64; rows past M are zero). The group's scale and zero point are applied to the fp32 sums
 once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The interpreter (no PTX) takes the
 nibbles with shifts and masks instead: the same values.
@@ -30,12 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import gemv, k_splits, pdl
+from tokenmill.kernels import gemv, k_splits, pdl, sm_count
 from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_rows
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
 MAX_ROWS = 128  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
-PLANE_ROWS = 4  # up to these rows one dot a plane (x gathered) is faster; above them the natural order
+PLANE_ROWS = 1  # up to these rows one dot a plane (x gathered); above them the natural order (H200,
+# 2026-12-03: equal at 2 rows, the natural order with the weight as the A operand faster from 4)
 # Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -208,11 +209,13 @@ def block_rows(m: int) -> int:
 def default_config(
     n: int, k: int, device: torch.device, block_n: int | None = None, num_warps: int = 4, m: int = 1
 ) -> SkinnyConfig:
-    """Four warps and, by the H200 timings of Llama-3.1-8B's linears (docs/performance.md), 128 weight
-    rows a program at up to PLANE_ROWS and past 64 activation rows, 64 between; K split as the other
-    skinny GEMMs split it, over the programs of every block of activation rows."""
+    """Four warps and, by the H200 timings of Llama-3.1-8B's linears (docs/performance.md), 64 weight
+    rows a program up to 64 activation rows; past them 128, unless that leaves fewer programs than SMs
+    (QKV and O at 128 rows, 1.1-1.6x faster at 64); K split as the other skinny GEMMs split it, over the
+    programs of every block of activation rows."""
     if block_n is None:
-        block_n = 128 if m <= PLANE_ROWS or m > 64 else 64
+        blocks = triton.cdiv(max(m, 1), block_rows(m))
+        block_n = 64 if m <= 64 or triton.cdiv(n, 128) * blocks < sm_count(device) else 128
     programs = triton.cdiv(n, block_n) * triton.cdiv(max(m, 1), block_rows(m))
     split = k_splits(programs, k, TILE_K, device, limit=16)
     return SkinnyConfig(block_n=block_n, block_k=TILE_K, split_k=split, num_warps=num_warps, num_stages=3)
@@ -239,14 +242,14 @@ def w4a16_mma(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     natural: bool | None = None,
-    swap: bool = False,
+    swap: bool | None = None,
     prefetch: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype. natural: the
     dequantized planes put back in K's order for one dot a group, else one dot a plane with x gathered
-    (by default, above PLANE_ROWS rows). swap (natural order only, a candidate being measured): the
-    weight as the MMA's first operand. prefetch (a candidate too): each group's words loaded one
-    iteration ahead."""
+    (by default, above PLANE_ROWS rows). swap (natural order only): the weight as the MMA's first
+    operand; by default where programs take 64 weight rows (faster there, slower at 128).
+    prefetch (a candidate, no faster on the H200): each group's words loaded one iteration ahead."""
     k = x.shape[-1]
     if not supports(x, group_size, k):
         raise ValueError(
@@ -259,6 +262,7 @@ def w4a16_mma(
     zero_arg = zero if zero is not None else scale
     block_m = block_rows(m)
     natural = m > PLANE_ROWS if natural is None else natural
+    swap = config.block_n <= 64 if swap is None else swap
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         _w4a16_mma_kernel[(*grid, triton.cdiv(m, block_m))](
