@@ -15,7 +15,8 @@ shift for three pairs of four), no conversion. The pairs (i, i + 4) of every wor
 [BLOCK_N, 32] plane. The four planes are joined back into K's order (natural_order: register moves
 only) for one tl.dot over the group with x read as it lies; with SWAP the weight is the MMA's A operand
 (out^T = W x^T), which the H200 ran fastest up to 64 rows. (One dot a plane with x gathered, the order
-this kernel began with, still runs up to PLANE_ROWS rows; it measured no faster at 2 and slower above.) BLOCK_M rows of activations a program (16, the smallest tensor-core
+this kernel began with, still runs up to PLANE_ROWS rows; it measured no faster at 2 and slower above.)
+BLOCK_M rows of activations a program (16, the smallest tensor-core
 tile, to 64; rows past M are zero). The group's scale and zero point are applied to the fp32 sums
 once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The interpreter (no PTX) takes the
 nibbles with shifts and masks instead: the same values.
