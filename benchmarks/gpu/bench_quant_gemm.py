@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_us  # noqa: E402
 
 from tokenmill.kernels import quant_reference  # noqa: E402
+from tokenmill.kernels import skinny_gemm as skinny_gemm_module  # noqa: E402
 from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
@@ -79,8 +80,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def sweep_configs(bits: int, rows: int) -> list[SkinnyConfig]:
     """The first pass: tile sizes and K splits at four warps."""
     if rows == 1:
-        block_ns = (8, 16, 32) if bits in (4, 16) else (8, 16, 32, 64)
-        block_ks = {4: (512, 1024, 2048), 8: (512, 1024, 2048, 4096), 16: (128, 256, 512, 1024)}[bits]
+        block_ns = (8, 16, 32) if bits == 16 else (8, 16, 32, 64)
+        block_ks = {4: (512, 1024, 2048, 4096), 8: (512, 1024, 2048, 4096), 16: (128, 256, 512, 1024)}[bits]
         # No K split for FP8 at one row: every linear of the 8B shape fills the SMs without one.
         splits = (1,) if bits == 8 else (1, 2)
         return [SkinnyConfig(n, k, s, 4, 1) for n in block_ns for k in block_ks for s in splits]
@@ -264,6 +265,15 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     return result
 
 
+def skinny_fp32(*args, **kwargs) -> torch.Tensor:
+    """w4a16_skinny with the one-row 16-bit path in fp32 arithmetic (gemv.w4a16_gemv_kernel)."""
+    skinny_gemm_module.GEMV4_F16X2 = False
+    try:
+        return w4a16_skinny(*args, **kwargs)
+    finally:
+        skinny_gemm_module.GEMV4_F16X2 = True
+
+
 def int4_rows_case(name: str, rows: int) -> dict:
     """INT4 at `rows` activation rows: bf16 cuBLAS and every INT4 path (module docstring, --int4-rows)."""
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
@@ -276,6 +286,8 @@ def int4_rows_case(name: str, rows: int) -> dict:
     paths = {"linear": w4a16_linear, "dequant_gemm": w4a16_dequant_gemm}
     if rows <= 16:  # (the tiled kernel, which the engine ran past 16 rows until 2026-12-03, was 7-18x bf16)
         paths["skinny"] = w4a16_skinny
+    if rows == 1:  # the one-row kernel in fp32 arithmetic, as before the packed-fp16 one
+        paths["skinny_fp32"] = skinny_fp32
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
     # (block_n, natural, swap, prefetch) at 4 warps (8 never won, 2026-12-03)

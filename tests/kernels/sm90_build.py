@@ -156,6 +156,8 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             x = torch.empty(rows, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+        # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
+        skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
         # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear): one dot a plane at 2 rows, the
         # natural order at 16-128 (16, 64 and 2 x 64 activation rows a program), with the inline PTX.
         for rows in (2, 16, 64, 128):
@@ -170,6 +172,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (attention, "_paged_attention_kernel"),
         (split_kv, "_reduce_splits_kernel"),
         (gemv, "w4a16_gemv_kernel"),
+        (gemv, "w4a16_gemv_f16x2_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),

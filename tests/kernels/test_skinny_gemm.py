@@ -50,7 +50,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
         (5, 50, 256, 16, True, None),  # the default tiles
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w4a16_matches_dequantize_then_matmul(m, n, k, group, zeros, config, dtype) -> None:
     packed, scale, zero = int4_weight(n, k, group, zeros, seed=m * n + k)
     gen = torch.Generator().manual_seed(k)
@@ -60,6 +60,30 @@ def test_w4a16_matches_dequantize_then_matmul(m, n, k, group, zeros, config, dty
     weight = dequantize_int4(packed, scale, zero, group, k, torch.float64)
     assert got.dtype == dtype and got.shape == (m, n)
     assert_close(got, x.double() @ weight.t() + bias.double(), dtype)
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_one_row_in_fp16_halves_keeps_every_magnitude(magnitude, dtype) -> None:
+    """The one-row 16-bit path sums in fp16 halves after scaling x: activations far beyond fp16's range
+    (in bf16), tiny ones, and an outlier among small values all come out as the fp64 reference."""
+    from tokenmill.kernels import skinny_gemm
+
+    assert skinny_gemm.GEMV4_F16X2
+    n, k, group = 40, 1024, 128
+    packed, scale, zero = int4_weight(n, k, group, True, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=gen) * magnitude
+    if dtype == torch.bfloat16:
+        x = x * 1e5  # up to ~1e8 with the largest magnitude: beyond fp16, as bf16 activations may be
+    x[0, 77] = min(x.abs().max().item() * 50, 2e4 if dtype == torch.float16 else 1e12)  # one outlier
+    x = x.to(DEVICE, dtype)
+    config = SkinnyConfig(8, 256, 2, 4, 1)
+    got = w4a16_skinny(x, packed, scale, zero, group, config=config)
+    weight = dequantize_int4(packed, scale, zero, group, k, torch.float64)
+    want = x.double() @ weight.t()
+    assert torch.isfinite(got).all()
+    assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize(

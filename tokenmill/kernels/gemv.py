@@ -186,3 +186,142 @@ def w8a16_gemv_kernel(
         result *= tl.load(w_scale + rn_ld)
     rm = tl.arange(0, 1)
     store(out, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+
+
+# One word of eight 4-bit values against its eight activations, in packed 16-bit halves (PTX, sm_80+):
+# $1 the word; $2..$5 the activations (8w + i, 8w + i + 4) as f16x2 pairs, i = 0..3; $0 the fp32 sum of
+# the eight products. LOP3 puts nibbles i and i + 4 into two fp16 mantissas over 1024 (for i = 1 and 3
+# four bits up: over 1024 in steps of 16); one packed subtract (or, four bits up, a packed FMA by 1/16)
+# takes 1024 + 8 away; four packed FMAs sum the products; 13 instructions a word, where fp32 needs 24.
+_F16X2_WORD_ASM = tl.constexpr(
+    "{\n.reg .b32 w, q0, q1, q2, q3, acc, c, s, o;\n.reg .b16 l, h;\n.reg .f32 fl, fh;\n"
+    "mov.b32 c, 0x64086408;\nmov.b32 s, 0x2c002c00;\nmov.b32 o, 0xd480d480;\n"
+    "lop3.b32 q0, $1, 0x000f000f, 0x64006400, 0xea;\nlop3.b32 q1, $1, 0x00f000f0, 0x64006400, 0xea;\n"
+    "shr.b32 w, $1, 8;\n"
+    "lop3.b32 q2, w, 0x000f000f, 0x64006400, 0xea;\nlop3.b32 q3, w, 0x00f000f0, 0x64006400, 0xea;\n"
+    "sub.rn.f16x2 q0, q0, c;\nfma.rn.f16x2 q1, q1, s, o;\n"
+    "sub.rn.f16x2 q2, q2, c;\nfma.rn.f16x2 q3, q3, s, o;\n"
+    "mul.rn.f16x2 acc, q0, $2;\nfma.rn.f16x2 acc, q1, $3, acc;\n"
+    "fma.rn.f16x2 acc, q2, $4, acc;\nfma.rn.f16x2 acc, q3, $5, acc;\n"
+    "mov.b32 {l, h}, acc;\ncvt.f32.f16 fl, l;\ncvt.f32.f16 fh, h;\nadd.f32 $0, fl, fh;\n}"
+)
+# Two fp32 -> one f16x2 register: $1 in the low half, $2 in the high.
+_F16X2_PAIR_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
+# The activations a step are scaled by a power of two that puts their largest magnitude in [128, 256):
+# a product with q - 8 (|q - 8| <= 8) then stays under 2048 and a word's four-product sum under 8192,
+# far from fp16's 65504, and values down to 2^-24 of the largest stay normal.
+F16X2_TOP = tl.constexpr(7)
+
+
+@triton.jit
+def _f16x2_pair(a, b, ASM: tl.constexpr):
+    """fp32 a, b -> (fp16 a, fp16 b) as one int32 (a low) on the GPU; in the interpreter, the two fp16."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _F16X2_PAIR_ASM, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        return a.to(tl.float16), b.to(tl.float16)
+
+
+@triton.jit
+def _f16x2_word(packed, p0, p1, p2, p3, ASM: tl.constexpr):
+    """The fp32 sum of a word's eight products (_F16X2_WORD_ASM); the interpreter does the same
+    arithmetic in fp16 tensors (the products and the four-term sums in fp16, as the packed halves)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _F16X2_WORD_ASM, "=f,r,r,r,r,r", [packed, p0, p1, p2, p3], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        low = tl.zeros(packed.shape, dtype=tl.float16)
+        high = tl.zeros(packed.shape, dtype=tl.float16)
+        for i in tl.static_range(4):
+            pair = (p0, p1, p2, p3)[i]
+            q_low = (((packed >> (4 * i)) & 0xF) - 8).to(tl.float16)
+            q_high = (((packed >> (4 * i + 16)) & 0xF) - 8).to(tl.float16)
+            low = (low + q_low * pair[0]).to(tl.float16)
+            high = (high + q_high * pair[1]).to(tl.float16)
+        return low.to(tl.float32) + high.to(tl.float32)
+
+
+@triton.jit
+def w4a16_gemv_f16x2_kernel(
+    x,
+    w_packed,
+    scale,
+    zero,
+    out,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SUB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """w4a16_gemv_kernel's job (one row of 16-bit x against BLOCK_N rows of the packed weight, BLOCK_W
+    words a step) in packed fp16 arithmetic: 13 instructions a word of eight values (_F16X2_WORD_ASM)
+    where the fp32 kernel spends three a value. Each step scales its BLOCK_W words of activations by a
+    power of two (F16X2_TOP) and makes the f16x2 pairs once for all BLOCK_N rows; a word's eight
+    products are summed in fp16, everything past the word in fp32, unscaled with the group's scale."""
+    rn, n_ok, base, lo, hi = _program_rows(
+        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL
+    )
+    rn_ld = rn % N
+    cols = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
+    for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
+        w0 = tl.multiple_of(w0, BLOCK_W)
+        rw = w0 + cols
+        if EVEN_K:
+            packed = tl.load(base + w0)
+        else:
+            packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
+        xs = ()
+        top = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(8):
+            k = rw * 8 + i
+            if EVEN_K:
+                xi = tl.load(x + k).to(tl.float32)
+            else:
+                xi = tl.load(x + k, mask=(rw < hi) & (k < K), other=0.0).to(tl.float32)
+            xs = xs + (xi,)
+            top = tl.maximum(top, tl.abs(xi))
+        # 2^(F16X2_TOP - e) for the step's largest |x| in [2^e, 2^(e+1)), exponents kept in range.
+        exponent = ((tl.max(top, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        shift = tl.minimum(tl.maximum(F16X2_TOP - exponent, -100), 100)
+        up = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        pairs = ()
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(4):
+            pair = _f16x2_pair(xs[i] * up, xs[i + 4] * up, ASM)
+            if HAS_ZERO:
+                x_sum += xs[i] + xs[i + 4]
+            if ASM:
+                pairs = pairs + (tl.broadcast_to(pair[None, :], (BLOCK_N, BLOCK_W)),)
+            else:
+                pairs = pairs + ((pair[0][None, :], pair[1][None, :]),)
+        part = _f16x2_word(packed, pairs[0], pairs[1], pairs[2], pairs[3], ASM)
+        if SUB > 1:
+            part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // SUB, SUB)), axis=2)
+            x_sum = tl.sum(tl.reshape(x_sum, (BLOCK_W // SUB, SUB)), axis=1)
+        rs = w0 + tl.arange(0, BLOCK_W // SUB) * SUB
+        group = (rs * 8) // GROUP
+        s_ok = (rs < hi)[None, :]
+        s = tl.load(scale + rn_ld[:, None] * stride_sn + group[None, :], mask=s_ok, other=0.0).to(tl.float32)
+        part = part * down
+        if HAS_ZERO:  # stored minus 8: q - zero = (q - 8) - stored
+            z = tl.load(zero + rn_ld[:, None] * stride_zn + group[None, :], mask=s_ok, other=0)
+            part -= z.to(tl.float32) * x_sum[None, :]
+        acc += s * part
+    rm = tl.arange(0, 1)
+    store(out, tl.sum(acc, axis=1)[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)

@@ -18,6 +18,7 @@ the same signatures).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -233,6 +234,13 @@ def w4a16_skinny(
             # The scale is looked up once per SUB words: at most 4, and never across a group's end.
             sub = math.gcd(4, group_size // 8, block_w)
             even = k % 8 == 0 and _even(k // 8, block_w, config)
+            if GEMV4_F16X2 and x2.dtype in (torch.bfloat16, torch.float16):
+                gemv.w4a16_gemv_f16x2_kernel[grid](
+                    x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
+                    SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED, **common,
+                    **pdl.launch_args(x2, GEMV4_PDL),
+                )  # fmt: skip
+                return
             gemv.w4a16_gemv_kernel[grid](
                 x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
                 gemv.MAGIC, SUB=sub, EVEN_K=even, UNROLL=config.unroll, **common,
@@ -314,6 +322,11 @@ def dense_gemv(
 # Whether the one-row 4-bit kernel launches with PDL: off, since with it the INT4 8B step ran 1-6%
 # slower (H200, bench_pdl.py, two calls), unlike bf16 and FP8.
 GEMV4_PDL = False
+# Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (gemv.w4a16_gemv_f16x2_kernel)
+# rather than the fp32 one; fp32 activations always take the fp32 kernel.
+GEMV4_F16X2 = True
+# Read once, as @triton.jit reads it: the interpreter runs no PTX (the f16x2 kernel's fp16 tensors then).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _precision(x: torch.Tensor) -> str:
