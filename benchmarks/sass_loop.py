@@ -94,6 +94,11 @@ def main() -> int:
         cubin.flush()
         command = [str(cuobjdump), "-sass", cubin.name]
         sass = subprocess.run(command, capture_output=True, text=True, check=True)
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True)
+    resources = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage.stdout)
+    if resources:
+        registers, shared, local = resources.groups()
+        print(f"registers {registers}, shared {shared} bytes, local {local} bytes")
     if args.dump:
         args.dump.write_text(sass.stdout)
     for count, ops in loops(sass.stdout):

@@ -97,6 +97,9 @@ def refinements(base: SkinnyConfig, bits: int, rows: int) -> list[SkinnyConfig]:
     unrolls = (1, 2) if bits == 4 else (1, 2, 4)
     if bits == 16:
         return [base._replace(num_warps=w, unroll=u) for w in (4, 8) for u in unrolls]
+    if bits == 4:  # the packed-fp16 kernel's loads a step ahead too
+        return [base._replace(num_warps=w, unroll=u, prefetch=p)
+                for w in (2, 4, 8) for u in unrolls for p in (False, True)]  # fmt: skip
     return [base._replace(num_warps=w, unroll=u) for w in (2, 4, 8) for u in unrolls]
 
 

@@ -42,6 +42,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
         (1, 72, 200, 64, True, SkinnyConfig(16, 128, 2, 4, 2)),  # K not a multiple of the tile or of 8
         (1, 130, 1024, 128, True, SkinnyConfig(32, 256, 3, 4, 2)),  # uneven split of K
         (1, 64, 1024, 128, False, SkinnyConfig(16, 256, 2, 4, 1)),  # even split: no masks along K
+        (1, 40, 2048, 64, True, SkinnyConfig(8, 256, 2, 4, 1, prefetch=True)),  # loads a step ahead
+        (1, 24, 512, 128, False, SkinnyConfig(8, 512, 1, 4, 1, prefetch=True)),  # one step a program
         (1, 50, 512, 16, True, SkinnyConfig(16, 128, 1, 2, 1, unroll=2)),  # scale every 2 words
         (1, 40, 768, 768, False, SkinnyConfig(8, 256, 1, 4, 1)),  # one group per row (per channel)
         (1, 24, 256, 8, True, SkinnyConfig(8, 64, 1, 2, 1)),  # a scale per word

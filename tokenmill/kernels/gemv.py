@@ -245,6 +245,19 @@ def _f16x2_word(packed, p0, p1, p2, p3, ASM: tl.constexpr):
 
 
 @triton.jit
+def _x_step(x, rw, K, hi, EVEN_K: tl.constexpr):
+    """The activations of words rw, as loaded: eight tensors, value 8w + i in the i-th."""
+    xs = ()
+    for i in tl.static_range(8):
+        k = rw * 8 + i
+        if EVEN_K:
+            xs = xs + (tl.load(x + k),)
+        else:
+            xs = xs + (tl.load(x + k, mask=(rw < hi) & (k < K), other=0.0),)
+    return xs
+
+
+@triton.jit
 def w4a16_gemv_f16x2_kernel(
     x,
     w_packed,
@@ -265,6 +278,7 @@ def w4a16_gemv_f16x2_kernel(
     EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr,
     ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """w4a16_gemv_kernel's job (one row of 16-bit x against BLOCK_N rows of the packed weight, BLOCK_W
@@ -278,28 +292,39 @@ def w4a16_gemv_f16x2_kernel(
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
+    if PREFETCH:  # (EVEN_K only) the next step's words and activations are loaded before this step's math
+        ahead = tl.load(base + lo)
+        x_ahead = _x_step(x, lo + cols, K, hi, EVEN_K)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
-        if EVEN_K:
+        if PREFETCH:
+            packed = ahead
+            x_raw = x_ahead
+            following = w0 + BLOCK_W
+            following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
+            ahead = tl.load(base + following)
+            x_ahead = _x_step(x, following + cols, K, hi, EVEN_K)
+        elif EVEN_K:
             packed = tl.load(base + w0)
+            x_raw = _x_step(x, rw, K, hi, EVEN_K)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
+            x_raw = _x_step(x, rw, K, hi, EVEN_K)
         xs = ()
         top = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(8):
-            k = rw * 8 + i
-            if EVEN_K:
-                xi = tl.load(x + k).to(tl.float32)
-            else:
-                xi = tl.load(x + k, mask=(rw < hi) & (k < K), other=0.0).to(tl.float32)
+            xi = x_raw[i].to(tl.float32)
             xs = xs + (xi,)
             top = tl.maximum(top, tl.abs(xi))
-        # 2^(F16X2_TOP - e) for the step's largest |x| in [2^e, 2^(e+1)), exponents kept in range.
-        exponent = ((tl.max(top, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        # 2^(F16X2_TOP - e) for the largest |x| in [2^e, 2^(e+1)) of each SUB words (the words one scale
+        # covers, summed together below), exponents kept in range.
+        chunk_top = tl.max(tl.reshape(top, (BLOCK_W // SUB, SUB)), axis=1)
+        exponent = ((chunk_top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         shift = tl.minimum(tl.maximum(F16X2_TOP - exponent, -100), 100)
-        up = ((shift + 127) << 23).to(tl.float32, bitcast=True)
         down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        up = tl.reshape(tl.broadcast_to(((shift + 127) << 23)[:, None], (BLOCK_W // SUB, SUB)), (BLOCK_W,))
+        up = up.to(tl.float32, bitcast=True)
         pairs = ()
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(4):
@@ -318,7 +343,7 @@ def w4a16_gemv_f16x2_kernel(
         group = (rs * 8) // GROUP
         s_ok = (rs < hi)[None, :]
         s = tl.load(scale + rn_ld[:, None] * stride_sn + group[None, :], mask=s_ok, other=0.0).to(tl.float32)
-        part = part * down
+        part = part * down[None, :]
         if HAS_ZERO:  # stored minus 8: q - zero = (q - 8) - stored
             z = tl.load(zero + rn_ld[:, None] * stride_zn + group[None, :], mask=s_ok, other=0)
             part -= z.to(tl.float32) * x_sum[None, :]

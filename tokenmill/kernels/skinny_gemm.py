@@ -36,6 +36,7 @@ class SkinnyConfig(NamedTuple):
     num_warps: int
     num_stages: int
     unroll: int = 1  # one row: K-loop iterations unrolled, so that their loads are in flight together
+    prefetch: bool = False  # one row, 4-bit, 16-bit x: each step's loads issued a step ahead (registers)
 
 
 @triton.jit
@@ -237,7 +238,8 @@ def w4a16_skinny(
             if GEMV4_F16X2 and x2.dtype in (torch.bfloat16, torch.float16):
                 gemv.w4a16_gemv_f16x2_kernel[grid](
                     x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
-                    SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED, **common,
+                    SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED,
+                    PREFETCH=config.prefetch and even, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
