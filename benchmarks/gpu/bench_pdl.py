@@ -46,20 +46,23 @@ def variants(quantization: str | None) -> list[dict]:
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     if quantization == "int4":
         out.append({"name": "pdl-gemv4-too", "pdl": True, "gemv4_pdl": True})
+        # The one-row 4-bit kernel in fp32 arithmetic, as before the packed-fp16 one (2026-12-03).
+        out.append({"name": "pdl-gemv4-fp32", "pdl": True, "gemv4_f16x2": False})
     return out
 
 
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
-    default_gemv4 = skinny_gemm.GEMV4_PDL
+    default_gemv4, default_f16x2 = skinny_gemm.GEMV4_PDL, skinny_gemm.GEMV4_F16X2
     skinny_gemm.GEMV4_PDL = variant.get("gemv4_pdl", default_gemv4)
+    skinny_gemm.GEMV4_F16X2 = variant.get("gemv4_f16x2", default_f16x2)
     linear.DENSE_GEMV = variant.get("gemv", True)
     try:
         graphs = DecodeGraphs(runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device)
         graphs.capture()
     finally:
         pdl.enabled = _PDL_ENABLED
-        skinny_gemm.GEMV4_PDL = default_gemv4
+        skinny_gemm.GEMV4_PDL, skinny_gemm.GEMV4_F16X2 = default_gemv4, default_f16x2
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])
