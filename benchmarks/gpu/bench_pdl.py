@@ -34,8 +34,8 @@ _PDL_ENABLED = pdl.enabled
 
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
-    and with dense_gemv; a quantized one with and without PDL (int4 also with PDL on its GEMV, which
-    the default leaves off)."""
+    and with dense_gemv; a quantized one with and without PDL (int4 also with its one-row GEMV
+    launched plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one)."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -45,9 +45,10 @@ def variants(quantization: str | None) -> list[dict]:
         ]
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     if quantization == "int4":
-        out.append({"name": "pdl-gemv4-too", "pdl": True, "gemv4_pdl": True})
-        # The one-row 4-bit kernel in fp32 arithmetic, as before the packed-fp16 one (2026-12-03).
-        out.append({"name": "pdl-gemv4-fp32", "pdl": True, "gemv4_f16x2": False})
+        out.append({"name": "pdl-gemv4-plain", "pdl": True, "gemv4_pdl": False})
+        # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
+        # packed-fp16 kernel.
+        out.append({"name": "pdl-gemv4-fp32-plain", "pdl": True, "gemv4_f16x2": False, "gemv4_pdl": False})
     return out
 
 

@@ -143,11 +143,15 @@ def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> S
     (Llama-3.1-8B's linears, docs/performance.md): at one row, small programs reading wide rows along K,
     the loop unrolled; K split only where the grid would otherwise leave SMs without a program."""
     if m == 1:
-        if bits == 4:
+        if bits == 4:  # the packed-fp16 kernel's sweep of 2026-12-03 (gate+up, down, O, QKV)
             if n >= 16384:
-                config = SkinnyConfig(16, 1024, 1, num_warps=4, num_stages=1, unroll=2)
+                config = SkinnyConfig(16, 1024, 1, num_warps=4, num_stages=1)
+            elif k >= 8192:
+                config = SkinnyConfig(16, 2048, 1, num_warps=8, num_stages=1, prefetch=True)
+            elif n <= 4096:
+                config = SkinnyConfig(8, 2048, 1, num_warps=4, num_stages=1, unroll=2)
             else:
-                config = SkinnyConfig(8 if n <= 4096 else 16, 2048, 1, num_warps=4, num_stages=1, unroll=2)
+                config = SkinnyConfig(16, 2048, 1, num_warps=8, num_stages=1, unroll=2)
         elif bits == 16:  # the sweep of 2026-12-03: LM head, gate+up, down, O, QKV of the 8B shape
             if n >= 65536:
                 config = SkinnyConfig(8, 512, 1, num_warps=4, num_stages=1)
@@ -321,9 +325,9 @@ def dense_gemv(
     return launch_over_rows(x, m, n, config, launch, bias)
 
 
-# Whether the one-row 4-bit kernel launches with PDL: off, since with it the INT4 8B step ran 1-6%
-# slower (H200, bench_pdl.py, two calls), unlike bf16 and FP8.
-GEMV4_PDL = False
+# Whether the one-row 4-bit kernels launch with PDL: on since the packed-fp16 kernel (INT4 8B step 2.400
+# against 2.541 ms without, H200, bench_pdl.py, 2026-12-03); the fp32 kernel had run 1-6% slower with it.
+GEMV4_PDL = True
 # Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (gemv.w4a16_gemv_f16x2_kernel)
 # rather than the fp32 one; fp32 activations always take the fp32 kernel.
 GEMV4_F16X2 = True
