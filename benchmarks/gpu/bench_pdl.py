@@ -34,7 +34,8 @@ _PDL_ENABLED = pdl.enabled
 
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
-    and with dense_gemv; a quantized one with and without PDL (int4 also with its one-row GEMV
+    and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
+    tile loaded before the PDL wait (skinny_gemm.GEMV_EARLY) (int4 also with its one-row GEMV
     launched plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one)."""
     if quantization is None:
         return [
@@ -42,8 +43,10 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "cublas-pdl", "pdl": True, "gemv": False},
             {"name": "triton-nopdl", "pdl": False, "gemv": True},
             {"name": "triton-pdl", "pdl": True, "gemv": True},
+            {"name": "triton-pdl-early", "pdl": True, "gemv": True, "early": True},
         ]
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
+    out.append({"name": "pdl-early", "pdl": True, "early": True})
     if quantization == "int4":
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "gemv4_pdl": False})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
@@ -55,8 +58,10 @@ def variants(quantization: str | None) -> list[dict]:
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
     default_gemv4, default_f16x2 = skinny_gemm.GEMV4_PDL, skinny_gemm.GEMV4_F16X2
+    default_early = skinny_gemm.GEMV_EARLY
     skinny_gemm.GEMV4_PDL = variant.get("gemv4_pdl", default_gemv4)
     skinny_gemm.GEMV4_F16X2 = variant.get("gemv4_f16x2", default_f16x2)
+    skinny_gemm.GEMV_EARLY = variant.get("early", default_early)
     linear.DENSE_GEMV = variant.get("gemv", True)
     try:
         graphs = DecodeGraphs(runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device)
@@ -64,6 +69,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     finally:
         pdl.enabled = _PDL_ENABLED
         skinny_gemm.GEMV4_PDL, skinny_gemm.GEMV4_F16X2 = default_gemv4, default_f16x2
+        skinny_gemm.GEMV_EARLY = default_early
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

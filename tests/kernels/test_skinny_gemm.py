@@ -137,6 +137,34 @@ def test_dense_gemv_matches_matmul(n, k, config, dtype) -> None:
         dense_gemv(torch.randn(2, k).to(DEVICE, dtype), w)
 
 
+@pytest.mark.parametrize("kind", ["w4", "w8", "dense"])
+def test_one_row_kernels_with_their_first_tile_before_the_pdl_wait(kind, monkeypatch) -> None:
+    """skinny_gemm.GEMV_EARLY: the first weight tile is loaded ahead of the loop (before the PDL wait on a
+    GPU); the results stay those of the reference, over several steps a program and split K."""
+    from tokenmill.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "GEMV_EARLY", True)
+    n, k = 40, 2048
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+    if kind == "w4":
+        packed, scale, zero = int4_weight(n, k, 128, True, seed=4)
+        got = w4a16_skinny(x, packed, scale, zero, 128, config=SkinnyConfig(8, 256, 2, 4, 1, prefetch=True))
+        want = x.double() @ dequantize_int4(packed, scale, zero, 128, k, torch.float64).t()
+    elif kind == "w8":
+        w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE)
+        w_scale = torch.rand(n, 1, generator=gen) * 0.01 + 1e-3
+        got = w8a16_skinny(
+            x, w_q.to(DEVICE), w_scale.to(DEVICE), config=SkinnyConfig(8, 256, 2, 4, 1, unroll=2)
+        )
+        want = x.double() @ (w_q.double() * w_scale.double()).t().to(DEVICE)
+    else:
+        w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+        got = dense_gemv(x, w, config=SkinnyConfig(16, 512, 1, 4, 1))
+        want = x.double() @ w.double().t()
+    assert_close(got, want, torch.bfloat16)
+
+
 def test_leading_dims_empty_batch_and_limits() -> None:
     packed, scale, _ = int4_weight(64, 64, 32, False, seed=1)
     x = torch.randn(2, 3, 64).to(DEVICE)

@@ -45,14 +45,16 @@ def span(units, pid_k, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _program_rows(w, N, units, stride_wn, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
-                  PDL: tl.constexpr):  # fmt: skip
+                  PDL: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
     """A one-row program's output rows, whether each is real, the pointers to the first BLOCK units of its
     weight rows (rows past N read row N-1's copy, never stored) and its [lo, hi) along K; then the PDL
-    wait, after which the program may read x."""
+    wait, after which the program may read x (with EARLY the caller waits, after loading its first
+    weight tile: the weights are no earlier kernel's output)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     base = w + (rn % N)[:, None] * stride_wn + tl.arange(0, BLOCK)[None, :]
     lo, hi = span(units, tl.program_id(1), SPLIT_K, BLOCK)
-    pdl.start(PDL)
+    if not EARLY:
+        pdl.start(PDL)
     return rn, rn < N, base, lo, hi
 
 
@@ -87,7 +89,7 @@ def w4a16_gemv_kernel(
     of x. With EVEN_K no load is masked along K (the loads stay 16-byte vectors); rows past N read row
     N-1's copy and are not stored."""
     rn, n_ok, base, lo, hi = _program_rows(
-        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL
+        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, False
     )
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_W)
@@ -153,18 +155,29 @@ def w8a16_gemv_kernel(
     UNROLL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     VEC: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One row of x against BLOCK_N rows of e4m3 weights (HAS_SCALE: the row scale applied to the sum) or
     of 16-bit ones (no scale; VEC values to a 16-byte load: 16 or 8): products summed in fp32 registers
     and reduced across threads once at the end. (A tile of 8-bit values carried
     across iterations, as a register prefetch would, is held a byte per register: the repacking costs
-    more than the overlap gains, seen in the SASS. Unrolling puts the loads in flight together instead.)"""
-    rn, n_ok, base, lo, hi = _program_rows(w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL)
+    more than the overlap gains, seen in the SASS. Unrolling puts the loads in flight together instead.)
+    EARLY (EVEN_K, under PDL): the first tile of weights is loaded before the PDL wait, while the kernel
+    before still runs, and multiplied once x may be read; the loop takes the rest."""
+    rn, n_ok, base, lo, hi = _program_rows(w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY)
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in tl.range(lo, hi, BLOCK_K, loop_unroll_factor=UNROLL):
+    start = lo
+    if EARLY:
+        first = tl.load(base + lo)
+        pdl.start(PDL)
+        xk = tl.load(x + tl.broadcast_to((lo + cols)[None, :], (BLOCK_N, BLOCK_K)))
+        product = first.to(tl.float32) * xk.to(tl.float32)
+        acc += tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+        start = lo + BLOCK_K
+    for k0 in tl.range(start, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
         rk = k0 + cols
         # x is loaded as a [BLOCK_N, BLOCK_K] tile (each thread reads the x values of its own weight
@@ -279,6 +292,7 @@ def w4a16_gemv_f16x2_kernel(
     UNROLL: tl.constexpr,
     ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """w4a16_gemv_kernel's job (one row of 16-bit x against BLOCK_N rows of the packed weight, BLOCK_W
@@ -287,13 +301,15 @@ def w4a16_gemv_f16x2_kernel(
     power of two (F16X2_TOP) and makes the f16x2 pairs once for all BLOCK_N rows; a word's eight
     products are summed in fp16, everything past the word in fp32, unscaled with the group's scale."""
     rn, n_ok, base, lo, hi = _program_rows(
-        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL
+        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY
     )
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
     if PREFETCH:  # (EVEN_K only) the next step's words and activations are loaded before this step's math
         ahead = tl.load(base + lo)
+        if EARLY:  # (PREFETCH only) the first words before the PDL wait, x after it
+            pdl.start(PDL)
         x_ahead = _x_step(x, lo + cols, K, hi, EVEN_K)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)

@@ -243,7 +243,8 @@ def w4a16_skinny(
                 gemv.w4a16_gemv_f16x2_kernel[grid](
                     x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
                     SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED,
-                    PREFETCH=config.prefetch and even, **common,
+                    PREFETCH=config.prefetch and even, EARLY=GEMV_EARLY and config.prefetch and even,
+                    **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
@@ -287,9 +288,10 @@ def w8a16_skinny(
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                       num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
         if m == 1:
+            even = _even(k, config.block_k, config)
             gemv.w8a16_gemv_kernel[grid](
                 x2, w_q, w_scale, out, n, k, w_q.stride(0),
-                EVEN_K=_even(k, config.block_k, config), UNROLL=config.unroll, HAS_SCALE=True, VEC=16,
+                EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=GEMV_EARLY and even,
                 **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
@@ -315,11 +317,12 @@ def dense_gemv(
     config = config or default_config(1, n, k, 16, x.device)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
+        even = _even(k, config.block_k, config)
         gemv.w8a16_gemv_kernel[grid](
             x2, w, w, out, n, k, w.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            SPLIT_K=config.split_k, EVEN_K=_even(k, config.block_k, config), UNROLL=config.unroll,
-            HAS_SCALE=False, VEC=8, num_warps=config.num_warps, num_stages=config.num_stages,
-            **pdl.launch_args(x2),
+            SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll,
+            HAS_SCALE=False, VEC=8, EARLY=GEMV_EARLY and even, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip
 
     return launch_over_rows(x, m, n, config, launch, bias)
@@ -331,6 +334,11 @@ GEMV4_PDL = True
 # Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (gemv.w4a16_gemv_f16x2_kernel)
 # rather than the fp32 one; fp32 activations always take the fp32 kernel.
 GEMV4_F16X2 = True
+# Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
+# still runs (the 4-bit one where its config loads a step ahead): a candidate, off until timed (a GEMV that
+# asked L2 for 4-16 KB of every weight row there, far more bytes, made the step slower: eighteenth
+# session, docs/performance.md).
+GEMV_EARLY = False
 # Read once, as @triton.jit reads it: the interpreter runs no PTX (the f16x2 kernel's fp16 tensors then).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
