@@ -158,12 +158,21 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
         # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
         skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
-        # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear): one dot a plane at 2 rows, the
-        # natural order at 16-128 (16, 64 and 2 x 64 activation rows a program), with the inline PTX.
+        # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear) at 2-128 rows (16, 64 and 2 x 64
+        # activation rows a program; the weight as the A operand up to 64), with the inline PTX.
         for rows in (2, 16, 64, 128):
             w4a16_mma.w4a16_mma(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
         int4_gemm.dequantize(packed, scale, None, 128, k, dtype)
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+        # The candidate of the one-row kernels' first weight tile before the PDL wait.
+        skinny_gemm.GEMV_EARLY = True
+        try:
+            x = torch.empty(1, k, dtype=dtype)
+            skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
+            skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+            skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
+        finally:
+            skinny_gemm.GEMV_EARLY = False
 
 
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:

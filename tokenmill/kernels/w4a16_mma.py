@@ -14,10 +14,10 @@ takes the magic and the stored offset 8 away: q in x's dtype, two values for two
 shift for three pairs of four), no conversion. The pairs (i, i + 4) of every word form a
 [BLOCK_N, 32] plane. The four planes are joined back into K's order (natural_order: register moves
 only) for one tl.dot over the group with x read as it lies; with SWAP the weight is the MMA's A operand
-(out^T = W x^T), which the H200 ran fastest up to 64 rows. (One dot a plane with x gathered, the order
-this kernel began with, still runs up to PLANE_ROWS rows; it measured no faster at 2 and slower above.)
-BLOCK_M rows of activations a program (16, the smallest tensor-core
-tile, to 64; rows past M are zero). The group's scale and zero point are applied to the fp32 sums
+(out^T = W x^T), which the H200 ran fastest up to 64 rows. (Measured and removed, 2026-12-03: one dot a
+plane with x gathered, no faster at 2 rows and slower above; each group's words loaded a step ahead,
+no faster.) BLOCK_M rows of activations a program (16, the smallest tensor-core tile, to 64; rows past
+M are zero). The group's scale and zero point are applied to the fp32 sums
 once per group: acc += s (sum_k x_k q_k - zero sum_k x_k). The interpreter (no PTX) takes the
 nibbles with shifts and masks instead: the same values.
 The reference is kernels/quant_reference.py's w4a16_gemm.
@@ -36,8 +36,6 @@ from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_row
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
 MAX_ROWS = 128  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
-PLANE_ROWS = 1  # up to these rows one dot a plane (x gathered); above them the natural order (H200,
-# 2026-12-03: equal at 2 rows, the natural order with the weight as the A operand faster from 4)
 # Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -131,10 +129,7 @@ def _w4a16_mma_kernel(
     SPLIT_K: tl.constexpr,
     ASM: tl.constexpr,
     BF16: tl.constexpr,
-    ONE_ROW: tl.constexpr,
-    NATURAL: tl.constexpr,
     SWAP: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
@@ -149,54 +144,21 @@ def _w4a16_mma_kernel(
     rw = tl.arange(0, WORDS)
     w_rows = w_packed + rn_ld[:, None] * stride_wn + rw[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:  # the words of each group loaded one iteration ahead, by hand (the pipeliner does not)
-        ahead = tl.load(w_rows + lo, mask=lo < hi, other=0)
     for w0 in range(lo, hi, WORDS):
         w0 = tl.multiple_of(w0, WORDS)
-        if PREFETCH:
-            packed = ahead
-            ahead = tl.load(w_rows + w0 + WORDS, mask=w0 + WORDS < hi, other=0)
+        packed = tl.load(w_rows + w0)
+        tile = natural_order(nibble_planes(packed, x.dtype.element_ty, ASM, BF16), BLOCK_N, WORDS)
+        k = w0 * 8 + tl.arange(0, 8 * WORDS)
+        xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+        if SWAP:  # the weight as the MMA's A operand, which may stay in registers: out^T = W x^T
+            part = tl.trans(tl.dot(tile, tl.trans(xi)))
         else:
-            packed = tl.load(w_rows + w0)
-        planes = nibble_planes(packed, x.dtype.element_ty, ASM, BF16)
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        x_part = tl.zeros([2 * WORDS], dtype=tl.float32)
-        if NATURAL:  # the four planes put back in K's order: one dot over the group, x read as it lies
-            k = w0 * 8 + tl.arange(0, 8 * WORDS)
-            if ONE_ROW:
-                x_row = tl.load(x + k)
-                xi = tl.where(rm[:, None] == 0, x_row[None, :], tl.zeros_like(x_row)[None, :])
-            else:
-                xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
-            tile = natural_order(planes, BLOCK_N, WORDS)
-            if SWAP:  # the weight as the MMA's A operand, which may stay in registers: out^T = W x^T
-                part = tl.trans(tl.dot(tile, tl.trans(xi)))
-            else:
-                part = tl.dot(xi, tl.trans(tile), part)
-            if HAS_ZERO:
-                x_sum = tl.sum(xi.to(tl.float32), axis=1)
-        for i in tl.static_range(4 * (1 - NATURAL)):
-            # Plane i's values are 8w + i and 8w + i + 4 of each word w, in that order along K.
-            k = tl.reshape(tl.join((w0 + rw) * 8 + i, (w0 + rw) * 8 + i + 4), [2 * WORDS])
-            if ONE_ROW:  # one load of the row; the tile's other rows are zeros
-                x_row = tl.load(x + k)
-                xi = tl.where(rm[:, None] == 0, x_row[None, :], tl.zeros_like(x_row)[None, :])
-            else:
-                xi = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
-            plane = tl.reshape(planes[i], [BLOCK_N, 2 * WORDS])
-            part = tl.dot(xi, tl.trans(plane), part)
-            if HAS_ZERO and ONE_ROW:  # elementwise here, reduced once per group below
-                x_part += x_row.to(tl.float32)
-            elif HAS_ZERO:
-                x_sum += tl.sum(xi.to(tl.float32), axis=1)
+            part = tl.dot(xi, tl.trans(tile))
         group = (w0 * 8) // GROUP
         s = tl.load(scale + rn_ld * stride_sn + group).to(tl.float32)
-        if HAS_ZERO and ONE_ROW and not NATURAL:  # the row's sum, in the tile's row 0
-            x_sum = tl.where(rm == 0, tl.sum(x_part, axis=0), 0.0)
         if HAS_ZERO:
             z = tl.load(zero + rn_ld * stride_zn + group).to(tl.float32)
-            part -= x_sum[:, None] * z[None, :]
+            part -= tl.sum(xi.to(tl.float32), axis=1)[:, None] * z[None, :]
         acc += part * s[None, :]
     gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
@@ -242,15 +204,11 @@ def w4a16_mma(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
-    natural: bool | None = None,
     swap: bool | None = None,
-    prefetch: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype. natural: the
-    dequantized planes put back in K's order for one dot a group, else one dot a plane with x gathered
-    (by default, above PLANE_ROWS rows). swap (natural order only): the weight as the MMA's first
-    operand; by default where programs take 64 weight rows (faster there, slower at 128).
-    prefetch (a candidate, no faster on the H200): each group's words loaded one iteration ahead."""
+    """x [..., K] (bf16 or fp16, at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype. swap: the
+    weight as the MMA's first operand; by default where programs take 64 weight rows (faster there,
+    slower at 128)."""
     k = x.shape[-1]
     if not supports(x, group_size, k):
         raise ValueError(
@@ -262,7 +220,6 @@ def w4a16_mma(
     config = config or default_config(n, k, x.device, m=m)
     zero_arg = zero if zero is not None else scale
     block_m = block_rows(m)
-    natural = m > PLANE_ROWS if natural is None else natural
     swap = config.block_n <= 64 if swap is None else swap
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
@@ -272,8 +229,7 @@ def w4a16_mma(
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
             WORDS=TILE_K // 8,
             SPLIT_K=config.split_k, ASM=not INTERPRETED,
-            BF16=x.dtype == torch.bfloat16, ONE_ROW=m == 1, NATURAL=natural,
-            SWAP=swap and natural, PREFETCH=prefetch, num_warps=config.num_warps,
+            BF16=x.dtype == torch.bfloat16, SWAP=swap, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip
 
