@@ -45,6 +45,7 @@ from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
+from tokenmill.kernels.gemv import F16X2_MAX_ROWS  # noqa: E402
 from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig,
@@ -277,6 +278,16 @@ def skinny_fp32(*args, **kwargs) -> torch.Tensor:
         skinny_gemm_module.GEMV4_F16X2 = True
 
 
+def packed_rows(*args, **kwargs) -> torch.Tensor:
+    """w4a16_skinny with several rows of 16-bit activations in the packed-fp16 kernel (GEMV4_ROWS)."""
+    default = skinny_gemm_module.GEMV4_ROWS
+    skinny_gemm_module.GEMV4_ROWS = F16X2_MAX_ROWS
+    try:
+        return w4a16_skinny(*args, **kwargs)
+    finally:
+        skinny_gemm_module.GEMV4_ROWS = default
+
+
 def int4_rows_case(name: str, rows: int) -> dict:
     """INT4 at `rows` activation rows: bf16 cuBLAS and every INT4 path (module docstring, --int4-rows)."""
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
@@ -291,6 +302,11 @@ def int4_rows_case(name: str, rows: int) -> dict:
         paths["skinny"] = w4a16_skinny
     if rows == 1:  # the one-row kernel in fp32 arithmetic, as before the packed-fp16 one
         paths["skinny_fp32"] = skinny_fp32
+    if 2 <= rows <= F16X2_MAX_ROWS:  # the packed-fp16 kernel over several rows (skinny_gemm.GEMV4_ROWS)
+        paths["packed_rows"] = packed_rows
+        for block_n, warps in ((8, 4), (16, 4), (8, 8)):
+            config = SkinnyConfig(block_n, 1024, 1, warps, 1)
+            paths[f"packed_rows_{block_n}x{warps}w"] = lambda *a, c=config: packed_rows(*a, config=c)
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
     # (block_n, swap) at 4 warps (8 never won; one dot a plane and loads a step ahead lost, 2026-12-03)

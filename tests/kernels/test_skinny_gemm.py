@@ -137,6 +137,40 @@ def test_dense_gemv_matches_matmul(n, k, config, dtype) -> None:
         dense_gemv(torch.randn(2, k).to(DEVICE, dtype), w)
 
 
+@pytest.mark.parametrize(
+    ("m", "k", "group", "zeros", "config"),
+    [
+        (2, 1024, 128, False, SkinnyConfig(16, 256, 1, 4, 1)),
+        (3, 200, 64, True, SkinnyConfig(8, 128, 2, 4, 1)),  # K not a multiple of the tile or of 8
+        (4, 2048, 128, True, SkinnyConfig(8, 256, 2, 4, 1, prefetch=True)),
+        (4, 512, 16, False, None),  # a scale every two words; the one-row default tiles
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_packed_kernel_over_several_rows(m, k, group, zeros, config, dtype, monkeypatch) -> None:
+    """skinny_gemm.GEMV4_ROWS: 2-4 rows of 16-bit activations through the packed-fp16 kernel, each weight
+    word unpacked once for every row; rows of very different magnitudes scale apart."""
+    from tokenmill.kernels import int4_gemm, skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "GEMV4_ROWS", 4)
+    n = 40
+    packed, scale, zero = int4_weight(n, k, group, zeros, seed=m + k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen) * torch.tensor([1.0, 1e-3, 30.0, 1.0])[:m, None]
+    x = x.to(DEVICE, dtype)
+    got = w4a16_skinny(x, packed, scale, zero, group, config=config)
+    want = x.double() @ dequantize_int4(packed, scale, zero, group, k, torch.float64).t()
+    assert got.shape == (m, n) and got.dtype == dtype
+    for row in range(m):  # each row against its own magnitude
+        assert_close(got[row : row + 1], want[row : row + 1], dtype)
+    assert skinny_gemm.packed_kernel_takes(dtype, m) and not skinny_gemm.packed_kernel_takes(torch.float32, m)
+    assert not skinny_gemm.packed_kernel_takes(dtype, 5)
+    if group % 128 == 0 and k % group == 0:  # the INT4 linears' dispatch sends these rows here too
+        routed = int4_gemm.w4a16_linear(x, packed, scale, zero, group)
+        for row in range(m):
+            assert_close(routed[row : row + 1], want[row : row + 1], dtype)
+
+
 @pytest.mark.parametrize("kind", ["w4", "w8", "dense"])
 def test_one_row_kernels_with_their_first_tile_before_the_pdl_wait(kind, monkeypatch) -> None:
     """skinny_gemm.GEMV_EARLY: the first weight tile is loaded ahead of the loop (before the PDL wait on a

@@ -201,23 +201,40 @@ def w8a16_gemv_kernel(
     store(out, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
 
 
-# One word of eight 4-bit values against its eight activations, in packed 16-bit halves (PTX, sm_80+):
-# $1 the word; $2..$5 the activations (8w + i, 8w + i + 4) as f16x2 pairs, i = 0..3; $0 the fp32 sum of
-# the eight products. LOP3 puts nibbles i and i + 4 into two fp16 mantissas over 1024 (for i = 1 and 3
-# four bits up: over 1024 in steps of 16); one packed subtract (or, four bits up, a packed FMA by 1/16)
-# takes 1024 + 8 away; four packed FMAs sum the products; 13 instructions a word, where fp32 needs 24.
-_F16X2_WORD_ASM = tl.constexpr(
-    "{\n.reg .b32 w, q0, q1, q2, q3, acc, c, s, o;\n.reg .b16 l, h;\n.reg .f32 fl, fh;\n"
-    "mov.b32 c, 0x64086408;\nmov.b32 s, 0x2c002c00;\nmov.b32 o, 0xd480d480;\n"
-    "lop3.b32 q0, $1, 0x000f000f, 0x64006400, 0xea;\nlop3.b32 q1, $1, 0x00f000f0, 0x64006400, 0xea;\n"
-    "shr.b32 w, $1, 8;\n"
-    "lop3.b32 q2, w, 0x000f000f, 0x64006400, 0xea;\nlop3.b32 q3, w, 0x00f000f0, 0x64006400, 0xea;\n"
-    "sub.rn.f16x2 q0, q0, c;\nfma.rn.f16x2 q1, q1, s, o;\n"
-    "sub.rn.f16x2 q2, q2, c;\nfma.rn.f16x2 q3, q3, s, o;\n"
-    "mul.rn.f16x2 acc, q0, $2;\nfma.rn.f16x2 acc, q1, $3, acc;\n"
-    "fma.rn.f16x2 acc, q2, $4, acc;\nfma.rn.f16x2 acc, q3, $5, acc;\n"
-    "mov.b32 {l, h}, acc;\ncvt.f32.f16 fl, l;\ncvt.f32.f16 fh, h;\nadd.f32 $0, fl, fh;\n}"
-)
+# One word of eight 4-bit values against its eight activations in each of ROWS rows, in packed 16-bit
+# halves (PTX, sm_80+): $ROWS the word; then for each row r the activations (8w + i, 8w + i + 4) as f16x2
+# pairs, i = 0..3; $r the fp32 sum of row r's eight products. LOP3 puts nibbles i and i + 4 into two fp16
+# mantissas over 1024 (for i = 1 and 3 four bits up: over 1024 in steps of 16); one packed subtract (or,
+# four bits up, a packed FMA by 1/16) takes 1024 + 8 away; four packed FMAs a row sum the products: 13
+# instructions a word for one row, where fp32 needs 24, and 7 for each further row (the word unpacked once).
+def _f16x2_word_asm(rows: int) -> str:
+    word = f"${rows}"
+    lines = [
+        "{", ".reg .b32 w, q0, q1, q2, q3, acc, c, s, o;", ".reg .b16 l, h;", ".reg .f32 fl, fh;",
+        "mov.b32 c, 0x64086408;", "mov.b32 s, 0x2c002c00;", "mov.b32 o, 0xd480d480;",
+        f"lop3.b32 q0, {word}, 0x000f000f, 0x64006400, 0xea;",
+        f"lop3.b32 q1, {word}, 0x00f000f0, 0x64006400, 0xea;",
+        f"shr.b32 w, {word}, 8;",
+        "lop3.b32 q2, w, 0x000f000f, 0x64006400, 0xea;", "lop3.b32 q3, w, 0x00f000f0, 0x64006400, 0xea;",
+        "sub.rn.f16x2 q0, q0, c;", "fma.rn.f16x2 q1, q1, s, o;",
+        "sub.rn.f16x2 q2, q2, c;", "fma.rn.f16x2 q3, q3, s, o;",
+    ]  # fmt: skip
+    for r in range(rows):
+        x = [f"${rows + 1 + 4 * r + i}" for i in range(4)]
+        lines += [
+            f"mul.rn.f16x2 acc, q0, {x[0]};", f"fma.rn.f16x2 acc, q1, {x[1]}, acc;",
+            f"fma.rn.f16x2 acc, q2, {x[2]}, acc;", f"fma.rn.f16x2 acc, q3, {x[3]}, acc;",
+            "mov.b32 {l, h}, acc;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", f"add.f32 ${r}, fl, fh;",
+        ]  # fmt: skip
+    return "\n".join(lines + ["}"])
+
+
+# Rows of activations the packed kernel takes in one program (each word unpacked once for all of them).
+F16X2_MAX_ROWS = 4
+_F16X2_WORD_ASM = tl.constexpr(_f16x2_word_asm(1))
+_F16X2_WORD_ASM_2 = tl.constexpr(_f16x2_word_asm(2))
+_F16X2_WORD_ASM_3 = tl.constexpr(_f16x2_word_asm(3))
+_F16X2_WORD_ASM_4 = tl.constexpr(_f16x2_word_asm(4))
 # Two fp32 -> one f16x2 register: $1 in the low half, $2 in the high.
 _F16X2_PAIR_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
 # The activations a step are scaled by a power of two that puts their largest magnitude in [128, 256):
@@ -238,23 +255,53 @@ def _f16x2_pair(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _f16x2_word(packed, p0, p1, p2, p3, ASM: tl.constexpr):
-    """The fp32 sum of a word's eight products (_F16X2_WORD_ASM); the interpreter does the same
-    arithmetic in fp16 tensors (the products and the four-term sums in fp16, as the packed halves)."""
+def _f16x2_words(packed, pairs, ROWS: tl.constexpr, ASM: tl.constexpr):
+    """For each of ROWS rows, the fp32 sum of a word's eight products with that row's activation pairs
+    (pairs[r], four f16x2 tensors; _f16x2_word_asm): a tuple of ROWS tensors. The interpreter does the
+    same arithmetic in fp16 tensors (the products and the four-term sums in fp16, as the packed halves)."""
     if ASM:
-        return tl.inline_asm_elementwise(
-            _F16X2_WORD_ASM, "=f,r,r,r,r,r", [packed, p0, p1, p2, p3], dtype=tl.float32, is_pure=True, pack=1
-        )
+        a = pairs[0]
+        if ROWS == 1:
+            sums = (tl.inline_asm_elementwise(
+                _F16X2_WORD_ASM, "=f,r,r,r,r,r", [packed, a[0], a[1], a[2], a[3]],
+                dtype=tl.float32, is_pure=True, pack=1,
+            ),)  # fmt: skip
+        elif ROWS == 2:
+            b = pairs[1]
+            sums = tl.inline_asm_elementwise(
+                _F16X2_WORD_ASM_2, "=f,=f" + ",r" * 9,
+                [packed, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+            )  # fmt: skip
+        elif ROWS == 3:
+            b, c = pairs[1], pairs[2]
+            sums = tl.inline_asm_elementwise(
+                _F16X2_WORD_ASM_3, "=f,=f,=f" + ",r" * 13,
+                [packed, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]],
+                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            tl.static_assert(ROWS == 4, "the packed 4-bit kernel takes 1 to 4 rows")
+            b, c, d = pairs[1], pairs[2], pairs[3]
+            sums = tl.inline_asm_elementwise(
+                _F16X2_WORD_ASM_4, "=f,=f,=f,=f" + ",r" * 17,
+                [packed, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3],
+                 d[0], d[1], d[2], d[3]],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
+            )  # fmt: skip
     else:
-        low = tl.zeros(packed.shape, dtype=tl.float16)
-        high = tl.zeros(packed.shape, dtype=tl.float16)
-        for i in tl.static_range(4):
-            pair = (p0, p1, p2, p3)[i]
-            q_low = (((packed >> (4 * i)) & 0xF) - 8).to(tl.float16)
-            q_high = (((packed >> (4 * i + 16)) & 0xF) - 8).to(tl.float16)
-            low = (low + q_low * pair[0]).to(tl.float16)
-            high = (high + q_high * pair[1]).to(tl.float16)
-        return low.to(tl.float32) + high.to(tl.float32)
+        sums = ()
+        for r in tl.static_range(ROWS):
+            low = tl.zeros(packed.shape, dtype=tl.float16)
+            high = tl.zeros(packed.shape, dtype=tl.float16)
+            for i in tl.static_range(4):
+                pair = pairs[r][i]
+                q_low = (((packed >> (4 * i)) & 0xF) - 8).to(tl.float16)
+                q_high = (((packed >> (4 * i + 16)) & 0xF) - 8).to(tl.float16)
+                low = (low + q_low * pair[0]).to(tl.float16)
+                high = (high + q_high * pair[1]).to(tl.float16)
+            sums = sums + (low.to(tl.float32) + high.to(tl.float32),)
+    return sums
 
 
 @triton.jit
@@ -279,11 +326,14 @@ def w4a16_gemv_f16x2_kernel(
     out,
     N,
     K,
+    stride_xm,
     stride_wn,
     stride_sn,
     stride_zn,
+    stride_om,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     SUB: tl.constexpr,
@@ -295,22 +345,25 @@ def w4a16_gemv_f16x2_kernel(
     EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """w4a16_gemv_kernel's job (one row of 16-bit x against BLOCK_N rows of the packed weight, BLOCK_W
-    words a step) in packed fp16 arithmetic: 13 instructions a word of eight values (_F16X2_WORD_ASM)
-    where the fp32 kernel spends three a value. Each step scales its BLOCK_W words of activations by a
-    power of two (F16X2_TOP) and makes the f16x2 pairs once for all BLOCK_N rows; a word's eight
-    products are summed in fp16, everything past the word in fp32, unscaled with the group's scale."""
+    """w4a16_gemv_kernel's job for ROWS (1 to F16X2_MAX_ROWS) rows of 16-bit x against BLOCK_N rows of the
+    packed weight, BLOCK_W words a step, in packed fp16 arithmetic: 13 instructions a word of eight
+    values for the first row (_f16x2_word_asm) where the fp32 kernel spends three a value, 7 for each
+    further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)
+    and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
+    fp16, everything past the word in fp32, unscaled with the group's scale."""
     rn, n_ok, base, lo, hi = _program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY
     )
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_W)
-    acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
+    accs = ()
+    for _ in tl.static_range(ROWS):
+        accs = accs + (tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32),)
     if PREFETCH:  # (EVEN_K only) the next step's words and activations are loaded before this step's math
         ahead = tl.load(base + lo)
         if EARLY:  # (PREFETCH only) the first words before the PDL wait, x after it
             pdl.start(PDL)
-        x_ahead = _x_step(x, lo + cols, K, hi, EVEN_K)
+        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, ROWS, EVEN_K)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
@@ -320,49 +373,82 @@ def w4a16_gemv_f16x2_kernel(
             following = w0 + BLOCK_W
             following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
             ahead = tl.load(base + following)
-            x_ahead = _x_step(x, following + cols, K, hi, EVEN_K)
+            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, ROWS, EVEN_K)
         elif EVEN_K:
             packed = tl.load(base + w0)
-            x_raw = _x_step(x, rw, K, hi, EVEN_K)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
-            x_raw = _x_step(x, rw, K, hi, EVEN_K)
-        xs = ()
-        top = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = x_raw[i].to(tl.float32)
-            xs = xs + (xi,)
-            top = tl.maximum(top, tl.abs(xi))
-        # 2^(F16X2_TOP - e) for the largest |x| in [2^e, 2^(e+1)) of each SUB words (the words one scale
-        # covers, summed together below), exponents kept in range.
-        chunk_top = tl.max(tl.reshape(top, (BLOCK_W // SUB, SUB)), axis=1)
-        exponent = ((chunk_top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        shift = tl.minimum(tl.maximum(F16X2_TOP - exponent, -100), 100)
-        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-        up = tl.reshape(tl.broadcast_to(((shift + 127) << 23)[:, None], (BLOCK_W // SUB, SUB)), (BLOCK_W,))
-        up = up.to(tl.float32, bitcast=True)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K)
         pairs = ()
-        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for i in tl.static_range(4):
-            pair = _f16x2_pair(xs[i] * up, xs[i + 4] * up, ASM)
-            if HAS_ZERO:
-                x_sum += xs[i] + xs[i + 4]
-            if ASM:
-                pairs = pairs + (tl.broadcast_to(pair[None, :], (BLOCK_N, BLOCK_W)),)
-            else:
-                pairs = pairs + ((pair[0][None, :], pair[1][None, :]),)
-        part = _f16x2_word(packed, pairs[0], pairs[1], pairs[2], pairs[3], ASM)
-        if SUB > 1:
-            part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // SUB, SUB)), axis=2)
-            x_sum = tl.sum(tl.reshape(x_sum, (BLOCK_W // SUB, SUB)), axis=1)
+        downs = ()
+        x_sums = ()
+        for r in tl.static_range(ROWS):
+            row_pairs, down, x_sum = _f16x2_activations(x_raw[r], BLOCK_N, BLOCK_W, SUB, HAS_ZERO, ASM)
+            pairs = pairs + (row_pairs,)
+            downs = downs + (down,)
+            x_sums = x_sums + (x_sum,)
+        parts = _f16x2_words(packed, pairs, ROWS, ASM)
         rs = w0 + tl.arange(0, BLOCK_W // SUB) * SUB
         group = (rs * 8) // GROUP
         s_ok = (rs < hi)[None, :]
         s = tl.load(scale + rn_ld[:, None] * stride_sn + group[None, :], mask=s_ok, other=0.0).to(tl.float32)
-        part = part * down[None, :]
         if HAS_ZERO:  # stored minus 8: q - zero = (q - 8) - stored
-            z = tl.load(zero + rn_ld[:, None] * stride_zn + group[None, :], mask=s_ok, other=0)
-            part -= z.to(tl.float32) * x_sum[None, :]
-        acc += s * part
+            z = tl.load(zero + rn_ld[:, None] * stride_zn + group[None, :], mask=s_ok, other=0).to(tl.float32)
+        new_accs = ()
+        for r in tl.static_range(ROWS):
+            part = parts[r]
+            if SUB > 1:
+                part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // SUB, SUB)), axis=2)
+            part = part * downs[r][None, :]
+            if HAS_ZERO:
+                part -= z * x_sums[r][None, :]
+            new_accs = new_accs + (accs[r] + s * part,)
+        accs = new_accs
     rm = tl.arange(0, 1)
-    store(out, tl.sum(acc, axis=1)[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+    for r in tl.static_range(ROWS):
+        store(out + r * stride_om, tl.sum(accs[r], axis=1)[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+
+
+@triton.jit
+def _x_rows(x, stride_xm, rw, K, hi, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """_x_step for each of ROWS rows of x."""
+    rows = ()
+    for r in tl.static_range(ROWS):
+        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, EVEN_K),)
+    return rows
+
+
+@triton.jit
+def _f16x2_activations(x_raw, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SUB: tl.constexpr,
+                       HAS_ZERO: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """One row's activations of a step (eight tensors, _x_step) -> its four f16x2 pair tensors broadcast
+    over the BLOCK_N weight rows (values 8w + i and 8w + i + 4), the powers of two that undo each SUB
+    words' scaling, and each SUB words' sum of x (zero points)."""
+    xs = ()
+    top = tl.zeros([BLOCK_W], dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = x_raw[i].to(tl.float32)
+        xs = xs + (xi,)
+        top = tl.maximum(top, tl.abs(xi))
+    # 2^(F16X2_TOP - e) for the largest |x| in [2^e, 2^(e+1)) of each SUB words (the words one scale
+    # covers, summed together), exponents kept in range.
+    chunk_top = tl.max(tl.reshape(top, (BLOCK_W // SUB, SUB)), axis=1)
+    exponent = ((chunk_top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    shift = tl.minimum(tl.maximum(F16X2_TOP - exponent, -100), 100)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    up = tl.reshape(tl.broadcast_to(((shift + 127) << 23)[:, None], (BLOCK_W // SUB, SUB)), (BLOCK_W,))
+    up = up.to(tl.float32, bitcast=True)
+    pairs = ()
+    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+    for i in tl.static_range(4):
+        pair = _f16x2_pair(xs[i] * up, xs[i + 4] * up, ASM)
+        if HAS_ZERO:
+            x_sum += xs[i] + xs[i + 4]
+        if ASM:
+            pairs = pairs + (tl.broadcast_to(pair[None, :], (BLOCK_N, BLOCK_W)),)
+        else:
+            pairs = pairs + ((pair[0][None, :], pair[1][None, :]),)
+    if SUB > 1:
+        x_sum = tl.sum(tl.reshape(x_sum, (BLOCK_W // SUB, SUB)), axis=1)
+    return pairs, down, x_sum

@@ -229,14 +229,15 @@ def w4a16_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The INT4 linears' GEMM on a GPU, by activation rows: one row, the one-row kernel
-    (skinny_gemm.w4a16_skinny); 2 to MMA_ROWS, the tensor-core kernel where the groups allow it (else
-    the skinny kernel); from DEQUANT_ROWS on, the weight dequantized whole for cuBLAS; the tiled kernel
-    for what is left (fp32 activations)."""
+    """The INT4 linears' GEMM on a GPU, by activation rows: one row (and up to skinny_gemm.GEMV4_ROWS of
+    16-bit activations), the one-row kernels (skinny_gemm.w4a16_skinny); 2 to MMA_ROWS, the tensor-core
+    kernel where the groups allow it (else the skinny kernel); from DEQUANT_ROWS on, the weight
+    dequantized whole for cuBLAS; the tiled kernel for what is left (fp32 activations)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return w4a16_dequant_gemm(x, w_packed, scale, zero, group_size, bias)
-    if 2 <= rows <= MMA_ROWS and w4a16_mma.supports(x, group_size, x.shape[-1]):
+    packed = skinny_gemm.packed_kernel_takes(x.dtype, rows)
+    if 2 <= rows <= MMA_ROWS and not packed and w4a16_mma.supports(x, group_size, x.shape[-1]):
         return w4a16_mma.w4a16_mma(x, w_packed, scale, zero, group_size, bias)
     if rows <= skinny_gemm.MAX_ROWS and group_size % PACK == 0:
         return skinny_gemm.w4a16_skinny(x, w_packed, scale, zero, group_size, bias)

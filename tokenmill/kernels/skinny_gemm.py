@@ -208,6 +208,12 @@ def _even(units: int, block: int, config: SkinnyConfig) -> bool:
     return units % (block * config.split_k) == 0
 
 
+def packed_kernel_takes(dtype: torch.dtype, rows: int) -> bool:
+    """Whether `rows` rows of activations in `dtype` go to the packed-fp16 4-bit kernel."""
+    limit = min(GEMV4_ROWS, gemv.F16X2_MAX_ROWS)
+    return GEMV4_F16X2 and dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= limit
+
+
 def w4a16_skinny(
     x: torch.Tensor,
     w_packed: torch.Tensor,
@@ -217,15 +223,18 @@ def w4a16_skinny(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype; group_size a multiple of 8."""
+    """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype; group_size a multiple of 8.
+    One row, and 16-bit activations of up to GEMV4_ROWS rows, take the one-row kernels (the packed-fp16
+    one for 16-bit x, its programs reading each weight word once for every row)."""
     x2 = as_rows(x)
     m, k = x2.shape
     n = w_packed.shape[0]
     if m > MAX_ROWS or group_size % 8:
         raise ValueError(f"w4a16_skinny takes at most {MAX_ROWS} rows and groups of a multiple of 8")
-    config = config or default_config(m, n, k, 4, x.device)
+    packed_rows = packed_kernel_takes(x2.dtype, m)
+    config = config or default_config(1 if packed_rows else m, n, k, 4, x.device)
     block_w = config.block_k // 8
-    if m > 1 and block_w < 16:
+    if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
@@ -235,14 +244,15 @@ def w4a16_skinny(
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=config.block_n, BLOCK_W=block_w,
             SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
-        if m == 1:
+        if m == 1 or packed_rows:
             # The scale is looked up once per SUB words: at most 4, and never across a group's end.
             sub = math.gcd(4, group_size // 8, block_w)
             even = k % 8 == 0 and _even(k // 8, block_w, config)
-            if GEMV4_F16X2 and x2.dtype in (torch.bfloat16, torch.float16):
+            if packed_rows:
                 gemv.w4a16_gemv_f16x2_kernel[grid](
-                    x2, w_packed, scale, zero_arg, out, n, k, w_packed.stride(0), scale.stride(0), z_stride,
-                    SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED,
+                    x2, w_packed, scale, zero_arg, out, n, k, x2.stride(0), w_packed.stride(0),
+                    scale.stride(0), z_stride, out.stride(0), ROWS=m, SUB=sub, EVEN_K=even,
+                    UNROLL=config.unroll, ASM=not _INTERPRETED,
                     PREFETCH=config.prefetch and even, EARLY=GEMV_EARLY and config.prefetch and even,
                     **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
@@ -334,6 +344,10 @@ GEMV4_PDL = True
 # Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (gemv.w4a16_gemv_f16x2_kernel)
 # rather than the fp32 one; fp32 activations always take the fp32 kernel.
 GEMV4_F16X2 = True
+# Up to how many rows of 16-bit activations the packed-fp16 kernel takes (at most gemv.F16X2_MAX_ROWS;
+# int4_gemm.w4a16_linear sends them here): 1 until its 2-4 row programs are timed against
+# kernels/w4a16_mma.py (a candidate: each weight word unpacked once for every row).
+GEMV4_ROWS = 1
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
 # still runs (the 4-bit one where its config loads a step ahead): a candidate, off until timed (a GEMV that
 # asked L2 for 4-16 KB of every weight row there, far more bytes, made the step slower: eighteenth
