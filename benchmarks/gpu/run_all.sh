@@ -112,7 +112,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # INT4 beside bf16 where batches are more than one row: the GEMMs at every batch size (which kernel
     # the INT4 linears take there), decode steps at batch 16 and 64, and the nano-vllm workload.
     int4-batches)
-      timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --int4-rows --rows 1,2,4,8,16,64,128,192,2048 --shapes qkv,o,gate_up,down \
+      timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --int4-rows --rows 1,2,3,4,8,16,64,96,128,192,2048 --shapes qkv,o,gate_up,down \
         --out "$out/int4_rows.json" 2>&1 | grep -v Warning | tail -2
       for b in 16 64; do for q in none int4; do
         timeout 150 $bench decode --shape llama-3.1-8b --batch $b --max-num-seqs $b --repeats 2 --output-len 128 \
