@@ -205,8 +205,9 @@ def w8a16_gemv_kernel(
 # halves (PTX, sm_80+): $ROWS the word; then for each row r the activations (8w + i, 8w + i + 4) as f16x2
 # pairs, i = 0..3; $r the fp32 sum of row r's eight products. LOP3 puts nibbles i and i + 4 into two fp16
 # mantissas over 1024 (for i = 1 and 3 four bits up: over 1024 in steps of 16); one packed subtract (or,
-# four bits up, a packed FMA by 1/16) takes 1024 + 8 away; four packed FMAs a row sum the products: 13
-# instructions a word for one row, where fp32 needs 24, and 7 for each further row (the word unpacked once).
+# four bits up, a packed FMA by 1/16) takes 1024 + 8 away; four packed FMAs a row sum the products, and
+# three instructions take the two halves' sums to fp32: 16 instructions a word for one row, where fp32
+# needs 24, and 7 for each further row (the word is unpacked once).
 def _f16x2_word_asm(rows: int) -> str:
     word = f"${rows}"
     lines = [
@@ -238,8 +239,8 @@ _F16X2_WORD_ASM_4 = tl.constexpr(_f16x2_word_asm(4))
 # Two fp32 -> one f16x2 register: $1 in the low half, $2 in the high.
 _F16X2_PAIR_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
 # The activations a step are scaled by a power of two that puts their largest magnitude in [128, 256):
-# a product with q - 8 (|q - 8| <= 8) then stays under 2048 and a word's four-product sum under 8192,
-# far from fp16's 65504, and values down to 2^-24 of the largest stay normal.
+# a product with q - 8 (|q - 8| <= 8) then stays under 2048 and a half's four-product sum under 8192,
+# far from fp16's 65504, and values down to about 2^-21 of the largest stay normal.
 F16X2_TOP = tl.constexpr(7)
 
 
@@ -346,7 +347,7 @@ def w4a16_gemv_f16x2_kernel(
     PDL: tl.constexpr,
 ):
     """w4a16_gemv_kernel's job for ROWS (1 to F16X2_MAX_ROWS) rows of 16-bit x against BLOCK_N rows of the
-    packed weight, BLOCK_W words a step, in packed fp16 arithmetic: 13 instructions a word of eight
+    packed weight, BLOCK_W words a step, in packed fp16 arithmetic: 16 instructions a word of eight
     values for the first row (_f16x2_word_asm) where the fp32 kernel spends three a value, 7 for each
     further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
