@@ -24,11 +24,13 @@ weight dequantized for cuBLAS, and that dequantization alone), so its row bounds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,9 +47,9 @@ from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
-from tokenmill.kernels.gemv import F16X2_MAX_ROWS  # noqa: E402
 from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
+    MAX_GEMV_ROWS,
     SkinnyConfig,
     default_config,
     dense_gemv,
@@ -205,6 +207,12 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
             result["bf16_dense_gemv_sweep"] = sweep(
                 lambda c, cfg: dense_gemv(x, w[c], config=cfg), 16, rows, copies, bf16_bytes, budget_s
             )
+    if 2 <= rows <= MAX_GEMV_ROWS:  # the one-row kernel over several rows (skinny_gemm.DENSE_ROWS)
+        with several_rows():
+            got = dense_gemv(x, w[0])
+            us = timed(lambda c: dense_gemv(x, w[c]), copies)
+        err = rel_err(got, F.linear(x.float(), w[0].float()))
+        result["bf16_dense_gemv_rows"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6, "rel_err": err}
     if name == "lm_head":
         return result
 
@@ -233,6 +241,12 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
     config = list(default_config(rows, n, k, 8, DEVICE))
     result["w8a16_skinny"] = {"us": us, "tb_per_s": fp8_bytes / us / 1e6, "config": config,
                               "rel_err": rel_err(got, want)}  # fmt: skip
+    if 2 <= rows <= MAX_GEMV_ROWS:  # the one-row kernel over several rows (skinny_gemm.GEMV8_ROWS)
+        with several_rows():
+            got = w8a16_skinny(x, *fp8[0])
+            us = timed(lambda c: w8a16_skinny(x, *fp8[c]), fp8_copies)
+        err = rel_err(got, want)
+        result["w8a16_gemv_rows"] = {"us": us, "tb_per_s": fp8_bytes / us / 1e6, "rel_err": err}
     if rows <= 16:
         result["fp8_swap_ab"] = swap_ab_case(x, fp8, fp8_copies, fp8_bytes, want)
     if "w8" in do_sweep:
@@ -278,14 +292,24 @@ def skinny_fp32(*args, **kwargs) -> torch.Tensor:
         skinny_gemm_module.GEMV4_F16X2 = True
 
 
+@contextlib.contextmanager
+def several_rows() -> Iterator[None]:
+    """The one-row kernels take up to MAX_GEMV_ROWS rows (skinny_gemm's GEMV*_ROWS candidates) inside."""
+    names = ("GEMV4_ROWS", "GEMV8_ROWS", "DENSE_ROWS")
+    saved = [getattr(skinny_gemm_module, name) for name in names]
+    for name in names:
+        setattr(skinny_gemm_module, name, MAX_GEMV_ROWS)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(skinny_gemm_module, name, value)
+
+
 def packed_rows(*args, **kwargs) -> torch.Tensor:
     """w4a16_skinny with several rows of 16-bit activations in the packed-fp16 kernel (GEMV4_ROWS)."""
-    default = skinny_gemm_module.GEMV4_ROWS
-    skinny_gemm_module.GEMV4_ROWS = F16X2_MAX_ROWS
-    try:
+    with several_rows():
         return w4a16_skinny(*args, **kwargs)
-    finally:
-        skinny_gemm_module.GEMV4_ROWS = default
 
 
 def int4_rows_case(name: str, rows: int) -> dict:
@@ -302,7 +326,7 @@ def int4_rows_case(name: str, rows: int) -> dict:
         paths["skinny"] = w4a16_skinny
     if rows == 1:  # the one-row kernel in fp32 arithmetic, as before the packed-fp16 one
         paths["skinny_fp32"] = skinny_fp32
-    if 2 <= rows <= F16X2_MAX_ROWS:  # the packed-fp16 kernel over several rows (skinny_gemm.GEMV4_ROWS)
+    if 2 <= rows <= MAX_GEMV_ROWS:  # the packed-fp16 kernel over several rows (skinny_gemm.GEMV4_ROWS)
         paths["packed_rows"] = packed_rows
         for block_n, warps in ((8, 4), (16, 4), (8, 8)):
             config = SkinnyConfig(block_n, 1024, 1, warps, 1)

@@ -164,18 +164,23 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             w4a16_mma.w4a16_mma(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
         int4_gemm.dequantize(packed, scale, None, 128, k, dtype)
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
-        # The candidates: the one-row kernels' first weight tile before the PDL wait, and the packed-fp16
-        # 4-bit kernel over 2 and 4 rows.
-        skinny_gemm.GEMV_EARLY, skinny_gemm.GEMV4_ROWS = True, 4
+        # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
+        # kernels over 2 and 4 rows.
+        skinny_gemm.GEMV_EARLY = True
+        skinny_gemm.GEMV4_ROWS = skinny_gemm.GEMV8_ROWS = skinny_gemm.DENSE_ROWS = 4
         try:
             x = torch.empty(1, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
             skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
             for rows in (2, 4):
-                skinny_gemm.w4a16_skinny(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
+                x = torch.empty(rows, k, dtype=dtype)
+                skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
+                skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+                skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
         finally:
-            skinny_gemm.GEMV_EARLY, skinny_gemm.GEMV4_ROWS = False, 1
+            skinny_gemm.GEMV_EARLY = False
+            skinny_gemm.GEMV4_ROWS = skinny_gemm.GEMV8_ROWS = skinny_gemm.DENSE_ROWS = 1
 
 
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:

@@ -171,6 +171,43 @@ def test_w4a16_packed_kernel_over_several_rows(m, k, group, zeros, config, dtype
             assert_close(routed[row : row + 1], want[row : row + 1], dtype)
 
 
+@pytest.mark.parametrize(
+    ("m", "k", "config"),
+    [
+        (2, 1024, SkinnyConfig(8, 256, 1, 4, 1)),
+        (3, 200, SkinnyConfig(16, 64, 2, 4, 1)),  # K not a multiple of the tile, split K
+        (4, 2048, SkinnyConfig(8, 256, 2, 4, 1, unroll=2)),
+        (4, 512, None),  # the one-row default tiles
+    ],
+)
+@pytest.mark.parametrize("early", [False, True])
+def test_w8a16_and_dense_one_row_kernels_over_several_rows(m, k, config, early, monkeypatch) -> None:
+    """skinny_gemm.GEMV8_ROWS and DENSE_ROWS: 2-4 rows through the one-row kernel (each weight tile
+    converted once for every row), with the first tile before the PDL wait or not."""
+    from tokenmill.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "GEMV8_ROWS", 4)
+    monkeypatch.setattr(skinny_gemm, "DENSE_ROWS", 4)
+    monkeypatch.setattr(skinny_gemm, "GEMV_EARLY", early)
+    n = 40
+    gen = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k, generator=gen) * torch.tensor([1.0, 1e-3, 30.0, 1.0])[:m, None]).to(
+        DEVICE, torch.bfloat16
+    )
+    w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    w_scale = torch.rand(n, 1, generator=gen) * 0.01 + 1e-3
+    got = w8a16_skinny(x, w_q.to(DEVICE), w_scale.to(DEVICE), config=config)
+    want = x.double() @ (w_q.double() * w_scale.double()).t().to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    got_dense = dense_gemv(x, w, config=config)
+    want_dense = x.double() @ w.double().t()
+    assert got.shape == got_dense.shape == (m, n)
+    for row in range(m):  # each row against its own magnitude
+        assert_close(got[row : row + 1], want[row : row + 1], torch.bfloat16)
+        assert_close(got_dense[row : row + 1], want_dense[row : row + 1], torch.bfloat16)
+    assert skinny_gemm.dense_gemv_takes(m) and not skinny_gemm.dense_gemv_takes(5)
+
+
 @pytest.mark.parametrize("kind", ["w4", "w8", "dense"])
 def test_one_row_kernels_with_their_first_tile_before_the_pdl_wait(kind, monkeypatch) -> None:
     """skinny_gemm.GEMV_EARLY: the first weight tile is loaded ahead of the loop (before the PDL wait on a

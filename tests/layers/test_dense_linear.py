@@ -31,8 +31,10 @@ def test_one_row_takes_the_gemv_and_matches_cublas(monkeypatch) -> None:
         calls.append(args)
         return skinny_gemm.dense_gemv(*args, **kwargs)
 
-    real = linear.skinny_kernel
-    monkeypatch.setattr(linear, "skinny_kernel", lambda x, name: real(x, name) and gemv)
+    real = linear.triton_kernel
+    monkeypatch.setattr(
+        linear, "triton_kernel", lambda module, name: gemv if name == "dense_gemv" else real(module, name)
+    )
     device = torch.device("cuda")
     n = 16 * sm_count(device) + 40  # past a whole number of tiles
     gen = torch.Generator(device=device).manual_seed(0)
@@ -43,7 +45,7 @@ def test_one_row_takes_the_gemv_and_matches_cublas(monkeypatch) -> None:
     assert len(calls) == 1 and got.shape == (1, 1, n)
     want = x.double() @ w.double().t() + bias.double()
     torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-    # Two rows, fp32, or a narrow weight stay on cuBLAS.
+    # Two rows (skinny_gemm.DENSE_ROWS is 1), fp32, or a narrow weight stay on cuBLAS.
     linear.dense_linear(x.expand(2, 1, 4104), w)
     linear.dense_linear(x.float(), w.float())
     linear.dense_linear(x, w[: 8 * sm_count(device)])

@@ -147,7 +147,10 @@ def w8a16_gemv_kernel(
     out,
     N,
     K,
+    stride_xm,
     stride_wn,
+    stride_om,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -158,47 +161,63 @@ def w8a16_gemv_kernel(
     EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row of x against BLOCK_N rows of e4m3 weights (HAS_SCALE: the row scale applied to the sum) or
-    of 16-bit ones (no scale; VEC values to a 16-byte load: 16 or 8): products summed in fp32 registers
-    and reduced across threads once at the end. (A tile of 8-bit values carried
-    across iterations, as a register prefetch would, is held a byte per register: the repacking costs
-    more than the overlap gains, seen in the SASS. Unrolling puts the loads in flight together instead.)
-    EARLY (EVEN_K, under PDL): the first tile of weights is loaded before the PDL wait, while the kernel
-    before still runs, and multiplied once x may be read; the loop takes the rest."""
+    """ROWS rows of x (one, or a few: each weight tile converted once for all of them) against BLOCK_N
+    rows of e4m3 weights (HAS_SCALE: the row scale applied to the sum) or of 16-bit ones (no scale; VEC
+    values to a 16-byte load: 16 or 8): products summed in fp32 registers and reduced across threads once
+    at the end. (A tile of 8-bit values carried across iterations, as a register prefetch would, is held
+    a byte per register: the repacking costs more than the overlap gains, seen in the SASS. Unrolling
+    puts the loads in flight together instead.) EARLY (EVEN_K, under PDL): the first tile of weights is
+    loaded before the PDL wait, while the kernel before still runs, and multiplied once x may be read;
+    the loop takes the rest."""
     rn, n_ok, base, lo, hi = _program_rows(w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY)
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    accs = ()
+    for _ in tl.static_range(ROWS):
+        accs = accs + (tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32),)
     start = lo
     if EARLY:
         first = tl.load(base + lo)
         pdl.start(PDL)
-        xk = tl.load(x + tl.broadcast_to((lo + cols)[None, :], (BLOCK_N, BLOCK_K)))
-        product = first.to(tl.float32) * xk.to(tl.float32)
-        acc += tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, True)
         start = lo + BLOCK_K
     for k0 in tl.range(start, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
         rk = k0 + cols
+        if EVEN_K:
+            wt = tl.load(base + k0)
+        else:
+            wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
+        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K)
+    rm = tl.arange(0, 1)
+    for r in tl.static_range(ROWS):
+        result = tl.sum(accs[r], axis=1)
+        if HAS_SCALE:
+            result *= tl.load(w_scale + rn_ld)
+        store(out + r * stride_om, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+
+
+@triton.jit
+def _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             VEC: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """One step of w8a16_gemv_kernel: the weight tile wt [BLOCK_N, BLOCK_K] (columns rk) in fp32, times
+    each row's activations, summed into that row's accumulator; returns the accumulators."""
+    w32 = wt.to(tl.float32)
+    new_accs = ()
+    for r in tl.static_range(ROWS):
         # x is loaded as a [BLOCK_N, BLOCK_K] tile (each thread reads the x values of its own weight
         # values; copies for other rows hit L1): in the weight's layout, with no exchange through
         # shared memory and no barrier, which would keep the unrolled iterations' loads apart.
-        x_ptr = x + tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
+        x_ptr = x + r * stride_xm + tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
         if EVEN_K:
-            wt = tl.load(base + k0)
             xk = tl.load(x_ptr)
         else:
-            wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
             xk = tl.load(x_ptr, mask=(rk < hi)[None, :], other=0.0)
         # Each thread holds VEC consecutive values (one 16-byte load): summed there, the tile that is
         # carried across iterations is a VEC-th of the loaded one.
-        product = wt.to(tl.float32) * xk.to(tl.float32)
-        acc += tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
-    result = tl.sum(acc, axis=1)
-    if HAS_SCALE:
-        result *= tl.load(w_scale + rn_ld)
-    rm = tl.arange(0, 1)
-    store(out, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+        product = w32 * xk.to(tl.float32)
+        new_accs = new_accs + (accs[r] + tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2),)
+    return new_accs
 
 
 # One word of eight 4-bit values against its eight activations in each of ROWS rows, in packed 16-bit

@@ -287,8 +287,9 @@ def w8a16_skinny(
     n = w_q.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"w8a16_skinny takes at most {MAX_ROWS} rows")
-    config = config or default_config(m, n, k, 8, x.device)
-    if m > 1 and config.block_k < 16:
+    one_row_kernel = m <= max(1, min(GEMV8_ROWS, MAX_GEMV_ROWS))
+    config = config or default_config(1 if one_row_kernel else m, n, k, 8, x.device)
+    if not one_row_kernel and config.block_k < 16:
         raise ValueError("w8a16_skinny: more than one row takes block_k >= 16 (tl.dot's least K)")
     w_scale = w_scale.reshape(-1)
     if w_scale.dtype != torch.float32:
@@ -297,10 +298,10 @@ def w8a16_skinny(
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                       num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
-        if m == 1:
+        if one_row_kernel:
             even = _even(k, config.block_k, config)
             gemv.w8a16_gemv_kernel[grid](
-                x2, w_q, w_scale, out, n, k, w_q.stride(0),
+                x2, w_q, w_scale, out, n, k, x2.stride(0), w_q.stride(0), out.stride(0), ROWS=m,
                 EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=GEMV_EARLY and even,
                 **common, **pdl.launch_args(x2),
             )  # fmt: skip
@@ -313,23 +314,30 @@ def w8a16_skinny(
     return launch_over_rows(x, m, n, config, launch, bias)
 
 
+def dense_gemv_takes(rows: int) -> bool:
+    """Whether dense_gemv takes `rows` rows: one, or up to DENSE_ROWS (at most MAX_GEMV_ROWS)."""
+    return 1 <= rows <= max(1, min(DENSE_ROWS, MAX_GEMV_ROWS))
+
+
 def dense_gemv(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
-    """One row x [..., K] @ w^T for a dense 16-bit weight [N, K]: the FP8 one-row kernel without its scale.
-    At batch-1 decode of the 8B shape it reads the weights faster than cuBLAS's GEMV (H200: the whole
-    step 4.27 against 4.59 ms, docs/performance.md), and launches with PDL as cuBLAS cannot."""
+    """One row x [..., K] @ w^T (or up to DENSE_ROWS rows) for a dense 16-bit weight [N, K]: the FP8
+    one-row kernel without its scale. At batch-1 decode of the 8B shape it reads the weights faster than
+    cuBLAS's GEMV (H200: the whole step 4.27 against 4.59 ms, docs/performance.md), and launches with
+    PDL as cuBLAS cannot."""
     x2 = as_rows(x)
     m, k = x2.shape
     n = w.shape[0]
-    if m != 1 or w.stride(1) != 1:
-        raise ValueError("dense_gemv takes one row and a weight contiguous along K")
+    if not dense_gemv_takes(m) or w.stride(1) != 1:
+        raise ValueError("dense_gemv takes one row (DENSE_ROWS at most) and a weight contiguous along K")
     config = config or default_config(1, n, k, 16, x.device)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         even = _even(k, config.block_k, config)
         gemv.w8a16_gemv_kernel[grid](
-            x2, w, w, out, n, k, w.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            x2, w, w, out, n, k, x2.stride(0), w.stride(0), out.stride(0), ROWS=m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll,
             HAS_SCALE=False, VEC=8, EARLY=GEMV_EARLY and even, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_args(x2),
@@ -348,6 +356,11 @@ GEMV4_F16X2 = True
 # int4_gemm.w4a16_linear sends them here): 1 until its 2-4 row programs are timed against
 # kernels/w4a16_mma.py (a candidate: each weight word unpacked once for every row).
 GEMV4_ROWS = 1
+# The same for the FP8 (W8A16) and dense one-row kernels (gemv.w8a16_gemv_kernel's ROWS, each weight tile
+# converted once for every row), against the tl.dot kernel above and cuBLAS: candidates, 1 until timed.
+GEMV8_ROWS = 1
+DENSE_ROWS = 1
+MAX_GEMV_ROWS = 4  # what these candidates may be set to
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
 # still runs (the 4-bit one where its config loads a step ahead): a candidate, off until timed (a GEMV that
 # asked L2 for 4-16 KB of every weight row there, far more bytes, made the step slower: eighteenth

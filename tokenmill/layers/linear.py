@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import distributed
-from tokenmill.kernels import skinny_kernel, sm_count
+from tokenmill.kernels import skinny_kernel, sm_count, triton_kernel
 
 ShardId = str | int | None
 # TOKENMILL_DENSE_GEMV=0 keeps every unquantized linear on cuBLAS.
@@ -23,12 +23,14 @@ DENSE_GEMV = os.environ.get("TOKENMILL_DENSE_GEMV", "1") != "0"
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; at one 16-bit row on a GPU, against a weight with at least 16 output rows per
-    multiprocessor (no K split needed to fill the GPU), kernels/skinny_gemm.py's dense_gemv."""
-    if DENSE_GEMV and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
-        gemv = skinny_kernel(x, "dense_gemv")
-        if gemv is not None and weight.shape[0] >= 16 * sm_count(x.device) and weight.stride(1) == 1:
-            return gemv(x, weight, bias)
+    """F.linear; at one 16-bit row on a GPU (or up to skinny_gemm.DENSE_ROWS rows), against a weight
+    with at least 16 output rows per multiprocessor (no K split needed to fill the GPU),
+    kernels/skinny_gemm.py's dense_gemv."""
+    if DENSE_GEMV and x.dtype != torch.float32 and x.numel():
+        takes = skinny_kernel(x, "dense_gemv_takes")
+        wide = weight.shape[0] >= 16 * sm_count(x.device) and weight.stride(1) == 1
+        if takes is not None and takes(x.numel() // x.shape[-1]) and wide:
+            return triton_kernel("skinny_gemm", "dense_gemv")(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
