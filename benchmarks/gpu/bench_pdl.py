@@ -43,33 +43,30 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "cublas-pdl", "pdl": True, "gemv": False},
             {"name": "triton-nopdl", "pdl": False, "gemv": True},
             {"name": "triton-pdl", "pdl": True, "gemv": True},
-            {"name": "triton-pdl-early", "pdl": True, "gemv": True, "early": True},
+            {"name": "triton-pdl-early", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": True}},
         ]
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
-    out.append({"name": "pdl-early", "pdl": True, "early": True})
+    out.append({"name": "pdl-early", "pdl": True, "switches": {"GEMV_EARLY": True}})
     if quantization == "int4":
-        out.append({"name": "pdl-gemv4-plain", "pdl": True, "gemv4_pdl": False})
+        out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
         # packed-fp16 kernel.
-        out.append({"name": "pdl-gemv4-fp32-plain", "pdl": True, "gemv4_f16x2": False, "gemv4_pdl": False})
+        plain_fp32 = {"GEMV4_F16X2": False, "GEMV4_PDL": False}
+        out.append({"name": "pdl-gemv4-fp32-plain", "pdl": True, "switches": plain_fp32})
     return out
 
 
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
-    default_gemv4, default_f16x2 = skinny_gemm.GEMV4_PDL, skinny_gemm.GEMV4_F16X2
-    default_early = skinny_gemm.GEMV_EARLY
-    skinny_gemm.GEMV4_PDL = variant.get("gemv4_pdl", default_gemv4)
-    skinny_gemm.GEMV4_F16X2 = variant.get("gemv4_f16x2", default_f16x2)
-    skinny_gemm.GEMV_EARLY = variant.get("early", default_early)
     linear.DENSE_GEMV = variant.get("gemv", True)
     try:
-        graphs = DecodeGraphs(runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device)
-        graphs.capture()
+        with skinny_gemm.switches(**variant.get("switches", {})):
+            graphs = DecodeGraphs(
+                runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device
+            )
+            graphs.capture()
     finally:
         pdl.enabled = _PDL_ENABLED
-        skinny_gemm.GEMV4_PDL, skinny_gemm.GEMV4_F16X2 = default_gemv4, default_f16x2
-        skinny_gemm.GEMV_EARLY = default_early
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

@@ -24,13 +24,11 @@ weight dequantized for cuBLAS, and that dequantization alone), so its row bounds
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_us  # noqa: E402
 
 from tokenmill.kernels import quant_reference  # noqa: E402
-from tokenmill.kernels import skinny_gemm as skinny_gemm_module  # noqa: E402
 from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
@@ -53,6 +50,7 @@ from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig,
     default_config,
     dense_gemv,
+    switches,
     w4a16_skinny,
     w8a16_skinny,
 )
@@ -285,25 +283,13 @@ def case(name: str, rows: int, do_sweep: tuple[str, ...], budget_s: float) -> di
 
 def skinny_fp32(*args, **kwargs) -> torch.Tensor:
     """w4a16_skinny with the one-row 16-bit path in fp32 arithmetic (gemv.w4a16_gemv_kernel)."""
-    skinny_gemm_module.GEMV4_F16X2 = False
-    try:
+    with switches(GEMV4_F16X2=False):
         return w4a16_skinny(*args, **kwargs)
-    finally:
-        skinny_gemm_module.GEMV4_F16X2 = True
 
 
-@contextlib.contextmanager
-def several_rows() -> Iterator[None]:
+def several_rows():
     """The one-row kernels take up to MAX_GEMV_ROWS rows (skinny_gemm's GEMV*_ROWS candidates) inside."""
-    names = ("GEMV4_ROWS", "GEMV8_ROWS", "DENSE_ROWS")
-    saved = [getattr(skinny_gemm_module, name) for name in names]
-    for name in names:
-        setattr(skinny_gemm_module, name, MAX_GEMV_ROWS)
-    try:
-        yield
-    finally:
-        for name, value in zip(names, saved):
-            setattr(skinny_gemm_module, name, value)
+    return switches(GEMV4_ROWS=MAX_GEMV_ROWS, GEMV8_ROWS=MAX_GEMV_ROWS, DENSE_ROWS=MAX_GEMV_ROWS)
 
 
 def packed_rows(*args, **kwargs) -> torch.Tensor:

@@ -24,6 +24,7 @@ from tokenmill.kernels import (
     activation,
     attention,
     gemv,
+    gemv_f16x2,
     int4_gemm,
     kv_cache,
     norm,
@@ -166,9 +167,8 @@ def _skinny_launches(dtype: torch.dtype) -> None:
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
-        skinny_gemm.GEMV_EARLY = True
-        skinny_gemm.GEMV4_ROWS = skinny_gemm.GEMV8_ROWS = skinny_gemm.DENSE_ROWS = 4
-        try:
+        rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)
+        with skinny_gemm.switches(GEMV_EARLY=True, **rows_4):
             x = torch.empty(1, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
@@ -178,9 +178,6 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                 skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
                 skinny_gemm.w8a16_skinny(x, w_q, w_scale)
                 skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
-        finally:
-            skinny_gemm.GEMV_EARLY = False
-            skinny_gemm.GEMV4_ROWS = skinny_gemm.GEMV8_ROWS = skinny_gemm.DENSE_ROWS = 1
 
 
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
@@ -189,7 +186,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (attention, "_paged_attention_kernel"),
         (split_kv, "_reduce_splits_kernel"),
         (gemv, "w4a16_gemv_kernel"),
-        (gemv, "w4a16_gemv_f16x2_kernel"),
+        (gemv_f16x2, "w4a16_gemv_f16x2_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),

@@ -236,6 +236,17 @@ def test_one_row_kernels_with_their_first_tile_before_the_pdl_wait(kind, monkeyp
     assert_close(got, want, torch.bfloat16)
 
 
+def test_switches_are_set_inside_and_restored_after() -> None:
+    from tokenmill.kernels import skinny_gemm
+
+    early, rows = skinny_gemm.GEMV_EARLY, skinny_gemm.GEMV4_ROWS
+    with skinny_gemm.switches(GEMV_EARLY=not early, GEMV4_ROWS=3):
+        assert skinny_gemm.GEMV_EARLY is not early and skinny_gemm.GEMV4_ROWS == 3
+    assert skinny_gemm.GEMV_EARLY is early and rows == skinny_gemm.GEMV4_ROWS
+    with pytest.raises(ValueError, match="no switch named GEMV_LATE"), skinny_gemm.switches(GEMV_LATE=True):
+        pass
+
+
 def test_leading_dims_empty_batch_and_limits() -> None:
     packed, scale, _ = int4_weight(64, 64, 32, False, seed=1)
     x = torch.randn(2, 3, 64).to(DEVICE)

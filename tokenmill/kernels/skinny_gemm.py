@@ -17,8 +17,10 @@ the same signatures).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -26,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import gemv, k_splits, pdl, sm_count
+from tokenmill.kernels import gemv, gemv_f16x2, k_splits, pdl, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -210,7 +212,7 @@ def _even(units: int, block: int, config: SkinnyConfig) -> bool:
 
 def packed_kernel_takes(dtype: torch.dtype, rows: int) -> bool:
     """Whether `rows` rows of activations in `dtype` go to the packed-fp16 4-bit kernel."""
-    limit = min(GEMV4_ROWS, gemv.F16X2_MAX_ROWS)
+    limit = min(GEMV4_ROWS, gemv_f16x2.F16X2_MAX_ROWS)
     return GEMV4_F16X2 and dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= limit
 
 
@@ -249,7 +251,7 @@ def w4a16_skinny(
             sub = math.gcd(4, group_size // 8, block_w)
             even = k % 8 == 0 and _even(k // 8, block_w, config)
             if packed_rows:
-                gemv.w4a16_gemv_f16x2_kernel[grid](
+                gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
                     x2, w_packed, scale, zero_arg, out, n, k, x2.stride(0), w_packed.stride(0),
                     scale.stride(0), z_stride, out.stride(0), ROWS=m, SUB=sub, EVEN_K=even,
                     UNROLL=config.unroll, ASM=not _INTERPRETED,
@@ -349,10 +351,10 @@ def dense_gemv(
 # Whether the one-row 4-bit kernels launch with PDL: on since the packed-fp16 kernel (INT4 8B step 2.400
 # against 2.541 ms without, H200, bench_pdl.py, 2026-12-03); the fp32 kernel had run 1-6% slower with it.
 GEMV4_PDL = True
-# Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (gemv.w4a16_gemv_f16x2_kernel)
-# rather than the fp32 one; fp32 activations always take the fp32 kernel.
+# Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (kernels/gemv_f16x2.py) rather
+# than the fp32 one; fp32 activations always take the fp32 kernel.
 GEMV4_F16X2 = True
-# Up to how many rows of 16-bit activations the packed-fp16 kernel takes (at most gemv.F16X2_MAX_ROWS;
+# Up to how many rows of 16-bit activations the packed-fp16 kernel takes (at most gemv_f16x2.F16X2_MAX_ROWS;
 # int4_gemm.w4a16_linear sends them here): 1 until its 2-4 row programs are timed against
 # kernels/w4a16_mma.py (a candidate: each weight word unpacked once for every row).
 GEMV4_ROWS = 1
@@ -361,6 +363,23 @@ GEMV4_ROWS = 1
 GEMV8_ROWS = 1
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # what these candidates may be set to
+
+
+@contextlib.contextmanager
+def switches(**values: object) -> Iterator[None]:
+    """This module's switches above (GEMV4_PDL, GEMV4_F16X2, GEMV_EARLY, GEMV4_ROWS, ...) set to `values`
+    inside and restored after: for benchmarks that time the candidates side by side."""
+    unknown = sorted(name for name in values if not name.isupper() or name not in globals())
+    if unknown:
+        raise ValueError(f"skinny_gemm has no switch named {', '.join(unknown)}")
+    saved = {name: globals()[name] for name in values}
+    globals().update(values)
+    try:
+        yield
+    finally:
+        globals().update(saved)
+
+
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
 # still runs (the 4-bit one where its config loads a step ahead): a candidate, off until timed (a GEMV that
 # asked L2 for 4-16 KB of every weight row there, far more bytes, made the step slower: eighteenth
