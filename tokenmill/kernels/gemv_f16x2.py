@@ -1,4 +1,4 @@
-"""The 4-bit one-row GEMV in packed fp16 halves, for 1 to F16X2_MAX_ROWS rows of 16-bit activations
+"""The 4-bit one-row GEMV in packed fp16 halves, for one or a few rows of 16-bit activations
 (skinny_gemm.w4a16_skinny launches it; fp32 activations take kernels/gemv.py's fp32 kernel). The layout
 is kernels/skinny_gemm.py's: int32 [N, K/8] words, value 8w + i in bits 4i..4i+3 stored as q + 8,
 group scales [N, K/group], optional int8 zero points stored minus 8.
@@ -60,8 +60,6 @@ def _fp32s(rows):
     return (tl.float32,) * rows
 
 
-# Rows of activations the packed kernel takes in one program (each word unpacked once for all of them).
-F16X2_MAX_ROWS = 4
 # Two fp32 -> one f16x2 register: $1 in the low half, $2 in the high.
 _F16X2_PAIR_ASM = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
 # The activations a step are scaled by a power of two that puts their largest magnitude in [128, 256):
@@ -154,7 +152,7 @@ def w4a16_gemv_f16x2_kernel(
     EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """w4a16_gemv_kernel's job for ROWS (1 to F16X2_MAX_ROWS) rows of 16-bit x against BLOCK_N rows of the
+    """w4a16_gemv_kernel's job for ROWS rows of 16-bit x (one, or a few) against BLOCK_N rows of the
     packed weight, BLOCK_W words a step, in packed fp16 arithmetic: 16 instructions a word of eight
     values for the first row (_f16x2_word_asm) where the fp32 kernel spends three a value, 7 for each
     further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)

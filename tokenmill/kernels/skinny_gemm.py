@@ -212,8 +212,7 @@ def _even(units: int, block: int, config: SkinnyConfig) -> bool:
 
 def packed_kernel_takes(dtype: torch.dtype, rows: int) -> bool:
     """Whether `rows` rows of activations in `dtype` go to the packed-fp16 4-bit kernel."""
-    limit = min(GEMV4_ROWS, gemv_f16x2.F16X2_MAX_ROWS)
-    return GEMV4_F16X2 and dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= limit
+    return GEMV4_F16X2 and dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= _gemv_rows(GEMV4_ROWS)
 
 
 def w4a16_skinny(
@@ -289,7 +288,7 @@ def w8a16_skinny(
     n = w_q.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"w8a16_skinny takes at most {MAX_ROWS} rows")
-    one_row_kernel = m <= max(1, min(GEMV8_ROWS, MAX_GEMV_ROWS))
+    one_row_kernel = m <= _gemv_rows(GEMV8_ROWS)
     config = config or default_config(1 if one_row_kernel else m, n, k, 8, x.device)
     if not one_row_kernel and config.block_k < 16:
         raise ValueError("w8a16_skinny: more than one row takes block_k >= 16 (tl.dot's least K)")
@@ -318,7 +317,7 @@ def w8a16_skinny(
 
 def dense_gemv_takes(rows: int) -> bool:
     """Whether dense_gemv takes `rows` rows: one, or up to DENSE_ROWS (at most MAX_GEMV_ROWS)."""
-    return 1 <= rows <= max(1, min(DENSE_ROWS, MAX_GEMV_ROWS))
+    return 1 <= rows <= _gemv_rows(DENSE_ROWS)
 
 
 def dense_gemv(
@@ -354,15 +353,20 @@ GEMV4_PDL = True
 # Whether one row of 16-bit activations takes the packed-fp16 4-bit kernel (kernels/gemv_f16x2.py) rather
 # than the fp32 one; fp32 activations always take the fp32 kernel.
 GEMV4_F16X2 = True
-# Up to how many rows of 16-bit activations the packed-fp16 kernel takes (at most gemv_f16x2.F16X2_MAX_ROWS;
-# int4_gemm.w4a16_linear sends them here): 1 until its 2-4 row programs are timed against
+# Up to how many rows of 16-bit activations the packed-fp16 kernel takes (int4_gemm.w4a16_linear sends
+# them here): 1 until its 2-4 row programs are timed against
 # kernels/w4a16_mma.py (a candidate: each weight word unpacked once for every row).
 GEMV4_ROWS = 1
 # The same for the FP8 (W8A16) and dense one-row kernels (gemv.w8a16_gemv_kernel's ROWS, each weight tile
 # converted once for every row), against the tl.dot kernel above and cuBLAS: candidates, 1 until timed.
 GEMV8_ROWS = 1
 DENSE_ROWS = 1
-MAX_GEMV_ROWS = 4  # what these candidates may be set to
+MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
+
+
+def _gemv_rows(switch: int) -> int:
+    """The rows a one-row kernel takes for a GEMV*_ROWS / DENSE_ROWS switch: 1 to MAX_GEMV_ROWS."""
+    return max(1, min(switch, MAX_GEMV_ROWS))
 
 
 @contextlib.contextmanager
