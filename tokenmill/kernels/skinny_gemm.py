@@ -354,12 +354,15 @@ GEMV4_PDL = True
 # than the fp32 one; fp32 activations always take the fp32 kernel.
 GEMV4_F16X2 = True
 # Up to how many rows of 16-bit activations the packed-fp16 kernel takes (int4_gemm.w4a16_linear sends
-# them here): 1 until its 2-4 row programs are timed against
-# kernels/w4a16_mma.py (a candidate: each weight word unpacked once for every row).
-GEMV4_ROWS = 1
-# The same for the FP8 (W8A16) and dense one-row kernels (gemv.w8a16_gemv_kernel's ROWS, each weight tile
-# converted once for every row), against the tl.dot kernel above and cuBLAS: candidates, 1 until timed.
-GEMV8_ROWS = 1
+# them here; each weight word unpacked once for every row). H200, 8B shapes, 2026-12-03 (twenty-third
+# session): at 2 rows 7.8-34.7 us against kernels/w4a16_mma.py's 11.7-47.0 (every shape faster); at 3
+# rows tied or slower (down 31.4 against 26.0), at 4 slower (gate+up 63.6 against 47.0).
+GEMV4_ROWS = 2
+# The same for the FP8 (W8A16) one-row kernel (gemv.w8a16_gemv_kernel's ROWS, each weight tile converted
+# once for every row) against the tl.dot kernel above: faster at 2 rows (gate+up 34.1 against 44.1 us) and
+# 3 (40.9 against 43.7, QKV tied), mixed at 4. The dense one against cuBLAS: 0.7% faster at 2 rows summed
+# over a layer (gate+up slower), slower at 3-4: stays off.
+GEMV8_ROWS = 3
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
 
@@ -385,10 +388,11 @@ def switches(**values: object) -> Iterator[None]:
 
 
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
-# still runs (the 4-bit one where its config loads a step ahead): a candidate, off until timed (a GEMV that
-# asked L2 for 4-16 KB of every weight row there, far more bytes, made the step slower: eighteenth
-# session, docs/performance.md).
-GEMV_EARLY = False
+# still runs (the 4-bit one where its config loads a step ahead). On: the 8B batch-1 step's graph
+# (bench_pdl.py, H200, 2026-12-03) bf16 4.141 -> 4.029 ms, FP8 2.611 -> 2.532, INT4 2.190 -> 2.174. (A GEMV
+# that asked L2 for 4-16 KB of every weight row there, far more bytes, had made the step slower:
+# eighteenth session, docs/performance.md.)
+GEMV_EARLY = True
 # Read once, as @triton.jit reads it: the interpreter runs no PTX (the f16x2 kernel's fp16 tensors then).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
