@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests gpu-tests structured host-loop kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -111,6 +111,13 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
+    # Batch-1 decode with the norms, the activation and the residual adds in the GEMVs' loads and stores
+    # (layers/linear.py's fused_linear) and in launches of their own, alternating, bf16 / FP8 / INT4.
+    gemv-fusion) for q in none fp8 int4; do for fuse in 1 0; do
+                   TOKENMILL_GEMV_FUSION=$fuse timeout 150 $bench decode --shape llama-3.1-8b --max-num-seqs 4 \
+                     $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_${q}_fusion$fuse.json" \
+                     2>&1 | grep -E '"decode_step_ms"' | tail -1
+                 done; done ;;
     decode-int4) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
                    --out "$out/decode_8b_int4.json" ;;
     # INT4 beside bf16 where batches are more than one row: the GEMMs at every batch size (which kernel

@@ -255,3 +255,86 @@ def test_leading_dims_empty_batch_and_limits() -> None:
     assert w4a16_skinny(x[:0, 0], packed, scale, None, 32).shape == (0, 64)
     with pytest.raises(ValueError, match="at most"):
         w4a16_skinny(torch.randn(MAX_ROWS + 1, 64).to(DEVICE), packed, scale, None, 32)
+
+
+@pytest.mark.parametrize("kind", ["w4", "w8", "dense"])
+@pytest.mark.parametrize("work", ["norm", "silu_mul", "residual", "residual_split", "residual_bias", "all"])
+@pytest.mark.parametrize(("m", "k"), [(1, 1024), (2, 200)])
+def test_one_row_kernels_do_the_layers_work_in_their_loads_and_stores(kind, work, m, k, monkeypatch) -> None:
+    """GemvFusion: the RMS norm or SiLU-and-multiply done as the activations are loaded, the residual
+    added as the output is stored (in the kernel, or after it where K is split or a bias comes first),
+    equal to the unfused launches: the norm (reference.rms_norm), the activation, the same GEMV, the
+    add."""
+    from tokenmill.kernels import GemvFusion, reference, skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "GEMV4_ROWS", 2)
+    monkeypatch.setattr(skinny_gemm, "GEMV8_ROWS", 2)
+    monkeypatch.setattr(skinny_gemm, "DENSE_ROWS", 2)
+    n = 48
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    dtype = torch.bfloat16
+    stream = (torch.randn(m, k, generator=gen) * torch.tensor([3.0, 0.05])[:m, None]).to(DEVICE, dtype)
+    gate_up = torch.randn(m, 2 * k, generator=gen).mul(2).to(DEVICE, dtype)
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, dtype)
+    residual = torch.randn(m, n, generator=gen).mul(4).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if work == "residual_bias" else None
+    split = 2 if work in ("residual_split", "all") else 1
+    fusion, x, x_unfused = GemvFusion(), stream, stream
+    if work in ("norm", "all"):
+        fusion = fusion._replace(norm_weight=norm_w, eps=1e-5)
+        x_unfused = reference.rms_norm(stream, norm_w, 1e-5)
+    if work == "silu_mul":
+        fusion, x = fusion._replace(silu_mul=True), gate_up
+        x_unfused = reference.silu_and_mul(gate_up)
+    if work.startswith("residual") or work == "all":
+        fusion = fusion._replace(residual=residual)
+    if kind == "w4":
+        packed, scale, zero = int4_weight(n, k, 8 if k % 128 else 128, True, seed=k)
+        config = SkinnyConfig(16, 256, split, 4, 1, prefetch=k % 256 == 0)
+
+        def gemv(x, fusion=None):
+            return w4a16_skinny(x, packed, scale, zero, 8 if k % 128 else 128, bias, config, fusion)
+
+    elif kind == "w8":
+        w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE).to(DEVICE)
+        w_scale = (torch.rand(n, 1, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+        config = SkinnyConfig(16, 256, split, 4, 1, unroll=2)
+
+        def gemv(x, fusion=None):
+            return w8a16_skinny(x, w_q, w_scale, bias, config, fusion)
+
+    else:
+        w = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+        config = SkinnyConfig(8, 128, split, 4, 1)
+
+        def gemv(x, fusion=None):
+            return dense_gemv(x, w, bias, config, fusion)
+
+    got = gemv(x, fusion)
+    want = gemv(x_unfused)
+    if fusion.residual is not None:
+        want = want + residual
+    assert got.shape == (m, n) and got.dtype == dtype
+    if work.startswith("residual"):  # nothing rounds differently: the same bits
+        assert torch.equal(got, want)
+    else:  # 1/rms summed in another order (the norm) or exp's last bit (SiLU) may flip a rounding
+        for row in range(m):
+            tol = 4e-3 * want[row].abs().max().item()
+            torch.testing.assert_close(got[row].float(), want[row].float(), atol=tol, rtol=4e-3)
+
+
+def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
+    from tokenmill.kernels import GemvFusion
+
+    w = torch.randn(40, 64).to(DEVICE, torch.bfloat16)
+    x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="rows of 128 values, not 64"):
+        dense_gemv(x, w, fusion=GemvFusion(silu_mul=True))
+    with pytest.raises(ValueError, match="not both"):
+        both = GemvFusion(norm_weight=x[0], silu_mul=True)
+        dense_gemv(torch.randn(1, 128).to(DEVICE, torch.bfloat16), w, fusion=both)
+    with pytest.raises(ValueError, match="residual must be"):
+        dense_gemv(x, w, fusion=GemvFusion(residual=torch.zeros(2, 40).to(DEVICE, torch.bfloat16)))
+    packed, scale, zero = int4_weight(40, 64, 32, False, seed=1)
+    with pytest.raises(ValueError, match="packed-fp16 kernel"):
+        w4a16_skinny(x.float(), packed, scale, zero, 32, fusion=GemvFusion())

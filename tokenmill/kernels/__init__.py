@@ -36,6 +36,19 @@ class Kernels(NamedTuple):
     topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+class GemvFusion(NamedTuple):
+    """Work a decode-sized linear layer does in its one-row GEMV's loads and stores instead of in launches
+    of its own (kernels/gemv.py's load_x and store_row; layers/linear.py's fused_linear asks for it):
+    norm_weight: the input is the residual stream, RMS-normalized (eps) and scaled by norm_weight first;
+    silu_mul: the input is gate || up [..., 2K], silu(gate) * up first; residual: added to the output,
+    which is then the new residual stream. Each rounds where the unfused launches round."""
+
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    silu_mul: bool = False
+    residual: torch.Tensor | None = None
+
+
 def get_kernels(device: torch.device | str | None = None) -> Kernels:
     """The kernels for tensors on `device`, by default the device modules are being built on
     (torch.get_default_device(), set by `with torch.device(...)`)."""

@@ -36,6 +36,76 @@ def store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K: tl.constexpr):
         tl.atomic_add(out + o_offsets, result, mask=o_mask)
 
 
+# What a one-row GEMV does to its activations as it loads them (the launch before it left undone; the
+# model's layers, models/llama.py, ask for it through layers/linear.py's fused_linear): nothing; RMS
+# normalization (x is the residual stream, one 1/rms a row, and the norm's weight); SiLU and multiply (x
+# is gate || up, 2K values a row).
+PRO_NONE = tl.constexpr(0)
+PRO_NORM = tl.constexpr(1)
+PRO_SILU_MUL = tl.constexpr(2)
+# The rows' 1/rms is summed over this many values a pass.
+NORM_BLOCK = tl.constexpr(1024)
+
+
+@triton.jit
+def row_rstds(x, stride_xm, K, eps, ROWS: tl.constexpr, PRO: tl.constexpr):
+    """With PRO_NORM, each of ROWS rows' 1 / sqrt(mean(x^2) + eps) over its K values (fp32, as
+    kernels/norm.py computes it, summed in another order); else ROWS unused scalars."""
+    rstds = ()
+    for r in tl.static_range(ROWS):
+        if PRO == PRO_NORM:
+            squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, NORM_BLOCK):
+                k = k0 + tl.arange(0, NORM_BLOCK)
+                v = tl.load(x + r * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+                squares += v * v
+            rstds = rstds + (tl.rsqrt(tl.sum(squares, 0) / K + eps),)
+        else:
+            rstds = rstds + (eps,)
+    return rstds
+
+
+@triton.jit
+def load_x(x, offsets, mask, rstd, norm_w, K, PRO: tl.constexpr, EVEN: tl.constexpr):
+    """One row's activations at `offsets` (masked unless EVEN; masked ones are 0), in x's dtype and
+    rounded where the unfused launches round: PRO_NORM x * rstd, then times norm_w (kernels/norm.py);
+    PRO_SILU_MUL silu(gate) times up, gate at x + k and up at x + K + k (kernels/activation.py)."""
+    if EVEN:
+        v = tl.load(x + offsets)
+    else:
+        v = tl.load(x + offsets, mask=mask, other=0.0)
+    if PRO == PRO_NORM:
+        if EVEN:
+            g = tl.load(norm_w + offsets)
+        else:
+            g = tl.load(norm_w + offsets, mask=mask, other=0.0)
+        normed = (v.to(tl.float32) * rstd).to(v.dtype)
+        v = (normed.to(tl.float32) * g.to(tl.float32)).to(v.dtype)
+    elif PRO == PRO_SILU_MUL:
+        if EVEN:
+            up = tl.load(x + K + offsets)
+        else:
+            up = tl.load(x + K + offsets, mask=mask, other=0.0)
+        gate = v.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(v.dtype)
+        v = (silu.to(tl.float32) * up.to(tl.float32)).to(v.dtype)
+    return v
+
+
+@triton.jit
+def store_row(out, res, result, rn, n_ok, SPLIT_K: tl.constexpr, ADD: tl.constexpr):
+    """A one-row program's sums `result` [BLOCK_N] into out's columns rn (store's rules); with ADD (no
+    K split) rounded to out's dtype first and the residual row res added, rounded again, as
+    kernels/norm.py adds it: out is then the new residual stream."""
+    if ADD:
+        value = result.to(out.dtype.element_ty).to(tl.float32)
+        value += tl.load(res + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out + rn, value.to(out.dtype.element_ty), mask=n_ok)
+    else:
+        rm = tl.arange(0, 1)
+        store(out, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+
+
 @triton.jit
 def span(units, pid_k, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """[lo, hi) of the `units` (words or values along K) that split pid_k sums, in whole blocks."""
@@ -146,11 +216,15 @@ def w8a16_gemv_kernel(
     w,
     w_scale,
     out,
+    norm_w,
+    res,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -160,6 +234,8 @@ def w8a16_gemv_kernel(
     HAS_SCALE: tl.constexpr,
     VEC: tl.constexpr,
     EARLY: tl.constexpr,
+    PRO: tl.constexpr,
+    ADD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS rows of x (one, or a few: each weight tile converted once for all of them) against BLOCK_N
@@ -169,7 +245,7 @@ def w8a16_gemv_kernel(
     a byte per register: the repacking costs more than the overlap gains, seen in the SASS. Unrolling
     puts the loads in flight together instead.) EARLY (EVEN_K, under PDL): the first tile of weights is
     loaded before the PDL wait, while the kernel before still runs, and multiplied once x may be read;
-    the loop takes the rest."""
+    the loop takes the rest. PRO: what load_x does to x (norm_w, eps); ADD: store_row adds res."""
     rn, n_ok, base, lo, hi = program_rows(w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY)
     rn_ld = rn % N
     cols = tl.arange(0, BLOCK_K)
@@ -180,7 +256,10 @@ def w8a16_gemv_kernel(
     if EARLY:
         first = tl.load(base + lo)
         pdl.start(PDL)
-        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, True)
+    rstds = row_rstds(x, stride_xm, K, eps, ROWS, PRO)
+    if EARLY:
+        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, rstds, norm_w, K,
+                        ROWS, BLOCK_N, BLOCK_K, VEC, True, PRO)  # fmt: skip
         start = lo + BLOCK_K
     for k0 in tl.range(start, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
@@ -189,31 +268,28 @@ def w8a16_gemv_kernel(
             wt = tl.load(base + k0)
         else:
             wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
-        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K)
-    rm = tl.arange(0, 1)
+        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, K,
+                        ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K, PRO)  # fmt: skip
     for r in tl.static_range(ROWS):
         result = tl.sum(accs[r], axis=1)
         if HAS_SCALE:
             result *= tl.load(w_scale + rn_ld)
-        store(out + r * stride_om, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
+        store_row(out + r * stride_om, res + r * stride_rm, result, rn, n_ok, SPLIT_K, ADD)
 
 
 @triton.jit
-def _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             VEC: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, PRO: tl.constexpr):  # fmt: skip
     """One step of w8a16_gemv_kernel: the weight tile wt [BLOCK_N, BLOCK_K] (columns rk) in fp32, times
-    each row's activations, summed into that row's accumulator; returns the accumulators."""
+    each row's activations (load_x), summed into that row's accumulator; returns the accumulators."""
     w32 = wt.to(tl.float32)
     new_accs = ()
     for r in tl.static_range(ROWS):
         # x is loaded as a [BLOCK_N, BLOCK_K] tile (each thread reads the x values of its own weight
         # values; copies for other rows hit L1): in the weight's layout, with no exchange through
         # shared memory and no barrier, which would keep the unrolled iterations' loads apart.
-        x_ptr = x + r * stride_xm + tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
-        if EVEN_K:
-            xk = tl.load(x_ptr)
-        else:
-            xk = tl.load(x_ptr, mask=(rk < hi)[None, :], other=0.0)
+        offsets = tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
+        xk = load_x(x + r * stride_xm, offsets, (rk < hi)[None, :], rstds[r], norm_w, K, PRO, EVEN_K)
         # Each thread holds VEC consecutive values (one 16-byte load): summed there, the tile that is
         # carried across iterations is a VEC-th of the loaded one.
         product = w32 * xk.to(tl.float32)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import gemv, gemv_f16x2, k_splits, pdl, sm_count
+from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -189,10 +189,17 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def launch_over_rows(
-    x: torch.Tensor, m: int, n: int, config: SkinnyConfig, launch, bias: torch.Tensor | None
+    x: torch.Tensor,
+    m: int,
+    n: int,
+    config: SkinnyConfig,
+    launch,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Calls launch(out, grid) over the [n] outputs of m rows in config's tiles (out fp32 and zeroed when
-    K is split); returns [..., n] in x's dtype, bias added."""
+    K is split); returns [..., n] in x's dtype, bias added, then the residual (where the launch did not
+    add it: see fused_args)."""
     if config.split_k > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
@@ -202,7 +209,50 @@ def launch_over_rows(
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
+    if residual is not None:
+        out = out + residual.reshape(m, n)
     return out.reshape(*x.shape[:-1], n)
+
+
+def fused_args(
+    fusion: GemvFusion | None,
+    x2: torch.Tensor,
+    k: int,
+    n: int,
+    config: SkinnyConfig,
+    bias: torch.Tensor | None,
+) -> tuple[dict, torch.Tensor | None]:
+    """The one-row kernels' arguments for `fusion` (norm_w, res, stride_rm, eps, PRO, ADD), and the
+    residual launch_over_rows adds after the launch: the kernel adds it itself unless K is split or a
+    bias comes first. x2's rows hold k values, or 2k for silu_mul."""
+    fusion = fusion or GemvFusion()
+    width = 2 * k if fusion.silu_mul else k
+    if x2.shape[1] != width:
+        raise ValueError(
+            f"GemvFusion(silu_mul={fusion.silu_mul}) takes rows of {width} values, not {x2.shape[1]}"
+        )
+    if fusion.norm_weight is not None and fusion.silu_mul:
+        raise ValueError("GemvFusion takes norm_weight or silu_mul, not both")
+    pro = gemv.PRO_NONE.value  # plain ints for the launch (its arguments are recorded as JSON)
+    norm_w = x2
+    if fusion.norm_weight is not None:
+        pro, norm_w = gemv.PRO_NORM.value, fusion.norm_weight
+    elif fusion.silu_mul:
+        pro = gemv.PRO_SILU_MUL.value
+    residual = fusion.residual
+    after = None
+    res, stride_rm = x2, 0
+    if residual is not None:
+        residual = residual.reshape(-1, n)
+        if residual.shape[0] != x2.shape[0] or residual.stride(1) != 1:
+            raise ValueError(f"GemvFusion.residual must be [{x2.shape[0]}, {n}] with contiguous rows")
+        if config.split_k > 1 or bias is not None:
+            after = residual
+        else:
+            res, stride_rm = residual, residual.stride(0)
+    args = dict(norm_w=norm_w, res=res, stride_rm=stride_rm, eps=float(fusion.eps), PRO=pro,
+                ADD=res is not x2)  # fmt: skip
+    return args, after
 
 
 def _even(units: int, block: int, config: SkinnyConfig) -> bool:
@@ -223,22 +273,29 @@ def w4a16_skinny(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    fusion: GemvFusion | None = None,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype; group_size a multiple of 8.
     One row, and 16-bit activations of up to GEMV4_ROWS rows, take the one-row kernels (the packed-fp16
-    one for 16-bit x, its programs reading each weight word once for every row)."""
+    one for 16-bit x, its programs reading each weight word once for every row). `fusion` (the
+    packed-fp16 kernel's rows only, packed_kernel_takes): GemvFusion's work done in the launch."""
     x2 = as_rows(x)
     m, k = x2.shape
+    if fusion is not None and fusion.silu_mul:
+        k //= 2
     n = w_packed.shape[0]
     if m > MAX_ROWS or group_size % 8:
         raise ValueError(f"w4a16_skinny takes at most {MAX_ROWS} rows and groups of a multiple of 8")
     packed_rows = packed_kernel_takes(x2.dtype, m)
+    if fusion is not None and not packed_rows:
+        raise ValueError("w4a16_skinny takes a GemvFusion only where the packed-fp16 kernel runs")
     config = config or default_config(1 if packed_rows else m, n, k, 4, x.device)
     block_w = config.block_k // 8
     if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
+    fused, residual_after = fused_args(fusion, x2, k, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(
@@ -251,12 +308,11 @@ def w4a16_skinny(
             even = k % 8 == 0 and _even(k // 8, block_w, config)
             if packed_rows:
                 gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
-                    x2, w_packed, scale, zero_arg, out, n, k, x2.stride(0), w_packed.stride(0),
-                    scale.stride(0), z_stride, out.stride(0), ROWS=m, SUB=sub, EVEN_K=even,
-                    UNROLL=config.unroll, ASM=not _INTERPRETED,
+                    x2, w_packed, scale, zero_arg, out, fused["norm_w"], fused["res"], n, k, x2.stride(0),
+                    w_packed.stride(0), scale.stride(0), z_stride, out.stride(0), fused["stride_rm"],
+                    fused["eps"], ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED,
                     PREFETCH=config.prefetch and even, EARLY=GEMV_EARLY and config.prefetch and even,
-                    **common,
-                    **pdl.launch_args(x2, GEMV4_PDL),
+                    PRO=fused["PRO"], ADD=fused["ADD"], **common, **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
             gemv.w4a16_gemv_kernel[grid](
@@ -271,7 +327,7 @@ def w4a16_skinny(
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
-    return launch_over_rows(x, m, n, config, launch, bias)
+    return launch_over_rows(x, m, n, config, launch, bias, residual_after)
 
 
 def w8a16_skinny(
@@ -280,21 +336,26 @@ def w8a16_skinny(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    fusion: GemvFusion | None = None,
 ) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ (w_q * w_scale)^T -> [..., N] in x's dtype: w_q e4m3 [N, K],
-    w_scale fp32 with one value per row ([N] or [N, 1])."""
+    w_scale fp32 with one value per row ([N] or [N, 1]). `fusion` (the one-row kernel's rows only,
+    w8a16_gemv_takes): GemvFusion's work done in the launch."""
     x2 = as_rows(x)
-    m, k = x2.shape
-    n = w_q.shape[0]
+    m = x2.shape[0]
+    n, k = w_q.shape
     if m > MAX_ROWS:
         raise ValueError(f"w8a16_skinny takes at most {MAX_ROWS} rows")
-    one_row_kernel = m <= _gemv_rows(GEMV8_ROWS)
+    one_row_kernel = w8a16_gemv_takes(m)
+    if fusion is not None and not one_row_kernel:
+        raise ValueError("w8a16_skinny takes a GemvFusion only where the one-row kernel runs")
     config = config or default_config(1 if one_row_kernel else m, n, k, 8, x.device)
     if not one_row_kernel and config.block_k < 16:
         raise ValueError("w8a16_skinny: more than one row takes block_k >= 16 (tl.dot's least K)")
     w_scale = w_scale.reshape(-1)
     if w_scale.dtype != torch.float32:
         w_scale = w_scale.float()
+    fused, residual_after = fused_args(fusion, x2, k, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -302,9 +363,10 @@ def w8a16_skinny(
         if one_row_kernel:
             even = _even(k, config.block_k, config)
             gemv.w8a16_gemv_kernel[grid](
-                x2, w_q, w_scale, out, n, k, x2.stride(0), w_q.stride(0), out.stride(0), ROWS=m,
+                x2, w_q, w_scale, out, N=n, K=k, stride_xm=x2.stride(0), stride_wn=w_q.stride(0),
+                stride_om=out.stride(0), ROWS=m,
                 EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=GEMV_EARLY and even,
-                **common, **pdl.launch_args(x2),
+                **fused, **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
             _w8a16_skinny_kernel[grid](
@@ -312,7 +374,12 @@ def w8a16_skinny(
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
-    return launch_over_rows(x, m, n, config, launch, bias)
+    return launch_over_rows(x, m, n, config, launch, bias, residual_after)
+
+
+def w8a16_gemv_takes(rows: int) -> bool:
+    """Whether w8a16_skinny runs `rows` rows through the one-row kernel: one, or up to GEMV8_ROWS."""
+    return 1 <= rows <= _gemv_rows(GEMV8_ROWS)
 
 
 def dense_gemv_takes(rows: int) -> bool:
@@ -321,30 +388,35 @@ def dense_gemv_takes(rows: int) -> bool:
 
 
 def dense_gemv(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    fusion: GemvFusion | None = None,
 ) -> torch.Tensor:
     """One row x [..., K] @ w^T (or up to DENSE_ROWS rows) for a dense 16-bit weight [N, K]: the FP8
     one-row kernel without its scale. At batch-1 decode of the 8B shape it reads the weights faster than
     cuBLAS's GEMV (H200: the whole step 4.27 against 4.59 ms, docs/performance.md), and launches with
-    PDL as cuBLAS cannot."""
+    PDL as cuBLAS cannot. `fusion`: GemvFusion's work done in the launch."""
     x2 = as_rows(x)
-    m, k = x2.shape
-    n = w.shape[0]
+    m = x2.shape[0]
+    n, k = w.shape
     if not dense_gemv_takes(m) or w.stride(1) != 1:
         raise ValueError("dense_gemv takes one row (DENSE_ROWS at most) and a weight contiguous along K")
     config = config or default_config(1, n, k, 16, x.device)
+    fused, residual_after = fused_args(fusion, x2, k, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         even = _even(k, config.block_k, config)
         gemv.w8a16_gemv_kernel[grid](
-            x2, w, w, out, n, k, x2.stride(0), w.stride(0), out.stride(0), ROWS=m,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            x2, w, w, out, N=n, K=k, stride_xm=x2.stride(0), stride_wn=w.stride(0), stride_om=out.stride(0),
+            ROWS=m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll,
             HAS_SCALE=False, VEC=8, EARLY=GEMV_EARLY and even, num_warps=config.num_warps,
-            num_stages=config.num_stages, **pdl.launch_args(x2),
+            num_stages=config.num_stages, **fused, **pdl.launch_args(x2),
         )  # fmt: skip
 
-    return launch_over_rows(x, m, n, config, launch, bias)
+    return launch_over_rows(x, m, n, config, launch, bias, residual_after)
 
 
 # Whether the one-row 4-bit kernels launch with PDL: on since the packed-fp16 kernel (INT4 8B step 2.400

@@ -15,23 +15,65 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import distributed
-from tokenmill.kernels import skinny_kernel, sm_count, triton_kernel
+from tokenmill.kernels import GemvFusion, skinny_kernel, sm_count, triton_kernel
 
 ShardId = str | int | None
 # TOKENMILL_DENSE_GEMV=0 keeps every unquantized linear on cuBLAS.
 DENSE_GEMV = os.environ.get("TOKENMILL_DENSE_GEMV", "1") != "0"
+# TOKENMILL_GEMV_FUSION=0 keeps the norms, the activation and the residual adds in launches of their own
+# (fused_linear; for A/B runs).
+GEMV_FUSION = os.environ.get("TOKENMILL_GEMV_FUSION", "1") != "0"
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; at one 16-bit row on a GPU (or up to skinny_gemm.DENSE_ROWS rows), against a weight
     with at least 16 output rows per multiprocessor (no K split needed to fill the GPU),
     kernels/skinny_gemm.py's dense_gemv."""
-    if DENSE_GEMV and x.dtype != torch.float32 and x.numel():
-        takes = skinny_kernel(x, "dense_gemv_takes")
-        wide = weight.shape[0] >= 16 * sm_count(x.device) and weight.stride(1) == 1
-        if takes is not None and takes(x.numel() // x.shape[-1]) and wide:
-            return triton_kernel("skinny_gemm", "dense_gemv")(x, weight, bias)
+    if dense_gemv_takes(x, weight):
+        return triton_kernel("skinny_gemm", "dense_gemv")(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def dense_gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether dense_linear sends x to kernels/skinny_gemm.py's dense_gemv."""
+    if not DENSE_GEMV or x.dtype == torch.float32 or not x.numel():
+        return False
+    takes = skinny_kernel(x, "dense_gemv_takes")
+    wide = weight.shape[0] >= 16 * sm_count(x.device) and weight.stride(1) == 1
+    return takes is not None and takes(x.numel() // x.shape[-1]) and wide
+
+
+def fused_linear(
+    layer: LinearBase,
+    x: torch.Tensor,
+    *,
+    norm: nn.Module | None = None,
+    act: nn.Module | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """layer(x) with the launches around it folded into its GEMV where a one-row kernel takes x (decode
+    of a few sequences on a GPU; the quant method's gemv_takes): norm (an RMSNorm: x is the residual
+    stream) or act (SiLU-and-multiply: x is gate || up) applied to x first, the residual added to the
+    output after. Elsewhere (and with tensor parallelism, whose all-reduce comes between the GEMV and
+    the add) the same work in launches of its own."""
+    if (norm is not None or act is not None or residual is not None) and gemv_fusion_takes(layer, x):
+        fusion = GemvFusion(
+            norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0, act is not None,
+            residual,
+        )  # fmt: skip
+        return layer.quant_method.gemv(layer, x, layer.bias, fusion)
+    if norm is not None:
+        x = norm(x)
+    if act is not None:
+        x = act(x)
+    y = layer(x)
+    return y if residual is None else y + residual
+
+
+def gemv_fusion_takes(layer: LinearBase, x: torch.Tensor) -> bool:
+    """Whether fused_linear folds its work into layer's GEMV for activations like x (their rows, dtype
+    and device)."""
+    return GEMV_FUSION and layer.tp_size == 1 and layer.quant_method.gemv_takes(layer, x)
 
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -95,6 +137,17 @@ class LinearMethodBase(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `gemv` takes activations like x (their rows, dtype and device): a method whose one-row
+        GEMV does GemvFusion's work says so; none by default."""
+        return False
+
+    def gemv(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
+    ) -> torch.Tensor:
+        """apply's product with `fusion`'s work done in the same launch (only where gemv_takes)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused one-row GEMV")
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """One dense weight [output_size_per_partition, input_size_per_partition] in params_dtype."""
@@ -116,6 +169,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return dense_linear(x, layer.weight, bias)
+
+    def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return dense_gemv_takes(x, layer.weight)
+
+    def gemv(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
+    ) -> torch.Tensor:
+        return triton_kernel("skinny_gemm", "dense_gemv")(x, layer.weight, bias, fusion=fusion)
 
 
 # While a model is built for a quantized checkpoint: makes the method each linear layer gets by default.

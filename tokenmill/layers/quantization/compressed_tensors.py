@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from tokenmill.kernels import skinny_kernel
+from tokenmill.kernels import GemvFusion, skinny_kernel
 from tokenmill.kernels.quant_reference import w8a16_gemm
 from tokenmill.layers.linear import (
     LinearMethodBase,
@@ -29,7 +29,7 @@ from tokenmill.layers.linear import (
     UnquantizedLinearMethod,
     WeightLoader,
 )
-from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_linear
+from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_gemv, fp8_gemv_takes, fp8_linear
 from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
 
 FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -234,6 +234,14 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
         # to the activations' dtype and multiply there).
         gemm = skinny_kernel(x, "w8a16_skinny") or w8a16_gemm
         return gemm(x, layer.weight, layer.weight_scale, bias)
+
+    def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return fp8_gemv_takes(x)  # every scheme takes the one-row kernel at these rows (fp8_linear's too)
+
+    def gemv(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
+    ) -> torch.Tensor:
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, fusion)
 
 
 def _part_rows(layer: nn.Module, shard_id: ShardId) -> int:

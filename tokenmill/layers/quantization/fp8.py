@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenmill.kernels import FP8_GEMM_MAX_ROWS, skinny_kernel, triton_kernel
+from tokenmill.kernels import FP8_GEMM_MAX_ROWS, GemvFusion, skinny_kernel, triton_kernel
 from tokenmill.kernels.quant_reference import quantize_fp8_per_row
 from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
@@ -98,6 +98,20 @@ def fp8_linear(
     return y.reshape(*shape[:-1], w_q.shape[0])
 
 
+def fp8_gemv_takes(x: torch.Tensor) -> bool:
+    """Whether fp8_linear runs x's rows through the one-row kernel (skinny_gemm.w8a16_gemv_takes), where
+    fp8_gemv can do a GemvFusion's work in the same launch."""
+    takes = skinny_kernel(x, "w8a16_gemv_takes")
+    return takes is not None and x.numel() > 0 and takes(x.numel() // x.shape[-1])
+
+
+def fp8_gemv(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
+) -> torch.Tensor:
+    """fp8_linear's one-row product (where fp8_gemv_takes) with `fusion`'s work in the launch."""
+    return triton_kernel("skinny_gemm", "w8a16_skinny")(x, w_q, w_scale, bias, fusion=fusion)
+
+
 def _triton_fp8_gemm(x: torch.Tensor) -> Callable | None:
     """kernels/fp8_gemm.py's GEMM for the batches decode runs at (up to FP8_GEMM_MAX_ROWS rows) on CUDA,
     where it outruns cuBLAS's FP8 GEMM (docs/performance.md); None elsewhere. (FP8 weights on a GPU
@@ -142,3 +156,11 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return fp8_gemv_takes(x)
+
+    def gemv(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
+    ) -> torch.Tensor:
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias, fusion)

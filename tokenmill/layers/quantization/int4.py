@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.kernels import triton_kernel
+from tokenmill.kernels import GemvFusion, triton_kernel
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
@@ -87,6 +87,16 @@ class Int4W4A16LinearMethod(LinearMethodBase):
         zero = getattr(layer, "weight_zero_point", None)
         return int4_matmul(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
 
+    def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return int4_gemv_takes(x, layer.int4_group_size)
+
+    def gemv(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
+    ) -> torch.Tensor:
+        zero = getattr(layer, "weight_zero_point", None)
+        group = layer.int4_group_size
+        return int4_gemv(x, layer.weight_packed, layer.weight_scale, zero, group, bias, fusion)
+
 
 def int4_matmul(
     x: torch.Tensor,
@@ -100,6 +110,29 @@ def int4_matmul(
     kernel chosen by the batch's rows), elsewhere the reference."""
     gemm = triton_kernel("int4_gemm", "w4a16_linear") if x.is_cuda else None
     return (gemm or w4a16_gemm)(x, packed, scale, zero, group_size, bias)
+
+
+def int4_gemv_takes(x: torch.Tensor, group_size: int) -> bool:
+    """Whether int4_matmul sends x's rows to the packed-fp16 one-row kernel (skinny_gemm's
+    packed_kernel_takes), where int4_gemv can do a GemvFusion's work in the same launch."""
+    if not x.is_cuda or group_size % PACK or not x.numel():
+        return False
+    takes = triton_kernel("skinny_gemm", "packed_kernel_takes")
+    return takes is not None and takes(x.dtype, x.numel() // x.shape[-1])
+
+
+def int4_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+    fusion: GemvFusion,
+) -> torch.Tensor:
+    """int4_matmul's one-row product (where int4_gemv_takes) with `fusion`'s work in the launch."""
+    w4a16_skinny = triton_kernel("skinny_gemm", "w4a16_skinny")
+    return w4a16_skinny(x, packed, scale, zero, group_size, bias, fusion=fusion)
 
 
 def _param(
