@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests.conftest import ARCHS, MOE_ARCHS
 from tokenmill.kernels import GemvFusion, reference
+from tokenmill.layers import linear
 from tokenmill.layers.linear import UnquantizedLinearMethod
 
 from .test_llama_equivalence import PROMPTS, generate_ids, hf_greedy, make_llm
@@ -39,6 +40,7 @@ def fused_projections(monkeypatch):
             y = y + fusion.residual
         return y
 
+    monkeypatch.setattr(linear, "GEMV_FUSION", True)
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes", gemv_takes)
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv", gemv)
     return seen
@@ -62,13 +64,14 @@ def test_a_model_with_expert_layers_keeps_the_separate_norms(arch, hf_model_dirs
     assert fused_projections["norm"] == fused_projections["residual"] == 0
 
 
-def test_fused_linear_does_the_same_work_where_no_gemv_takes_it() -> None:
+def test_fused_linear_does_the_same_work_where_no_gemv_takes_it(monkeypatch) -> None:
     """Without a one-row kernel (here: the CPU), fused_linear runs the norm, the activation and the add
     as launches of their own around the layer."""
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.linear import RowParallelLinear, fused_linear
     from tokenmill.layers.norm import RMSNorm
 
+    monkeypatch.setattr(linear, "GEMV_FUSION", True)
     torch.manual_seed(0)
     layer = RowParallelLinear(16, 8, bias=True)
     torch.nn.init.normal_(layer.weight)
@@ -89,13 +92,12 @@ def test_fused_linear_does_the_same_work_where_no_gemv_takes_it() -> None:
 def test_on_the_gpu_the_fp8_one_row_kernels_fold_the_norms_in(arch, hf_model_dirs, monkeypatch):
     """FP8 weights (fp32 activations, so that no bf16 rounding can tip a random model's argmax): decode
     through the one-row kernel's fused loads and stores gives the tokens of the separate launches."""
-    from tokenmill.models.llama import LlamaModel
-
     path, _ = hf_model_dirs[arch]
+    monkeypatch.setattr(linear, "GEMV_FUSION", True)
     options = dict(max_num_seqs=1, quantization="fp8", enforce_eager=True, num_kv_blocks=64)
     fused = make_llm(path, **options)
     assert fused.engine.runner.model.model.fuses_norms(torch.zeros(1, 8, device="cuda"))
     got = generate_ids(fused, PROMPTS)
     del fused
-    monkeypatch.setattr(LlamaModel, "fuses_norms", lambda self, hidden: False)
+    monkeypatch.setattr(linear, "GEMV_FUSION", False)
     assert generate_ids(make_llm(path, **options), PROMPTS) == got

@@ -20,9 +20,11 @@ from tokenmill.kernels import GemvFusion, skinny_kernel, sm_count, triton_kernel
 ShardId = str | int | None
 # TOKENMILL_DENSE_GEMV=0 keeps every unquantized linear on cuBLAS.
 DENSE_GEMV = os.environ.get("TOKENMILL_DENSE_GEMV", "1") != "0"
-# TOKENMILL_GEMV_FUSION=0 keeps the norms, the activation and the residual adds in launches of their own
-# (fused_linear; for A/B runs).
-GEMV_FUSION = os.environ.get("TOKENMILL_GEMV_FUSION", "1") != "0"
+# TOKENMILL_GEMV_FUSION=1 folds the norms, the activation and the residual adds into the one-row GEMVs
+# (fused_linear). Off: on the H200 (2026-12-03, Llama-3.1-8B batch-1 decode, same call) it made the step
+# slower, bf16 4.113 -> 4.184 ms, FP8 2.623 -> 2.895, INT4 2.243 -> 2.629: the work done per activation
+# in every program costs more than the launches it saves (docs/performance.md).
+GEMV_FUSION = os.environ.get("TOKENMILL_GEMV_FUSION", "0") == "1"
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
