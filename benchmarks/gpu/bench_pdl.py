@@ -32,21 +32,32 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 _PDL_ENABLED = pdl.enabled
 
 
+# layers/linear.py's GEMV_FUSION parts a variant folds into the one-row GEMVs.
+_ACT = frozenset({"act"})
+_ALL = frozenset(linear.GEMV_FUSION_PARTS)
+
+
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
-    tile loaded before the PDL wait (skinny_gemm.GEMV_EARLY) (int4 also with its one-row GEMV
-    launched plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one)."""
+    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with the layers' small
+    launches folded into the GEMVs (linear.GEMV_FUSION: the activation alone, and everything) (int4 also
+    with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as before the
+    packed-fp16 one)."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
             {"name": "cublas-pdl", "pdl": True, "gemv": False},
             {"name": "triton-nopdl", "pdl": False, "gemv": True},
             {"name": "triton-pdl", "pdl": True, "gemv": True},
-            {"name": "triton-pdl-early", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": True}},
+            {"name": "triton-pdl-late", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": False}},
+            {"name": "triton-pdl-fuse-act", "pdl": True, "gemv": True, "fusion": _ACT},
+            {"name": "triton-pdl-fuse-all", "pdl": True, "gemv": True, "fusion": _ALL},
         ]
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
-    out.append({"name": "pdl-early", "pdl": True, "switches": {"GEMV_EARLY": True}})
+    out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
+    out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
+    out.append({"name": "pdl-fuse-all", "pdl": True, "fusion": _ALL})
     if quantization == "int4":
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
@@ -59,6 +70,7 @@ def variants(quantization: str | None) -> list[dict]:
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
     linear.DENSE_GEMV = variant.get("gemv", True)
+    fusion, linear.GEMV_FUSION = linear.GEMV_FUSION, variant.get("fusion", frozenset())
     try:
         with skinny_gemm.switches(**variant.get("switches", {})):
             graphs = DecodeGraphs(
@@ -67,6 +79,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
             graphs.capture()
     finally:
         pdl.enabled = _PDL_ENABLED
+        linear.GEMV_FUSION = fusion
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

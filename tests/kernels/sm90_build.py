@@ -166,24 +166,19 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             w4a16_mma.w4a16_mma(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
         int4_gemm.dequantize(packed, scale, None, 128, k, dtype)
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
-        # The layers' work in the one-row kernels' loads and stores (GemvFusion): the norm and the
-        # residual add at one and two rows, SiLU-and-multiply at one.
+        # The layers' work in the one-row kernels' loads and stores (GemvFusion): the norm, the residual
+        # add and SiLU-and-multiply of the output's halves, at one and two rows.
         w_dense = torch.empty(n, k, dtype=dtype)
         for rows in (1, 2):
             x = torch.empty(rows, k, dtype=dtype)
             for fusion in (
-                GemvFusion(norm_weight=torch.empty(k, dtype=dtype), eps=1e-5),
+                GemvFusion(norm_weight=torch.empty(k, dtype=dtype), eps=1e-5, silu_mul=True),
                 GemvFusion(residual=torch.empty(rows, n, dtype=dtype)),
             ):
                 skinny_gemm.w4a16_skinny(x, packed, scale, None, 128, fusion=fusion)
                 skinny_gemm.w8a16_skinny(x, w_q, w_scale, fusion=fusion)
                 with skinny_gemm.switches(DENSE_ROWS=2):
                     skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
-        gate_up = torch.empty(1, 2 * k, dtype=dtype)
-        silu_mul = GemvFusion(silu_mul=True, residual=torch.empty(1, n, dtype=dtype))
-        skinny_gemm.w4a16_skinny(gate_up, packed, scale, None, 128, fusion=silu_mul)
-        skinny_gemm.w8a16_skinny(gate_up, w_q, w_scale, fusion=silu_mul)
-        skinny_gemm.dense_gemv(gate_up, w_dense, fusion=silu_mul)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
         rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)

@@ -84,7 +84,8 @@ def test_dequant_gemm_with_bias_and_leading_dims() -> None:
     ("rows", "group", "kernel"),
     [
         (1, 128, "w4a16_skinny"),
-        (2, 128, "w4a16_mma"),
+        (2, 128, "w4a16_skinny"),  # up to skinny_gemm.GEMV4_ROWS rows: the packed-fp16 one-row kernel
+        (3, 128, "w4a16_mma"),
         (int4_gemm.MMA_ROWS, 128, "w4a16_mma"),
         (int4_gemm.DEQUANT_ROWS, 128, "w4a16_dequant_gemm"),
         (3, 64, "w4a16_skinny"),  # groups under 128 values: not the tensor-core kernel

@@ -31,16 +31,16 @@ def fused_projections(monkeypatch):
         if fusion.norm_weight is not None:
             seen["norm"] += 1
             x = reference.rms_norm(x, fusion.norm_weight, fusion.eps)
+        y = F.linear(x, layer.weight, bias)
         if fusion.silu_mul:
             seen["silu_mul"] += 1
-            x = reference.silu_and_mul(x)
-        y = F.linear(x, layer.weight, bias)
+            y = reference.silu_and_mul(y)
         if fusion.residual is not None:
             seen["residual"] += 1
             y = y + fusion.residual
         return y
 
-    monkeypatch.setattr(linear, "GEMV_FUSION", True)
+    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset(linear.GEMV_FUSION_PARTS))
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes", gemv_takes)
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv", gemv)
     return seen
@@ -71,19 +71,22 @@ def test_fused_linear_does_the_same_work_where_no_gemv_takes_it(monkeypatch) -> 
     from tokenmill.layers.linear import RowParallelLinear, fused_linear
     from tokenmill.layers.norm import RMSNorm
 
-    monkeypatch.setattr(linear, "GEMV_FUSION", True)
+    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset(linear.GEMV_FUSION_PARTS))
     torch.manual_seed(0)
     layer = RowParallelLinear(16, 8, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     norm = RMSNorm(16, 1e-5)
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
-    x, gate_up, residual = torch.randn(3, 16), torch.randn(3, 32), torch.randn(3, 8)
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
     normed = reference.rms_norm(x, norm.weight, 1e-5)
     torch.testing.assert_close(fused_linear(layer, x, norm=norm), F.linear(normed, layer.weight, layer.bias))
     act = SiluAndMul()
-    want = F.linear(reference.silu_and_mul(gate_up), layer.weight, layer.bias) + residual
-    torch.testing.assert_close(fused_linear(layer, gate_up, act=act, residual=residual), want)
+    gate_up_layer = RowParallelLinear(16, 32, bias=False)
+    torch.nn.init.normal_(gate_up_layer.weight)
+    want = reference.silu_and_mul(F.linear(normed, gate_up_layer.weight)) + residual
+    got = fused_linear(gate_up_layer, x, norm=norm, act=act, residual=residual)
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.gpu
@@ -93,11 +96,11 @@ def test_on_the_gpu_the_fp8_one_row_kernels_fold_the_norms_in(arch, hf_model_dir
     """FP8 weights (fp32 activations, so that no bf16 rounding can tip a random model's argmax): decode
     through the one-row kernel's fused loads and stores gives the tokens of the separate launches."""
     path, _ = hf_model_dirs[arch]
-    monkeypatch.setattr(linear, "GEMV_FUSION", True)
+    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset(linear.GEMV_FUSION_PARTS))
     options = dict(max_num_seqs=1, quantization="fp8", enforce_eager=True, num_kv_blocks=64)
     fused = make_llm(path, **options)
     assert fused.engine.runner.model.model.fuses_norms(torch.zeros(1, 8, device="cuda"))
     got = generate_ids(fused, PROMPTS)
     del fused
-    monkeypatch.setattr(linear, "GEMV_FUSION", False)
+    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset())
     assert generate_ids(make_llm(path, **options), PROMPTS) == got

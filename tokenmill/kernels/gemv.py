@@ -36,24 +36,17 @@ def store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K: tl.constexpr):
         tl.atomic_add(out + o_offsets, result, mask=o_mask)
 
 
-# What a one-row GEMV does to its activations as it loads them (the launch before it left undone; the
-# model's layers, models/llama.py, ask for it through layers/linear.py's fused_linear): nothing; RMS
-# normalization (x is the residual stream, one 1/rms a row, and the norm's weight); SiLU and multiply (x
-# is gate || up, 2K values a row).
-PRO_NONE = tl.constexpr(0)
-PRO_NORM = tl.constexpr(1)
-PRO_SILU_MUL = tl.constexpr(2)
-# The rows' 1/rms is summed over this many values a pass.
+# The rows' 1/rms (GemvFusion's norm) is summed over this many values a pass.
 NORM_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
-def row_rstds(x, stride_xm, K, eps, ROWS: tl.constexpr, PRO: tl.constexpr):
-    """With PRO_NORM, each of ROWS rows' 1 / sqrt(mean(x^2) + eps) over its K values (fp32, as
+def row_rstds(x, stride_xm, K, eps, ROWS: tl.constexpr, NORM: tl.constexpr):
+    """With NORM, each of ROWS rows' 1 / sqrt(mean(x^2) + eps) over its K values (fp32, as
     kernels/norm.py computes it, summed in another order); else ROWS unused scalars."""
     rstds = ()
     for r in tl.static_range(ROWS):
-        if PRO == PRO_NORM:
+        if NORM:
             squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
             for k0 in range(0, K, NORM_BLOCK):
                 k = k0 + tl.arange(0, NORM_BLOCK)
@@ -66,38 +59,41 @@ def row_rstds(x, stride_xm, K, eps, ROWS: tl.constexpr, PRO: tl.constexpr):
 
 
 @triton.jit
-def load_x(x, offsets, mask, rstd, norm_w, K, PRO: tl.constexpr, EVEN: tl.constexpr):
-    """One row's activations at `offsets` (masked unless EVEN; masked ones are 0), in x's dtype and
-    rounded where the unfused launches round: PRO_NORM x * rstd, then times norm_w (kernels/norm.py);
-    PRO_SILU_MUL silu(gate) times up, gate at x + k and up at x + K + k (kernels/activation.py)."""
+def load_x(x, offsets, mask, rstd, norm_w, NORM: tl.constexpr, EVEN: tl.constexpr):
+    """One row's activations at `offsets` (masked unless EVEN; masked ones are 0), in x's dtype; with
+    NORM (x is the residual stream) normalized as kernels/norm.py does it: x * rstd rounded to x's
+    dtype, times norm_w, rounded."""
     if EVEN:
         v = tl.load(x + offsets)
     else:
         v = tl.load(x + offsets, mask=mask, other=0.0)
-    if PRO == PRO_NORM:
+    if NORM:
         if EVEN:
             g = tl.load(norm_w + offsets)
         else:
             g = tl.load(norm_w + offsets, mask=mask, other=0.0)
         normed = (v.to(tl.float32) * rstd).to(v.dtype)
         v = (normed.to(tl.float32) * g.to(tl.float32)).to(v.dtype)
-    elif PRO == PRO_SILU_MUL:
-        if EVEN:
-            up = tl.load(x + K + offsets)
-        else:
-            up = tl.load(x + K + offsets, mask=mask, other=0.0)
-        gate = v.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(v.dtype)
-        v = (silu.to(tl.float32) * up.to(tl.float32)).to(v.dtype)
     return v
 
 
 @triton.jit
-def store_row(out, res, result, rn, n_ok, SPLIT_K: tl.constexpr, ADD: tl.constexpr):
-    """A one-row program's sums `result` [BLOCK_N] into out's columns rn (store's rules); with ADD (no
-    K split) rounded to out's dtype first and the residual row res added, rounded again, as
-    kernels/norm.py adds it: out is then the new residual stream."""
-    if ADD:
+def store_row(out, res, result, rn, n_ok, N_OUT, SPLIT_K: tl.constexpr, ADD: tl.constexpr,
+              GATED: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """A one-row program's sums `result` [BLOCK_N] into out's columns rn (store's rules). ADD (no K
+    split): rounded to out's dtype first, the residual row res added, rounded again, as kernels/norm.py
+    adds it (out is then the new residual stream). GATED (no K split; program_rows): the first HALF sums
+    are gate rows and the rest the up rows of the same HALF outputs, stored as silu(gate) * up with the
+    roundings of the separate launches (kernels/activation.py) into the program's N_OUT columns."""
+    if GATED:
+        pair = tl.reshape(result.to(out.dtype.element_ty).to(tl.float32), (2, HALF))
+        which = tl.arange(0, 2)[:, None]
+        gate = tl.sum(tl.where(which == 0, pair, 0.0), axis=0)
+        up = tl.sum(tl.where(which == 1, pair, 0.0), axis=0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
+        cols = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        tl.store(out + cols, (silu * up).to(out.dtype.element_ty), mask=cols < N_OUT)
+    elif ADD:
         value = result.to(out.dtype.element_ty).to(tl.float32)
         value += tl.load(res + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out + rn, value.to(out.dtype.element_ty), mask=n_ok)
@@ -116,17 +112,28 @@ def span(units, pid_k, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def program_rows(w, N, units, stride_wn, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
-                  PDL: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
-    """A one-row program's output rows, whether each is real, the pointers to the first BLOCK units of its
-    weight rows (rows past N read row N-1's copy, never stored) and its [lo, hi) along K; then the PDL
-    wait, after which the program may read x (with EARLY the caller waits, after loading its first
-    weight tile: the weights are no earlier kernel's output)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    base = w + (rn % N)[:, None] * stride_wn + tl.arange(0, BLOCK)[None, :]
+                  PDL: tl.constexpr, EARLY: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """A one-row program's weight rows (for the loads of weights and scales; rows past N read a copy of
+    another, never stored), its output columns, whether each is real, the pointers to the first BLOCK
+    units of its weight rows and its [lo, hi) along K; then the PDL wait, after which the program may
+    read x (with EARLY the caller waits, after loading its first weight tile: the weights are no
+    earlier kernel's output). GATED: the weight is gate || up (N / 2 rows each) and the program takes
+    gate rows j..j + BLOCK_N / 2 and the up rows of the same j (store_row combines them)."""
+    r = tl.arange(0, BLOCK_N)
+    if GATED:
+        half = N // 2
+        rn = tl.program_id(0) * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+        n_ok = rn < half
+        rows = tl.where(n_ok, tl.where(r < BLOCK_N // 2, rn, half + rn), 0)
+    else:
+        rn = tl.program_id(0) * BLOCK_N + r
+        n_ok = rn < N
+        rows = rn % N
+    base = w + rows[:, None] * stride_wn + tl.arange(0, BLOCK)[None, :]
     lo, hi = span(units, tl.program_id(1), SPLIT_K, BLOCK)
     if not EARLY:
         pdl.start(PDL)
-    return rn, rn < N, base, lo, hi
+    return rows, rn, n_ok, base, lo, hi
 
 
 @triton.jit
@@ -159,10 +166,9 @@ def w4a16_gemv_kernel(
     scale is applied once per SUB words (one group), the zero point once per SUB words through the sum
     of x. With EVEN_K no load is masked along K (the loads stay 16-byte vectors); rows past N read row
     N-1's copy and are not stored."""
-    rn, n_ok, base, lo, hi = program_rows(
-        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, False
+    rn_ld, rn, n_ok, base, lo, hi = program_rows(
+        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, False, False
     )
-    rn_ld = rn % N
     cols = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_N, BLOCK_W // SUB], dtype=tl.float32)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
@@ -234,8 +240,9 @@ def w8a16_gemv_kernel(
     HAS_SCALE: tl.constexpr,
     VEC: tl.constexpr,
     EARLY: tl.constexpr,
-    PRO: tl.constexpr,
+    NORM: tl.constexpr,
     ADD: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """ROWS rows of x (one, or a few: each weight tile converted once for all of them) against BLOCK_N
@@ -245,9 +252,11 @@ def w8a16_gemv_kernel(
     a byte per register: the repacking costs more than the overlap gains, seen in the SASS. Unrolling
     puts the loads in flight together instead.) EARLY (EVEN_K, under PDL): the first tile of weights is
     loaded before the PDL wait, while the kernel before still runs, and multiplied once x may be read;
-    the loop takes the rest. PRO: what load_x does to x (norm_w, eps); ADD: store_row adds res."""
-    rn, n_ok, base, lo, hi = program_rows(w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY)
-    rn_ld = rn % N
+    the loop takes the rest. NORM: load_x normalizes x (norm_w, eps); ADD and GATED: what store_row
+    does to the sums (res; GATED with program_rows' rows)."""
+    rn_ld, rn, n_ok, base, lo, hi = program_rows(
+        w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY, GATED
+    )
     cols = tl.arange(0, BLOCK_K)
     accs = ()
     for _ in tl.static_range(ROWS):
@@ -256,10 +265,10 @@ def w8a16_gemv_kernel(
     if EARLY:
         first = tl.load(base + lo)
         pdl.start(PDL)
-    rstds = row_rstds(x, stride_xm, K, eps, ROWS, PRO)
+    rstds = row_rstds(x, stride_xm, K, eps, ROWS, NORM)
     if EARLY:
-        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, rstds, norm_w, K,
-                        ROWS, BLOCK_N, BLOCK_K, VEC, True, PRO)  # fmt: skip
+        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, rstds, norm_w,
+                        ROWS, BLOCK_N, BLOCK_K, VEC, True, NORM)  # fmt: skip
         start = lo + BLOCK_K
     for k0 in tl.range(start, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
@@ -268,18 +277,19 @@ def w8a16_gemv_kernel(
             wt = tl.load(base + k0)
         else:
             wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
-        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, K,
-                        ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K, PRO)  # fmt: skip
+        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w,
+                        ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K, NORM)  # fmt: skip
     for r in tl.static_range(ROWS):
         result = tl.sum(accs[r], axis=1)
         if HAS_SCALE:
             result *= tl.load(w_scale + rn_ld)
-        store_row(out + r * stride_om, res + r * stride_rm, result, rn, n_ok, SPLIT_K, ADD)
+        store_row(out + r * stride_om, res + r * stride_rm, result, rn, n_ok, N // 2, SPLIT_K, ADD, GATED,
+                  BLOCK_N // 2)  # fmt: skip
 
 
 @triton.jit
-def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, PRO: tl.constexpr):  # fmt: skip
+def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     """One step of w8a16_gemv_kernel: the weight tile wt [BLOCK_N, BLOCK_K] (columns rk) in fp32, times
     each row's activations (load_x), summed into that row's accumulator; returns the accumulators."""
     w32 = wt.to(tl.float32)
@@ -289,7 +299,7 @@ def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, K, ROWS: tl.constexp
         # values; copies for other rows hit L1): in the weight's layout, with no exchange through
         # shared memory and no barrier, which would keep the unrolled iterations' loads apart.
         offsets = tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
-        xk = load_x(x + r * stride_xm, offsets, (rk < hi)[None, :], rstds[r], norm_w, K, PRO, EVEN_K)
+        xk = load_x(x + r * stride_xm, offsets, (rk < hi)[None, :], rstds[r], norm_w, NORM, EVEN_K)
         # Each thread holds VEC consecutive values (one 16-byte load): summed there, the tile that is
         # carried across iterations is a VEC-th of the loaded one.
         product = w32 * xk.to(tl.float32)

@@ -112,12 +112,12 @@ def _f16x2_words(packed, pairs, ROWS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_step(x, rw, K, hi, rstd, norm_w, EVEN_K: tl.constexpr, PRO: tl.constexpr):
+def _x_step(x, rw, K, hi, rstd, norm_w, EVEN_K: tl.constexpr, NORM: tl.constexpr):
     """The activations of words rw, as loaded (gemv.load_x): eight tensors, value 8w + i in the i-th."""
     xs = ()
     for i in tl.static_range(8):
         k = rw * 8 + i
-        xs = xs + (gemv.load_x(x, k, (rw < hi) & (k < K), rstd, norm_w, K, PRO, EVEN_K),)
+        xs = xs + (gemv.load_x(x, k, (rw < hi) & (k < K), rstd, norm_w, NORM, EVEN_K),)
     return xs
 
 
@@ -151,8 +151,9 @@ def w4a16_gemv_f16x2_kernel(
     ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
     EARLY: tl.constexpr,
-    PRO: tl.constexpr,
+    NORM: tl.constexpr,
     ADD: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """w4a16_gemv_kernel's job for ROWS rows of 16-bit x (one, or a few) against BLOCK_N rows of the
@@ -160,12 +161,11 @@ def w4a16_gemv_f16x2_kernel(
     values for the first row (_f16x2_word_asm) where the fp32 kernel spends three a value, 7 for each
     further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
-    fp16, everything past the word in fp32, unscaled with the group's scale. PRO and ADD as in
+    fp16, everything past the word in fp32, unscaled with the group's scale. NORM, ADD and GATED as in
     gemv.w8a16_gemv_kernel."""
-    rn, n_ok, base, lo, hi = gemv.program_rows(
-        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY
+    rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
+        w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
     )
-    rn_ld = rn % N
     cols = tl.arange(0, BLOCK_W)
     accs = ()
     for _ in tl.static_range(ROWS):
@@ -174,9 +174,9 @@ def w4a16_gemv_f16x2_kernel(
         ahead = tl.load(base + lo)
         if EARLY:  # (PREFETCH only) the first words before the PDL wait, x after it
             pdl.start(PDL)
-    rstds = gemv.row_rstds(x, stride_xm, K, eps, ROWS, PRO)
+    rstds = gemv.row_rstds(x, stride_xm, K, eps, ROWS, NORM)
     if PREFETCH:
-        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, PRO)
+        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
@@ -186,13 +186,13 @@ def w4a16_gemv_f16x2_kernel(
             following = w0 + BLOCK_W
             following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
             ahead = tl.load(base + following)
-            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, PRO)
+            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
         elif EVEN_K:
             packed = tl.load(base + w0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, PRO)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, PRO)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
         pairs = ()
         downs = ()
         x_sums = ()
@@ -220,16 +220,17 @@ def w4a16_gemv_f16x2_kernel(
         accs = new_accs
     for r in tl.static_range(ROWS):
         result = tl.sum(accs[r], axis=1)
-        gemv.store_row(out + r * stride_om, res + r * stride_rm, result, rn, n_ok, SPLIT_K, ADD)
+        out_r, res_r = out + r * stride_om, res + r * stride_rm
+        gemv.store_row(out_r, res_r, result, rn, n_ok, N // 2, SPLIT_K, ADD, GATED, BLOCK_N // 2)
 
 
 @triton.jit
 def _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-            PRO: tl.constexpr):  # fmt: skip
+            NORM: tl.constexpr):  # fmt: skip
     """_x_step for each of ROWS rows of x."""
     rows = ()
     for r in tl.static_range(ROWS):
-        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, rstds[r], norm_w, EVEN_K, PRO),)
+        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, rstds[r], norm_w, EVEN_K, NORM),)
     return rows
 
 

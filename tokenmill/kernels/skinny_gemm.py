@@ -195,64 +195,69 @@ def launch_over_rows(
     config: SkinnyConfig,
     launch,
     bias: torch.Tensor | None,
-    residual: torch.Tensor | None = None,
+    fused: Fused | None = None,
 ) -> torch.Tensor:
     """Calls launch(out, grid) over the [n] outputs of m rows in config's tiles (out fp32 and zeroed when
-    K is split); returns [..., n] in x's dtype, bias added, then the residual (where the launch did not
-    add it: see fused_args)."""
+    K is split); returns [..., n] in x's dtype, bias added; then what `fused` leaves to be done after the
+    launch. With the gated store (fused_args) the outputs are n / 2, half a tile a program."""
+    gated = fused is not None and fused.args["GATED"]
+    columns, per_program = (n // 2, config.block_n // 2) if gated else (n, config.block_n)
     if config.split_k > 1:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        out = torch.zeros(m, columns, dtype=torch.float32, device=x.device)
     else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, columns, dtype=x.dtype, device=x.device)
     if m:
-        launch(out, (triton.cdiv(n, config.block_n), config.split_k))
+        launch(out, (triton.cdiv(columns, per_program), config.split_k))
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
-    if residual is not None:
-        out = out + residual.reshape(m, n)
-    return out.reshape(*x.shape[:-1], n)
+    if fused is not None and fused.act_after:
+        from tokenmill.kernels import activation
+
+        out = activation.silu_and_mul(out)
+    if fused is not None and fused.residual_after is not None:
+        out = out + fused.residual_after
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Fused(NamedTuple):
+    """A GemvFusion as a one-row launch takes it (fused_args)."""
+
+    args: dict  # the kernel's arguments: norm_w, res, stride_rm, eps, NORM, ADD, GATED
+    residual_after: torch.Tensor | None  # added after the launch (K split, or a bias first)
+    act_after: bool  # silu(gate) * up in a launch of its own (K split, or a bias first)
 
 
 def fused_args(
     fusion: GemvFusion | None,
     x2: torch.Tensor,
-    k: int,
     n: int,
     config: SkinnyConfig,
     bias: torch.Tensor | None,
-) -> tuple[dict, torch.Tensor | None]:
-    """The one-row kernels' arguments for `fusion` (norm_w, res, stride_rm, eps, PRO, ADD), and the
-    residual launch_over_rows adds after the launch: the kernel adds it itself unless K is split or a
-    bias comes first. x2's rows hold k values, or 2k for silu_mul."""
+) -> Fused:
+    """The one-row kernels' arguments for `fusion`, and what launch_over_rows does after the launch: the
+    kernel adds the residual and stores silu(gate) * up itself unless K is split (its sums are partial)
+    or a bias comes first."""
     fusion = fusion or GemvFusion()
-    width = 2 * k if fusion.silu_mul else k
-    if x2.shape[1] != width:
+    if fusion.silu_mul and (fusion.residual is not None or n % 2):
         raise ValueError(
-            f"GemvFusion(silu_mul={fusion.silu_mul}) takes rows of {width} values, not {x2.shape[1]}"
+            "GemvFusion(silu_mul=True) takes an even number of outputs (gate || up), no residual"
         )
-    if fusion.norm_weight is not None and fusion.silu_mul:
-        raise ValueError("GemvFusion takes norm_weight or silu_mul, not both")
-    pro = gemv.PRO_NONE.value  # plain ints for the launch (its arguments are recorded as JSON)
-    norm_w = x2
-    if fusion.norm_weight is not None:
-        pro, norm_w = gemv.PRO_NORM.value, fusion.norm_weight
-    elif fusion.silu_mul:
-        pro = gemv.PRO_SILU_MUL.value
+    in_kernel = config.split_k == 1 and bias is None
     residual = fusion.residual
-    after = None
     res, stride_rm = x2, 0
     if residual is not None:
         residual = residual.reshape(-1, n)
         if residual.shape[0] != x2.shape[0] or residual.stride(1) != 1:
             raise ValueError(f"GemvFusion.residual must be [{x2.shape[0]}, {n}] with contiguous rows")
-        if config.split_k > 1 or bias is not None:
-            after = residual
-        else:
-            res, stride_rm = residual, residual.stride(0)
-    args = dict(norm_w=norm_w, res=res, stride_rm=stride_rm, eps=float(fusion.eps), PRO=pro,
-                ADD=res is not x2)  # fmt: skip
-    return args, after
+        if in_kernel:
+            res, stride_rm, residual = residual, residual.stride(0), None
+    norm = fusion.norm_weight is not None
+    args = dict(
+        norm_w=fusion.norm_weight if norm else x2, res=res, stride_rm=stride_rm, eps=float(fusion.eps),
+        NORM=norm, ADD=res is not x2, GATED=fusion.silu_mul and in_kernel,
+    )  # fmt: skip
+    return Fused(args, residual, fusion.silu_mul and not in_kernel)
 
 
 def _even(units: int, block: int, config: SkinnyConfig) -> bool:
@@ -281,8 +286,6 @@ def w4a16_skinny(
     packed-fp16 kernel's rows only, packed_kernel_takes): GemvFusion's work done in the launch."""
     x2 = as_rows(x)
     m, k = x2.shape
-    if fusion is not None and fusion.silu_mul:
-        k //= 2
     n = w_packed.shape[0]
     if m > MAX_ROWS or group_size % 8:
         raise ValueError(f"w4a16_skinny takes at most {MAX_ROWS} rows and groups of a multiple of 8")
@@ -295,7 +298,7 @@ def w4a16_skinny(
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
-    fused, residual_after = fused_args(fusion, x2, k, n, config, bias)
+    fused = fused_args(fusion, x2, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(
@@ -308,11 +311,12 @@ def w4a16_skinny(
             even = k % 8 == 0 and _even(k // 8, block_w, config)
             if packed_rows:
                 gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
-                    x2, w_packed, scale, zero_arg, out, fused["norm_w"], fused["res"], n, k, x2.stride(0),
-                    w_packed.stride(0), scale.stride(0), z_stride, out.stride(0), fused["stride_rm"],
-                    fused["eps"], ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED,
-                    PREFETCH=config.prefetch and even, EARLY=GEMV_EARLY and config.prefetch and even,
-                    PRO=fused["PRO"], ADD=fused["ADD"], **common, **pdl.launch_args(x2, GEMV4_PDL),
+                    x2, w_packed, scale, zero_arg, out, N=n, K=k, stride_xm=x2.stride(0),
+                    stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
+                    stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
+                    ASM=not _INTERPRETED, PREFETCH=config.prefetch and even,
+                    EARLY=GEMV_EARLY and config.prefetch and even, **fused.args, **common,
+                    **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
             gemv.w4a16_gemv_kernel[grid](
@@ -327,7 +331,7 @@ def w4a16_skinny(
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
-    return launch_over_rows(x, m, n, config, launch, bias, residual_after)
+    return launch_over_rows(x, m, n, config, launch, bias, fused)
 
 
 def w8a16_skinny(
@@ -355,7 +359,7 @@ def w8a16_skinny(
     w_scale = w_scale.reshape(-1)
     if w_scale.dtype != torch.float32:
         w_scale = w_scale.float()
-    fused, residual_after = fused_args(fusion, x2, k, n, config, bias)
+    fused = fused_args(fusion, x2, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -366,7 +370,7 @@ def w8a16_skinny(
                 x2, w_q, w_scale, out, N=n, K=k, stride_xm=x2.stride(0), stride_wn=w_q.stride(0),
                 stride_om=out.stride(0), ROWS=m,
                 EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=GEMV_EARLY and even,
-                **fused, **common, **pdl.launch_args(x2),
+                **fused.args, **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
             _w8a16_skinny_kernel[grid](
@@ -374,7 +378,7 @@ def w8a16_skinny(
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
 
-    return launch_over_rows(x, m, n, config, launch, bias, residual_after)
+    return launch_over_rows(x, m, n, config, launch, bias, fused)
 
 
 def w8a16_gemv_takes(rows: int) -> bool:
@@ -404,7 +408,7 @@ def dense_gemv(
     if not dense_gemv_takes(m) or w.stride(1) != 1:
         raise ValueError("dense_gemv takes one row (DENSE_ROWS at most) and a weight contiguous along K")
     config = config or default_config(1, n, k, 16, x.device)
-    fused, residual_after = fused_args(fusion, x2, k, n, config, bias)
+    fused = fused_args(fusion, x2, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         even = _even(k, config.block_k, config)
@@ -413,10 +417,10 @@ def dense_gemv(
             ROWS=m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll,
             HAS_SCALE=False, VEC=8, EARLY=GEMV_EARLY and even, num_warps=config.num_warps,
-            num_stages=config.num_stages, **fused, **pdl.launch_args(x2),
+            num_stages=config.num_stages, **fused.args, **pdl.launch_args(x2),
         )  # fmt: skip
 
-    return launch_over_rows(x, m, n, config, launch, bias, residual_after)
+    return launch_over_rows(x, m, n, config, launch, bias, fused)
 
 
 # Whether the one-row 4-bit kernels launch with PDL: on since the packed-fp16 kernel (INT4 8B step 2.400

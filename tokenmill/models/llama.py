@@ -123,10 +123,10 @@ class LlamaMLP(nn.Module):
     def forward(
         self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """norm and residual as in LlamaAttention.forward; the activation goes into the down projection's
-        GEMV where fused_linear can fold it."""
-        gate_up = fused_linear(self.gate_up_proj, x, norm=norm)
-        return fused_linear(self.down_proj, gate_up, act=self.act, residual=residual)
+        """norm and residual as in LlamaAttention.forward; the activation goes into the gate/up
+        projection's store where fused_linear can fold it."""
+        activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act)
+        return fused_linear(self.down_proj, activation, residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -218,7 +218,7 @@ class LlamaModel(nn.Module):
             return False
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         return all(
-            gemv_fusion_takes(linear, hidden)
+            gemv_fusion_takes(linear, hidden, "norm")
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         )
 
