@@ -6,7 +6,7 @@ value, read before any device time is spent. A loop is the span from a backward 
         --sig x=*bf16,w=*fp8e4nv,w_scale=*fp32,out=*bf16,N=i32,K=i32,stride_wn=i32 \\
         --const BLOCK_N=8,BLOCK_K=2048,SPLIT_K=1,EVEN_K=1,UNROLL=1,HAS_SCALE=1,VEC=16,PDL=0 \\
         --aligned x,w,w_scale,out,N,K,stride_wn \\
-        --num-warps 8 [--arch 90] [--dump kernel.sass]
+        --num-warps 8 [--arch 90] [--dump kernel.sass] [--ttgir kernel.ttgir]
 
 --aligned names the arguments Triton would find divisible by 16 at launch (pointers from torch, sizes
 and strides that are multiples of 16): the loads vectorize only where it knows.
@@ -77,6 +77,7 @@ def main() -> int:
     parser.add_argument("--num-stages", type=int, default=1)
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--dump", type=Path, help="write the whole SASS here")
+    parser.add_argument("--ttgir", type=Path, help="write Triton's GPU IR here (its layout conversions)")
     args = parser.parse_args()
     module, name = args.kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
@@ -101,6 +102,8 @@ def main() -> int:
         print(f"registers {registers}, shared {shared} bytes, local {local} bytes")
     if args.dump:
         args.dump.write_text(sass.stdout)
+    if args.ttgir:
+        args.ttgir.write_text(compiled.asm["ttgir"])
     for count, ops in loops(sass.stdout):
         print(f"loop of {count} instructions: " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
     return 0

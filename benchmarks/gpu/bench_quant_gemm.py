@@ -50,7 +50,9 @@ from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig,
     default_config,
     dense_gemv,
+    pack_activations,
     switches,
+    w4a16_gemv_packed_x,
     w4a16_skinny,
     w8a16_skinny,
 )
@@ -298,6 +300,19 @@ def packed_rows(*args, **kwargs) -> torch.Tensor:
         return w4a16_skinny(*args, **kwargs)
 
 
+# Tiles for the 4-bit GEMV on pre-made activations (block_n, values a step, warps, loads ahead): with no
+# shared-memory exchange a step, wider steps and warps side by side along K may pay now.
+PACKED_X_TILES = [
+    (16, 1024, 4, False),
+    (16, 2048, 4, False),
+    (16, 4096, 4, False),
+    (16, 2048, 8, True),
+    (32, 1024, 4, False),
+    (8, 2048, 4, True),
+    (16, 1024, 4, True),
+]
+
+
 def int4_rows_case(name: str, rows: int) -> dict:
     """INT4 at `rows` activation rows: bf16 cuBLAS and every INT4 path (module docstring, --int4-rows)."""
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
@@ -317,6 +332,14 @@ def int4_rows_case(name: str, rows: int) -> dict:
         for block_n, warps in ((8, 4), (16, 4), (8, 8)):
             config = SkinnyConfig(block_n, 1024, 1, warps, 1)
             paths[f"packed_rows_{block_n}x{warps}w"] = lambda *a, c=config: packed_rows(*a, config=c)
+    if rows <= 2:  # activations made into the packed kernel's pairs ahead (skinny_gemm.pack_activations)
+        xp = pack_activations(x)
+        paths["packed_x"] = lambda x, *a: w4a16_gemv_packed_x(pack_activations(x), *a)  # both launches
+        paths["packed_x_gemv"] = lambda x, *a: w4a16_gemv_packed_x(xp, *a)  # the GEMV alone
+        for block_n, values, warps, ahead in PACKED_X_TILES:
+            config = SkinnyConfig(block_n, values, 1, warps, 1, prefetch=ahead)
+            label = f"packed_x_gemv_{block_n}x{values}x{warps}w" + "_ahead" * ahead
+            paths[label] = lambda x, *a, c=config: w4a16_gemv_packed_x(xp, *a, config=c)
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
     # (block_n, swap) at 4 warps (8 never won; one dot a plane and loads a step ahead lost, 2026-12-03)

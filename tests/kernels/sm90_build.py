@@ -179,6 +179,10 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                 skinny_gemm.w8a16_skinny(x, w_q, w_scale, fusion=fusion)
                 with skinny_gemm.switches(DENSE_ROWS=2):
                     skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
+        # The 4-bit kernel on activations made into its pairs ahead (a candidate), one and two rows.
+        for rows in (1, 2):
+            packed_x = skinny_gemm.pack_activations(torch.empty(rows, k, dtype=dtype))
+            skinny_gemm.w4a16_gemv_packed_x(packed_x, packed, scale, None, 128)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
         rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)
@@ -201,6 +205,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (split_kv, "_reduce_splits_kernel"),
         (gemv, "w4a16_gemv_kernel"),
         (gemv_f16x2, "w4a16_gemv_f16x2_kernel"),
+        (gemv_f16x2, "_pack_activations_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),

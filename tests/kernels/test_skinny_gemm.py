@@ -338,3 +338,35 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
     packed, scale, zero = int4_weight(40, 64, 32, False, seed=1)
     with pytest.raises(ValueError, match="packed-fp16 kernel"):
         w4a16_skinny(x.float(), packed, scale, zero, 32, fusion=GemvFusion())
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "group", "zeros", "config"),
+    [
+        (1, 1024, 128, False, SkinnyConfig(16, 256, 1, 4, 1)),
+        (1, 1024, 128, True, SkinnyConfig(8, 512, 2, 4, 1, prefetch=True)),  # split K, loads ahead
+        (2, 416, 32, True, SkinnyConfig(16, 128, 1, 4, 1)),  # K not a multiple of the tile
+        (1, 300, 32, False, SkinnyConfig(8, 256, 1, 4, 1, unroll=2)),  # nor of eight
+    ],
+)
+def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(m, k, group, zeros, config) -> None:
+    """skinny_gemm.pack_activations makes each word's fp16 pairs once, as the packed-fp16 kernel makes
+    them in its steps (4 words a scale); the kernel that loads them (w4a16_gemv_packed_x) returns the bits
+    of the kernel that makes them itself at the same tile."""
+    from tokenmill.kernels import skinny_gemm
+
+    n = 40
+    packed, scale, zero = int4_weight(n, k, group, zeros, seed=m + k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen) * torch.tensor([1.0, 1e-3])[:m, None]
+    x[0, 5] = 80.0  # an outlier in one group: its 4 words scale apart
+    x = x.to(DEVICE, torch.bfloat16)
+    with skinny_gemm.switches(GEMV4_ROWS=2):
+        want = w4a16_skinny(x, packed, scale, zero, group, config=config)
+        got = skinny_gemm.w4a16_gemv_packed_x(
+            skinny_gemm.pack_activations(x), packed, scale, zero, group, config=config
+        )
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    reference = x.double() @ dequantize_int4(packed, scale, zero, group, k, torch.float64).t()
+    for row in range(m):
+        assert_close(got[row : row + 1], reference[row : row + 1], torch.bfloat16)
