@@ -349,7 +349,9 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
         (1, 300, 32, False, SkinnyConfig(8, 256, 1, 4, 1, unroll=2)),  # nor of eight
     ],
 )
-def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(m, k, group, zeros, config) -> None:
+def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
+    m, k, group, zeros, config, monkeypatch
+) -> None:
     """skinny_gemm.pack_activations makes each word's fp16 pairs once, as the packed-fp16 kernel makes
     them in its steps (4 words a scale); the kernel that loads them (w4a16_gemv_packed_x) returns the bits
     of the kernel that makes them itself at the same tile."""
@@ -367,6 +369,12 @@ def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(m, k, g
             skinny_gemm.pack_activations(x), packed, scale, zero, group, config=config
         )
     assert got.dtype == want.dtype and torch.equal(got, want)
+    packs = []
+    real = skinny_gemm.pack_activations
+    monkeypatch.setattr(skinny_gemm, "pack_activations", lambda x: packs.append(1) or real(x))
+    with skinny_gemm.switches(GEMV4_ROWS=2, GEMV4_PACKED_X=True):  # w4a16_skinny packing them itself
+        assert torch.equal(w4a16_skinny(x, packed, scale, zero, group, config=config), want)
+    assert packs == [1]
     reference = x.double() @ dequantize_int4(packed, scale, zero, group, k, torch.float64).t()
     for row in range(m):
         assert_close(got[row : row + 1], reference[row : row + 1], torch.bfloat16)

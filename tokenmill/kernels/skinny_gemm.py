@@ -296,6 +296,9 @@ def w4a16_skinny(
     block_w = config.block_k // 8
     if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
+    if GEMV4_PACKED_X and packed_rows and fusion is None and group_size % 32 == 0 and block_w % 4 == 0:
+        out = w4a16_gemv_packed_x(pack_activations(x2), w_packed, scale, zero, group_size, bias, config)
+        return out.reshape(*x.shape[:-1], n)
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
     fused = fused_args(fusion, x2, n, config, bias)
@@ -518,6 +521,10 @@ GEMV4_ROWS = 2
 GEMV8_ROWS = 3
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
+# Whether w4a16_skinny's packed-fp16 rows make their activations into pairs in a launch of their own first
+# (pack_activations, w4a16_gemv_packed_x): a candidate, off until timed (its GEMV has 2 barriers a step
+# where the kernel as it is has 12; against that, a launch more a linear).
+GEMV4_PACKED_X = False
 
 
 def _gemv_rows(switch: int) -> int:
