@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import ceilings, dummy_llm  # noqa: E402
 from shapes import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
 
+import tokenmill.layers.fused_linear as fused_linear  # noqa: E402
 import tokenmill.layers.linear as linear  # noqa: E402
 from tokenmill.kernels import pdl, skinny_gemm  # noqa: E402
 from tokenmill.worker.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -32,16 +33,16 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 _PDL_ENABLED = pdl.enabled
 
 
-# layers/linear.py's GEMV_FUSION parts a variant folds into the one-row GEMVs.
+# layers/fused_linear.py's GEMV_FUSION parts a variant folds into the one-row GEMVs.
 _ACT = frozenset({"act"})
-_ALL = frozenset(linear.GEMV_FUSION_PARTS)
+_ALL = frozenset(fused_linear.GEMV_FUSION_PARTS)
 
 
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
     tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with the layers' small
-    launches folded into the GEMVs (linear.GEMV_FUSION: the activation alone, and everything) (int4 also
+    launches folded into the GEMVs (fused_linear.GEMV_FUSION: the activation alone, and everything) (int4 also
     with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as before the
     packed-fp16 one)."""
     if quantization is None:
@@ -71,7 +72,7 @@ def variants(quantization: str | None) -> list[dict]:
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
     linear.DENSE_GEMV = variant.get("gemv", True)
-    fusion, linear.GEMV_FUSION = linear.GEMV_FUSION, variant.get("fusion", frozenset())
+    fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
     try:
         with skinny_gemm.switches(**variant.get("switches", {})):
             graphs = DecodeGraphs(
@@ -80,7 +81,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
             graphs.capture()
     finally:
         pdl.enabled = _PDL_ENABLED
-        linear.GEMV_FUSION = fusion
+        fused_linear.GEMV_FUSION = fusion
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

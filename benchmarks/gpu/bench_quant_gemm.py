@@ -44,15 +44,14 @@ from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
+from tokenmill.kernels.gemv_packed_x import pack_activations, w4a16_gemv_packed_x  # noqa: E402
 from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     MAX_GEMV_ROWS,
     SkinnyConfig,
     default_config,
     dense_gemv,
-    pack_activations,
     switches,
-    w4a16_gemv_packed_x,
     w4a16_skinny,
     w8a16_skinny,
 )
@@ -332,7 +331,7 @@ def int4_rows_case(name: str, rows: int) -> dict:
         for block_n, warps in ((8, 4), (16, 4), (8, 8)):
             config = SkinnyConfig(block_n, 1024, 1, warps, 1)
             paths[f"packed_rows_{block_n}x{warps}w"] = lambda *a, c=config: packed_rows(*a, config=c)
-    if rows <= 2:  # activations made into the packed kernel's pairs ahead (skinny_gemm.pack_activations)
+    if rows <= 2:  # activations made into the packed kernel's pairs ahead (gemv_packed_x.pack_activations)
         xp = pack_activations(x)
         paths["packed_x"] = lambda x, *a: w4a16_gemv_packed_x(pack_activations(x), *a)  # both launches
         paths["packed_x_gemv"] = lambda x, *a: w4a16_gemv_packed_x(xp, *a)  # the GEMV alone

@@ -26,6 +26,7 @@ from tokenmill.kernels import (
     attention,
     gemv,
     gemv_f16x2,
+    gemv_packed_x,
     int4_gemm,
     kv_cache,
     norm,
@@ -181,8 +182,8 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                     skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
         # The 4-bit kernel on activations made into its pairs ahead (a candidate), one and two rows.
         for rows in (1, 2):
-            packed_x = skinny_gemm.pack_activations(torch.empty(rows, k, dtype=dtype))
-            skinny_gemm.w4a16_gemv_packed_x(packed_x, packed, scale, None, 128)
+            packed_x = gemv_packed_x.pack_activations(torch.empty(rows, k, dtype=dtype))
+            gemv_packed_x.w4a16_gemv_packed_x(packed_x, packed, scale, None, 128)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
         rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)

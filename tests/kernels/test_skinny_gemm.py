@@ -352,10 +352,10 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
 def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
     m, k, group, zeros, config, monkeypatch
 ) -> None:
-    """skinny_gemm.pack_activations makes each word's fp16 pairs once, as the packed-fp16 kernel makes
+    """gemv_packed_x.pack_activations makes each word's fp16 pairs once, as the packed-fp16 kernel makes
     them in its steps (4 words a scale); the kernel that loads them (w4a16_gemv_packed_x) returns the bits
     of the kernel that makes them itself at the same tile."""
-    from tokenmill.kernels import skinny_gemm
+    from tokenmill.kernels import gemv_packed_x, skinny_gemm
 
     n = 40
     packed, scale, zero = int4_weight(n, k, group, zeros, seed=m + k)
@@ -365,13 +365,13 @@ def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
     x = x.to(DEVICE, torch.bfloat16)
     with skinny_gemm.switches(GEMV4_ROWS=2):
         want = w4a16_skinny(x, packed, scale, zero, group, config=config)
-        got = skinny_gemm.w4a16_gemv_packed_x(
-            skinny_gemm.pack_activations(x), packed, scale, zero, group, config=config
+        got = gemv_packed_x.w4a16_gemv_packed_x(
+            gemv_packed_x.pack_activations(x), packed, scale, zero, group, config=config
         )
     assert got.dtype == want.dtype and torch.equal(got, want)
     packs = []
-    real = skinny_gemm.pack_activations
-    monkeypatch.setattr(skinny_gemm, "pack_activations", lambda x: packs.append(1) or real(x))
+    real = gemv_packed_x.pack_activations
+    monkeypatch.setattr(gemv_packed_x, "pack_activations", lambda x: packs.append(1) or real(x))
     with skinny_gemm.switches(GEMV4_ROWS=2, GEMV4_PACKED_X=True):  # w4a16_skinny packing them itself
         assert torch.equal(w4a16_skinny(x, packed, scale, zero, group, config=config), want)
     assert packs == [1]

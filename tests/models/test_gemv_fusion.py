@@ -1,6 +1,6 @@
 """The decoder layers on the residual stream alone (LlamaDecoderLayer.forward_stream), as a decode step of
 a few rows on a GPU runs them: each norm, the activation and each residual add handed to the projection's
-GEMV (layers/linear.py's fused_linear). Here the projections' GemvFusion is done by torch ops, so the
+GEMV (layers/fused_linear.py). Here the projections' GemvFusion is done by torch ops, so the
 model's side of it is checked on the CPU against transformers' greedy tokens; the kernels' side is
 tests/kernels/test_skinny_gemm.py's, and both together run in the GPU tests."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tests.conftest import ARCHS, MOE_ARCHS
 from tokenmill.kernels import GemvFusion, reference
-from tokenmill.layers import linear
+from tokenmill.layers import fused_linear as fusion_switch
 from tokenmill.layers.linear import UnquantizedLinearMethod
 
 from .test_llama_equivalence import PROMPTS, generate_ids, hf_greedy, make_llm
@@ -40,7 +40,7 @@ def fused_projections(monkeypatch):
             y = y + fusion.residual
         return y
 
-    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset(linear.GEMV_FUSION_PARTS))
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset(fusion_switch.GEMV_FUSION_PARTS))
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes", gemv_takes)
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv", gemv)
     return seen
@@ -68,10 +68,11 @@ def test_fused_linear_does_the_same_work_where_no_gemv_takes_it(monkeypatch) -> 
     """Without a one-row kernel (here: the CPU), fused_linear runs the norm, the activation and the add
     as launches of their own around the layer."""
     from tokenmill.layers.activation import SiluAndMul
-    from tokenmill.layers.linear import RowParallelLinear, fused_linear
+    from tokenmill.layers.fused_linear import fused_linear
+    from tokenmill.layers.linear import RowParallelLinear
     from tokenmill.layers.norm import RMSNorm
 
-    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset(linear.GEMV_FUSION_PARTS))
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset(fusion_switch.GEMV_FUSION_PARTS))
     torch.manual_seed(0)
     layer = RowParallelLinear(16, 8, bias=True)
     torch.nn.init.normal_(layer.weight)
@@ -96,11 +97,11 @@ def test_on_the_gpu_the_fp8_one_row_kernels_fold_the_norms_in(arch, hf_model_dir
     """FP8 weights (fp32 activations, so that no bf16 rounding can tip a random model's argmax): decode
     through the one-row kernel's fused loads and stores gives the tokens of the separate launches."""
     path, _ = hf_model_dirs[arch]
-    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset(linear.GEMV_FUSION_PARTS))
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset(fusion_switch.GEMV_FUSION_PARTS))
     options = dict(max_num_seqs=1, quantization="fp8", enforce_eager=True, num_kv_blocks=64)
     fused = make_llm(path, **options)
     assert fused.engine.runner.model.model.fuses_norms(torch.zeros(1, 8, device="cuda"))
     got = generate_ids(fused, PROMPTS)
     del fused
-    monkeypatch.setattr(linear, "GEMV_FUSION", frozenset())
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset())
     assert generate_ids(make_llm(path, **options), PROMPTS) == got

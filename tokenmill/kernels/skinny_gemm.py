@@ -297,7 +297,10 @@ def w4a16_skinny(
     if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     if GEMV4_PACKED_X and packed_rows and fusion is None and group_size % 32 == 0 and block_w % 4 == 0:
-        out = w4a16_gemv_packed_x(pack_activations(x2), w_packed, scale, zero, group_size, bias, config)
+        from tokenmill.kernels import gemv_packed_x
+
+        packed_x = gemv_packed_x.pack_activations(x2)
+        out = gemv_packed_x.w4a16_gemv_packed_x(packed_x, w_packed, scale, zero, group_size, bias, config)
         return out.reshape(*x.shape[:-1], n)
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
@@ -335,83 +338,6 @@ def w4a16_skinny(
             )  # fmt: skip
 
     return launch_over_rows(x, m, n, config, launch, bias, fused)
-
-
-class PackedActivations(NamedTuple):
-    """Rows of 16-bit activations made into the packed-fp16 4-bit kernel's pairs ahead of it
-    (pack_activations): pairs int32 [rows, 4 * words], pair i of word w at i * words + w (values 8w + i
-    and 8w + i + 4 in fp16, each 4 words' scaled by a power of two), down fp32 [rows, words / 4] (the
-    powers of two that undo the scaling), sums fp32 [rows, words / 4] (each 4 words' sum of x, for zero
-    points); k values a row, dtype the activations'."""
-
-    pairs: torch.Tensor
-    down: torch.Tensor
-    sums: torch.Tensor
-    k: int
-    dtype: torch.dtype
-
-
-def pack_activations(x: torch.Tensor) -> PackedActivations:
-    """16-bit x [rows, K] as the packed-fp16 4-bit kernel makes it in each step (with 4 words a scale),
-    once for all of a GEMV's programs: w4a16_gemv_packed_x loads the pairs straight into its weight
-    tiles' layout (a candidate: the kernel as it is moves them between threads through shared memory in
-    every step)."""
-    x2 = as_rows(x)
-    m, k = x2.shape
-    if x2.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"pack_activations takes 16-bit activations, not {x2.dtype}")
-    words = triton.cdiv(k, 8)
-    chunks = triton.cdiv(words, 4)
-    pairs = torch.empty(m, 4 * words, dtype=torch.int32, device=x.device)
-    down = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
-    if m:
-        block_w = 128
-        gemv_f16x2._pack_activations_kernel[(m, triton.cdiv(words, block_w))](
-            x2, pairs, down, sums, k, x2.stride(0), pairs.stride(0), down.stride(0), BLOCK_W=block_w,
-            ASM=not _INTERPRETED, num_warps=4, **pdl.launch_args(x2),
-        )  # fmt: skip
-    return PackedActivations(pairs, down, sums, k, x2.dtype)
-
-
-def w4a16_gemv_packed_x(
-    xp: PackedActivations,
-    w_packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """w4a16_skinny's packed-fp16 kernel on pre-made activations (pack_activations; up to GEMV4_ROWS
-    rows): [rows, N] in the activations' dtype. Groups of a multiple of 32 values and tiles of a
-    multiple of 4 words (one scale a 4 words, as the pairs were made)."""
-    m, k = xp.pairs.shape[0], xp.k
-    n = w_packed.shape[0]
-    if not packed_kernel_takes(xp.dtype, m):
-        raise ValueError(f"w4a16_gemv_packed_x takes 1 to {_gemv_rows(GEMV4_ROWS)} rows (GEMV4_ROWS)")
-    config = config or default_config(1, n, k, 4, xp.pairs.device)
-    block_w = config.block_k // 8
-    if group_size % 32 or block_w % 4:
-        raise ValueError("w4a16_gemv_packed_x takes groups of a multiple of 32 values and block_k of 32")
-    like = torch.empty(m, 0, dtype=xp.dtype, device=xp.pairs.device)
-    zero_arg = zero if zero is not None else scale
-    even = k % 8 == 0 and _even(k // 8, block_w, config)
-
-    def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
-        gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
-            xp.pairs, w_packed, scale, zero_arg, out, norm_w=xp.pairs, res=xp.pairs, xp_down=xp.down,
-            xp_sums=xp.sums, N=n, K=k, stride_xm=xp.pairs.stride(0), stride_wn=w_packed.stride(0),
-            stride_sn=scale.stride(0), stride_zn=zero.stride(0) if zero is not None else 0,
-            stride_om=out.stride(0), stride_rm=0, stride_dm=xp.down.stride(0), eps=0.0, GROUP=group_size,
-            HAS_ZERO=zero is not None, ROWS=m, BLOCK_N=config.block_n, BLOCK_W=block_w, SUB=4,
-            SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll, ASM=not _INTERPRETED,
-            PREFETCH=config.prefetch and even, EARLY=GEMV_EARLY and config.prefetch and even, NORM=False,
-            ADD=False, GATED=False, XPACKED=True, num_warps=config.num_warps, num_stages=config.num_stages,
-            **pdl.launch_args(xp.pairs, GEMV4_PDL),
-        )  # fmt: skip
-
-    return launch_over_rows(like, m, n, config, launch, bias)
 
 
 def w8a16_skinny(
@@ -522,7 +448,7 @@ GEMV8_ROWS = 3
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
 # Whether w4a16_skinny's packed-fp16 rows make their activations into pairs in a launch of their own first
-# (pack_activations, w4a16_gemv_packed_x): a candidate, off until timed (its GEMV has 2 barriers a step
+# (kernels/gemv_packed_x.py): a candidate, off until timed (its GEMV has 2 barriers a step
 # where the kernel as it is has 12; against that, a launch more a linear).
 GEMV4_PACKED_X = False
 

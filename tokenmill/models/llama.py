@@ -15,14 +15,9 @@ from torch import nn
 from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
+from tokenmill.layers.fused_linear import fused_linear, gemv_fusion_takes
 from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
-from tokenmill.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    fused_linear,
-    gemv_fusion_takes,
-)
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantization.compressed_tensors import kv_scales_aside
 from tokenmill.layers.rotary import RotaryEmbedding
