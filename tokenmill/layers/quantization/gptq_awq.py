@@ -24,7 +24,7 @@ from torch import nn
 from tokenmill.kernels import GemvFusion
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
-from tokenmill.layers.quantization.int4 import int4_gemv, int4_gemv_takes, int4_matmul
+from tokenmill.layers.quantization.int4 import int4_gemv_takes, int4_matmul
 
 METHODS = ("gptq", "awq")
 # AWQ packs column 8c + AWQ_ORDER[j] into nibble j of word c; reading nibble j back gives that column.
@@ -146,4 +146,4 @@ class GptqAwqLinearMethod(LinearMethodBase):
     def gemv(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
     ) -> torch.Tensor:
-        return int4_gemv(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias, fusion)
+        return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias, fusion)

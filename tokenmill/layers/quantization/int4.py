@@ -95,7 +95,7 @@ class Int4W4A16LinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         zero = getattr(layer, "weight_zero_point", None)
         group = layer.int4_group_size
-        return int4_gemv(x, layer.weight_packed, layer.weight_scale, zero, group, bias, fusion)
+        return int4_matmul(x, layer.weight_packed, layer.weight_scale, zero, group, bias, fusion)
 
 
 def int4_matmul(
@@ -105,34 +105,25 @@ def int4_matmul(
     zero: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None,
+    fusion: GemvFusion | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for W in this module's layout: on CUDA kernels/int4_gemm.py's w4a16_linear (the
-    kernel chosen by the batch's rows), elsewhere the reference."""
+    kernel chosen by the batch's rows), elsewhere the reference. With `fusion` (only where
+    int4_gemv_takes): the packed-fp16 one-row kernel, doing the fusion's work in the same launch."""
+    if fusion is not None:
+        w4a16_skinny = triton_kernel("skinny_gemm", "w4a16_skinny")
+        return w4a16_skinny(x, packed, scale, zero, group_size, bias, fusion=fusion)
     gemm = triton_kernel("int4_gemm", "w4a16_linear") if x.is_cuda else None
     return (gemm or w4a16_gemm)(x, packed, scale, zero, group_size, bias)
 
 
 def int4_gemv_takes(x: torch.Tensor, group_size: int) -> bool:
     """Whether int4_matmul sends x's rows to the packed-fp16 one-row kernel (skinny_gemm's
-    packed_kernel_takes), where int4_gemv can do a GemvFusion's work in the same launch."""
+    packed_kernel_takes), where int4_matmul can do a GemvFusion's work in the same launch."""
     if not x.is_cuda or group_size % PACK or not x.numel():
         return False
     takes = triton_kernel("skinny_gemm", "packed_kernel_takes")
     return takes is not None and takes(x.dtype, x.numel() // x.shape[-1])
-
-
-def int4_gemv(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    group_size: int,
-    bias: torch.Tensor | None,
-    fusion: GemvFusion,
-) -> torch.Tensor:
-    """int4_matmul's one-row product (where int4_gemv_takes) with `fusion`'s work in the launch."""
-    w4a16_skinny = triton_kernel("skinny_gemm", "w4a16_skinny")
-    return w4a16_skinny(x, packed, scale, zero, group_size, bias, fusion=fusion)
 
 
 def _param(
