@@ -137,6 +137,7 @@ def _small_launches(dtype: torch.dtype) -> None:
     x, weight = torch.empty(5, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
     norm.rms_norm(x, weight, 1e-6)
     norm.fused_add_rms_norm(x, x, weight, 1e-6)
+    norm.rms_norm_packed(x[:1], weight, 1e-6, x[:1])  # its output also packed for the 4-bit GEMV
     positions = torch.zeros(5, dtype=torch.int64)
     rotary.rotary_embedding(positions, torch.empty(5, 32, 128, dtype=dtype), tokens, torch.empty(10, 128))
     for cache_dtype in (dtype, torch.float8_e4m3fn):

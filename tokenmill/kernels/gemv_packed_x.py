@@ -27,6 +27,21 @@ class PackedActivations(NamedTuple):
     dtype: torch.dtype
 
 
+def empty_packed(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> PackedActivations:
+    """Room for `rows` rows of k activations in dtype, packed."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"packed activations are made from 16-bit ones, not {dtype}")
+    words = triton.cdiv(k, 8)
+    chunks = triton.cdiv(words, 4)
+    return PackedActivations(
+        torch.empty(rows, 4 * words, dtype=torch.int32, device=device),
+        torch.empty(rows, chunks, dtype=torch.float32, device=device),
+        torch.empty(rows, chunks, dtype=torch.float32, device=device),
+        k,
+        dtype,
+    )
+
+
 def pack_activations(x: torch.Tensor) -> PackedActivations:
     """16-bit x [rows, K] as the packed-fp16 4-bit kernel makes it in each step (with 4 words a scale),
     once for all of a GEMV's programs: w4a16_gemv_packed_x loads the pairs straight into its weight
@@ -34,20 +49,16 @@ def pack_activations(x: torch.Tensor) -> PackedActivations:
     every step)."""
     x2 = skinny_gemm.as_rows(x)
     m, k = x2.shape
-    if x2.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"pack_activations takes 16-bit activations, not {x2.dtype}")
+    packed = empty_packed(m, k, x2.dtype, x.device)
+    pairs, down, sums = packed.pairs, packed.down, packed.sums
     words = triton.cdiv(k, 8)
-    chunks = triton.cdiv(words, 4)
-    pairs = torch.empty(m, 4 * words, dtype=torch.int32, device=x.device)
-    down = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
     if m:
         block_w = 128
         gemv_f16x2._pack_activations_kernel[(m, triton.cdiv(words, block_w))](
             x2, pairs, down, sums, k, x2.stride(0), pairs.stride(0), down.stride(0), BLOCK_W=block_w,
             ASM=not skinny_gemm._INTERPRETED, num_warps=4, **pdl.launch_args(x2),
         )  # fmt: skip
-    return PackedActivations(pairs, down, sums, k, x2.dtype)
+    return packed
 
 
 def w4a16_gemv_packed_x(
