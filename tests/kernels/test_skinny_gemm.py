@@ -355,7 +355,7 @@ def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
     """gemv_packed_x.pack_activations makes each word's fp16 pairs once, as the packed-fp16 kernel makes
     them in its steps (4 words a scale); the kernel that loads them (w4a16_gemv_packed_x) returns the bits
     of the kernel that makes them itself at the same tile."""
-    from tokenmill.kernels import gemv_packed_x, skinny_gemm
+    from tokenmill.kernels import GemvFusion, gemv_packed_x, skinny_gemm
 
     n = 40
     packed, scale, zero = int4_weight(n, k, group, zeros, seed=m + k)
@@ -375,6 +375,12 @@ def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
     with skinny_gemm.switches(GEMV4_ROWS=2, GEMV4_PACKED_X=True):  # w4a16_skinny packing them itself
         assert torch.equal(w4a16_skinny(x, packed, scale, zero, group, config=config), want)
     assert packs == [1]
+    # Handed in by the launch before (GemvFusion.packed_x), with the gate/up store folded in too.
+    gated = GemvFusion(silu_mul=True)
+    with skinny_gemm.switches(GEMV4_ROWS=2):
+        want = w4a16_skinny(x, packed, scale, zero, group, config=config, fusion=gated)
+        given = gated._replace(packed_x=real(x))
+        assert torch.equal(w4a16_skinny(x, packed, scale, zero, group, config=config, fusion=given), want)
     reference = x.double() @ dequantize_int4(packed, scale, zero, group, k, torch.float64).t()
     for row in range(m):
         assert_close(got[row : row + 1], reference[row : row + 1], torch.bfloat16)

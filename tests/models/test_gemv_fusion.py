@@ -56,6 +56,39 @@ def test_decode_on_the_residual_stream_gives_transformers_tokens(arch, hf_model_
     assert fused_projections["residual"] == fused_projections["norm"]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_with_the_norms_packing_for_the_next_gemv_gives_transformers_tokens(
+    arch, hf_model_dirs, monkeypatch
+):
+    """GEMV_FUSION "packed": each norm hands its output, also packed (here a marker: the packing is the
+    kernels' side, tests/kernels/test_norm.py), to the QKV and gate/up GEMVs, which get both."""
+    from tokenmill.layers.norm import RMSNorm
+
+    marker = object()
+    taken = []
+
+    def forward_packed(self, x, residual=None):
+        if residual is None:
+            return self(x), None, marker
+        normed, residual = self(x, residual)
+        return normed, residual, marker
+
+    def gemv(self, layer, x, bias, fusion: GemvFusion):
+        assert fusion.packed_x is marker and fusion.norm_weight is None
+        taken.append(fusion.silu_mul)
+        return F.linear(x, layer.weight, bias)
+
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset({"packed"}))
+    monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes_packed_x", True)
+    monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes", lambda self, layer, x: x.shape[0] <= 2)
+    monkeypatch.setattr(UnquantizedLinearMethod, "gemv", gemv)
+    monkeypatch.setattr(RMSNorm, "forward_packed", forward_packed)
+    path, hf_model = hf_model_dirs[arch]
+    want = [hf_greedy(hf_model, prompt) for prompt in PROMPTS[:2]]
+    assert generate_ids(make_llm(path, max_num_seqs=1), PROMPTS[:2]) == want
+    assert taken and not any(taken) and len(taken) % 2 == 0  # QKV and gate/up, every layer and step
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_a_model_with_expert_layers_keeps_the_separate_norms(arch, hf_model_dirs, fused_projections):
     path, hf_model = hf_model_dirs[arch]
@@ -103,5 +136,31 @@ def test_on_the_gpu_the_fp8_one_row_kernels_fold_the_norms_in(arch, hf_model_dir
     assert fused.engine.runner.model.model.fuses_norms(torch.zeros(1, 8, device="cuda"))
     got = generate_ids(fused, PROMPTS)
     del fused
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset())
+    assert generate_ids(make_llm(path, **options), PROMPTS) == got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_on_the_gpu_int4_gemvs_on_activations_the_norms_packed_give_the_same_tokens(
+    arch, hf_model_dirs, monkeypatch
+):
+    """INT4 in bf16: the norms write their outputs packed and QKV and gate/up load them (kernels/
+    gemv_packed_x.py): the same bits as the kernel that packs them itself, so the same tokens."""
+    from tokenmill.kernels import gemv_packed_x
+
+    calls = []
+    real = gemv_packed_x.w4a16_gemv_packed_x
+    monkeypatch.setattr(
+        gemv_packed_x, "w4a16_gemv_packed_x", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    path, _ = hf_model_dirs[arch]
+    options = dict(
+        max_num_seqs=1, quantization="int4", dtype="bfloat16", enforce_eager=True, num_kv_blocks=64
+    )
+    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset({"packed"}))
+    got = generate_ids(make_llm(path, **options), PROMPTS)
+    assert calls
     monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset())
     assert generate_ids(make_llm(path, **options), PROMPTS) == got

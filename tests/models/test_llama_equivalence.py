@@ -47,7 +47,8 @@ def references(hf_model_dirs):
 
 def make_llm(path: str, **options) -> LLM:
     options.setdefault("max_model_len", 256)
-    return LLM(model=path, skip_tokenizer_init=True, dtype="float32", **options)
+    options.setdefault("dtype", "float32")
+    return LLM(model=path, skip_tokenizer_init=True, **options)
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:

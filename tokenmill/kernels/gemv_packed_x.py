@@ -5,26 +5,10 @@ skinny_gemm.GEMV4_PACKED_X, off until timed."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 
-from tokenmill.kernels import gemv_f16x2, pdl, skinny_gemm
-
-
-class PackedActivations(NamedTuple):
-    """Rows of 16-bit activations made into the packed-fp16 4-bit kernel's pairs ahead of it
-    (pack_activations): pairs int32 [rows, 4 * words], pair i of word w at i * words + w (values 8w + i
-    and 8w + i + 4 in fp16, each 4 words' scaled by a power of two), down fp32 [rows, words / 4] (the
-    powers of two that undo the scaling), sums fp32 [rows, words / 4] (each 4 words' sum of x, for zero
-    points); k values a row, dtype the activations'."""
-
-    pairs: torch.Tensor
-    down: torch.Tensor
-    sums: torch.Tensor
-    k: int
-    dtype: torch.dtype
+from tokenmill.kernels import GemvFusion, PackedActivations, gemv_f16x2, pdl, skinny_gemm
 
 
 def empty_packed(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> PackedActivations:
@@ -69,34 +53,38 @@ def w4a16_gemv_packed_x(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: skinny_gemm.SkinnyConfig | None = None,
+    fusion: GemvFusion | None = None,
 ) -> torch.Tensor:
     """w4a16_skinny's packed-fp16 kernel on pre-made activations (pack_activations; up to GEMV4_ROWS
-    rows): [rows, N] in the activations' dtype. Groups of a multiple of 32 values and tiles of a
-    multiple of 4 words (one scale a 4 words, as the pairs were made)."""
+    rows): [rows, N] in the activations' dtype, `fusion`'s store parts (residual, silu_mul) done as
+    there. Groups of a multiple of 32 values and tiles of a multiple of 4 words (one scale a 4 words, as
+    the pairs were made)."""
     m, k = xp.pairs.shape[0], xp.k
     n = w_packed.shape[0]
     if not skinny_gemm.packed_kernel_takes(xp.dtype, m):
         raise ValueError(f"w4a16_gemv_packed_x takes {m} rows; skinny_gemm.GEMV4_ROWS allows fewer")
     config = config or skinny_gemm.default_config(1, n, k, 4, xp.pairs.device)
     block_w = config.block_k // 8
-    if group_size % 32 or block_w % 4:
+    if not skinny_gemm._packs(group_size, block_w):
         raise ValueError("w4a16_gemv_packed_x takes groups of a multiple of 32 values and block_k of 32")
+    if fusion is not None and (fusion.norm_weight is not None or fusion.packed_x is not None):
+        raise ValueError("w4a16_gemv_packed_x takes the fusion's store parts only (its x is packed already)")
+    fused = skinny_gemm.fused_args(fusion, xp.pairs, n, config, bias)
     like = torch.empty(m, 0, dtype=xp.dtype, device=xp.pairs.device)
     zero_arg = zero if zero is not None else scale
     even = k % 8 == 0 and skinny_gemm._even(k // 8, block_w, config)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
-            xp.pairs, w_packed, scale, zero_arg, out, norm_w=xp.pairs, res=xp.pairs, xp_down=xp.down,
+            xp.pairs, w_packed, scale, zero_arg, out, xp_down=xp.down,
             xp_sums=xp.sums, N=n, K=k, stride_xm=xp.pairs.stride(0), stride_wn=w_packed.stride(0),
             stride_sn=scale.stride(0), stride_zn=zero.stride(0) if zero is not None else 0,
-            stride_om=out.stride(0), stride_rm=0, stride_dm=xp.down.stride(0), eps=0.0, GROUP=group_size,
+            stride_om=out.stride(0), stride_dm=xp.down.stride(0), GROUP=group_size,
             HAS_ZERO=zero is not None, ROWS=m, BLOCK_N=config.block_n, BLOCK_W=block_w, SUB=4,
             SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll, ASM=not skinny_gemm._INTERPRETED,
             PREFETCH=config.prefetch and even, EARLY=skinny_gemm.GEMV_EARLY and config.prefetch and even,
-            NORM=False,
-            ADD=False, GATED=False, XPACKED=True, num_warps=config.num_warps, num_stages=config.num_stages,
+            XPACKED=True, **fused.args, num_warps=config.num_warps, num_stages=config.num_stages,
             **pdl.launch_args(xp.pairs, skinny_gemm.GEMV4_PDL),
         )  # fmt: skip
 
-    return skinny_gemm.launch_over_rows(like, m, n, config, launch, bias)
+    return skinny_gemm.launch_over_rows(like, m, n, config, launch, bias, fused)

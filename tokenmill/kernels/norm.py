@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import gemv_f16x2, pdl
-from tokenmill.kernels.gemv_packed_x import PackedActivations, empty_packed
+from tokenmill.kernels import PackedActivations, gemv_f16x2, pdl
+from tokenmill.kernels.gemv_packed_x import empty_packed
 
 
 @triton.jit

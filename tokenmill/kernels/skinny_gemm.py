@@ -260,6 +260,12 @@ def fused_args(
     return Fused(args, residual, fusion.silu_mul and not in_kernel)
 
 
+def _packs(group_size: int, block_w: int) -> bool:
+    """Whether the packed-fp16 kernel can take pre-made activations (one scale a 4 words): groups of a
+    multiple of 32 values, tiles of a multiple of 4 words."""
+    return group_size % 32 == 0 and block_w % 4 == 0
+
+
 def _even(units: int, block: int, config: SkinnyConfig) -> bool:
     """Whether every split of `units` along K is whole blocks: the one-row kernels then mask no load."""
     return units % (block * config.split_k) == 0
@@ -296,12 +302,21 @@ def w4a16_skinny(
     block_w = config.block_k // 8
     if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
-    if GEMV4_PACKED_X and packed_rows and fusion is None and group_size % 32 == 0 and block_w % 4 == 0:
+    given = fusion.packed_x if fusion is not None else None
+    normed_here = fusion is not None and fusion.norm_weight is not None
+    if (
+        (given is not None or (GEMV4_PACKED_X and not normed_here))
+        and packed_rows
+        and _packs(group_size, block_w)
+    ):
         from tokenmill.kernels import gemv_packed_x
 
-        packed_x = gemv_packed_x.pack_activations(x2)
-        out = gemv_packed_x.w4a16_gemv_packed_x(packed_x, w_packed, scale, zero, group_size, bias, config)
-        return out.reshape(*x.shape[:-1], n)
+        packed_x = given if given is not None else gemv_packed_x.pack_activations(x2)
+        store = fusion._replace(packed_x=None) if fusion is not None else None
+        out = gemv_packed_x.w4a16_gemv_packed_x(
+            packed_x, w_packed, scale, zero, group_size, bias, config, store
+        )
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
     fused = fused_args(fusion, x2, n, config, bias)

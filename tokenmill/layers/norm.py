@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.kernels import Kernels, PackedActivations, get_kernels
 
 
 class RMSNorm(nn.Module):
@@ -21,3 +21,13 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.kernels.rms_norm(x, self.weight, self.eps)
         return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_packed(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedActivations]:
+        """forward, its output also packed for the 4-bit GEMV after it (kernels/norm.py's Triton kernel:
+        a GPU path, asked for by layers/fused_linear.py's packs_input): (normed, new residual or None,
+        packed)."""
+        from tokenmill.kernels import norm
+
+        return norm.rms_norm_packed(x, self.weight, self.eps, residual)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.kernels import Kernels, PackedActivations, get_kernels
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
-from tokenmill.layers.fused_linear import fused_linear, gemv_fusion_takes
+from tokenmill.layers.fused_linear import fused_linear, gemv_fusion_takes, packs_input
 from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -93,11 +93,13 @@ class LlamaAttention(nn.Module):
         md: AttentionMetadata,
         norm: RMSNorm | None = None,
         residual: torch.Tensor | None = None,
+        packed: PackedActivations | None = None,
     ) -> torch.Tensor:
         """With norm, hidden is the residual stream and is normalized first; with residual, it is added to
-        the output (both folded into the GEMVs where fused_linear can)."""
+        the output (both folded into the GEMVs where fused_linear can); packed: hidden as the norm before
+        packed it for the 4-bit GEMV."""
         num_tokens = hidden.shape[0]
-        qkv = fused_linear(self.qkv_proj, hidden, norm=norm)
+        qkv = fused_linear(self.qkv_proj, hidden, norm=norm, packed=packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -116,11 +118,15 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(kernels)
 
     def forward(
-        self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        packed: PackedActivations | None = None,
     ) -> torch.Tensor:
-        """norm and residual as in LlamaAttention.forward; the activation goes into the gate/up
+        """norm, residual and packed as in LlamaAttention.forward; the activation goes into the gate/up
         projection's store where fused_linear can fold it."""
-        activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act)
+        activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act, packed=packed)
         return fused_linear(self.down_proj, activation, residual=residual)
 
 
@@ -145,7 +151,17 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         md: AttentionMetadata,
+        pack: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """pack (LlamaModel.packs_inputs): the norms also write their outputs packed for the 4-bit GEMVs
+        of QKV and gate/up, which load them."""
+        if pack:
+            normed, new_residual, packed = self.input_layernorm.forward_packed(hidden, residual)
+            residual = hidden if new_residual is None else new_residual
+            hidden = self.self_attn(positions, normed, md, packed=packed)
+            normed, new_residual, packed = self.post_attention_layernorm.forward_packed(hidden, residual)
+            assert new_residual is not None
+            return self.mlp(normed, packed=packed), new_residual
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -189,13 +205,14 @@ class LlamaModel(nn.Module):
         taps = (sink.layers or ()) if sink is not None else ()
         hidden, residual = self.embed_tokens(input_ids), None
         stream = self.fuses_norms(hidden)
+        pack = not stream and self.packs_inputs(hidden)
         for index, layer in enumerate(self.layers[:num_layers]):
             if index in taps:  # the residual stream entering this layer
                 sink.tap(index, hidden if residual is None else hidden + residual)
             if stream:
                 hidden = layer.forward_stream(positions, hidden, md)
             else:
-                hidden, residual = layer(positions, hidden, residual, md)
+                hidden, residual = layer(positions, hidden, residual, md, pack)
         if len(self.layers) in taps:  # the stream after the last layer, before the final norm
             sink.tap(len(self.layers), hidden if residual is None else hidden + residual)
         hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
@@ -209,13 +226,24 @@ class LlamaModel(nn.Module):
         activation and the residual adds in its loads and stores (a decode step of a few rows on a GPU,
         without tensor parallelism; dense MLPs only), so that those launches are saved; else the fused
         add-and-norm launches stay, which outrun an add and a norm apart."""
-        if not self.layers or not all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers):
+        if not self._dense():
             return False
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         return all(
             gemv_fusion_takes(linear, hidden, "norm")
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         )
+
+    def packs_inputs(self, hidden: torch.Tensor) -> bool:
+        """Whether the norms of a forward pass of these rows also write their outputs packed for the 4-bit
+        GEMVs of QKV and gate/up (layers/fused_linear.py's packs_input; dense MLPs only)."""
+        if not self._dense():
+            return False
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        return packs_input(attn.qkv_proj, hidden) and packs_input(mlp.gate_up_proj, hidden)
+
+    def _dense(self) -> bool:
+        return bool(self.layers) and all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers)
 
 
 class LlamaForCausalLM(nn.Module):
