@@ -147,6 +147,7 @@ def _small_launches(dtype: torch.dtype) -> None:
             torch.zeros(5, dtype=torch.int64),
         )  # fmt: skip
     activation.silu_and_mul(torch.empty(5, 2 * 14336, dtype=dtype))
+    activation.silu_and_mul_packed(torch.empty(1, 2 * 14336, dtype=dtype))  # packed for the 4-bit GEMV
 
 
 def _skinny_launches(dtype: torch.dtype) -> None:

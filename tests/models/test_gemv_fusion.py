@@ -60,8 +60,10 @@ def test_decode_on_the_residual_stream_gives_transformers_tokens(arch, hf_model_
 def test_decode_with_the_norms_packing_for_the_next_gemv_gives_transformers_tokens(
     arch, hf_model_dirs, monkeypatch
 ):
-    """GEMV_FUSION "packed": each norm hands its output, also packed (here a marker: the packing is the
-    kernels' side, tests/kernels/test_norm.py), to the QKV and gate/up GEMVs, which get both."""
+    """GEMV_FUSION "packed": each norm and the activation hand their outputs, also packed (here a marker:
+    the packing is the kernels' side, tests/kernels/test_norm.py and test_activation.py), to the QKV,
+    gate/up and down GEMVs, which get both."""
+    from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
 
     marker = object()
@@ -83,10 +85,11 @@ def test_decode_with_the_norms_packing_for_the_next_gemv_gives_transformers_toke
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes", lambda self, layer, x: x.shape[0] <= 2)
     monkeypatch.setattr(UnquantizedLinearMethod, "gemv", gemv)
     monkeypatch.setattr(RMSNorm, "forward_packed", forward_packed)
+    monkeypatch.setattr(SiluAndMul, "forward_packed", lambda self, x: (self(x), marker))
     path, hf_model = hf_model_dirs[arch]
     want = [hf_greedy(hf_model, prompt) for prompt in PROMPTS[:2]]
     assert generate_ids(make_llm(path, max_num_seqs=1), PROMPTS[:2]) == want
-    assert taken and not any(taken) and len(taken) % 2 == 0  # QKV and gate/up, every layer and step
+    assert taken and not any(taken) and len(taken) % 3 == 0  # QKV, gate/up, down: every layer and step
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -146,8 +149,9 @@ def test_on_the_gpu_the_fp8_one_row_kernels_fold_the_norms_in(arch, hf_model_dir
 def test_on_the_gpu_int4_gemvs_on_activations_the_norms_packed_give_the_same_tokens(
     arch, hf_model_dirs, monkeypatch
 ):
-    """INT4 in bf16: the norms write their outputs packed and QKV and gate/up load them (kernels/
-    gemv_packed_x.py): the same bits as the kernel that packs them itself, so the same tokens."""
+    """INT4 in bf16: the norms and the activation write their outputs packed and QKV, gate/up and down
+    load them (kernels/gemv_packed_x.py): the same bits as the kernel that packs them itself, so the same
+    tokens."""
     from tokenmill.kernels import gemv_packed_x
 
     calls = []

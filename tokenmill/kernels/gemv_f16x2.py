@@ -350,15 +350,16 @@ def _f16x2_activations(x_raw, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SUB:
 
 
 @triton.jit
-def pack_row(v, pairs, down, sums, K, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    """A row's activations v [BLOCK] (fp32, as rounded to the model's dtype; 0 past K) stored in
-    kernels/gemv_packed_x.py's layout (its pack_activations, for a kernel that holds the whole row: the
-    RMS norm's), with its arithmetic: the same pairs and powers of two, the sums added in another order."""
+def pack_row(v, pairs, down, sums, K, first, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    """A row's activations first..first + BLOCK, v (fp32, as rounded to the model's dtype; 0 past K;
+    first a multiple of 32), stored in kernels/gemv_packed_x.py's layout (its pack_activations, from a
+    kernel that holds them: the RMS norm, SiLU-and-multiply) with its arithmetic: the same pairs and
+    powers of two, the sums added in another order."""
     words = tl.cdiv(K, 8)
     chunk_top = tl.max(tl.reshape(tl.abs(v), (BLOCK // 32, 32)), axis=1)
     exponent = ((chunk_top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     shift = tl.minimum(tl.maximum(F16X2_TOP - exponent, -100), 100)
-    chunks = tl.arange(0, BLOCK // 32)
+    chunks = first // 32 + tl.arange(0, BLOCK // 32)
     tl.store(down + chunks, ((127 - shift) << 23).to(tl.float32, bitcast=True), mask=chunks * 4 < words)
     up = tl.reshape(tl.broadcast_to(((shift + 127) << 23)[:, None], (BLOCK // 32, 4)), (BLOCK // 8,))
     up = up.to(tl.float32, bitcast=True)[:, None]
@@ -371,7 +372,7 @@ def pack_row(v, pairs, down, sums, K, BLOCK: tl.constexpr, ASM: tl.constexpr):
         bits = (pair[0].to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
             (pair[1].to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
         )
-    w = tl.arange(0, BLOCK // 8)
+    w = first // 8 + tl.arange(0, BLOCK // 8)
     tl.store(pairs + tl.arange(0, 4)[None, :] * words + w[:, None], bits, mask=(w < words)[:, None])
     word_sums = tl.sum(low + high, axis=1)
     tl.store(sums + chunks, tl.sum(tl.reshape(word_sums, (BLOCK // 32, 4)), axis=1), mask=chunks * 4 < words)

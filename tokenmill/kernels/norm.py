@@ -57,7 +57,7 @@ def _rms_norm_kernel(
     if PACK:
         gemv_f16x2.pack_row(
             result.to(tl.float32), pairs + row * stride_pm, down + row * stride_dm, sums + row * stride_dm,
-            HIDDEN, BLOCK, ASM,
+            HIDDEN, 0, BLOCK, ASM,
         )  # fmt: skip
 
 

@@ -125,7 +125,12 @@ class LlamaMLP(nn.Module):
         packed: PackedActivations | None = None,
     ) -> torch.Tensor:
         """norm, residual and packed as in LlamaAttention.forward; the activation goes into the gate/up
-        projection's store where fused_linear can fold it."""
+        projection's store where fused_linear can fold it, else its launch packs its output for the down
+        projection where that one loads packed activations."""
+        if packs_input(self.down_proj, x) and not gemv_fusion_takes(self.gate_up_proj, x, "act"):
+            gate_up = fused_linear(self.gate_up_proj, x, norm=norm, packed=packed)
+            activation, packed_down = self.act.forward_packed(gate_up)
+            return fused_linear(self.down_proj, activation, residual=residual, packed=packed_down)
         activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act, packed=packed)
         return fused_linear(self.down_proj, activation, residual=residual)
 
