@@ -194,6 +194,8 @@ class LlamaModel(nn.Module):
             for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # Whether every layer's MLP is dense (the GEMV fusions fold into LlamaMLP's projections only).
+        self.dense_mlps = all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers)
         # Set by an EAGLE drafter (models/eagle.py): every full forward leaves the head's features there.
         self.feature_sink: FeatureSink | None = None
 
@@ -231,7 +233,7 @@ class LlamaModel(nn.Module):
         activation and the residual adds in its loads and stores (a decode step of a few rows on a GPU,
         without tensor parallelism; dense MLPs only), so that those launches are saved; else the fused
         add-and-norm launches stay, which outrun an add and a norm apart."""
-        if not self._dense():
+        if not self.layers or not self.dense_mlps:
             return False
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         return all(
@@ -242,13 +244,10 @@ class LlamaModel(nn.Module):
     def packs_inputs(self, hidden: torch.Tensor) -> bool:
         """Whether the norms of a forward pass of these rows also write their outputs packed for the 4-bit
         GEMVs of QKV and gate/up (layers/fused_linear.py's packs_input; dense MLPs only)."""
-        if not self._dense():
+        if not self.layers or not self.dense_mlps:
             return False
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         return packs_input(attn.qkv_proj, hidden) and packs_input(mlp.gate_up_proj, hidden)
-
-    def _dense(self) -> bool:
-        return bool(self.layers) and all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers)
 
 
 class LlamaForCausalLM(nn.Module):
