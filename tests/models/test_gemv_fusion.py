@@ -168,3 +168,12 @@ def test_on_the_gpu_int4_gemvs_on_activations_the_norms_packed_give_the_same_tok
     assert calls
     monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset())
     assert generate_ids(make_llm(path, **options), PROMPTS) == got
+
+
+def test_the_fusion_switch_names_its_parts() -> None:
+    parse = fusion_switch._gemv_fusion
+    assert parse("0") == parse("") == frozenset()
+    assert parse("1") == frozenset(fusion_switch.GEMV_FUSION_PARTS)
+    assert parse("act,packed") == frozenset({"act", "packed"})
+    with pytest.raises(ValueError, match="TOKENMILL_GEMV_FUSION='acts'"):
+        parse("acts")
