@@ -1,7 +1,9 @@
 """The packed-fp16 4-bit GEMV (kernels/gemv_f16x2.py) on activations made into its pairs ahead, once for
 all of its programs, instead of in each step of each program (where they move between threads through
-shared memory: 12 barriers a step at gate+up's tile against 2 here). A candidate behind
-skinny_gemm.GEMV4_PACKED_X, off until timed."""
+shared memory: 12 barriers a step at gate+up's tile against 2 here). The pairs come from
+pack_activations (a launch of its own: skinny_gemm.GEMV4_PACKED_X) or from the launch before, which
+writes them beside its output (norm.rms_norm_packed, activation.silu_and_mul_packed; GemvFusion.packed_x,
+layers/fused_linear.py's "packed"). Candidates, off until timed."""
 
 from __future__ import annotations
 
