@@ -17,9 +17,10 @@ from tokenmill.layers.linear import LinearBase
 # the projections after them and the residual adds in the stores of those before (the layers on the
 # residual stream alone, models/llama.py); "packed" the norms and SiLU-and-multiply also write their
 # outputs as the 4-bit GEMV's activation pairs, which the QKV, gate/up and down projections load
-# (kernels/gemv_packed_x.py; a "norm" layer has no separate norm to write them, an "act" one no SiLU). Off until timed: the first form of "norm" and "act" (the norm
-# computed in every program's loads, the SiLU in the down projection's) made the H200's 8B batch-1 step
-# slower, bf16 4.113 -> 4.184 ms, FP8 2.623 -> 2.895, INT4 2.243 -> 2.629 (2026-12-03, same call).
+# (kernels/gemv_packed_x.py; a "norm" layer has no separate norm to write them, an "act" one no SiLU).
+# Off until timed: the first form of "norm" and "act" (the norm computed in every program's loads, the
+# SiLU in the down projection's) made the H200's 8B batch-1 step slower, bf16 4.113 -> 4.184 ms, FP8
+# 2.623 -> 2.895, INT4 2.243 -> 2.629 (2026-12-03, same call).
 GEMV_FUSION_PARTS = ("act", "norm", "packed")
 
 
