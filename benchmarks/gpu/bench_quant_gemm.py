@@ -361,6 +361,26 @@ def int4_rows_case(name: str, rows: int) -> dict:
     return result
 
 
+def producers_case(rows: int) -> dict:
+    """The launches before the 4-bit GEMVs with and without writing their outputs packed for them
+    (norm.rms_norm_packed, activation.silu_and_mul_packed): what the packing costs there, us."""
+    from tokenmill.kernels import activation, norm
+
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter = SHAPES["o"][1], SHAPES["down"][1]
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    residual = torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    weight = torch.rand(hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen).to(DEVICE, torch.bfloat16)
+    launches = {
+        "norm": lambda c: norm.fused_add_rms_norm(x, residual, weight, 1e-5),
+        "norm_packed": lambda c: norm.rms_norm_packed(x, weight, 1e-5, residual),
+        "silu": lambda c: activation.silu_and_mul(gate_up),
+        "silu_packed": lambda c: activation.silu_and_mul_packed(gate_up),
+    }
+    return {"shape": "producers", "rows": rows, **{k: {"us": timed(fn, 1)} for k, fn in launches.items()}}
+
+
 FP8_GEMM_CONFIGS = [
     Fp8GemmConfig(bm, bn, 128, warps, stages)
     for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4, 5)
@@ -473,6 +493,7 @@ def main() -> int:
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.int4_rows:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
+        cases += [("producers", r, lambda r=r: producers_case(r)) for r in row_counts if r <= 2]
     elif args.fp8_gemm:
         budget = args.budget_s / len(row_counts) / len(shapes)
         cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]
