@@ -31,7 +31,7 @@ for stage in $stages; do
              tests/kernels/test_w4a16_mma.py tests/kernels/test_pdl.py tests/kernels/test_fp8_gemm.py \
              tests/kernels/test_fp8_block_gemm.py tests/kernels/test_fp8_quant.py -p no:cacheprovider \
              --junitxml="$out/kernel_tests_gemm.xml" 2>&1 | tail -5
-           timeout 150 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode -p no:cacheprovider \
+           timeout 240 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode -p no:cacheprovider \
              --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     kernel-tests-rest) timeout 560 $py -m pytest -q tests/kernels -p no:cacheprovider --deselect tests/kernels/test_sm90_build.py \
                          --ignore tests/kernels/test_skinny_gemm.py --ignore tests/kernels/test_int4_gemm.py \
