@@ -39,12 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
-from tokenmill.kernels import quant_reference  # noqa: E402
+from tokenmill.kernels import (
+    GemvFusion,  # noqa: E402
+    quant_reference,  # noqa: E402
+)
 from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
-from tokenmill.kernels.gemv_packed_x import pack_activations, w4a16_gemv_packed_x  # noqa: E402
+from tokenmill.kernels.gemv_packed_x import pack_activations  # noqa: E402
 from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     MAX_GEMV_ROWS,
@@ -333,12 +336,13 @@ def int4_rows_case(name: str, rows: int) -> dict:
             paths[f"packed_rows_{block_n}x{warps}w"] = lambda *a, c=config: packed_rows(*a, config=c)
     if rows <= 2:  # activations made into the packed kernel's pairs ahead (gemv_packed_x.pack_activations)
         xp = pack_activations(x)
-        paths["packed_x"] = lambda x, *a: w4a16_gemv_packed_x(pack_activations(x), *a)  # both launches
-        paths["packed_x_gemv"] = lambda x, *a: w4a16_gemv_packed_x(xp, *a)  # the GEMV alone
+        handed = GemvFusion(packed_x=xp)
+        paths["packed_x"] = lambda x, *a: w4a16_skinny(x, *a, fusion=GemvFusion(packed_x=pack_activations(x)))
+        paths["packed_x_gemv"] = lambda x, *a: w4a16_skinny(x, *a, fusion=handed)  # the GEMV alone
         for block_n, values, warps, ahead in PACKED_X_TILES:
             config = SkinnyConfig(block_n, values, 1, warps, 1, prefetch=ahead)
             label = f"packed_x_gemv_{block_n}x{values}x{warps}w" + "_ahead" * ahead
-            paths[label] = lambda x, *a, c=config: w4a16_gemv_packed_x(xp, *a, config=c)
+            paths[label] = lambda x, *a, c=config: w4a16_skinny(x, *a, config=c, fusion=handed)
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
     # (block_n, swap) at 4 warps (8 never won; one dot a plane and loads a step ahead lost, 2026-12-03)

@@ -184,8 +184,9 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                     skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
         # The 4-bit kernel on activations made into its pairs ahead (a candidate), one and two rows.
         for rows in (1, 2):
-            packed_x = gemv_packed_x.pack_activations(torch.empty(rows, k, dtype=dtype))
-            gemv_packed_x.w4a16_gemv_packed_x(packed_x, packed, scale, None, 128)
+            x = torch.empty(rows, k, dtype=dtype)
+            handed = GemvFusion(packed_x=gemv_packed_x.pack_activations(x))
+            skinny_gemm.w4a16_skinny(x, packed, scale, None, 128, fusion=handed)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
         rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)

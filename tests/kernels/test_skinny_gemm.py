@@ -353,8 +353,8 @@ def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
     m, k, group, zeros, config, monkeypatch
 ) -> None:
     """gemv_packed_x.pack_activations makes each word's fp16 pairs once, as the packed-fp16 kernel makes
-    them in its steps (4 words a scale); the kernel that loads them (w4a16_gemv_packed_x) returns the bits
-    of the kernel that makes them itself at the same tile."""
+    them in its steps (4 words a scale); handed to w4a16_skinny (GemvFusion.packed_x), its kernel loads
+    them, not x, and returns the bits of the kernel that makes them itself at the same tile."""
     from tokenmill.kernels import GemvFusion, gemv_packed_x, skinny_gemm
 
     n = 40
@@ -365,9 +365,8 @@ def test_the_4bit_kernel_on_activations_packed_ahead_gives_the_same_bits(
     x = x.to(DEVICE, torch.bfloat16)
     with skinny_gemm.switches(GEMV4_ROWS=2):
         want = w4a16_skinny(x, packed, scale, zero, group, config=config)
-        got = gemv_packed_x.w4a16_gemv_packed_x(
-            gemv_packed_x.pack_activations(x), packed, scale, zero, group, config=config
-        )
+        handed = GemvFusion(packed_x=gemv_packed_x.pack_activations(x))  # x itself zeros: never read
+        got = w4a16_skinny(torch.zeros_like(x), packed, scale, zero, group, config=config, fusion=handed)
     assert got.dtype == want.dtype and torch.equal(got, want)
     packs = []
     real = gemv_packed_x.pack_activations

@@ -152,13 +152,16 @@ def test_on_the_gpu_int4_gemvs_on_activations_the_norms_packed_give_the_same_tok
     """INT4 in bf16: the norms and the activation write their outputs packed and QKV, gate/up and down
     load them (kernels/gemv_packed_x.py): the same bits as the kernel that packs them itself, so the same
     tokens."""
-    from tokenmill.kernels import gemv_packed_x
+    from tokenmill.kernels import skinny_gemm
 
-    calls = []
-    real = gemv_packed_x.w4a16_gemv_packed_x
-    monkeypatch.setattr(
-        gemv_packed_x, "w4a16_gemv_packed_x", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    calls = []  # the 4-bit GEMVs handed packed activations
+    real = skinny_gemm.w4a16_skinny
+
+    def spy(*args, fusion=None, **kwargs):
+        calls.extend([1] if fusion is not None and fusion.packed_x is not None else [])
+        return real(*args, fusion=fusion, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "w4a16_skinny", spy)
     path, _ = hf_model_dirs[arch]
     options = dict(
         max_num_seqs=1, quantization="int4", dtype="bfloat16", enforce_eager=True, num_kv_blocks=64

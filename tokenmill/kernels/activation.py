@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -63,7 +61,7 @@ def _launch(x: torch.Tensor, pack: bool) -> tuple[torch.Tensor, PackedActivation
         pairs, down, sums = packed[:3] if packed is not None else (out, out, out)
         _silu_and_mul_kernel[grid](
             rows, out, pairs, down, sums, rows.stride(0), out.stride(0), pairs.stride(0), down.stride(0),
-            INTERMEDIATE=intermediate, BLOCK=_BLOCK, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+            INTERMEDIATE=intermediate, BLOCK=_BLOCK, PACK=pack, ASM=not gemv_f16x2.INTERPRETED,
             num_warps=4, **pdl.launch_args(x),
         )  # fmt: skip
     return out.view(*x.shape[:-1], intermediate), packed

@@ -15,10 +15,13 @@ kernels.GemvFusion, off in the engine until timed (layers/fused_linear.py's GEMV
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import pdl
+from tokenmill.kernels import GemvFusion, pdl
 
 # The exponent trick's bit pattern: 0x4B000000 | m is the fp32 2^23 + m for m < 2^23. Passed as a kernel
 # argument, not a literal, so that it sits in a register: then (word & mask) | magic is one LOP3 (three
@@ -307,3 +310,43 @@ def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, ROWS: tl.constexpr, 
         product = w32 * xk.to(tl.float32)
         new_accs = new_accs + (accs[r] + tl.sum(tl.reshape(product, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2),)
     return new_accs
+
+
+class Fused(NamedTuple):
+    """A GemvFusion as a one-row launch takes it (fused_args)."""
+
+    args: dict  # the kernel's arguments: norm_w, res, stride_rm, eps, NORM, ADD, GATED
+    residual_after: torch.Tensor | None  # added after the launch (K split, or a bias first)
+    act_after: bool  # silu(gate) * up in a launch of its own (K split, or a bias first)
+
+
+def fused_args(
+    fusion: GemvFusion | None,
+    x2: torch.Tensor,
+    n: int,
+    config,  # a skinny_gemm.SkinnyConfig
+    bias: torch.Tensor | None,
+) -> Fused:
+    """The one-row kernels' arguments for `fusion`, and what launch_over_rows does after the launch: the
+    kernel adds the residual and stores silu(gate) * up itself unless K is split (its sums are partial)
+    or a bias comes first."""
+    fusion = fusion or GemvFusion()
+    if fusion.silu_mul and (fusion.residual is not None or n % 2):
+        raise ValueError(
+            "GemvFusion(silu_mul=True) takes an even number of outputs (gate || up), no residual"
+        )
+    in_kernel = config.split_k == 1 and bias is None
+    residual = fusion.residual
+    res, stride_rm = x2, 0
+    if residual is not None:
+        residual = residual.reshape(-1, n)
+        if residual.shape[0] != x2.shape[0] or residual.stride(1) != 1:
+            raise ValueError(f"GemvFusion.residual must be [{x2.shape[0]}, {n}] with contiguous rows")
+        if in_kernel:
+            res, stride_rm, residual = residual, residual.stride(0), None
+    norm = fusion.norm_weight is not None
+    args = dict(
+        norm_w=fusion.norm_weight if norm else x2, res=res, stride_rm=stride_rm, eps=float(fusion.eps),
+        NORM=norm, ADD=res is not x2, GATED=fusion.silu_mul and in_kernel,
+    )  # fmt: skip
+    return Fused(args, residual, fusion.silu_mul and not in_kernel)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -86,7 +84,7 @@ def _launch(
             out.stride(0), residual_out.stride(0) if residual_out is not None else 0,
             pairs.stride(0), down.stride(0), eps,
             HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None, PACK=pack,
-            ASM=os.environ.get("TRITON_INTERPRET") != "1", num_warps=min(max(block // 512, 1), 16),
+            ASM=not gemv_f16x2.INTERPRETED, num_warps=min(max(block // 512, 1), 16),
             **pdl.launch_args(x),
         )  # fmt: skip
     out = out.view(*x.shape[:-1], hidden_size)

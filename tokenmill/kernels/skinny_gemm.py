@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -28,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, sm_count
+from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, gemv_packed_x, k_splits, pdl, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -195,11 +194,11 @@ def launch_over_rows(
     config: SkinnyConfig,
     launch,
     bias: torch.Tensor | None,
-    fused: Fused | None = None,
+    fused: gemv.Fused | None = None,
 ) -> torch.Tensor:
     """Calls launch(out, grid) over the [n] outputs of m rows in config's tiles (out fp32 and zeroed when
     K is split); returns [..., n] in x's dtype, bias added; then what `fused` leaves to be done after the
-    launch. With the gated store (fused_args) the outputs are n / 2, half a tile a program."""
+    launch. With the gated store (gemv.fused_args) the outputs are n / 2, half a tile a program."""
     gated = fused is not None and fused.args["GATED"]
     columns, per_program = (n // 2, config.block_n // 2) if gated else (n, config.block_n)
     if config.split_k > 1:
@@ -218,52 +217,6 @@ def launch_over_rows(
     if fused is not None and fused.residual_after is not None:
         out = out + fused.residual_after
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-class Fused(NamedTuple):
-    """A GemvFusion as a one-row launch takes it (fused_args)."""
-
-    args: dict  # the kernel's arguments: norm_w, res, stride_rm, eps, NORM, ADD, GATED
-    residual_after: torch.Tensor | None  # added after the launch (K split, or a bias first)
-    act_after: bool  # silu(gate) * up in a launch of its own (K split, or a bias first)
-
-
-def fused_args(
-    fusion: GemvFusion | None,
-    x2: torch.Tensor,
-    n: int,
-    config: SkinnyConfig,
-    bias: torch.Tensor | None,
-) -> Fused:
-    """The one-row kernels' arguments for `fusion`, and what launch_over_rows does after the launch: the
-    kernel adds the residual and stores silu(gate) * up itself unless K is split (its sums are partial)
-    or a bias comes first."""
-    fusion = fusion or GemvFusion()
-    if fusion.silu_mul and (fusion.residual is not None or n % 2):
-        raise ValueError(
-            "GemvFusion(silu_mul=True) takes an even number of outputs (gate || up), no residual"
-        )
-    in_kernel = config.split_k == 1 and bias is None
-    residual = fusion.residual
-    res, stride_rm = x2, 0
-    if residual is not None:
-        residual = residual.reshape(-1, n)
-        if residual.shape[0] != x2.shape[0] or residual.stride(1) != 1:
-            raise ValueError(f"GemvFusion.residual must be [{x2.shape[0]}, {n}] with contiguous rows")
-        if in_kernel:
-            res, stride_rm, residual = residual, residual.stride(0), None
-    norm = fusion.norm_weight is not None
-    args = dict(
-        norm_w=fusion.norm_weight if norm else x2, res=res, stride_rm=stride_rm, eps=float(fusion.eps),
-        NORM=norm, ADD=res is not x2, GATED=fusion.silu_mul and in_kernel,
-    )  # fmt: skip
-    return Fused(args, residual, fusion.silu_mul and not in_kernel)
-
-
-def _packs(group_size: int, block_w: int) -> bool:
-    """Whether the packed-fp16 kernel can take pre-made activations (one scale a 4 words): groups of a
-    multiple of 32 values, tiles of a multiple of 4 words."""
-    return group_size % 32 == 0 and block_w % 4 == 0
 
 
 def _even(units: int, block: int, config: SkinnyConfig) -> bool:
@@ -302,24 +255,30 @@ def w4a16_skinny(
     block_w = config.block_k // 8
     if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
-    given = fusion.packed_x if fusion is not None else None
-    normed_here = fusion is not None and fusion.norm_weight is not None
-    if (
-        (given is not None or (GEMV4_PACKED_X and not normed_here))
-        and packed_rows
-        and _packs(group_size, block_w)
-    ):
-        from tokenmill.kernels import gemv_packed_x
-
-        packed_x = given if given is not None else gemv_packed_x.pack_activations(x2)
-        store = fusion._replace(packed_x=None) if fusion is not None else None
-        out = gemv_packed_x.w4a16_gemv_packed_x(
-            packed_x, w_packed, scale, zero, group_size, bias, config, store
-        )
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    # The packed-fp16 kernel's activations made into its pairs ahead: handed in (GemvFusion.packed_x,
+    # written by the launch before) or, with GEMV4_PACKED_X, by a launch of their own.
+    packed_x = None
+    if packed_rows and gemv_packed_x.takes(group_size, block_w):  # else x as it is
+        packed_x = fusion.packed_x if fusion is not None else None
+        normed_here = fusion is not None and fusion.norm_weight is not None
+        if packed_x is not None and normed_here:
+            raise ValueError(
+                "GemvFusion takes norm_weight or packed_x (activations already normed), not both"
+            )
+        if packed_x is None and GEMV4_PACKED_X and not normed_here:
+            packed_x = gemv_packed_x.pack_activations(x2)
+    if fusion is not None:
+        fusion = fusion._replace(packed_x=None)
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
-    fused = fused_args(fusion, x2, n, config, bias)
+    fused = gemv.fused_args(fusion, x2, n, config, bias)
+
+    if packed_x is None:
+        xs = dict(x=x2, xp_down=x2, xp_sums=x2, stride_xm=x2.stride(0), stride_dm=0, XPACKED=False)
+    else:  # (the kernel's SUB is 4 then, as the pairs were made)
+        pairs, down, sums = packed_x.pairs, packed_x.down, packed_x.sums
+        xs = dict(x=pairs, xp_down=down, xp_sums=sums, stride_xm=pairs.stride(0), stride_dm=down.stride(0),
+                  XPACKED=True)  # fmt: skip
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(
@@ -332,11 +291,11 @@ def w4a16_skinny(
             even = k % 8 == 0 and _even(k // 8, block_w, config)
             if packed_rows:
                 gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
-                    x2, w_packed, scale, zero_arg, out, xp_down=x2, xp_sums=x2, N=n, K=k,
-                    stride_xm=x2.stride(0), stride_wn=w_packed.stride(0), stride_sn=scale.stride(0),
-                    stride_zn=z_stride, stride_om=out.stride(0), stride_dm=0, ROWS=m, SUB=sub, EVEN_K=even,
-                    UNROLL=config.unroll, ASM=not _INTERPRETED, PREFETCH=config.prefetch and even,
-                    EARLY=GEMV_EARLY and config.prefetch and even, XPACKED=False, **fused.args, **common,
+                    w_packed=w_packed, scale=scale, zero=zero_arg, out=out, N=n, K=k,
+                    stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
+                    stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
+                    ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
+                    EARLY=GEMV_EARLY and config.prefetch and even, **xs, **fused.args, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
@@ -380,7 +339,7 @@ def w8a16_skinny(
     w_scale = w_scale.reshape(-1)
     if w_scale.dtype != torch.float32:
         w_scale = w_scale.float()
-    fused = fused_args(fusion, x2, n, config, bias)
+    fused = gemv.fused_args(fusion, x2, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -429,7 +388,7 @@ def dense_gemv(
     if not dense_gemv_takes(m) or w.stride(1) != 1:
         raise ValueError("dense_gemv takes one row (DENSE_ROWS at most) and a weight contiguous along K")
     config = config or default_config(1, n, k, 16, x.device)
-    fused = fused_args(fusion, x2, n, config, bias)
+    fused = gemv.fused_args(fusion, x2, n, config, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         even = _even(k, config.block_k, config)
@@ -463,8 +422,8 @@ GEMV8_ROWS = 3
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
 # Whether w4a16_skinny's packed-fp16 rows make their activations into pairs in a launch of their own first
-# (kernels/gemv_packed_x.py): a candidate, off until timed (its GEMV has 2 barriers a step
-# where the kernel as it is has 12; against that, a launch more a linear).
+# (kernels/gemv_packed_x.py) when the launch before has not: a candidate, off until timed (its GEMV has 2
+# barriers a step where the kernel as it is has 12; against that, a launch more a linear).
 GEMV4_PACKED_X = False
 
 
@@ -494,8 +453,6 @@ def switches(**values: object) -> Iterator[None]:
 # that asked L2 for 4-16 KB of every weight row there, far more bytes, had made the step slower:
 # eighteenth session, docs/performance.md.)
 GEMV_EARLY = True
-# Read once, as @triton.jit reads it: the interpreter runs no PTX (the f16x2 kernel's fp16 tensors then).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _precision(x: torch.Tensor) -> str:
