@@ -23,11 +23,16 @@ class RMSNorm(nn.Module):
         return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def forward_packed(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedActivations]:
-        """forward, its output also packed for the 4-bit GEMV after it (kernels/norm.py's Triton kernel:
-        a GPU path, asked for by layers/fused_linear.py's packs_input): (normed, new residual or None,
-        packed)."""
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, pack: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedActivations | None]:
+        """forward as (normed, new residual or None, packed): with pack its output also packed for the
+        4-bit GEMV after it (kernels/norm.py's Triton kernel: a GPU path, asked for by
+        layers/fused_linear.py's packs_input), else packed None."""
+        if not pack:
+            if residual is None:
+                return self(x), None, None
+            normed, residual = self(x, residual)
+            return normed, residual, None
         from tokenmill.kernels import norm
 
         return norm.rms_norm_packed(x, self.weight, self.eps, residual)

@@ -160,20 +160,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """pack (LlamaModel.packs_inputs): the norms also write their outputs packed for the 4-bit GEMVs
         of QKV and gate/up, which load them."""
-        if pack:
-            normed, new_residual, packed = self.input_layernorm.forward_packed(hidden, residual)
-            residual = hidden if new_residual is None else new_residual
-            hidden = self.self_attn(positions, normed, md, packed=packed)
-            normed, new_residual, packed = self.post_attention_layernorm.forward_packed(hidden, residual)
-            assert new_residual is not None
-            return self.mlp(normed, packed=packed), new_residual
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, md)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        normed, new_residual, packed = self.input_layernorm.forward_packed(hidden, residual, pack)
+        residual = hidden if new_residual is None else new_residual
+        hidden = self.self_attn(positions, normed, md, packed=packed)
+        normed, residual, packed = self.post_attention_layernorm.forward_packed(hidden, residual, pack)
+        # (packed only ever for a dense MLP: LlamaModel.packs_inputs)
+        return (self.mlp(normed) if packed is None else self.mlp(normed, packed=packed)), residual
 
     def forward_stream(
         self, positions: torch.Tensor, stream: torch.Tensor, md: AttentionMetadata
