@@ -324,7 +324,7 @@ def fused_args(
     fusion: GemvFusion | None,
     x2: torch.Tensor,
     n: int,
-    config,  # a skinny_gemm.SkinnyConfig
+    split_k: int,
     bias: torch.Tensor | None,
 ) -> Fused:
     """The one-row kernels' arguments for `fusion`, and what launch_over_rows does after the launch: the
@@ -335,7 +335,7 @@ def fused_args(
         raise ValueError(
             "GemvFusion(silu_mul=True) takes an even number of outputs (gate || up), no residual"
         )
-    in_kernel = config.split_k == 1 and bias is None
+    in_kernel = split_k == 1 and bias is None
     residual = fusion.residual
     res, stride_rm = x2, 0
     if residual is not None:

@@ -271,7 +271,7 @@ def w4a16_skinny(
         fusion = fusion._replace(packed_x=None)
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
-    fused = gemv.fused_args(fusion, x2, n, config, bias)
+    fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
 
     if packed_x is None:
         xs = dict(x=x2, xp_down=x2, xp_sums=x2, stride_xm=x2.stride(0), stride_dm=0, XPACKED=False)
@@ -339,7 +339,7 @@ def w8a16_skinny(
     w_scale = w_scale.reshape(-1)
     if w_scale.dtype != torch.float32:
         w_scale = w_scale.float()
-    fused = gemv.fused_args(fusion, x2, n, config, bias)
+    fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -388,7 +388,7 @@ def dense_gemv(
     if not dense_gemv_takes(m) or w.stride(1) != 1:
         raise ValueError("dense_gemv takes one row (DENSE_ROWS at most) and a weight contiguous along K")
     config = config or default_config(1, n, k, 16, x.device)
-    fused = gemv.fused_args(fusion, x2, n, config, bias)
+    fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         even = _even(k, config.block_k, config)
