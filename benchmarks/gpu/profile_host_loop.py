@@ -32,6 +32,7 @@ from shapes import shape_dir  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
+from tokenmill.worker import sampler as sampler_module  # noqa: E402
 from tokenmill.worker.sampler import Sampler  # noqa: E402
 from tokenmill.worker.step_output import AwaitingGrammar  # noqa: E402
 
@@ -140,7 +141,8 @@ def main() -> None:
     parser.add_argument(
         "--runs", default=f"none,{MASK_THREADS}x{MAX_FAMILIES},none,{MASK_THREADS}x{MAX_FAMILIES}",
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
-        "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100",
+        "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
+        "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py)",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -158,13 +160,17 @@ def main() -> None:
         device_mask_events(llm.engine.core.executor, events)
     runs = []
     for run_spec in args.runs.split(","):
-        run_spec, _, interval = run_spec.partition(":si")
+        run_spec, *options = run_spec.split(":")
+        interval = next((o[2:] for o in options if o.startswith("si")), "")
+        torch_form = "torch" in options
         threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
         label = "none" if threads is None else f"json threads={threads} families={families}"
         label += f" switch={interval}us" if interval else ""
-        label += f" #{sum(r[0].startswith(label) for r in runs) + 1}"
-        runs.append((label, threads and int(threads), families and int(families), interval))
-    for label, threads, families, interval in runs:
+        label += " torch-sampler" if torch_form else ""
+        label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
+        runs.append((label, threads and int(threads), families and int(families), interval, torch_form))
+    for label, threads, families, interval, torch_form in runs:
+        sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
         constraint = None
         # The engine's first fill lowers the switch interval to 100 us (and never raises it).
         sys.setswitchinterval(int(interval) * 1e-6 if interval else 0.0001)

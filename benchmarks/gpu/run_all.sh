@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
-# Stages: tests kernel-tests-rest gpu-tests structured host-loop kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
+# Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion packed-x int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
@@ -77,6 +77,11 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                cp .gpu_assets/tokenizer/* "$model/"
                timeout 200 $py benchmarks/grammar_masks.py --model "$model" --threads 1,8,12,16 --families 1,12,64 \
                  --gaps-ms 0 --out "$out/grammar_masks_matrix.json" 2>&1 >/dev/null ;;
+    # The one-launch sampling kernel (kernels/sample.py) against the sampler's torch form, unconstrained
+    # and under the schema, alternating in one process (profile_host_loop's phases per step).
+    sampling-ab) timeout 420 $py benchmarks/gpu/profile_host_loop.py --tokenizer .gpu_assets/tokenizer --requests 1024 \
+                   --runs none,none:torch,12x64,12x64:torch,none:torch,none,12x64:torch,12x64 \
+                   --out "$out/sampling_ab.json" 2>&1 | grep -E "^(none|json)" | cut -c1-120 ;;
     kernels) timeout 300 $py benchmarks/gpu/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -40 ;;
     # Decode attention at batch 16 and 32k context, bf16 and FP8 caches, over splits, tiles and warps.
     # Decode attention variants at 16 x 32k built from attention.py's text (FP8 KV: layouts, conversion,

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker import sampler as sampler_module
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
-from tokenmill.worker.sampler import Sampler, build_sampling_batch
+from tokenmill.worker.sampler import Sampler, build_sampling_batch, one_launch
 
 VOCAB = 11
 
@@ -219,3 +220,63 @@ def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
     assert entry.rank == 1
     assert entry.top_token_ids == expected.topk(3).indices.tolist()
     assert logprobs[1] is None
+
+
+def _batch_of(params: list[SamplingParams]):
+    runner = _Runner()
+    for i, p in enumerate(params):
+        runner.input_batch.requests[f"r{i}"] = CachedRequestState(
+            f"r{i}", [0], p, frozenset({1}), block_ids=[], num_computed_tokens=0, output_token_ids=[]
+        )
+    inputs = SimpleNamespace(req_ids=[f"r{i}" for i in range(len(params))], samples=[True] * len(params))
+    return runner._sampling_batch(inputs, VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("params", "takes_it"),
+    [
+        (SamplingParams(temperature=0), True),
+        (SamplingParams(temperature=0.8), True),
+        (SamplingParams(temperature=0.8, top_p=0.9), False),
+        (SamplingParams(temperature=0.8, top_k=5), False),
+        (SamplingParams(temperature=0.8, min_p=0.1), False),
+        (SamplingParams(temperature=0.8, seed=3), False),
+        (SamplingParams(temperature=0.8, logprobs=2), False),
+        (SamplingParams(temperature=0, presence_penalty=0.5), False),
+        (SamplingParams(temperature=0, logit_bias={2: 1.0}), False),
+        (SamplingParams(temperature=0, min_tokens=2), False),
+    ],
+)
+def test_one_launch_takes_greedy_and_temperature_alone(params: SamplingParams, takes_it: bool) -> None:
+    """A batch with any row that needs more than greedy or temperature keeps the torch form; and only a
+    GPU's logits go to the kernel."""
+    batch = _batch_of([SamplingParams(temperature=0), params])
+    assert one_launch(SimpleNamespace(is_cuda=True), batch) is takes_it
+    assert not one_launch(torch.zeros(2, VOCAB), batch)
+
+
+def test_the_one_launch_switch_names_its_values() -> None:
+    assert sampler_module._one_launch_switch("0") is False
+    with pytest.raises(ValueError, match="TOKENMILL_ONE_LAUNCH_SAMPLING='yes'"):
+        sampler_module._one_launch_switch("yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_launch_sampling_on_a_gpu_matches_greedy_and_never_waits() -> None:
+    """The kernel's greedy rows give the torch form's tokens; its draws stay in the vocabulary and off
+    forbidden tokens; and it queues without waiting for the device."""
+    runner = _Runner()
+    runner.device = torch.device("cuda")
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(9)).cuda()
+    logits[3:, :4] = float("-inf")
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.3)] * 3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, logprobs = sample(logits, params, runner=runner)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logprobs is None
+    assert tokens[:3].tolist() == logits[:3].argmax(dim=-1).tolist()
+    assert all(4 <= t < VOCAB for t in tokens[3:].tolist())

@@ -334,3 +334,20 @@ def fused_moe(
         out.index_add_(0, rows, F.linear(hidden, w2[expert]) * pair_weights[start : start + count, None])
         start += count
     return out
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """kernels/sample.py's one-launch sampling in torch: int64 [B], where temperature [B] > 0 the argmax
+    of logits / temperature plus Gumbel noise (a draw from softmax(logits / temperature)), else the first
+    index of the row's largest logit. The same distribution as the kernel's, from torch's own generator
+    seeded with `seed` (not the kernel's Philox counters: the same seed gives other draws)."""
+    x = logits.float()
+    greedy = x.argmax(dim=-1)
+    if temperature is None:
+        return greedy
+    generator = torch.Generator(device=logits.device).manual_seed(seed)
+    u = torch.rand(x.shape, generator=generator, device=logits.device)
+    positive = temperature > 0
+    inv_t = 1.0 / torch.where(positive, temperature, 1.0)
+    drawn = (x * inv_t[:, None] - torch.log(-torch.log(u))).argmax(dim=-1)
+    return torch.where(positive, drawn, greedy)

@@ -1,10 +1,12 @@
 """Sampling on the device: logit processors (bias, min_tokens, penalties), then greedy or random
 sampling with temperature, top-k, top-p and min-p. Seeded requests draw from their own generator, so
-their output does not depend on what else is in the batch."""
+their output does not depend on what else is in the batch. On a GPU, a batch that asks for no more than
+greedy and temperature samples in one launch (kernels/sample.py)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -249,7 +251,33 @@ class Verified(NamedTuple):
     token: torch.Tensor  # [L] the target's token there: a rejected draft's replacement, or the next one
 
 
+def _one_launch_switch(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_ONE_LAUNCH_SAMPLING={value!r}: 1 (on) or 0 (the torch form, for A/B)")
+    return value == "1"
+
+
+ONE_LAUNCH_SAMPLING = _one_launch_switch(os.environ.get("TOKENMILL_ONE_LAUNCH_SAMPLING", "1"))
+
+
+def one_launch(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Whether kernels/sample.py samples this batch: on a GPU, with no logit edits, penalties, top-k/p,
+    min-p, seeded generators or logprobs in it (those take the torch form)."""
+    return (
+        ONE_LAUNCH_SAMPLING
+        and logits.is_cuda
+        and not (batch.needs_logit_edits or batch.needs_penalties or batch.needs_top_k_p or batch.needs_min_p)
+        and not batch.generators
+        and batch.max_num_logprobs < 0
+    )
+
+
 class Sampler:
+    def __init__(self) -> None:
+        # The one-launch kernel's noise is keyed by a new seed every step, counted up from one drawn
+        # from torch's default generator at its first step (so torch.manual_seed makes a run repeat).
+        self._seed: int | None = None
+
     def _process(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -283,6 +311,11 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[torch.Tensor, LogprobTensors | None]:
         """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device."""
+        if one_launch(logits, batch):
+            from tokenmill.kernels.sample import sample_rows
+
+            self._seed = int(torch.randint(0, 2**62, ())) if self._seed is None else self._seed + 1
+            return sample_rows(logits, None if batch.all_greedy else batch.temperature, self._seed), None
         greedy, probs = self._process(logits, batch)
         if probs is None:
             sampled = greedy
