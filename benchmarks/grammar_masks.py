@@ -41,6 +41,16 @@ SCHEMA = {
 }
 
 
+def unbounded(schema):
+    """The schema without its strings' maxLength (llguidance's slicer covers unbounded strings alone)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: unbounded(value) for key, value in schema.items() if key not in ("maxLength", "properties")}
+    if "properties" in schema:  # names, not keywords
+        out["properties"] = {name: unbounded(sub) for name, sub in schema["properties"].items()}
+    return out
+
+
 def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int, gap_s: float) -> dict:
     """Mask-fill seconds per step over one random walk of `batch` requests."""
     structured = StructuredOutputs(source.load_tokenizer, vocab, mask_threads=threads, max_families=families)

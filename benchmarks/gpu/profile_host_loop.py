@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grammar_masks import SCHEMA  # noqa: E402  (the structured stage's schema)
+from grammar_masks import SCHEMA, unbounded  # noqa: E402  (the structured stage's schemas)
 from shapes import shape_dir  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
@@ -142,7 +142,8 @@ def main() -> None:
         "--runs", default=f"none,{MASK_THREADS}x{MAX_FAMILIES},none,{MASK_THREADS}x{MAX_FAMILIES}",
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
-        "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py)",
+        "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
+        ":unbounded takes the schema without its strings' maxLength",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -163,19 +164,22 @@ def main() -> None:
         run_spec, *options = run_spec.split(":")
         interval = next((o[2:] for o in options if o.startswith("si")), "")
         torch_form = "torch" in options
+        schema = unbounded(SCHEMA) if "unbounded" in options else SCHEMA
         threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
         label = "none" if threads is None else f"json threads={threads} families={families}"
         label += f" switch={interval}us" if interval else ""
         label += " torch-sampler" if torch_form else ""
+        label += " unbounded" if schema is not SCHEMA else ""
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
-        runs.append((label, threads and int(threads), families and int(families), interval, torch_form))
-    for label, threads, families, interval, torch_form in runs:
+        threads, families = threads and int(threads), families and int(families)
+        runs.append((label, threads, families, interval, torch_form, schema))
+    for label, threads, families, interval, torch_form, schema in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
         constraint = None
         # The engine's first fill lowers the switch interval to 100 us (and never raises it).
         sys.setswitchinterval(int(interval) * 1e-6 if interval else 0.0001)
         if threads is not None:
-            constraint = StructuredOutputsParams(json=SCHEMA)
+            constraint = StructuredOutputsParams(json=schema)
             # A fresh compilation cache and llguidance executor for this many threads and families.
             structured.__init__(structured.load_tokenizer, structured.vocab_size, threads, families)
         # Fresh random prompts for each run and its warm-up: nothing comes from the prefix cache.
