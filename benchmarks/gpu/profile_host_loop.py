@@ -74,6 +74,28 @@ def instrument(llm: LLM) -> dict:
     return seconds
 
 
+def schedule_marks(core, marks: list) -> None:
+    """(time, whether it is decode alone) at each step the scheduler hands out: the loop's period between
+    two decode-only steps, apart from the prompt chunks' (each wave of requests starts with steps of
+    several thousand prompt tokens, whose device time every run shares)."""
+    inner = core.scheduler.schedule
+
+    def schedule():
+        out = inner()
+        if not out.is_empty:
+            decode = out.total_num_scheduled_tokens == len(out.num_scheduled_tokens)
+            marks.append((time.perf_counter(), decode))
+        return out
+
+    core.scheduler.schedule = schedule
+
+
+def decode_period_ms(marks: list) -> float | None:
+    """Median ms between consecutive decode-only steps' scheduling."""
+    gaps = [b[0] - a[0] for a, b in zip(marks, marks[1:]) if a[1] and b[1]]
+    return round(float(np.median(gaps)) * 1e3, 3) if gaps else None
+
+
 def device_mask_events(runner, events: list) -> None:
     """CUDA events around each masking kernel (which waits for the host's masks, then applies them)."""
     inner = runner.grammar_masks.apply
@@ -88,9 +110,10 @@ def device_mask_events(runner, events: list) -> None:
     runner.grammar_masks.apply = apply
 
 
-def run(llm: LLM, seconds: dict, prompts, params) -> dict:
+def run(llm: LLM, seconds: dict, prompts, params, marks: list) -> dict:
     core = llm.engine.core
     seconds.clear()
+    marks.clear()
     steps0, tokens0 = core.num_steps, core.seconds_on_tokens
     scheduler = core.scheduler
     fill0, fills0 = scheduler.grammar_mask_seconds, scheduler.grammar_mask_steps
@@ -112,6 +135,7 @@ def run(llm: LLM, seconds: dict, prompts, params) -> dict:
         "steps": steps,
         "elapsed_s": round(elapsed, 3),
         "ms_per_step": round(elapsed / steps * 1e3, 3),
+        "decode_step_ms_median": decode_period_ms(marks),
         "phases_ms_per_step": per_step,
         "fill_ms_per_masked_step": (
             round((scheduler.grammar_mask_seconds - fill0) / fills * 1e3, 3) if fills else None
@@ -157,6 +181,8 @@ def main() -> None:
     report = {"shape": args.shape, "batch": args.batch, "requests": args.requests, "runs": {}}
     structured = llm.engine.core.scheduler.structured
     events: list = []
+    marks: list = []
+    schedule_marks(llm.engine.core, marks)
     if torch.cuda.is_available():
         device_mask_events(llm.engine.core.executor, events)
     runs = []
@@ -188,7 +214,7 @@ def main() -> None:
         warm = SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=constraint)
         llm.generate(prompt_token_ids=prompts[args.requests :], sampling_params=warm, use_tqdm=False)
         events.clear()
-        report["runs"][label] = run(llm, seconds, prompts[: args.requests], params)
+        report["runs"][label] = run(llm, seconds, prompts[: args.requests], params, marks)
         report["runs"][label]["device_masking_ms_per_masked_step"] = device_waits(events)
         print(f"{label}: {json.dumps(report['runs'][label])}", file=sys.stderr)
     text = json.dumps(report, indent=2)
