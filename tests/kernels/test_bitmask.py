@@ -37,11 +37,3 @@ def test_kernel_masks_as_the_torch_form(num_rows: int, vocab: int, words: int, d
     assert torch.isinf(expected).any() and torch.isfinite(expected).any()
     if words * 32 < vocab:  # the tokens past the mask are forbidden in every masked row
         assert torch.isneginf(expected[rows, words * 32 :]).all()
-
-
-def test_the_mask_wait_switch_names_its_values() -> None:
-    from tokenmill.kernels.host_wait import _mask_wait
-
-    assert _mask_wait("every") and not _mask_wait("one")
-    with pytest.raises(ValueError, match="TOKENMILL_MASK_WAIT='all'"):
-        _mask_wait("all")

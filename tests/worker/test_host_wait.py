@@ -52,21 +52,16 @@ def test_the_stream_runs_what_follows_the_wait_once_the_host_publishes() -> None
     assert counter[1] == 0
 
 
-@pytest.mark.parametrize("every_program_waits", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(
-    dtype, every_program_waits, monkeypatch
-) -> None:
+def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(dtype) -> None:
     """apply_bitmask_from_host against the torch masking: logits a slice of wider rows (as the LM head's
     padded vocabulary leaves them) and wider than the mask's words (the tokens past them are forbidden),
     rows picked out of order, masks written into the same pinned buffer step after step (a stale read of
     an earlier step's words would show), each after the kernel was queued and published from another
-    thread. Waited for by one program of a launch of its own, or by each masking program."""
-    from tokenmill.kernels import host_wait
+    thread."""
     from tokenmill.kernels.host_wait import apply_bitmask_from_host
     from tokenmill.structured_outputs import apply_bitmask
 
-    monkeypatch.setattr(host_wait, "EVERY_PROGRAM_WAITS", every_program_waits)
     gen = torch.Generator().manual_seed(0)
     vocab, words = 1030, 32  # 1030 tokens, masks for 1024
     counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)

@@ -9,16 +9,9 @@ While a wait is pending, some host calls block until it ends (measured on the H2
 that reaches cudaMalloc, and the first launch of a kernel whose module is not loaded yet); the thread
 that writes the counter must not need anything such a call holds (torch's ops let the GIL go). As a
 safety net the wait gives up after two seconds and writes 1 to counter[1], which the caller reads
-as a failure.
-
-Who spins: by default one program of a launch of its own, the masking launch behind it; with
-TOKENMILL_MASK_WAIT=every (the first form) every program of the masking launch spins on the counter
-itself, one launch fewer, but each spinning program keeps a read of host memory in flight over the bus
-the whole while (64 at batch 64), which the host's caches serve beside the step loop's own work."""
+as a failure."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -28,17 +21,6 @@ from tokenmill.kernels.bitmask import MASK_BLOCK, mask_row
 
 # Nanoseconds (the device's global timer) before the wait gives up.
 TIMEOUT_NS = 2_000_000_000
-
-
-def _mask_wait(value: str) -> bool:
-    """TOKENMILL_MASK_WAIT: whether every masking program waits on the host itself ("every") or one
-    program of a wait launch does ("one")."""
-    if value not in ("one", "every"):
-        raise ValueError(f"TOKENMILL_MASK_WAIT={value!r}: one (a wait launch of one program) or every")
-    return value == "every"
-
-
-EVERY_PROGRAM_WAITS = _mask_wait(os.environ.get("TOKENMILL_MASK_WAIT", "one"))
 
 
 @triton.jit
@@ -74,18 +56,13 @@ def _wait_kernel(counter, target, timeout_ns):
 @triton.jit(do_not_specialize=["target", "timeout_ns"])
 def _wait_then_mask_kernel(
     logits, stride_logits, rows, mask, stride_mask, vocab, words, counter, target, timeout_ns,
-    BLOCK: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program r: the wait (WAIT; else a wait launch before this one has waited, and the counter says
-    whether it gave up), then -inf at logits row rows[r] wherever mask row r (int32 words in pinned
+    """Program r: the wait, then -inf at logits row rows[r] wherever mask row r (int32 words in pinned
     host memory: bit j of word i for token 32 i + j; tokens past its last word are forbidden) has a 0 bit.
     The words are read over the bus with volatile loads (not from a cache line an earlier step's read of
     the same buffer left), after a system-scope fence (not before the counter said they are in)."""
-    if WAIT:
-        reached = _wait(counter, target, timeout_ns)
-    else:
-        reached = tl.load(counter + 1, volatile=True) == 0
-    if reached:
+    if _wait(counter, target, timeout_ns):
         tl.inline_asm_elementwise(
             "fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32,
             is_pure=False, pack=1,
@@ -111,10 +88,7 @@ def apply_bitmask_from_host(
     if rows.numel() == 0:
         return
     assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1 and bitmask.dtype == torch.int32
-    every = EVERY_PROGRAM_WAITS
-    if not every:
-        wait_for_host(counter, target)
     _wait_then_mask_kernel[(rows.numel(),)](
         logits, logits.stride(0), rows, bitmask, bitmask.stride(0), logits.shape[1], bitmask.shape[1],
-        counter, target, TIMEOUT_NS, BLOCK=MASK_BLOCK, WAIT=every, num_warps=4,
+        counter, target, TIMEOUT_NS, BLOCK=MASK_BLOCK, num_warps=4,
     )  # fmt: skip

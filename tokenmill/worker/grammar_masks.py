@@ -64,11 +64,10 @@ class GrammarMasks:
         waits for the device, so behind a pending wait it would wait for the masks (and until the wait
         gives up if the thread that publishes them needs what the waiting one holds). No wait is pending
         here: the step before this one has returned its tokens."""
-        from tokenmill.kernels import host_wait
         from tokenmill.kernels.host_wait import apply_bitmask_from_host
 
         assert self.counter is not None
-        key = (logits.dtype, logits.stride(0), logits.shape[1], words, host_wait.EVERY_PROGRAM_WAITS)
+        key = (logits.dtype, logits.stride(0), logits.shape[1], words)
         if key not in self._loaded:
             allowed = torch.full((1, words), -1, dtype=torch.int32, pin_memory=True)
             apply_bitmask_from_host(logits, index[:1], allowed, self.counter, 0)
