@@ -70,7 +70,7 @@ class LLM:
         for prompt, ids, params, prio in zip(inputs, token_ids, params_list, priorities):
             request_id = str(next(self._request_counter))
             text = prompt if isinstance(prompt, str) else None
-            self.engine.add_request(request_id, ids, params, priority=prio, prompt_text=text)
+            self.engine.add_request(request_id, ids, params, priority=prio, prompt_text=text, final_only=True)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 

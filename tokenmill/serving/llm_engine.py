@@ -41,11 +41,14 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         prompt_text: str | None = None,
+        final_only: bool = False,
     ) -> None:
+        """final_only: step() returns the request's output once, when it has finished (the offline
+        LLM's generate reads no other)."""
         prompt_token_ids = self.input_processor.process(prompt, params)
         text = prompt if isinstance(prompt, str) else prompt_text
         for child_id, child_params in self.output_processor.add_request(
-            request_id, text, prompt_token_ids, params
+            request_id, text, prompt_token_ids, params, final_only
         ):
             self.core.add_request(
                 Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, priority=priority)

@@ -78,6 +78,9 @@ class ParentState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pooled: bytes | None = None
     error: str | None = None  # why the engine failed it (EngineCoreOutput.error)
+    # Only the finished request's output is wanted (the offline LLM's generate, as vLLM's FINAL_ONLY):
+    # no output is built for its steps before.
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -91,9 +94,16 @@ class OutputProcessor:
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        final_only: bool = False,
     ) -> list[tuple[str, SamplingParams]]:
-        """Register a request; returns the (child request id, params) pairs to hand the engine core."""
+        """Register a request; returns the (child request id, params) pairs to hand the engine core.
+        final_only: process() returns this request's output once, when it has finished (the same output
+        as without it at that step), and none before."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         samples, children = [], []
@@ -106,7 +116,9 @@ class OutputProcessor:
             child_id = child_request_id(request_id, index, params.n)
             self.child_to_parent[child_id] = (request_id, index)
             children.append((child_id, sample_params))
-        self.parents[request_id] = ParentState(request_id, prompt, list(prompt_token_ids), samples)
+        self.parents[request_id] = ParentState(
+            request_id, prompt, list(prompt_token_ids), samples, final_only=final_only
+        )
         return children
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -157,7 +169,8 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (one RequestOutput per touched request, child ids to abort after a stop string).
         This runs for every token of every stream: keep it lean."""
-        deltas: dict[str, dict[int, CompletionOutput]] = {}
+        # Per touched request, its samples' deltas of this step, made into outputs only where emitted.
+        deltas: dict[str, dict[int, tuple]] = {}
         to_abort: list[str] = []
         child_to_parent, parents = self.child_to_parent, self.parents
         for core_output in outputs:
@@ -206,16 +219,20 @@ class OutputProcessor:
             changed = deltas.get(parent.request_id)
             if changed is None:
                 changed = deltas[parent.request_id] = {}
-            changed[sample.index] = sample.snapshot(delta_text, new_token_ids, delta_logprobs)
+            changed[sample.index] = (sample, delta_text, new_token_ids, delta_logprobs)
         results = []
         for request_id, changed in deltas.items():
             parent = parents[request_id]
             samples = parent.samples
             finished = parent.num_finished == len(samples)
+            if parent.final_only and not finished:
+                continue
             if len(samples) == 1:
-                completions = list(changed.values())
+                completions = [sample.snapshot(*delta) for sample, *delta in changed.values()]
             else:
-                completions = [changed.get(s.index) or s.snapshot() for s in samples]
+                completions = [
+                    s.snapshot(*changed[s.index][1:]) if s.index in changed else s.snapshot() for s in samples
+                ]
             results.append(
                 RequestOutput(
                     request_id,
