@@ -67,6 +67,10 @@ def warm_up(parts: EngineParts) -> None:
     lengths = [n for n in _WARMUP_LENGTHS if n <= longest]
     for length in lengths:  # alone: the dense path
         run(tokens(length))
+    if parts.pooling_type is None:
+        # Temperature alone: the one-launch sampling's variant that draws (kernels/sample.py); the batches
+        # above sample greedily and the one below asks for the torch form (top-k/p, logprobs, a seed).
+        run(tokens(5), params=[SamplingParams(max_tokens=4, temperature=0.8, ignore_eos=True)])
     run(*map(tokens, lengths), params=variants)  # together: varlen prefill, then a decode batch
     # A full decode batch: launches of many programs take tiles of their own (an FP8 cache's decode
     # attention, kernels/attention.py's decode_config), which eager steps would otherwise compile late.
