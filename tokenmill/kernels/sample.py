@@ -58,6 +58,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor | None, seed: in
     same tokens, so the caller passes a new one every step."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if temperature is not None and temperature.stride(0) != 1:
+        temperature = temperature.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
