@@ -7,7 +7,8 @@ import torch
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import CachedRequestState
-from tokenmill.worker.sampler import Sampler, SamplingBatch, resolve_drafts
+from tokenmill.worker.sampler import Sampler, resolve_drafts
+from tokenmill.worker.sampling_batch import SamplingBatch
 
 
 def batch_of(rows: int, temperature: float, top_k: int, top_p: float, vocab: int) -> SamplingBatch:

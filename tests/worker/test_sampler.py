@@ -11,7 +11,8 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import sampler as sampler_module
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
-from tokenmill.worker.sampler import Sampler, build_sampling_batch, one_launch
+from tokenmill.worker.sampler import Sampler, one_launch
+from tokenmill.worker.sampling_batch import build_sampling_batch
 
 VOCAB = 11
 
@@ -31,7 +32,8 @@ class _Runner:
         return build_sampling_batch(requests, inputs.samples, self.generators, self.device, vocab_size)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, prompts=None, runner=None):
+def batch_of(params: list[SamplingParams], outputs=None, prompts=None, runner=None):
+    """The SamplingBatch of one request per params (prompts and outputs: row -> token ids)."""
     runner = runner or _Runner()
     req_ids = []
     for i, p in enumerate(params):
@@ -47,8 +49,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, pro
         runner.input_batch.requests[state.req_id] = state
         req_ids.append(state.req_id)
     inputs = SimpleNamespace(req_ids=req_ids, samples=[True] * len(req_ids), pending_src_req_ids=[])
-    batch = runner._sampling_batch(inputs, VOCAB)
-    return Sampler()(logits.clone(), batch)
+    return runner._sampling_batch(inputs, VOCAB)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, prompts=None, runner=None):
+    return Sampler()(logits.clone(), batch_of(params, outputs, prompts, runner))
 
 
 def peaked(top: int, rows: int = 1) -> torch.Tensor:
@@ -222,16 +227,6 @@ def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
     assert logprobs[1] is None
 
 
-def _batch_of(params: list[SamplingParams]):
-    runner = _Runner()
-    for i, p in enumerate(params):
-        runner.input_batch.requests[f"r{i}"] = CachedRequestState(
-            f"r{i}", [0], p, frozenset({1}), block_ids=[], num_computed_tokens=0, output_token_ids=[]
-        )
-    inputs = SimpleNamespace(req_ids=[f"r{i}" for i in range(len(params))], samples=[True] * len(params))
-    return runner._sampling_batch(inputs, VOCAB)
-
-
 @pytest.mark.parametrize(
     ("params", "takes_it"),
     [
@@ -250,7 +245,7 @@ def _batch_of(params: list[SamplingParams]):
 def test_one_launch_takes_greedy_and_temperature_alone(params: SamplingParams, takes_it: bool) -> None:
     """A batch with any row that needs more than greedy or temperature keeps the torch form; and only a
     GPU's logits go to the kernel."""
-    batch = _batch_of([SamplingParams(temperature=0), params])
+    batch = batch_of([SamplingParams(temperature=0), params])
     assert one_launch(SimpleNamespace(is_cuda=True), batch) is takes_it
     assert not one_launch(torch.zeros(2, VOCAB), batch)
 

@@ -170,7 +170,7 @@ class OutputProcessor:
         """Returns (one RequestOutput per touched request, child ids to abort after a stop string).
         This runs for every token of every stream: keep it lean."""
         # Per touched request, its samples' deltas of this step, made into outputs only where emitted.
-        deltas: dict[str, dict[int, tuple]] = {}
+        deltas: dict[str, dict[int, tuple[SampleState, str, list[int], list | None]]] = {}
         to_abort: list[str] = []
         child_to_parent, parents = self.child_to_parent, self.parents
         for core_output in outputs:
@@ -228,11 +228,12 @@ class OutputProcessor:
             if parent.final_only and not finished:
                 continue
             if len(samples) == 1:
-                completions = [sample.snapshot(*delta) for sample, *delta in changed.values()]
+                completions = [s.snapshot(text, ids, lps) for s, text, ids, lps in changed.values()]
             else:
-                completions = [
-                    s.snapshot(*changed[s.index][1:]) if s.index in changed else s.snapshot() for s in samples
-                ]
+                completions = []
+                for s in samples:
+                    delta = changed.get(s.index)
+                    completions.append(s.snapshot(*delta[1:]) if delta is not None else s.snapshot())
             results.append(
                 RequestOutput(
                     request_id,

@@ -25,7 +25,7 @@ class CachedRequestState:
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens sampled by a step still in flight: on the device, not yet in output_token_ids.
     num_pending_tokens: int = 0
-    # (vocab size, the row's sampling knobs and flags), worker/sampler.py's, computed on first use.
+    # (vocab size, the row's sampling knobs and flags), worker/sampling_batch.py's, computed on first use.
     sampling_knobs: tuple | None = None
 
     def __post_init__(self) -> None:

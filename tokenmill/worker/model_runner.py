@@ -24,7 +24,8 @@ from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import Sampler, SamplingBatch, build_sampling_batch, score_prompt_tokens
+from tokenmill.worker.sampler import Sampler, score_prompt_tokens
+from tokenmill.worker.sampling_batch import SamplingBatch, build_sampling_batch
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
 from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tokenmill.worker.input_batch import StepInputs
-from tokenmill.worker.sampler import SamplingBatch
+from tokenmill.worker.sampling_batch import SamplingBatch
 from tokenmill.worker.step_output import PendingRunnerOutput
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from tokenmill.core.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.worker.grammar_masks import HostMasks
 from tokenmill.worker.input_batch import StepInputs
-from tokenmill.worker.sampler import LogprobTensors, SamplingBatch, Verified, resolve_drafts
+from tokenmill.worker.sampler import LogprobTensors, Verified, resolve_drafts
+from tokenmill.worker.sampling_batch import SamplingBatch
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
