@@ -176,8 +176,8 @@ def main() -> None:
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
-        ":unbounded takes the schema without its strings' maxLength; :blocking waits for the steps' tokens on "
-        "events that sleep (cudaEventBlockingSync) instead of spinning",
+        ":unbounded takes the schema without its strings' maxLength; :blocking waits for the steps' tokens "
+        "on events that sleep (cudaEventBlockingSync) instead of spinning",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
