@@ -296,9 +296,10 @@ def _x_packed(pairs, down, sums, start, rw, K, hi, BLOCK_N: tl.constexpr, EVEN_K
 
 @triton.jit
 def _pack_activations_kernel(x, pairs, down, sums, K, stride_xm, stride_pm, stride_dm, BLOCK_W: tl.constexpr,
-                             ASM: tl.constexpr):  # fmt: skip
+                             ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """BLOCK_W words of one row of x (a program) into pack_activations' layout, as the GEMV kernel makes
     them in a step with SUB = 4 (_f16x2_activations)."""
+    pdl.start(PDL)  # x is the launch before's output
     row = tl.program_id(0)
     words = tl.cdiv(K, 8)
     rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
