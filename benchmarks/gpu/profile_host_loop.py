@@ -30,7 +30,6 @@ from grammar_masks import SCHEMA, unbounded  # noqa: E402  (the structured stage
 from shapes import shape_dir  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.core import engine as engine_module  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
 from tokenmill.worker import sampler as sampler_module  # noqa: E402
@@ -179,8 +178,7 @@ def main() -> None:
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
         ":unbounded takes the schema without its strings' maxLength; :blocking waits for the steps' tokens "
-        "on events that sleep (cudaEventBlockingSync) instead of spinning; :nowait has the loop wait for the "
-        "grammar helper neither to start nor to take the tokens (engine.GRAMMAR_WAITS)",
+        "on events that sleep (cudaEventBlockingSync) instead of spinning",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -204,7 +202,6 @@ def main() -> None:
         interval = next((o[2:] for o in options if o.startswith("si")), "")
         torch_form = "torch" in options
         blocking = "blocking" in options
-        waits = "nowait" not in options
         schema = unbounded(SCHEMA) if "unbounded" in options else SCHEMA
         threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
         label = "none" if threads is None else f"json threads={threads} families={families}"
@@ -212,12 +209,10 @@ def main() -> None:
         label += " torch-sampler" if torch_form else ""
         label += " unbounded" if schema is not SCHEMA else ""
         label += " blocking-events" if blocking else ""
-        label += " nowait" if not waits else ""
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
         threads, families = threads and int(threads), families and int(families)
-        runs.append((label, threads, families, interval, torch_form, schema, blocking, waits))
-    for label, threads, families, interval, torch_form, schema, blocking, waits in runs:
-        engine_module.GRAMMAR_WAITS = waits
+        runs.append((label, threads, families, interval, torch_form, schema, blocking))
+    for label, threads, families, interval, torch_form, schema, blocking in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
         PendingRunnerOutput.event = (
             functools.partial(torch.cuda.Event, blocking=True) if blocking else torch.cuda.Event

@@ -24,7 +24,6 @@ the host's own work. The offline `LLM` and the server's core process run this sa
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -37,12 +36,6 @@ import numpy as np
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
-
-# Whether the loop waits for the helper twice a grammar step: until it has started, and until it has handed
-# the step in flight's tokens to the grammars. Both keep the helper from waiting for the GIL while the
-# loop's Python runs (up to a switch interval each time); neither is needed for correctness (the loop
-# touches no matcher). TOKENMILL_GRAMMAR_WAITS=0 for the A/B.
-GRAMMAR_WAITS = os.environ.get("TOKENMILL_GRAMMAR_WAITS", "1") != "0"
 
 
 class PendingOutput(Protocol):
@@ -198,7 +191,7 @@ class EngineCore:
             else:
                 filled, consumed = self._fill(scheduler_output, None, in_flight)
                 step = self._filling = _FillingMasks(awaiting, filled)
-            if in_flight is not None and GRAMMAR_WAITS:
+            if in_flight is not None:
                 # Until the helper has handed the tokens to the grammars (a GIL taken between its calls
                 # into llguidance waits for the loop's Python up to a switch interval), then take them in.
                 consumed.wait()
@@ -247,10 +240,9 @@ class EngineCore:
                 publish()
 
         future = self._mask_thread.submit(run)
-        if GRAMMAR_WAITS:
-            # Wait (without the GIL) until the helper is in: left to the switch interval, its start took
-            # ~0.5 ms on the H200 host while the loop's Python ran on (at a 0.5 ms interval).
-            started.wait()
+        # Wait (without the GIL) until the helper is in: left to the switch interval, its start took
+        # ~0.5 ms on the H200 host while the loop's Python ran on.
+        started.wait()
         return future, consumed
 
     def _launch_filled(self) -> None:
