@@ -60,10 +60,6 @@ def variants(quantization: str | None) -> list[dict]:
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     out.append({"name": "pdl-fuse-all", "pdl": True, "fusion": _ALL})
     if quantization == "int4":
-        out.append({"name": "pdl-packed-x", "pdl": True, "switches": {"GEMV4_PACKED_X": True}})
-        # The norms packing for QKV and gate/up (no launch added), and that with the gated store.
-        out.append({"name": "pdl-packed-norm", "pdl": True, "fusion": frozenset({"packed"})})
-        out.append({"name": "pdl-packed-norm-act", "pdl": True, "fusion": frozenset({"packed", "act"})})
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
         # packed-fp16 kernel.

@@ -39,15 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
-from tokenmill.kernels import (
-    GemvFusion,  # noqa: E402
-    quant_reference,  # noqa: E402
-)
+from tokenmill.kernels import quant_reference  # noqa: E402
 from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_fp8_per_row  # noqa: E402
-from tokenmill.kernels.gemv_packed_x import pack_activations  # noqa: E402
 from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
     MAX_GEMV_ROWS,
@@ -302,19 +298,6 @@ def packed_rows(*args, **kwargs) -> torch.Tensor:
         return w4a16_skinny(*args, **kwargs)
 
 
-# Tiles for the 4-bit GEMV on pre-made activations (block_n, values a step, warps, loads ahead): with no
-# shared-memory exchange a step, wider steps and warps side by side along K may pay now.
-PACKED_X_TILES = [
-    (16, 1024, 4, False),
-    (16, 2048, 4, False),
-    (16, 4096, 4, False),
-    (16, 2048, 8, True),
-    (32, 1024, 4, False),
-    (8, 2048, 4, True),
-    (16, 1024, 4, True),
-]
-
-
 def int4_rows_case(name: str, rows: int) -> dict:
     """INT4 at `rows` activation rows: bf16 cuBLAS and every INT4 path (module docstring, --int4-rows)."""
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
@@ -334,15 +317,6 @@ def int4_rows_case(name: str, rows: int) -> dict:
         for block_n, warps in ((8, 4), (16, 4), (8, 8)):
             config = SkinnyConfig(block_n, 1024, 1, warps, 1)
             paths[f"packed_rows_{block_n}x{warps}w"] = lambda *a, c=config: packed_rows(*a, config=c)
-    if rows <= 2:  # activations made into the packed kernel's pairs ahead (gemv_packed_x.pack_activations)
-        xp = pack_activations(x)
-        handed = GemvFusion(packed_x=xp)
-        paths["packed_x"] = lambda x, *a: w4a16_skinny(x, *a, fusion=GemvFusion(packed_x=pack_activations(x)))
-        paths["packed_x_gemv"] = lambda x, *a: w4a16_skinny(x, *a, fusion=handed)  # the GEMV alone
-        for block_n, values, warps, ahead in PACKED_X_TILES:
-            config = SkinnyConfig(block_n, values, 1, warps, 1, prefetch=ahead)
-            label = f"packed_x_gemv_{block_n}x{values}x{warps}w" + "_ahead" * ahead
-            paths[label] = lambda x, *a, c=config: w4a16_skinny(x, *a, config=c, fusion=handed)
     # The tensor-core kernel past its engine bound too (the bound is what this measures).
     w4a16_mma_module.MAX_ROWS = max(w4a16_mma_module.MAX_ROWS, rows)
     # (block_n, swap) at 4 warps (8 never won; one dot a plane and loads a step ahead lost, 2026-12-03)
@@ -363,26 +337,6 @@ def int4_rows_case(name: str, rows: int) -> dict:
     us = timed(lambda c: dequantize(int4[c][0], int4[c][1], None, GROUP, k, torch.bfloat16), int4_copies)
     result["dequantize_alone"] = {"us": us, "tb_per_s": (int4_bytes + bf16_bytes) / us / 1e6}
     return result
-
-
-def producers_case(rows: int) -> dict:
-    """The launches before the 4-bit GEMVs with and without writing their outputs packed for them
-    (norm.rms_norm_packed, activation.silu_and_mul_packed): what the packing costs there, us."""
-    from tokenmill.kernels import activation, norm
-
-    gen = torch.Generator().manual_seed(rows)
-    hidden, inter = SHAPES["o"][1], SHAPES["down"][1]
-    x = torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.bfloat16)
-    residual = torch.randn(rows, hidden, generator=gen).to(DEVICE, torch.bfloat16)
-    weight = torch.rand(hidden, generator=gen).to(DEVICE, torch.bfloat16)
-    gate_up = torch.randn(rows, 2 * inter, generator=gen).to(DEVICE, torch.bfloat16)
-    launches = {
-        "norm": lambda c: norm.fused_add_rms_norm(x, residual, weight, 1e-5),
-        "norm_packed": lambda c: norm.rms_norm_packed(x, weight, 1e-5, residual),
-        "silu": lambda c: activation.silu_and_mul(gate_up),
-        "silu_packed": lambda c: activation.silu_and_mul_packed(gate_up),
-    }
-    return {"shape": "producers", "rows": rows, **{k: {"us": timed(fn, 1)} for k, fn in launches.items()}}
 
 
 FP8_GEMM_CONFIGS = [
@@ -497,7 +451,6 @@ def main() -> int:
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.int4_rows:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
-        cases += [("producers", r, lambda r=r: producers_case(r)) for r in row_counts if r <= 2]
     elif args.fp8_gemm:
         budget = args.budget_s / len(row_counts) / len(shapes)
         cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]

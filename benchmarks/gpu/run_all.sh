@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion packed-x int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -101,10 +101,6 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                   2>&1 | tail -5 ;;
     # Decode batches of 2-4 rows: bf16 cuBLAS against the dense one-row kernel over several rows, FP8's
     # tl.dot kernel against the FP8 one-row kernel over several rows (skinny_gemm.DENSE_ROWS, GEMV8_ROWS).
-    # The 4-bit one-row kernel on activations made into its pairs ahead (pack_activations), beside the
-    # kernel as it is, at 1 and 2 rows, over tiles (PACKED_X_TILES).
-    packed-x) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --int4-rows --rows 1,2 --shapes qkv,o,gate_up,down \
-                --out "$out/packed_x.json" 2>&1 | grep -v Warning | tail -2 ;;
     small-batches) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --rows 2,3,4 --shapes qkv,o,gate_up,down,lm_head \
                      --out "$out/small_batches.json" 2>&1 | grep -v Warning | tail -2 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
@@ -131,11 +127,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
-    # Batch-1 decode with the layers' small launches folded into the GEMVs (layers/linear.py's
+    # Batch-1 decode with the layers' small launches folded into the GEMVs (layers/fused_linear.py's
     # fused_linear; TOKENMILL_GEMV_FUSION): none, SiLU-and-multiply in the gate/up projection's store
-    # (act), and that with the norms in the loads and the residual adds in the stores (1); bf16 / FP8 / INT4;
-    # for INT4 also the norms and the activation packing for the 4-bit GEMVs (packed).
-    gemv-fusion) for q in none fp8 int4; do for fuse in 0 act 1 $([ $q = int4 ] && echo packed); do
+    # (act), and that with the norms in the loads and the residual adds in the stores (1); bf16 / FP8 / INT4.
+    gemv-fusion) for q in none fp8 int4; do for fuse in 0 act 1; do
                    TOKENMILL_GEMV_FUSION=$fuse timeout 150 $bench decode --shape llama-3.1-8b --max-num-seqs 4 \
                      $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_${q}_fusion$fuse.json" \
                      2>&1 | grep -E '"decode_step_ms"' | tail -1

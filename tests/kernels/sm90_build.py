@@ -26,7 +26,6 @@ from tokenmill.kernels import (
     attention,
     gemv,
     gemv_f16x2,
-    gemv_packed_x,
     int4_gemm,
     kv_cache,
     norm,
@@ -137,7 +136,6 @@ def _small_launches(dtype: torch.dtype) -> None:
     x, weight = torch.empty(5, 4096, dtype=dtype), torch.empty(4096, dtype=dtype)
     norm.rms_norm(x, weight, 1e-6)
     norm.fused_add_rms_norm(x, x, weight, 1e-6)
-    norm.rms_norm_packed(x[:1], weight, 1e-6, x[:1])  # its output also packed for the 4-bit GEMV
     positions = torch.zeros(5, dtype=torch.int64)
     rotary.rotary_embedding(positions, torch.empty(5, 32, 128, dtype=dtype), tokens, torch.empty(10, 128))
     for cache_dtype in (dtype, torch.float8_e4m3fn):
@@ -147,7 +145,6 @@ def _small_launches(dtype: torch.dtype) -> None:
             torch.zeros(5, dtype=torch.int64),
         )  # fmt: skip
     activation.silu_and_mul(torch.empty(5, 2 * 14336, dtype=dtype))
-    activation.silu_and_mul_packed(torch.empty(1, 2 * 14336, dtype=dtype))  # packed for the 4-bit GEMV
 
 
 def _skinny_launches(dtype: torch.dtype) -> None:
@@ -182,11 +179,6 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                 skinny_gemm.w8a16_skinny(x, w_q, w_scale, fusion=fusion)
                 with skinny_gemm.switches(DENSE_ROWS=2):
                     skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
-        # The 4-bit kernel on activations made into its pairs ahead (a candidate), one and two rows.
-        for rows in (1, 2):
-            x = torch.empty(rows, k, dtype=dtype)
-            handed = GemvFusion(packed_x=gemv_packed_x.pack_activations(x))
-            skinny_gemm.w4a16_skinny(x, packed, scale, None, 128, fusion=handed)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
         rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)
@@ -209,7 +201,6 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (split_kv, "_reduce_splits_kernel"),
         (gemv, "w4a16_gemv_kernel"),
         (gemv_f16x2, "w4a16_gemv_f16x2_kernel"),
-        (gemv_f16x2, "_pack_activations_kernel"),
         (skinny_gemm, "_w4a16_skinny_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_gemm, "_w8a16_skinny_kernel"),

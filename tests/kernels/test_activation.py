@@ -28,18 +28,3 @@ def test_strided_rows() -> None:
     wide = torch.randn(5, 900, device=DEVICE)
     x = wide[:, 100:700]
     torch.testing.assert_close(activation.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize(("num_rows", "intermediate"), [(2, 14336 // 4), (1, 200), (3, 1056)])
-def test_silu_and_mul_also_writes_the_4bit_gemvs_activation_pairs(num_rows, intermediate) -> None:
-    """silu_and_mul_packed: the plain launch's output, and the same rows packed for the down projection's
-    4-bit one-row GEMV with pack_activations' bits (its sums in another order), across programs."""
-    from tokenmill.kernels.gemv_packed_x import pack_activations
-
-    gen = torch.Generator().manual_seed(intermediate)
-    x = (torch.randn(num_rows, 2 * intermediate, generator=gen) * 3).to(DEVICE, torch.bfloat16)
-    out, packed = activation.silu_and_mul_packed(x)
-    assert torch.equal(out, activation.silu_and_mul(x))
-    want = pack_activations(out)
-    assert torch.equal(packed.pairs, want.pairs) and torch.equal(packed.down, want.down)
-    torch.testing.assert_close(packed.sums, want.sums, rtol=1e-5, atol=1e-3)

@@ -54,26 +54,3 @@ def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
 def test_empty_batch() -> None:
     x = torch.empty(0, 64, device=DEVICE)
     assert norm.rms_norm(x, torch.ones(64, device=DEVICE), EPS).shape == (0, 64)
-
-
-@pytest.mark.parametrize(("num_rows", "hidden"), [(3, 4096), (2, 200), (1, 72)])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_the_norm_also_writes_the_4bit_gemvs_activation_pairs(num_rows, hidden, with_residual) -> None:
-    """rms_norm_packed: the normed rows (and the new residual) as the plain launch writes them, and the
-    same rows packed for the 4-bit one-row GEMV with pack_activations' bits (its sums in another order)."""
-    from tokenmill.kernels.gemv_packed_x import pack_activations
-
-    x = rows((num_rows, hidden), torch.bfloat16, 4)
-    x[0, 3] = 500.0  # one group's words scaled apart from the rest
-    weight = rows((hidden,), torch.bfloat16, 5)
-    residual = rows((num_rows, hidden), torch.bfloat16, 6) if with_residual else None
-    out, residual_out, packed = norm.rms_norm_packed(x, weight, EPS, residual)
-    if residual is None:
-        assert residual_out is None and torch.equal(out, norm.rms_norm(x, weight, EPS))
-    else:
-        want_out, want_residual = norm.fused_add_rms_norm(x, residual, weight, EPS)
-        assert torch.equal(out, want_out) and torch.equal(residual_out, want_residual)
-    want = pack_activations(out)
-    assert packed.k == hidden and packed.dtype == torch.bfloat16
-    assert torch.equal(packed.pairs, want.pairs) and torch.equal(packed.down, want.down)
-    torch.testing.assert_close(packed.sums, want.sums, rtol=1e-5, atol=1e-4)

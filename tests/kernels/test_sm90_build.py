@@ -31,7 +31,6 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "_reduce_splits_kernel",
         "w4a16_gemv_kernel",
         "w4a16_gemv_f16x2_kernel",
-        "_pack_activations_kernel",
         "_w4a16_skinny_kernel",
         "w8a16_gemv_kernel",
         "_w8a16_skinny_kernel",

@@ -56,43 +56,6 @@ def test_decode_on_the_residual_stream_gives_transformers_tokens(arch, hf_model_
     assert fused_projections["residual"] == fused_projections["norm"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_with_the_norms_packing_for_the_next_gemv_gives_transformers_tokens(
-    arch, hf_model_dirs, monkeypatch
-):
-    """GEMV_FUSION "packed": each norm and the activation hand their outputs, also packed (here a marker:
-    the packing is the kernels' side, tests/kernels/test_norm.py and test_activation.py), to the QKV,
-    gate/up and down GEMVs, which get both."""
-    from tokenmill.layers.activation import SiluAndMul
-    from tokenmill.layers.norm import RMSNorm
-
-    marker = object()
-    taken = []
-
-    def forward_packed(self, x, residual=None, pack=True):
-        packed = marker if pack else None
-        if residual is None:
-            return self(x), None, packed
-        normed, residual = self(x, residual)
-        return normed, residual, packed
-
-    def gemv(self, layer, x, bias, fusion: GemvFusion):
-        assert fusion.packed_x is marker and fusion.norm_weight is None
-        taken.append(fusion.silu_mul)
-        return F.linear(x, layer.weight, bias)
-
-    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset({"packed"}))
-    monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes_packed_x", True)
-    monkeypatch.setattr(UnquantizedLinearMethod, "gemv_takes", lambda self, layer, x: x.shape[0] <= 2)
-    monkeypatch.setattr(UnquantizedLinearMethod, "gemv", gemv)
-    monkeypatch.setattr(RMSNorm, "forward_packed", forward_packed)
-    monkeypatch.setattr(SiluAndMul, "forward_packed", lambda self, x: (self(x), marker))
-    path, hf_model = hf_model_dirs[arch]
-    want = [hf_greedy(hf_model, prompt) for prompt in PROMPTS[:2]]
-    assert generate_ids(make_llm(path, max_num_seqs=1), PROMPTS[:2]) == want
-    assert taken and not any(taken) and len(taken) % 3 == 0  # QKV, gate/up, down: every layer and step
-
-
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_a_model_with_expert_layers_keeps_the_separate_norms(arch, hf_model_dirs, fused_projections):
     path, hf_model = hf_model_dirs[arch]
@@ -144,40 +107,11 @@ def test_on_the_gpu_the_fp8_one_row_kernels_fold_the_norms_in(arch, hf_model_dir
     assert generate_ids(make_llm(path, **options), PROMPTS) == got
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_on_the_gpu_int4_gemvs_on_activations_the_norms_packed_give_the_same_tokens(
-    arch, hf_model_dirs, monkeypatch
-):
-    """INT4 in bf16: the norms and the activation write their outputs packed and QKV, gate/up and down
-    load them (kernels/gemv_packed_x.py): the same bits as the kernel that packs them itself, so the same
-    tokens."""
-    from tokenmill.kernels import skinny_gemm
-
-    calls = []  # the 4-bit GEMVs handed packed activations
-    real = skinny_gemm.w4a16_skinny
-
-    def spy(*args, fusion=None, **kwargs):
-        calls.extend([1] if fusion is not None and fusion.packed_x is not None else [])
-        return real(*args, fusion=fusion, **kwargs)
-
-    monkeypatch.setattr(skinny_gemm, "w4a16_skinny", spy)
-    path, _ = hf_model_dirs[arch]
-    options = dict(
-        max_num_seqs=1, quantization="int4", dtype="bfloat16", enforce_eager=True, num_kv_blocks=64
-    )
-    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset({"packed"}))
-    got = generate_ids(make_llm(path, **options), PROMPTS)
-    assert calls
-    monkeypatch.setattr(fusion_switch, "GEMV_FUSION", frozenset())
-    assert generate_ids(make_llm(path, **options), PROMPTS) == got
-
-
 def test_the_fusion_switch_names_its_parts() -> None:
     parse = fusion_switch._gemv_fusion
     assert parse("0") == parse("") == frozenset()
-    assert parse("1") == frozenset(fusion_switch.GEMV_FUSION_PARTS)
-    assert parse("act,packed") == frozenset({"act", "packed"})
+    assert parse("1") == frozenset(fusion_switch.GEMV_FUSION_PARTS) == frozenset({"act", "norm"})
+    assert parse("norm,act") == frozenset({"act", "norm"})
+    assert parse("act") == frozenset({"act"})
     with pytest.raises(ValueError, match="TOKENMILL_GEMV_FUSION='acts'"):
         parse("acts")

@@ -36,21 +36,6 @@ class Kernels(NamedTuple):
     topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-class PackedActivations(NamedTuple):
-    """Rows of 16-bit activations made into the packed-fp16 4-bit kernel's pairs ahead of it
-    (kernels/gemv_packed_x.py's pack_activations, or the RMS norm that writes them: norm.rms_norm_packed):
-    pairs int32 [rows, 4 * words], pair i of word w at i * words + w (values 8w + i and 8w + i + 4 in
-    fp16, each 4 words' scaled by a power of two), down fp32 [rows, words / 4] (the powers of two that
-    undo the scaling), sums fp32 [rows, words / 4] (each 4 words' sum of x, for zero points); k values a
-    row, dtype the activations'."""
-
-    pairs: torch.Tensor
-    down: torch.Tensor
-    sums: torch.Tensor
-    k: int
-    dtype: torch.dtype
-
-
 class GemvFusion(NamedTuple):
     """Work a decode-sized linear layer does in its one-row GEMV's loads and stores instead of in launches
     of its own (kernels/gemv.py's load_x and store_row; layers/fused_linear.py asks for it):
@@ -63,7 +48,6 @@ class GemvFusion(NamedTuple):
     eps: float = 0.0
     silu_mul: bool = False
     residual: torch.Tensor | None = None
-    packed_x: PackedActivations | None = None  # the input already packed (the 4-bit GEMV; no norm_weight)
 
 
 def get_kernels(device: torch.device | str | None = None) -> Kernels:

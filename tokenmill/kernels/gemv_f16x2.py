@@ -135,8 +135,6 @@ def w4a16_gemv_f16x2_kernel(
     out,
     norm_w,
     res,
-    xp_down,
-    xp_sums,
     N,
     K,
     stride_xm,
@@ -145,7 +143,6 @@ def w4a16_gemv_f16x2_kernel(
     stride_zn,
     stride_om,
     stride_rm,
-    stride_dm,
     eps,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -162,7 +159,6 @@ def w4a16_gemv_f16x2_kernel(
     NORM: tl.constexpr,
     ADD: tl.constexpr,
     GATED: tl.constexpr,
-    XPACKED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """w4a16_gemv_kernel's job for ROWS rows of 16-bit x (one, or a few) against BLOCK_N rows of the
@@ -171,9 +167,7 @@ def w4a16_gemv_f16x2_kernel(
     further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
     fp16, everything past the word in fp32, unscaled with the group's scale. NORM, ADD and GATED as in
-    gemv.w8a16_gemv_kernel. XPACKED (SUB = 4): x holds the activations already made into their pairs by
-    pack_activations (xp_down and xp_sums beside them), loaded straight into the weight tile's layout: no
-    step rescales them, and none moves them between threads through shared memory."""
+    gemv.w8a16_gemv_kernel."""
     rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
     )
@@ -187,8 +181,7 @@ def w4a16_gemv_f16x2_kernel(
             pdl.start(PDL)
     rstds = gemv.row_rstds(x, stride_xm, K, eps, ROWS, NORM)
     if PREFETCH:
-        x_ahead = _x_rows(x, xp_down, xp_sums, stride_xm, stride_dm, lo, cols, K, hi, rstds, norm_w,
-                          ROWS, BLOCK_N, EVEN_K, NORM, HAS_ZERO, ASM, XPACKED)  # fmt: skip
+        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
@@ -198,24 +191,18 @@ def w4a16_gemv_f16x2_kernel(
             following = w0 + BLOCK_W
             following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
             ahead = tl.load(base + following)
-            x_ahead = _x_rows(x, xp_down, xp_sums, stride_xm, stride_dm, following, cols, K, hi, rstds,
-                              norm_w, ROWS, BLOCK_N, EVEN_K, NORM, HAS_ZERO, ASM, XPACKED)  # fmt: skip
+            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
         elif EVEN_K:
             packed = tl.load(base + w0)
-            x_raw = _x_rows(x, xp_down, xp_sums, stride_xm, stride_dm, w0, cols, K, hi, rstds, norm_w,
-                           ROWS, BLOCK_N, EVEN_K, NORM, HAS_ZERO, ASM, XPACKED)  # fmt: skip
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
-            x_raw = _x_rows(x, xp_down, xp_sums, stride_xm, stride_dm, w0, cols, K, hi, rstds, norm_w,
-                           ROWS, BLOCK_N, EVEN_K, NORM, HAS_ZERO, ASM, XPACKED)  # fmt: skip
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
         pairs = ()
         downs = ()
         x_sums = ()
         for r in tl.static_range(ROWS):
-            if XPACKED:
-                row_pairs, down, x_sum = x_raw[r]
-            else:
-                row_pairs, down, x_sum = _f16x2_activations(x_raw[r], BLOCK_N, BLOCK_W, SUB, HAS_ZERO, ASM)
+            row_pairs, down, x_sum = _f16x2_activations(x_raw[r], BLOCK_N, BLOCK_W, SUB, HAS_ZERO, ASM)
             pairs = pairs + (row_pairs,)
             downs = downs + (down,)
             x_sums = x_sums + (x_sum,)
@@ -243,81 +230,13 @@ def w4a16_gemv_f16x2_kernel(
 
 
 @triton.jit
-def _x_rows(x, xp_down, xp_sums, stride_xm, stride_dm, start, cols, K, hi, rstds, norm_w, ROWS: tl.constexpr,
-            BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, HAS_ZERO: tl.constexpr,
-            ASM: tl.constexpr, XPACKED: tl.constexpr):  # fmt: skip
-    """_x_step for each of ROWS rows of x, words start + cols; XPACKED: _x_packed's pairs, powers of two
-    and sums."""
-    rw = start + cols
+def _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+            NORM: tl.constexpr):  # fmt: skip
+    """_x_step for each of ROWS rows of x."""
     rows = ()
     for r in tl.static_range(ROWS):
-        if XPACKED:
-            down_r, sums_r = xp_down + r * stride_dm, xp_sums + r * stride_dm
-            row = _x_packed(
-                x + r * stride_xm, down_r, sums_r, start, rw, K, hi, BLOCK_N, EVEN_K, HAS_ZERO, ASM
-            )
-        else:
-            row = _x_step(x + r * stride_xm, rw, K, hi, rstds[r], norm_w, EVEN_K, NORM)
-        rows = rows + (row,)
+        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, rstds[r], norm_w, EVEN_K, NORM),)
     return rows
-
-
-@triton.jit
-def _x_packed(pairs, down, sums, start, rw, K, hi, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-              HAS_ZERO: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """One row's pre-made activations of words rw (pack_activations' layout): its four pair tensors as
-    [BLOCK_N, words] tiles (the same words for every weight row: each thread loads those of its own
-    words, in the weight tile's layout), the powers of two of each 4 words and their sums of x."""
-    words = tl.cdiv(K, 8)
-    ok = (rw < hi)[None, :]
-    offsets = tl.broadcast_to(rw[None, :], (BLOCK_N, rw.shape[0]))
-    row_pairs = ()
-    for i in tl.static_range(4):
-        if EVEN_K:
-            bits = tl.load(pairs + i * words + offsets)
-        else:
-            bits = tl.load(pairs + i * words + offsets, mask=ok, other=0)
-        if ASM:
-            row_pairs = row_pairs + (bits,)
-        else:  # the interpreter's fp16 pair, low and high halves
-            low = (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-            high = ((bits >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-            row_pairs = row_pairs + ((low, high),)
-    chunks = start // 4 + tl.arange(0, rw.shape[0] // 4)
-    if EVEN_K:
-        x_down = tl.load(down + chunks)
-    else:
-        x_down = tl.load(down + chunks, mask=chunks * 4 < hi, other=0.0)
-    x_sum = x_down
-    if HAS_ZERO:
-        x_sum = tl.load(sums + chunks, mask=chunks * 4 < hi, other=0.0)
-    return row_pairs, x_down, x_sum
-
-
-@triton.jit
-def _pack_activations_kernel(x, pairs, down, sums, K, stride_xm, stride_pm, stride_dm, BLOCK_W: tl.constexpr,
-                             ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """BLOCK_W words of one row of x (a program) into pack_activations' layout, as the GEMV kernel makes
-    them in a step with SUB = 4 (_f16x2_activations)."""
-    pdl.start(PDL)  # x is the launch before's output
-    row = tl.program_id(0)
-    words = tl.cdiv(K, 8)
-    rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    xs = _x_step(x + row * stride_xm, rw, K, words, 0.0, x, False, False)
-    row_pairs, x_down, x_sum = _f16x2_activations(xs, 1, BLOCK_W, 4, True, ASM)
-    ok = (rw < words)[None, :]
-    for i in tl.static_range(4):
-        if ASM:
-            bits = row_pairs[i]
-        else:
-            low = row_pairs[i][0].to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            high = row_pairs[i][1].to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            bits = low | (high << 16)
-        tl.store(pairs + row * stride_pm + i * words + rw[None, :], bits, mask=ok)
-    chunks = tl.program_id(1) * (BLOCK_W // 4) + tl.arange(0, BLOCK_W // 4)
-    chunk_ok = chunks * 4 < words
-    tl.store(down + row * stride_dm + chunks, x_down, mask=chunk_ok)
-    tl.store(sums + row * stride_dm + chunks, x_sum, mask=chunk_ok)
 
 
 @triton.jit
@@ -353,32 +272,3 @@ def _f16x2_activations(x_raw, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SUB:
     if SUB > 1:
         x_sum = tl.sum(tl.reshape(x_sum, (BLOCK_W // SUB, SUB)), axis=1)
     return pairs, down, x_sum
-
-
-@triton.jit
-def pack_row(v, pairs, down, sums, K, first, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    """A row's activations first..first + BLOCK, v (fp32, as rounded to the model's dtype; 0 past K;
-    first a multiple of 32), stored in kernels/gemv_packed_x.py's layout (its pack_activations, from a
-    kernel that holds them: the RMS norm, SiLU-and-multiply) with its arithmetic: the same pairs and
-    powers of two, the sums added in another order."""
-    words = tl.cdiv(K, 8)
-    chunk_top = tl.max(tl.reshape(tl.abs(v), (BLOCK // 32, 32)), axis=1)
-    exponent = ((chunk_top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    shift = tl.minimum(tl.maximum(F16X2_TOP - exponent, -100), 100)
-    chunks = first // 32 + tl.arange(0, BLOCK // 32)
-    tl.store(down + chunks, ((127 - shift) << 23).to(tl.float32, bitcast=True), mask=chunks * 4 < words)
-    up = tl.reshape(tl.broadcast_to(((shift + 127) << 23)[:, None], (BLOCK // 32, 4)), (BLOCK // 8,))
-    up = up.to(tl.float32, bitcast=True)[:, None]
-    # [word, i, half]: value 8w + i in half 0, 8w + i + 4 in half 1.
-    low, high = tl.split(tl.permute(tl.reshape(v, (BLOCK // 8, 2, 4)), (0, 2, 1)))
-    pair = _f16x2_pair(low * up, high * up, ASM)
-    if ASM:
-        bits = pair
-    else:
-        bits = (pair[0].to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
-            (pair[1].to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
-        )
-    w = first // 8 + tl.arange(0, BLOCK // 8)
-    tl.store(pairs + tl.arange(0, 4)[None, :] * words + w[:, None], bits, mask=(w < words)[:, None])
-    word_sums = tl.sum(low + high, axis=1)
-    tl.store(sums + chunks, tl.sum(tl.reshape(word_sums, (BLOCK // 32, 4)), axis=1), mask=chunks * 4 < words)

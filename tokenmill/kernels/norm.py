@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import PackedActivations, gemv_f16x2, pdl
-from tokenmill.kernels.gemv_packed_x import empty_packed
+from tokenmill.kernels import pdl
 
 
 @triton.jit
@@ -17,26 +16,18 @@ def _rms_norm_kernel(
     weight,
     out,
     residual_out,
-    pairs,
-    down,
-    sums,
     stride_x,
     stride_residual,
     stride_out,
     stride_residual_out,
-    stride_pm,
-    stride_dm,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
-    PACK: tl.constexpr,
-    ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
-    then normalise in fp32, round to the input dtype, and multiply by the weight. PACK: the result also
-    into the 4-bit one-row GEMV's activation pairs (gemv_f16x2.pack_row), so that it need not make them."""
+    then normalise in fp32, round to the input dtype, and multiply by the weight."""
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -50,18 +41,13 @@ def _rms_norm_kernel(
     mean_square = tl.sum(hidden32 * hidden32, 0) / HIDDEN
     normed = (hidden32 * tl.rsqrt(mean_square + eps)).to(hidden.dtype)
     w = tl.load(weight + cols, mask=mask, other=0.0)
-    result = (normed.to(tl.float32) * w.to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(out + row * stride_out + cols, result, mask=mask)
-    if PACK:
-        gemv_f16x2.pack_row(
-            result.to(tl.float32), pairs + row * stride_pm, down + row * stride_dm, sums + row * stride_dm,
-            HIDDEN, 0, BLOCK, ASM,
-        )  # fmt: skip
+    result = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out + row * stride_out + cols, result.to(out.dtype.element_ty), mask=mask)
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pack: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None, PackedActivations | None]:
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden_size = x.shape[-1]
     rows = x.reshape(-1, hidden_size)
     if rows.stride(-1) != 1:
@@ -73,24 +59,20 @@ def _launch(
         normed_dtype = torch.promote_types(x.dtype, residual.dtype)
         residual_out = torch.empty(rows.shape, dtype=normed_dtype, device=x.device)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, normed_dtype), device=x.device)
-    packed = empty_packed(rows.shape[0], hidden_size, out.dtype, x.device) if pack else None
     if rows.shape[0] > 0:
-        block = max(triton.next_power_of_2(hidden_size), 32)
-        pairs, down, sums = packed[:3] if packed is not None else (out, out, out)
+        block = triton.next_power_of_2(hidden_size)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, residual_rows if residual is not None else rows, weight, out,
-            residual_out if residual_out is not None else out, pairs, down, sums,
+            residual_out if residual_out is not None else out,
             rows.stride(0), residual_rows.stride(0) if residual_rows is not None else 0,
-            out.stride(0), residual_out.stride(0) if residual_out is not None else 0,
-            pairs.stride(0), down.stride(0), eps,
-            HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None, PACK=pack,
-            ASM=not gemv_f16x2.INTERPRETED, num_warps=min(max(block // 512, 1), 16),
-            **pdl.launch_args(x),
+            out.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps,
+            HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
         )  # fmt: skip
     out = out.view(*x.shape[:-1], hidden_size)
     if residual_out is not None:
         residual_out = residual_out.view(*x.shape[:-1], hidden_size)
-    return out, residual_out, packed
+    return out, residual_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,22 +80,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def rms_norm_packed(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, PackedActivations]:
-    """rms_norm (or, with a residual, fused_add_rms_norm) that also writes its 16-bit output as the
-    4-bit one-row GEMV's activation pairs (kernels/gemv_packed_x.py), for the projection after it:
-    (normed, new residual or None, packed). A candidate, not yet called by the layers."""
-    out, residual_out, packed = _launch(x, residual, weight, eps, pack=True)
-    assert packed is not None
-    return out, residual_out, packed
-
-
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual + x, then RMSNorm of the sum, in one pass; returns (normed, new residual).
     Writes fresh tensors: neither input is modified."""
-    out, residual_out, _ = _launch(x, residual, weight, eps)
-    assert residual_out is not None
+    out, residual_out = _launch(x, residual, weight, eps)
     return out, residual_out

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, gemv_packed_x, k_splits, pdl, sm_count
+from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -255,30 +255,9 @@ def w4a16_skinny(
     block_w = config.block_k // 8
     if m > 1 and not packed_rows and block_w < 16:
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
-    # The packed-fp16 kernel's activations made into its pairs ahead: handed in (GemvFusion.packed_x,
-    # written by the launch before) or, with GEMV4_PACKED_X, by a launch of their own.
-    packed_x = None
-    if packed_rows and gemv_packed_x.takes(group_size, block_w):  # else x as it is
-        packed_x = fusion.packed_x if fusion is not None else None
-        normed_here = fusion is not None and fusion.norm_weight is not None
-        if packed_x is not None and normed_here:
-            raise ValueError(
-                "GemvFusion takes norm_weight or packed_x (activations already normed), not both"
-            )
-        if packed_x is None and GEMV4_PACKED_X and not normed_here:
-            packed_x = gemv_packed_x.pack_activations(x2)
-    if fusion is not None:
-        fusion = fusion._replace(packed_x=None)
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
     fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
-
-    if packed_x is None:
-        xs = dict(x=x2, xp_down=x2, xp_sums=x2, stride_xm=x2.stride(0), stride_dm=0, XPACKED=False)
-    else:  # (the kernel's SUB is 4 then, as the pairs were made)
-        pairs, down, sums = packed_x.pairs, packed_x.down, packed_x.sums
-        xs = dict(x=pairs, xp_down=down, xp_sums=sums, stride_xm=pairs.stride(0), stride_dm=down.stride(0),
-                  XPACKED=True)  # fmt: skip
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(
@@ -291,11 +270,11 @@ def w4a16_skinny(
             even = k % 8 == 0 and _even(k // 8, block_w, config)
             if packed_rows:
                 gemv_f16x2.w4a16_gemv_f16x2_kernel[grid](
-                    w_packed=w_packed, scale=scale, zero=zero_arg, out=out, N=n, K=k,
+                    x2, w_packed, scale, zero_arg, out, N=n, K=k, stride_xm=x2.stride(0),
                     stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
                     ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
-                    EARLY=GEMV_EARLY and config.prefetch and even, **xs, **fused.args, **common,
+                    EARLY=GEMV_EARLY and config.prefetch and even, **fused.args, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
@@ -421,10 +400,6 @@ GEMV4_ROWS = 2
 GEMV8_ROWS = 3
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
-# Whether w4a16_skinny's packed-fp16 rows make their activations into pairs in a launch of their own first
-# (kernels/gemv_packed_x.py) when the launch before has not: a candidate, off until timed (its GEMV has 2
-# barriers a step where the kernel as it is has 12; against that, a launch more a linear).
-GEMV4_PACKED_X = False
 
 
 def _gemv_rows(switch: int) -> int:

@@ -9,19 +9,16 @@ import os
 import torch
 from torch import nn
 
-from tokenmill.kernels import GemvFusion, PackedActivations
+from tokenmill.kernels import GemvFusion
 from tokenmill.layers.linear import LinearBase
 
 # What fused_linear folds into the one-row GEMVs (TOKENMILL_GEMV_FUSION: a comma list of these parts, or
-# 1 for all): "act" SiLU-and-multiply in the gate/up projection's store; "norm" the norms in the loads of
+# 1 for both): "act" SiLU-and-multiply in the gate/up projection's store; "norm" the norms in the loads of
 # the projections after them and the residual adds in the stores of those before (the layers on the
-# residual stream alone, models/llama.py); "packed" the norms and SiLU-and-multiply also write their
-# outputs as the 4-bit GEMV's activation pairs, which the QKV, gate/up and down projections load
-# (kernels/gemv_packed_x.py; a "norm" layer has no separate norm to write them, an "act" one no SiLU).
-# Off until timed: the first form of "norm" and "act" (the norm computed in every program's loads, the
-# SiLU in the down projection's) made the H200's 8B batch-1 step slower, bf16 4.113 -> 4.184 ms, FP8
-# 2.623 -> 2.895, INT4 2.243 -> 2.629 (2026-12-03, same call).
-GEMV_FUSION_PARTS = ("act", "norm", "packed")
+# residual stream alone, models/llama.py). Off until timed: the first form (the norm computed in every
+# program's loads, the SiLU in the down projection's) made the H200's 8B batch-1 step slower, bf16 4.113
+# -> 4.184 ms, FP8 2.623 -> 2.895, INT4 2.243 -> 2.629 (2026-12-03, same call; docs/performance.md).
+GEMV_FUSION_PARTS = ("act", "norm")
 
 
 def _gemv_fusion(value: str) -> frozenset[str]:
@@ -43,25 +40,22 @@ def fused_linear(
     norm: nn.Module | None = None,
     act: nn.Module | None = None,
     residual: torch.Tensor | None = None,
-    packed: PackedActivations | None = None,
 ) -> torch.Tensor:
     """act(layer(norm(x))) + residual, with the launches around the layer folded into its GEMV where a
     one-row kernel takes x (decode of a few sequences on a GPU; the quant method's gemv_takes) and
     GEMV_FUSION names the part: norm (an RMSNorm; x is the residual stream) as x is loaded, act
     (SiLU-and-multiply of the output's gate || up halves) and the residual add as the output is stored.
     The rest (and everything with tensor parallelism, whose all-reduce comes between the GEMV and the
-    add) in launches of its own. `packed`: x as the launch before packed it (packs_input), which the
-    GEMV loads where it can; x itself elsewhere."""
+    add) in launches of its own."""
     fold_norm = norm is not None and gemv_fusion_takes(layer, x, "norm")
     fold_act = act is not None and gemv_fusion_takes(layer, x, "act")
     fold_residual = residual is not None and not fold_act and gemv_fusion_takes(layer, x, "norm")
     if norm is not None and not fold_norm:
         x = norm(x)
-    fold_packed = packed is not None and packs_input(layer, x)
-    if fold_norm or fold_act or fold_residual or fold_packed:
+    if fold_norm or fold_act or fold_residual:
         fusion = GemvFusion(
             norm.weight if fold_norm else None, norm.eps if fold_norm else 0.0, fold_act,
-            residual if fold_residual else None, packed if fold_packed else None,
+            residual if fold_residual else None,
         )  # fmt: skip
         y = layer.quant_method.gemv(layer, x, layer.bias, fusion)
     else:
@@ -77,9 +71,3 @@ def gemv_fusion_takes(layer: LinearBase, x: torch.Tensor, part: str) -> bool:
     """Whether fused_linear folds GEMV_FUSION's `part` into layer's GEMV for activations like x (their
     rows, dtype and device)."""
     return part in GEMV_FUSION and layer.tp_size == 1 and layer.quant_method.gemv_takes(layer, x)
-
-
-def packs_input(layer: LinearBase, x: torch.Tensor) -> bool:
-    """Whether layer's GEMV loads its input packed by the norm before it (GEMV_FUSION's "packed"), for
-    activations like x."""
-    return layer.quant_method.gemv_takes_packed_x and gemv_fusion_takes(layer, x, "packed")

@@ -101,9 +101,6 @@ class LinearMethodBase(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    # Whether `gemv` loads GemvFusion.packed_x (activations packed by the launch before) when given it.
-    gemv_takes_packed_x = False
-
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether `gemv` takes activations like x (their rows, dtype and device): a method whose one-row
         GEMV does GemvFusion's work says so; none by default."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, PackedActivations, get_kernels
+from tokenmill.kernels import Kernels, get_kernels
 
 
 class RMSNorm(nn.Module):
@@ -21,18 +21,3 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.kernels.rms_norm(x, self.weight, self.eps)
         return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-    def forward_packed(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, pack: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None, PackedActivations | None]:
-        """forward as (normed, new residual or None, packed): with pack its output also packed for the
-        4-bit GEMV after it (kernels/norm.py's Triton kernel: a GPU path, asked for by
-        layers/fused_linear.py's packs_input), else packed None."""
-        if not pack:
-            if residual is None:
-                return self(x), None, None
-            normed, residual = self(x, residual)
-            return normed, residual, None
-        from tokenmill.kernels import norm
-
-        return norm.rms_norm_packed(x, self.weight, self.eps, residual)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, PackedActivations, get_kernels
+from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
-from tokenmill.layers.fused_linear import fused_linear, gemv_fusion_takes, packs_input
+from tokenmill.layers.fused_linear import fused_linear, gemv_fusion_takes
 from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -93,13 +93,11 @@ class LlamaAttention(nn.Module):
         md: AttentionMetadata,
         norm: RMSNorm | None = None,
         residual: torch.Tensor | None = None,
-        packed: PackedActivations | None = None,
     ) -> torch.Tensor:
         """With norm, hidden is the residual stream and is normalized first; with residual, it is added to
-        the output (both folded into the GEMVs where fused_linear can); packed: hidden as the norm before
-        packed it for the 4-bit GEMV."""
+        the output (both folded into the GEMVs where fused_linear can)."""
         num_tokens = hidden.shape[0]
-        qkv = fused_linear(self.qkv_proj, hidden, norm=norm, packed=packed)
+        qkv = fused_linear(self.qkv_proj, hidden, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -118,20 +116,11 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(kernels)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        norm: RMSNorm | None = None,
-        residual: torch.Tensor | None = None,
-        packed: PackedActivations | None = None,
+        self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """norm, residual and packed as in LlamaAttention.forward; the activation goes into the gate/up
-        projection's store where fused_linear can fold it, else its launch packs its output for the down
-        projection where that one loads packed activations."""
-        if packs_input(self.down_proj, x) and not gemv_fusion_takes(self.gate_up_proj, x, "act"):
-            gate_up = fused_linear(self.gate_up_proj, x, norm=norm, packed=packed)
-            activation, packed_down = self.act.forward_packed(gate_up)
-            return fused_linear(self.down_proj, activation, residual=residual, packed=packed_down)
-        activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act, packed=packed)
+        """norm and residual as in LlamaAttention.forward; the activation goes into the gate/up
+        projection's store where fused_linear can fold it."""
+        activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act)
         return fused_linear(self.down_proj, activation, residual=residual)
 
 
@@ -156,16 +145,14 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         md: AttentionMetadata,
-        pack: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """pack (LlamaModel.packs_inputs): the norms also write their outputs packed for the 4-bit GEMVs
-        of QKV and gate/up, which load them."""
-        normed, new_residual, packed = self.input_layernorm.forward_packed(hidden, residual, pack)
-        residual = hidden if new_residual is None else new_residual
-        hidden = self.self_attn(positions, normed, md, packed=packed)
-        normed, residual, packed = self.post_attention_layernorm.forward_packed(hidden, residual, pack)
-        # (packed only ever for a dense MLP: LlamaModel.packs_inputs)
-        return (self.mlp(normed) if packed is None else self.mlp(normed, packed=packed)), residual
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
     def forward_stream(
         self, positions: torch.Tensor, stream: torch.Tensor, md: AttentionMetadata
@@ -204,14 +191,13 @@ class LlamaModel(nn.Module):
         taps = (sink.layers or ()) if sink is not None else ()
         hidden, residual = self.embed_tokens(input_ids), None
         stream = self.fuses_norms(hidden)
-        pack = not stream and self.packs_inputs(hidden)
         for index, layer in enumerate(self.layers[:num_layers]):
             if index in taps:  # the residual stream entering this layer
                 sink.tap(index, hidden if residual is None else hidden + residual)
             if stream:
                 hidden = layer.forward_stream(positions, hidden, md)
             else:
-                hidden, residual = layer(positions, hidden, residual, md, pack)
+                hidden, residual = layer(positions, hidden, residual, md)
         if len(self.layers) in taps:  # the stream after the last layer, before the final norm
             sink.tap(len(self.layers), hidden if residual is None else hidden + residual)
         hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
@@ -232,14 +218,6 @@ class LlamaModel(nn.Module):
             gemv_fusion_takes(linear, hidden, "norm")
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         )
-
-    def packs_inputs(self, hidden: torch.Tensor) -> bool:
-        """Whether the norms of a forward pass of these rows also write their outputs packed for the 4-bit
-        GEMVs of QKV and gate/up (layers/fused_linear.py's packs_input; dense MLPs only)."""
-        if not self.layers or not self.dense_mlps:
-            return False
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        return packs_input(attn.qkv_proj, hidden) and packs_input(mlp.gate_up_proj, hidden)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -78,8 +78,6 @@ class GptqAwqLinearMethod(LinearMethodBase):
     """Parameters named as the checkpoint names them (qweight, qzeros, scales; g_idx for GPTQ), holding
     int4.py's layout: qweight [N, K/8] packed along K, qzeros int8 [N, groups], scales [N, groups]."""
 
-    gemv_takes_packed_x = True  # its one-row kernel loads activations packed by the norm before it
-
     def __init__(self, method: str, group_size: int) -> None:
         self.awq = method == "awq"
         self.group_size = group_size

@@ -26,8 +26,6 @@ from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
-    gemv_takes_packed_x = True  # its one-row kernel loads activations packed by the norm before it
-
     def __init__(self, group_size: int, symmetric: bool) -> None:
         self.group_size = group_size
         self.symmetric = symmetric
