@@ -71,6 +71,7 @@ def variants(quantization: str | None) -> list[dict]:
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
     linear.DENSE_GEMV = variant.get("gemv", True)
+    # No fusion unless the variant names parts (the engine's default, "act", is the fuse-act variants).
     fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
     try:
         with skinny_gemm.switches(**variant.get("switches", {})):

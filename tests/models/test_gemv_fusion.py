@@ -6,6 +6,8 @@ tests/kernels/test_skinny_gemm.py's, and both together run in the GPU tests."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +117,10 @@ def test_the_fusion_switch_names_its_parts() -> None:
     assert parse("act") == frozenset({"act"})
     with pytest.raises(ValueError, match="TOKENMILL_GEMV_FUSION='acts'"):
         parse("acts")
+
+
+@pytest.mark.skipif("TOKENMILL_GEMV_FUSION" in os.environ, reason="the switch is set in the environment")
+def test_the_fusion_switch_folds_the_activation_alone_by_default() -> None:
+    """Unset, TOKENMILL_GEMV_FUSION folds SiLU-and-multiply into the gate/up GEMV and not the norms."""
+    default = fusion_switch.GEMV_FUSION
+    assert default == frozenset({"act"})

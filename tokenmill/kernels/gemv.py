@@ -10,7 +10,7 @@ counts; 16-bit activations take kernels/gemv_f16x2.py's kernel instead, which mu
 halves. SPLIT_K > 1 sums partial products in an fp32 buffer with atomic adds, for matrices with too few
 rows to fill the GPU. The 16-bit/FP8 kernel and the packed-fp16 one can also do a layer's RMS norm as
 they load the activations (load_x) and its residual add or SiLU-and-multiply as they store (store_row):
-kernels.GemvFusion, off in the engine until timed (layers/fused_linear.py's GEMV_FUSION).
+kernels.GemvFusion, asked for by layers/fused_linear.py (GEMV_FUSION: the SiLU by default).
 """
 
 from __future__ import annotations

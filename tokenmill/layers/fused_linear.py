@@ -12,12 +12,15 @@ from torch import nn
 from tokenmill.kernels import GemvFusion
 from tokenmill.layers.linear import LinearBase
 
-# What fused_linear folds into the one-row GEMVs (TOKENMILL_GEMV_FUSION: a comma list of these parts, or
-# 1 for both): "act" SiLU-and-multiply in the gate/up projection's store; "norm" the norms in the loads of
-# the projections after them and the residual adds in the stores of those before (the layers on the
-# residual stream alone, models/llama.py). Off until timed: the first form (the norm computed in every
-# program's loads, the SiLU in the down projection's) made the H200's 8B batch-1 step slower, bf16 4.113
-# -> 4.184 ms, FP8 2.623 -> 2.895, INT4 2.243 -> 2.629 (2026-12-03, same call; docs/performance.md).
+# What fused_linear folds into the one-row GEMVs (TOKENMILL_GEMV_FUSION: a comma list of these parts, 1
+# for both, 0 for none): "act" SiLU-and-multiply in the gate/up projection's store; "norm" the norms in
+# the loads of the projections after them and the residual adds in the stores of those before (the layers
+# on the residual stream alone, models/llama.py). By default "act" alone: it made the H200's 8B batch-1
+# step faster (bench_pdl.py, 2026-12-04), INT4 2.173 -> 2.145 ms, FP8 2.536 -> 2.516 and 2.515 -> 2.495
+# (two calls), bf16 3.983 -> 3.981. "norm" measured slower and stays off (the first form of both, the norm
+# computed in every program's loads and the SiLU in the down projection's, had been slower too: bf16
+# 4.113 -> 4.184 ms, FP8 2.623 -> 2.895, INT4 2.243 -> 2.629, 2026-12-03; docs/performance.md).
+# TOKENMILL_GEMV_FUSION=0 turns every part off.
 GEMV_FUSION_PARTS = ("act", "norm")
 
 
@@ -30,7 +33,7 @@ def _gemv_fusion(value: str) -> frozenset[str]:
     return parts
 
 
-GEMV_FUSION = _gemv_fusion(os.environ.get("TOKENMILL_GEMV_FUSION", "0"))
+GEMV_FUSION = _gemv_fusion(os.environ.get("TOKENMILL_GEMV_FUSION", "act"))
 
 
 def fused_linear(
