@@ -35,16 +35,14 @@ _PDL_ENABLED = pdl.enabled
 
 # layers/fused_linear.py's GEMV_FUSION parts a variant folds into the one-row GEMVs.
 _ACT = frozenset({"act"})
-_ALL = frozenset(fused_linear.GEMV_FUSION_PARTS)
 
 
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
-    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with the layers' small
-    launches folded into the GEMVs (fused_linear.GEMV_FUSION: the activation alone, and everything) (int4 also
-    with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as before the
-    packed-fp16 one)."""
+    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with SiLU-and-multiply
+    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also with its one-row GEMV
+    launched plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one)."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -53,12 +51,10 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "triton-pdl", "pdl": True, "gemv": True},
             {"name": "triton-pdl-late", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": False}},
             {"name": "triton-pdl-fuse-act", "pdl": True, "gemv": True, "fusion": _ACT},
-            {"name": "triton-pdl-fuse-all", "pdl": True, "gemv": True, "fusion": _ALL},
         ]
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
-    out.append({"name": "pdl-fuse-all", "pdl": True, "fusion": _ALL})
     if quantization == "int4":
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's

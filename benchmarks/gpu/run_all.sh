@@ -127,11 +127,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
-    # Batch-1 decode with the layers' small launches folded into the GEMVs (layers/fused_linear.py's
-    # fused_linear; TOKENMILL_GEMV_FUSION): none, SiLU-and-multiply in the gate/up projection's store
-    # (act, the default), and that with the norms in the loads and the residual adds in the stores (1);
-    # bf16 / FP8 / INT4.
-    gemv-fusion) for q in none fp8 int4; do for fuse in 0 act 1; do
+    # Batch-1 decode with and without SiLU-and-multiply folded into the gate/up projection's GEMV store
+    # (layers/fused_linear.py's fused_linear; TOKENMILL_GEMV_FUSION: 0 none, act the default); bf16 / FP8
+    # / INT4.
+    gemv-fusion) for q in none fp8 int4; do for fuse in 0 act; do
                    TOKENMILL_GEMV_FUSION=$fuse timeout 150 $bench decode --shape llama-3.1-8b --max-num-seqs 4 \
                      $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_${q}_fusion$fuse.json" \
                      2>&1 | grep -E '"decode_step_ms"' | tail -1

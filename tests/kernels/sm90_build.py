@@ -166,19 +166,16 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             w4a16_mma.w4a16_mma(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
         int4_gemm.dequantize(packed, scale, None, 128, k, dtype)
         skinny_gemm.dense_gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
-        # The layers' work in the one-row kernels' loads and stores (GemvFusion): the norm, the residual
-        # add and SiLU-and-multiply of the output's halves, at one and two rows.
+        # The activation in the one-row kernels' stores (GemvFusion): SiLU-and-multiply of the output's
+        # halves, at one and two rows.
         w_dense = torch.empty(n, k, dtype=dtype)
+        fusion = GemvFusion(silu_mul=True)
         for rows in (1, 2):
             x = torch.empty(rows, k, dtype=dtype)
-            for fusion in (
-                GemvFusion(norm_weight=torch.empty(k, dtype=dtype), eps=1e-5, silu_mul=True),
-                GemvFusion(residual=torch.empty(rows, n, dtype=dtype)),
-            ):
-                skinny_gemm.w4a16_skinny(x, packed, scale, None, 128, fusion=fusion)
-                skinny_gemm.w8a16_skinny(x, w_q, w_scale, fusion=fusion)
-                with skinny_gemm.switches(DENSE_ROWS=2):
-                    skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
+            skinny_gemm.w4a16_skinny(x, packed, scale, None, 128, fusion=fusion)
+            skinny_gemm.w8a16_skinny(x, w_q, w_scale, fusion=fusion)
+            with skinny_gemm.switches(DENSE_ROWS=2):
+                skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row
         # kernels over 2 and 4 rows.
         rows_4 = dict(GEMV4_ROWS=4, GEMV8_ROWS=4, DENSE_ROWS=4)

@@ -258,15 +258,12 @@ def test_leading_dims_empty_batch_and_limits() -> None:
 
 
 @pytest.mark.parametrize("kind", ["w4", "w8", "dense"])
-@pytest.mark.parametrize(
-    "work", ["norm", "silu_mul", "silu_mul_split", "residual", "residual_split", "residual_bias", "all"]
-)
+@pytest.mark.parametrize("work", ["silu_mul", "silu_mul_split", "silu_mul_bias"])
 @pytest.mark.parametrize(("m", "k"), [(1, 1024), (2, 200)])
-def test_one_row_kernels_do_the_layers_work_in_their_loads_and_stores(kind, work, m, k, monkeypatch) -> None:
-    """GemvFusion: the RMS norm done as the activations are loaded; silu(gate) * up of the output's
-    halves and the residual add done as the output is stored (in the kernel, or after it where K is
-    split or a bias comes first). Equal to the separate launches: the norm (reference.rms_norm), the
-    same GEMV, the activation, the add."""
+def test_one_row_kernels_do_the_activation_in_their_stores(kind, work, m, k, monkeypatch) -> None:
+    """GemvFusion: silu(gate) * up of the output's halves done as the output is stored (in the kernel, or
+    after it where K is split or a bias comes first). Equal to the separate launches: the same GEMV,
+    then the activation."""
     from tokenmill.kernels import GemvFusion, reference, skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "GEMV4_ROWS", 2)
@@ -276,18 +273,9 @@ def test_one_row_kernels_do_the_layers_work_in_their_loads_and_stores(kind, work
     gen = torch.Generator().manual_seed(m * 7 + k)
     dtype = torch.bfloat16
     x = (torch.randn(m, k, generator=gen) * torch.tensor([3.0, 0.05])[:m, None]).to(DEVICE, dtype)
-    norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE, dtype)
-    residual = torch.randn(m, n, generator=gen).mul(4).to(DEVICE, dtype)
-    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if work == "residual_bias" else None
-    split = 2 if work.endswith("split") or work == "all" else 1
-    fusion, x_unfused = GemvFusion(), x
-    if work in ("norm", "all"):
-        fusion = fusion._replace(norm_weight=norm_w, eps=1e-5)
-        x_unfused = reference.rms_norm(x, norm_w, 1e-5)
-    if work.startswith("silu_mul"):
-        fusion = fusion._replace(silu_mul=True)
-    if work.startswith("residual") or work == "all":
-        fusion = fusion._replace(residual=residual)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if work == "silu_mul_bias" else None
+    split = 2 if work.endswith("split") else 1
+    fusion = GemvFusion(silu_mul=True)
     if kind == "w4":
         group = 8 if k % 128 else 128
         packed, scale, zero = int4_weight(n, k, group, True, seed=k)
@@ -312,18 +300,10 @@ def test_one_row_kernels_do_the_layers_work_in_their_loads_and_stores(kind, work
             return dense_gemv(x, w, bias, config, fusion)
 
     got = gemv(x, fusion)
-    want = gemv(x_unfused)
-    if fusion.silu_mul:
-        want = reference.silu_and_mul(want)
-    if fusion.residual is not None:
-        want = want + residual
-    assert got.shape == want.shape == (m, n // 2 if fusion.silu_mul else n) and got.dtype == dtype
-    if fusion.norm_weight is None:  # the same sums, rounded where the separate launches round
-        torch.testing.assert_close(got, want, atol=0, rtol=1 / 128 if fusion.silu_mul else 0)
-    else:  # 1/rms summed in another order may flip a rounding of the normalized activations
-        for row in range(m):
-            tol = 4e-3 * want[row].abs().max().item()
-            torch.testing.assert_close(got[row].float(), want[row].float(), atol=tol, rtol=4e-3)
+    want = reference.silu_and_mul(gemv(x))
+    assert got.shape == want.shape == (m, n // 2) and got.dtype == dtype
+    # The same sums, rounded where the separate launches round (exp's last bit may flip a rounding).
+    torch.testing.assert_close(got, want, atol=0, rtol=1 / 128)
 
 
 def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
@@ -333,8 +313,6 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
     x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
     with pytest.raises(ValueError, match="even number of outputs"):
         dense_gemv(x, w, fusion=GemvFusion(silu_mul=True))
-    with pytest.raises(ValueError, match="residual must be"):
-        dense_gemv(x, w, fusion=GemvFusion(residual=torch.zeros(2, 41).to(DEVICE, torch.bfloat16)))
     packed, scale, zero = int4_weight(40, 64, 32, False, seed=1)
     with pytest.raises(ValueError, match="packed-fp16 kernel"):
         w4a16_skinny(x.float(), packed, scale, zero, 32, fusion=GemvFusion())

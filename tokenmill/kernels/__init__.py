@@ -37,17 +37,12 @@ class Kernels(NamedTuple):
 
 
 class GemvFusion(NamedTuple):
-    """Work a decode-sized linear layer does in its one-row GEMV's loads and stores instead of in launches
-    of its own (kernels/gemv.py's load_x and store_row; layers/fused_linear.py asks for it):
-    norm_weight: the input is the residual stream, RMS-normalized (eps) and scaled by norm_weight first;
-    silu_mul: the output is gate || up (a merged gate/up projection) and silu(gate) * up is stored, half
-    the columns; residual: added to the output, which is then the new residual stream. Each rounds where
-    the separate launches round."""
+    """Work a decode-sized linear layer does in its one-row GEMV's stores instead of in a launch of its
+    own (kernels/gemv.py's store_row; layers/fused_linear.py asks for it): silu_mul: the output is gate ||
+    up (a merged gate/up projection) and silu(gate) * up is stored, half the columns, rounded where the
+    separate launches round."""
 
-    norm_weight: torch.Tensor | None = None
-    eps: float = 0.0
     silu_mul: bool = False
-    residual: torch.Tensor | None = None
 
 
 def get_kernels(device: torch.device | str | None = None) -> Kernels:

@@ -8,9 +8,9 @@ down (see the kernel). Measured on an H200 (benchmarks/gpu/bench_quant_gemm.py):
 bound by these integer and float instructions, not by memory, so every one out of the inner loop
 counts; 16-bit activations take kernels/gemv_f16x2.py's kernel instead, which multiplies in packed fp16
 halves. SPLIT_K > 1 sums partial products in an fp32 buffer with atomic adds, for matrices with too few
-rows to fill the GPU. The 16-bit/FP8 kernel and the packed-fp16 one can also do a layer's RMS norm as
-they load the activations (load_x) and its residual add or SiLU-and-multiply as they store (store_row):
-kernels.GemvFusion, asked for by layers/fused_linear.py (GEMV_FUSION: the SiLU by default).
+rows to fill the GPU. The 16-bit/FP8 kernel and the packed-fp16 one can also do a gate/up projection's
+SiLU-and-multiply as they store its output (store_row): kernels.GemvFusion, asked for by
+layers/fused_linear.py (GEMV_FUSION, on by default).
 """
 
 from __future__ import annotations
@@ -41,55 +41,12 @@ def store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K: tl.constexpr):
         tl.atomic_add(out + o_offsets, result, mask=o_mask)
 
 
-# The rows' 1/rms (GemvFusion's norm) is summed over this many values a pass.
-NORM_BLOCK = tl.constexpr(1024)
-
-
 @triton.jit
-def row_rstds(x, stride_xm, K, eps, ROWS: tl.constexpr, NORM: tl.constexpr):
-    """With NORM, each of ROWS rows' 1 / sqrt(mean(x^2) + eps) over its K values (fp32, as
-    kernels/norm.py computes it, summed in another order); else ROWS unused scalars."""
-    rstds = ()
-    for r in tl.static_range(ROWS):
-        if NORM:
-            squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-            for k0 in range(0, K, NORM_BLOCK):
-                k = k0 + tl.arange(0, NORM_BLOCK)
-                v = tl.load(x + r * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-                squares += v * v
-            rstds = rstds + (tl.rsqrt(tl.sum(squares, 0) / K + eps),)
-        else:
-            rstds = rstds + (eps,)
-    return rstds
-
-
-@triton.jit
-def load_x(x, offsets, mask, rstd, norm_w, NORM: tl.constexpr, EVEN: tl.constexpr):
-    """One row's activations at `offsets` (masked unless EVEN; masked ones are 0), in x's dtype; with
-    NORM (x is the residual stream) normalized as kernels/norm.py does it: x * rstd rounded to x's
-    dtype, times norm_w, rounded."""
-    if EVEN:
-        v = tl.load(x + offsets)
-    else:
-        v = tl.load(x + offsets, mask=mask, other=0.0)
-    if NORM:
-        if EVEN:
-            g = tl.load(norm_w + offsets)
-        else:
-            g = tl.load(norm_w + offsets, mask=mask, other=0.0)
-        normed = (v.to(tl.float32) * rstd).to(v.dtype)
-        v = (normed.to(tl.float32) * g.to(tl.float32)).to(v.dtype)
-    return v
-
-
-@triton.jit
-def store_row(out, res, result, rn, n_ok, N_OUT, SPLIT_K: tl.constexpr, ADD: tl.constexpr,
-              GATED: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """A one-row program's sums `result` [BLOCK_N] into out's columns rn (store's rules). ADD (no K
-    split): rounded to out's dtype first, the residual row res added, rounded again, as kernels/norm.py
-    adds it (out is then the new residual stream). GATED (no K split; program_rows): the first HALF sums
-    are gate rows and the rest the up rows of the same HALF outputs, stored as silu(gate) * up with the
-    roundings of the separate launches (kernels/activation.py) into the program's N_OUT columns."""
+def store_row(out, result, rn, n_ok, N_OUT, SPLIT_K: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr):
+    """A one-row program's sums `result` [BLOCK_N] into out's columns rn (store's rules). GATED (no K
+    split; program_rows): the first HALF sums are gate rows and the rest the up rows of the same HALF
+    outputs, stored as silu(gate) * up with the roundings of the separate launches
+    (kernels/activation.py) into the program's N_OUT columns."""
     if GATED:
         pair = tl.reshape(result.to(out.dtype.element_ty).to(tl.float32), (2, HALF))
         which = tl.arange(0, 2)[:, None]
@@ -98,10 +55,6 @@ def store_row(out, res, result, rn, n_ok, N_OUT, SPLIT_K: tl.constexpr, ADD: tl.
         silu = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
         cols = tl.program_id(0) * HALF + tl.arange(0, HALF)
         tl.store(out + cols, (silu * up).to(out.dtype.element_ty), mask=cols < N_OUT)
-    elif ADD:
-        value = result.to(out.dtype.element_ty).to(tl.float32)
-        value += tl.load(res + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out + rn, value.to(out.dtype.element_ty), mask=n_ok)
     else:
         rm = tl.arange(0, 1)
         store(out, result[None, :], rm, rn, rm < 1, n_ok, 0, SPLIT_K)
@@ -227,15 +180,11 @@ def w8a16_gemv_kernel(
     w,
     w_scale,
     out,
-    norm_w,
-    res,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
-    eps,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -245,8 +194,6 @@ def w8a16_gemv_kernel(
     HAS_SCALE: tl.constexpr,
     VEC: tl.constexpr,
     EARLY: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD: tl.constexpr,
     GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -257,8 +204,8 @@ def w8a16_gemv_kernel(
     a byte per register: the repacking costs more than the overlap gains, seen in the SASS. Unrolling
     puts the loads in flight together instead.) EARLY (EVEN_K, under PDL): the first tile of weights is
     loaded before the PDL wait, while the kernel before still runs, and multiplied once x may be read;
-    the loop takes the rest. NORM: load_x normalizes x (norm_w, eps); ADD and GATED: what store_row
-    does to the sums (res; GATED with program_rows' rows)."""
+    the loop takes the rest. GATED: store_row stores silu(gate) * up of the sums (with program_rows'
+    rows)."""
     rn_ld, rn, n_ok, base, lo, hi = program_rows(
         w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY, GATED
     )
@@ -270,10 +217,7 @@ def w8a16_gemv_kernel(
     if EARLY:
         first = tl.load(base + lo)
         pdl.start(PDL)
-    rstds = row_rstds(x, stride_xm, K, eps, ROWS, NORM)
-    if EARLY:
-        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, rstds, norm_w,
-                        ROWS, BLOCK_N, BLOCK_K, VEC, True, NORM)  # fmt: skip
+        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, True)
         start = lo + BLOCK_K
     for k0 in tl.range(start, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
@@ -282,29 +226,30 @@ def w8a16_gemv_kernel(
             wt = tl.load(base + k0)
         else:
             wt = tl.load(base + k0, mask=(rk < hi)[None, :], other=0.0)
-        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w,
-                        ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K, NORM)  # fmt: skip
+        accs = _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, EVEN_K)
     for r in tl.static_range(ROWS):
         result = tl.sum(accs[r], axis=1)
         if HAS_SCALE:
             result *= tl.load(w_scale + rn_ld)
-        store_row(out + r * stride_om, res + r * stride_rm, result, rn, n_ok, N // 2, SPLIT_K, ADD, GATED,
-                  BLOCK_N // 2)  # fmt: skip
+        store_row(out + r * stride_om, result, rn, n_ok, N // 2, SPLIT_K, GATED, BLOCK_N // 2)
 
 
 @triton.jit
-def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+def _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             VEC: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     """One step of w8a16_gemv_kernel: the weight tile wt [BLOCK_N, BLOCK_K] (columns rk) in fp32, times
-    each row's activations (load_x), summed into that row's accumulator; returns the accumulators."""
+    each row's activations, summed into that row's accumulator; returns the accumulators."""
     w32 = wt.to(tl.float32)
     new_accs = ()
     for r in tl.static_range(ROWS):
         # x is loaded as a [BLOCK_N, BLOCK_K] tile (each thread reads the x values of its own weight
         # values; copies for other rows hit L1): in the weight's layout, with no exchange through
         # shared memory and no barrier, which would keep the unrolled iterations' loads apart.
-        offsets = tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
-        xk = load_x(x + r * stride_xm, offsets, (rk < hi)[None, :], rstds[r], norm_w, NORM, EVEN_K)
+        x_ptr = x + r * stride_xm + tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
+        if EVEN_K:
+            xk = tl.load(x_ptr)
+        else:
+            xk = tl.load(x_ptr, mask=(rk < hi)[None, :], other=0.0)
         # Each thread holds VEC consecutive values (one 16-byte load): summed there, the tile that is
         # carried across iterations is a VEC-th of the loaded one.
         product = w32 * xk.to(tl.float32)
@@ -315,38 +260,16 @@ def _w8_step(wt, x, stride_xm, rk, hi, accs, rstds, norm_w, ROWS: tl.constexpr, 
 class Fused(NamedTuple):
     """A GemvFusion as a one-row launch takes it (fused_args)."""
 
-    args: dict  # the kernel's arguments: norm_w, res, stride_rm, eps, NORM, ADD, GATED
-    residual_after: torch.Tensor | None  # added after the launch (K split, or a bias first)
+    gated: bool  # the kernel stores silu(gate) * up itself (GATED)
     act_after: bool  # silu(gate) * up in a launch of its own (K split, or a bias first)
 
 
-def fused_args(
-    fusion: GemvFusion | None,
-    x2: torch.Tensor,
-    n: int,
-    split_k: int,
-    bias: torch.Tensor | None,
-) -> Fused:
-    """The one-row kernels' arguments for `fusion`, and what launch_over_rows does after the launch: the
-    kernel adds the residual and stores silu(gate) * up itself unless K is split (its sums are partial)
-    or a bias comes first."""
-    fusion = fusion or GemvFusion()
-    if fusion.silu_mul and (fusion.residual is not None or n % 2):
-        raise ValueError(
-            "GemvFusion(silu_mul=True) takes an even number of outputs (gate || up), no residual"
-        )
+def fused_args(fusion: GemvFusion | None, n: int, split_k: int, bias: torch.Tensor | None) -> Fused:
+    """How the one-row kernels take `fusion` for n outputs, and what launch_over_rows does after the
+    launch: the kernel stores silu(gate) * up itself unless K is split (its sums are partial) or a bias
+    comes first."""
+    silu_mul = fusion is not None and fusion.silu_mul
+    if silu_mul and n % 2:
+        raise ValueError("GemvFusion(silu_mul=True) takes an even number of outputs (gate || up)")
     in_kernel = split_k == 1 and bias is None
-    residual = fusion.residual
-    res, stride_rm = x2, 0
-    if residual is not None:
-        residual = residual.reshape(-1, n)
-        if residual.shape[0] != x2.shape[0] or residual.stride(1) != 1:
-            raise ValueError(f"GemvFusion.residual must be [{x2.shape[0]}, {n}] with contiguous rows")
-        if in_kernel:
-            res, stride_rm, residual = residual, residual.stride(0), None
-    norm = fusion.norm_weight is not None
-    args = dict(
-        norm_w=fusion.norm_weight if norm else x2, res=res, stride_rm=stride_rm, eps=float(fusion.eps),
-        NORM=norm, ADD=res is not x2, GATED=fusion.silu_mul and in_kernel,
-    )  # fmt: skip
-    return Fused(args, residual, fusion.silu_mul and not in_kernel)
+    return Fused(silu_mul and in_kernel, silu_mul and not in_kernel)

@@ -117,12 +117,15 @@ def _f16x2_words(packed, pairs, ROWS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_step(x, rw, K, hi, rstd, norm_w, EVEN_K: tl.constexpr, NORM: tl.constexpr):
-    """The activations of words rw, as loaded (gemv.load_x): eight tensors, value 8w + i in the i-th."""
+def _x_step(x, rw, K, hi, EVEN_K: tl.constexpr):
+    """The activations of words rw, as loaded: eight tensors, value 8w + i in the i-th."""
     xs = ()
     for i in tl.static_range(8):
         k = rw * 8 + i
-        xs = xs + (gemv.load_x(x, k, (rw < hi) & (k < K), rstd, norm_w, NORM, EVEN_K),)
+        if EVEN_K:
+            xs = xs + (tl.load(x + k),)
+        else:
+            xs = xs + (tl.load(x + k, mask=(rw < hi) & (k < K), other=0.0),)
     return xs
 
 
@@ -133,8 +136,6 @@ def w4a16_gemv_f16x2_kernel(
     scale,
     zero,
     out,
-    norm_w,
-    res,
     N,
     K,
     stride_xm,
@@ -142,8 +143,6 @@ def w4a16_gemv_f16x2_kernel(
     stride_sn,
     stride_zn,
     stride_om,
-    stride_rm,
-    eps,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     ROWS: tl.constexpr,
@@ -156,8 +155,6 @@ def w4a16_gemv_f16x2_kernel(
     ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
     EARLY: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD: tl.constexpr,
     GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -166,7 +163,7 @@ def w4a16_gemv_f16x2_kernel(
     values for the first row (_f16x2_word_asm) where the fp32 kernel spends three a value, 7 for each
     further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
-    fp16, everything past the word in fp32, unscaled with the group's scale. NORM, ADD and GATED as in
+    fp16, everything past the word in fp32, unscaled with the group's scale. GATED as in
     gemv.w8a16_gemv_kernel."""
     rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
@@ -179,9 +176,7 @@ def w4a16_gemv_f16x2_kernel(
         ahead = tl.load(base + lo)
         if EARLY:  # (PREFETCH only) the first words before the PDL wait, x after it
             pdl.start(PDL)
-    rstds = gemv.row_rstds(x, stride_xm, K, eps, ROWS, NORM)
-    if PREFETCH:
-        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
+        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, ROWS, EVEN_K)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
@@ -191,13 +186,13 @@ def w4a16_gemv_f16x2_kernel(
             following = w0 + BLOCK_W
             following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
             ahead = tl.load(base + following)
-            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
+            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, ROWS, EVEN_K)
         elif EVEN_K:
             packed = tl.load(base + w0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS, EVEN_K, NORM)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K)
         pairs = ()
         downs = ()
         x_sums = ()
@@ -225,17 +220,15 @@ def w4a16_gemv_f16x2_kernel(
         accs = new_accs
     for r in tl.static_range(ROWS):
         result = tl.sum(accs[r], axis=1)
-        out_r, res_r = out + r * stride_om, res + r * stride_rm
-        gemv.store_row(out_r, res_r, result, rn, n_ok, N // 2, SPLIT_K, ADD, GATED, BLOCK_N // 2)
+        gemv.store_row(out + r * stride_om, result, rn, n_ok, N // 2, SPLIT_K, GATED, BLOCK_N // 2)
 
 
 @triton.jit
-def _x_rows(x, stride_xm, rw, K, hi, rstds, norm_w, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-            NORM: tl.constexpr):  # fmt: skip
+def _x_rows(x, stride_xm, rw, K, hi, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
     """_x_step for each of ROWS rows of x."""
     rows = ()
     for r in tl.static_range(ROWS):
-        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, rstds[r], norm_w, EVEN_K, NORM),)
+        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, EVEN_K),)
     return rows
 
 

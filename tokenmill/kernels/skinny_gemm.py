@@ -199,7 +199,7 @@ def launch_over_rows(
     """Calls launch(out, grid) over the [n] outputs of m rows in config's tiles (out fp32 and zeroed when
     K is split); returns [..., n] in x's dtype, bias added; then what `fused` leaves to be done after the
     launch. With the gated store (gemv.fused_args) the outputs are n / 2, half a tile a program."""
-    gated = fused is not None and fused.args["GATED"]
+    gated = fused is not None and fused.gated
     columns, per_program = (n // 2, config.block_n // 2) if gated else (n, config.block_n)
     if config.split_k > 1:
         out = torch.zeros(m, columns, dtype=torch.float32, device=x.device)
@@ -214,8 +214,6 @@ def launch_over_rows(
         from tokenmill.kernels import activation
 
         out = activation.silu_and_mul(out)
-    if fused is not None and fused.residual_after is not None:
-        out = out + fused.residual_after
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -257,7 +255,7 @@ def w4a16_skinny(
         raise ValueError("w4a16_skinny: more than one row takes block_k >= 128 (tl.dot needs 16 words)")
     zero_arg = zero if zero is not None else scale
     z_stride = zero.stride(0) if zero is not None else 0
-    fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
+    fused = gemv.fused_args(fusion, n, config.split_k, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(
@@ -274,7 +272,7 @@ def w4a16_skinny(
                     stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
                     ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
-                    EARLY=GEMV_EARLY and config.prefetch and even, **fused.args, **common,
+                    EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
@@ -318,7 +316,7 @@ def w8a16_skinny(
     w_scale = w_scale.reshape(-1)
     if w_scale.dtype != torch.float32:
         w_scale = w_scale.float()
-    fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
+    fused = gemv.fused_args(fusion, n, config.split_k, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         common = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -329,7 +327,7 @@ def w8a16_skinny(
                 x2, w_q, w_scale, out, N=n, K=k, stride_xm=x2.stride(0), stride_wn=w_q.stride(0),
                 stride_om=out.stride(0), ROWS=m,
                 EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=GEMV_EARLY and even,
-                **fused.args, **common, **pdl.launch_args(x2),
+                GATED=fused.gated, **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
             _w8a16_skinny_kernel[grid](
@@ -367,7 +365,7 @@ def dense_gemv(
     if not dense_gemv_takes(m) or w.stride(1) != 1:
         raise ValueError("dense_gemv takes one row (DENSE_ROWS at most) and a weight contiguous along K")
     config = config or default_config(1, n, k, 16, x.device)
-    fused = gemv.fused_args(fusion, x2, n, config.split_k, bias)
+    fused = gemv.fused_args(fusion, n, config.split_k, bias)
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
         even = _even(k, config.block_k, config)
@@ -376,7 +374,7 @@ def dense_gemv(
             ROWS=m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll,
             HAS_SCALE=False, VEC=8, EARLY=GEMV_EARLY and even, num_warps=config.num_warps,
-            num_stages=config.num_stages, **fused.args, **pdl.launch_args(x2),
+            num_stages=config.num_stages, GATED=fused.gated, **pdl.launch_args(x2),
         )  # fmt: skip
 
     return launch_over_rows(x, m, n, config, launch, bias, fused)

@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention import Attention, AttentionMetadata
-from tokenmill.layers.fused_linear import fused_linear, gemv_fusion_takes
+from tokenmill.layers.fused_linear import fused_linear
 from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -86,25 +86,15 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels, self.rotary_emb
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        md: AttentionMetadata,
-        norm: RMSNorm | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """With norm, hidden is the residual stream and is normalized first; with residual, it is added to
-        the output (both folded into the GEMVs where fused_linear can)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = fused_linear(self.qkv_proj, hidden, norm=norm)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # The attention layer rotates q and k in the launch that stores K and V.
-        return fused_linear(self.o_proj, self.attn(q, k, v, md, positions), residual=residual)
+        return self.o_proj(self.attn(q, k, v, md, positions))
 
 
 class LlamaMLP(nn.Module):
@@ -115,13 +105,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
         self.act = SiluAndMul(kernels)
 
-    def forward(
-        self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """norm and residual as in LlamaAttention.forward; the activation goes into the gate/up
-        projection's store where fused_linear can fold it."""
-        activation = fused_linear(self.gate_up_proj, x, norm=norm, act=self.act)
-        return fused_linear(self.down_proj, activation, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation goes into the gate/up projection's store where fused_linear can fold it."""
+        return self.down_proj(fused_linear(self.gate_up_proj, x, act=self.act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,15 +140,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def forward_stream(
-        self, positions: torch.Tensor, stream: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """The layer on the residual stream alone (no separate residual): each norm goes into the GEMV
-        after it and each residual add into the GEMV before it, so that a decode step of a few rows on a
-        GPU launches neither (LlamaModel.fuses_norms says when); returns the new stream."""
-        stream = self.self_attn(positions, stream, md, norm=self.input_layernorm, residual=stream)
-        return self.mlp(stream, norm=self.post_attention_layernorm, residual=stream)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config, flags: ArchFlags, max_position: int, kernels: Kernels) -> None:
@@ -173,8 +150,6 @@ class LlamaModel(nn.Module):
             for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        # Whether every layer's MLP is dense (the GEMV fusions fold into LlamaMLP's projections only).
-        self.dense_mlps = all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers)
         # Set by an EAGLE drafter (models/eagle.py): every full forward leaves the head's features there.
         self.feature_sink: FeatureSink | None = None
 
@@ -190,34 +165,16 @@ class LlamaModel(nn.Module):
         sink = self.feature_sink if num_layers is None else None
         taps = (sink.layers or ()) if sink is not None else ()
         hidden, residual = self.embed_tokens(input_ids), None
-        stream = self.fuses_norms(hidden)
         for index, layer in enumerate(self.layers[:num_layers]):
             if index in taps:  # the residual stream entering this layer
                 sink.tap(index, hidden if residual is None else hidden + residual)
-            if stream:
-                hidden = layer.forward_stream(positions, hidden, md)
-            else:
-                hidden, residual = layer(positions, hidden, residual, md)
+            hidden, residual = layer(positions, hidden, residual, md)
         if len(self.layers) in taps:  # the stream after the last layer, before the final norm
-            sink.tap(len(self.layers), hidden if residual is None else hidden + residual)
-        hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+            sink.tap(len(self.layers), hidden + residual)
+        hidden, _ = self.norm(hidden, residual)
         if sink is not None and not taps:
             sink.put(0, hidden)
         return hidden
-
-    def fuses_norms(self, hidden: torch.Tensor) -> bool:
-        """Whether a forward pass of these rows runs its layers on the residual stream alone
-        (LlamaDecoderLayer.forward_stream): where every projection's one-row GEMV does the norms, the
-        activation and the residual adds in its loads and stores (a decode step of a few rows on a GPU,
-        without tensor parallelism; dense MLPs only), so that those launches are saved; else the fused
-        add-and-norm launches stay, which outrun an add and a norm apart."""
-        if not self.layers or not self.dense_mlps:
-            return False
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        return all(
-            gemv_fusion_takes(linear, hidden, "norm")
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        )
 
 
 class LlamaForCausalLM(nn.Module):
