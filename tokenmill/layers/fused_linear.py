@@ -12,14 +12,10 @@ from tokenmill.kernels import GemvFusion
 from tokenmill.layers.linear import LinearBase
 
 # What fused_linear folds into the one-row GEMVs (TOKENMILL_GEMV_FUSION: a comma list of these parts, 1
-# for all, 0 for none): "act" SiLU-and-multiply in the gate/up projection's store. On by default: it made
-# the H200's 8B batch-1 step faster (bench_pdl.py, 2026-12-04), INT4 2.173 -> 2.145 ms, FP8 2.536 -> 2.516
-# and 2.515 -> 2.495 (two calls), bf16 3.983 -> 3.981. A "norm" part (the RMS norms in the loads of the
-# QKV and gate/up GEMVs, the residual adds in the stores of O and down, the layers on the residual stream
-# alone) was removed: with it the step took 4.041 / 2.726 / 2.294 ms (bf16 / FP8 / INT4) against act
-# alone's 3.981 / 2.495 / 2.144 (2026-12-04), every GEMV program redoing the norm's work (and the first
-# form of both, the SiLU in the down projection's loads, had been slower too, 2026-12-03;
-# docs/performance.md). TOKENMILL_GEMV_FUSION=0 turns every part off.
+# for all, 0 for none): "act", SiLU-and-multiply in the gate/up projection's store. On by default: a launch
+# a layer fewer, the H200's 8B batch-1 step 0.8% faster in FP8 and 1.3% in INT4, bf16 unchanged
+# (2026-12-04). The norms and residual adds folded the same way were slower and are gone (every GEMV
+# program redid the norm's work); docs/performance.md has both.
 GEMV_FUSION_PARTS = ("act",)
 
 
