@@ -37,10 +37,22 @@ from tokenmill.worker.sampler import Sampler  # noqa: E402
 from tokenmill.worker.step_output import AwaitingGrammar, PendingRunnerOutput  # noqa: E402
 
 
-def _timed(owner, name: str, phase: str, seconds: dict) -> None:
-    """Replace owner.name by a wrapper adding its wall time to seconds[phase], and the calling thread's
-    CPU time to seconds[(phase, "cpu")]: a phase that is slower in wall time alone waited (for the GIL,
-    or the device); one slower in CPU time too ran slower (a busier host: shared cores, lower clocks)."""
+class PhaseSeconds:
+    """Seconds spent in each phase: wall time, and the loop thread's CPU time. A phase slower in wall
+    time alone waited (for the GIL, or the device); one slower in CPU time too ran slower (a busier host:
+    shared cores, lower clocks)."""
+
+    def __init__(self) -> None:
+        self.wall: dict = defaultdict(float)
+        self.cpu: dict = defaultdict(float)
+
+    def clear(self) -> None:
+        self.wall.clear()
+        self.cpu.clear()
+
+
+def _timed(owner, name: str, phase: str, seconds: PhaseSeconds) -> None:
+    """Replace owner.name by a wrapper adding its wall and CPU time to seconds' `phase`."""
     inner = getattr(owner, name)
 
     @functools.wraps(inner)
@@ -49,14 +61,14 @@ def _timed(owner, name: str, phase: str, seconds: dict) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            seconds[phase] += time.perf_counter() - start
-            seconds[(phase, "cpu")] += time.thread_time() - cpu
+            seconds.wall[phase] += time.perf_counter() - start
+            seconds.cpu[phase] += time.thread_time() - cpu
 
     setattr(owner, name, wrapper)
 
 
-def instrument(llm: LLM) -> dict:
-    seconds: dict = defaultdict(float)
+def instrument(llm: LLM) -> PhaseSeconds:
+    seconds = PhaseSeconds()
     engine, core = llm.engine, llm.engine.core
     _timed(core.scheduler, "schedule", "schedule", seconds)
     _timed(core.executor, "prepare", "prepare (host half)", seconds)
@@ -114,7 +126,7 @@ def device_mask_events(runner, events: list) -> None:
     runner.grammar_masks.apply = apply
 
 
-def run(llm: LLM, seconds: dict, prompts, params, marks: list) -> dict:
+def run(llm: LLM, seconds: PhaseSeconds, prompts, params, marks: list) -> dict:
     core = llm.engine.core
     seconds.clear()
     marks.clear()
@@ -125,18 +137,14 @@ def run(llm: LLM, seconds: dict, prompts, params, marks: list) -> dict:
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     steps = core.num_steps - steps0
-    per_step = {phase: round(s / steps * 1e3, 3) for phase, s in seconds.items() if isinstance(phase, str)}
-    cpu_per_step = {
-        phase[0]: round(s / steps * 1e3, 3) for phase, s in seconds.items() if not isinstance(phase, str)
-    }
+    per_step = {phase: round(s / steps * 1e3, 3) for phase, s in seconds.wall.items()}
+    cpu_per_step = {phase: round(s / steps * 1e3, 3) for phase, s in seconds.cpu.items()}
     tokens_wait = core.seconds_on_tokens - tokens0
     per_step["tokens wait, then read back"] = round(tokens_wait / steps * 1e3, 3)
-    total = seconds["loop total"]
+    total = seconds.wall["loop total"]
     # Phases named "... (in X)" are parts of phase X, not beside it.
     covered = tokens_wait + sum(
-        s
-        for phase, s in seconds.items()
-        if isinstance(phase, str) and phase != "loop total" and "(in " not in phase
+        s for phase, s in seconds.wall.items() if phase != "loop total" and "(in " not in phase
     )
     per_step["other"] = round((total - covered) / steps * 1e3, 3)
     fills = scheduler.grammar_mask_steps - fills0
@@ -177,8 +185,7 @@ def main() -> None:
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
-        ":unbounded takes the schema without its strings' maxLength; :blocking waits for the steps' tokens "
-        "on events that sleep (cudaEventBlockingSync) instead of spinning",
+        ":unbounded takes the schema without its strings' maxLength",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -201,22 +208,17 @@ def main() -> None:
         run_spec, *options = run_spec.split(":")
         interval = next((o[2:] for o in options if o.startswith("si")), "")
         torch_form = "torch" in options
-        blocking = "blocking" in options
         schema = unbounded(SCHEMA) if "unbounded" in options else SCHEMA
         threads, families = run_spec.split("x") if run_spec != "none" else (None, None)
         label = "none" if threads is None else f"json threads={threads} families={families}"
         label += f" switch={interval}us" if interval else ""
         label += " torch-sampler" if torch_form else ""
         label += " unbounded" if schema is not SCHEMA else ""
-        label += " blocking-events" if blocking else ""
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
         threads, families = threads and int(threads), families and int(families)
-        runs.append((label, threads, families, interval, torch_form, schema, blocking))
-    for label, threads, families, interval, torch_form, schema, blocking in runs:
+        runs.append((label, threads, families, interval, torch_form, schema))
+    for label, threads, families, interval, torch_form, schema in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
-        PendingRunnerOutput.event = (
-            functools.partial(torch.cuda.Event, blocking=True) if blocking else torch.cuda.Event
-        )
         constraint = None
         # The engine's first fill lowers the switch interval to 100 us (and never raises it).
         sys.setswitchinterval(int(interval) * 1e-6 if interval else 0.0001)

@@ -26,10 +26,6 @@ class PendingRunnerOutput:
     """A launched step: sampled tokens (and logprobs) on their way to pinned host memory. result() waits
     for them, the step's one sync, and tells the worker which tokens stopped being pending."""
 
-    # What marks the tokens' arrival: a plain event, waited for by spinning on a core (its readers are the
-    # loop and, under grammars, the helper thread that hands the tokens to the matchers).
-    event = torch.cuda.Event
-
     def __init__(
         self,
         runner: ModelRunner,
@@ -65,7 +61,7 @@ class PendingRunnerOutput:
             self.pooled = (pooled[0], pooled[1].to("cpu", non_blocking=non_blocking))
         # Whether the step speculates, so the drafter proposes for the next (SchedulerOutput.propose_drafts).
         self.propose_drafts = False
-        self.ready = self.event() if non_blocking else None
+        self.ready = torch.cuda.Event() if non_blocking else None
         if self.ready is not None:
             self.ready.record()
         self._result: ModelRunnerOutput | None = None
