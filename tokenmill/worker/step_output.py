@@ -132,7 +132,8 @@ class Launched(NamedTuple):
     logits: torch.Tensor
     rows: VerifyRows | None  # a verifying step's logit rows
     prompt_logprobs: dict | None
-    grammar_rows: torch.Tensor | None = None  # the constrained requests' logit rows, staged by prepare
+    # The constrained requests' logit rows and each logit row's mask (-1: none), staged by prepare.
+    grammar_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AwaitingGrammar:
