@@ -200,7 +200,7 @@ def _sampling_launches(dtype: torch.dtype) -> None:
     sample.sample_rows(logits, None, 0)
     sample.sample_rows(logits, temperature, 0, sample.RowMasks(mask_of_row, words))
     counter = torch.zeros(2, dtype=torch.int64)
-    sample.sample_rows(logits, temperature, 0, sample.RowMasks(mask_of_row, words, counter, 1, words))
+    sample.sample_rows(logits, temperature, 0, sample.RowMasks(mask_of_row, words, counter, 1))
 
 
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:

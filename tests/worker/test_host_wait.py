@@ -109,12 +109,11 @@ def test_the_sampling_launch_waits_then_reads_each_steps_masks_from_host_memory(
     index = torch.tensor([2, 4, 3, 0], device="cuda")  # the logits row of each mask row
     temps = None if temperature is None else torch.full((6,), temperature, device="cuda")
     logits = torch.randn(6, vocab, generator=gen).to(torch.bfloat16).cuda()
-    staging = torch.empty(host.shape, dtype=torch.int32, device="cuda")
-    sample_rows(logits, temps, 0, RowMasks(mask_of_row, host, counter, 0, staging))  # loaded, no wait
+    sample_rows(logits, temps, 0, RowMasks(mask_of_row, host, counter, 0))  # compiled and loaded, no wait
     torch.cuda.synchronize()
     for step in range(1, 5):
         logits = torch.randn(6, vocab, generator=gen).to(torch.bfloat16).cuda()
-        got = sample_rows(logits, temps, step, RowMasks(mask_of_row, host, counter, step, staging))
+        got = sample_rows(logits, temps, step, RowMasks(mask_of_row, host, counter, step))
         done = torch.cuda.Event()
         done.record()
         masks = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64)

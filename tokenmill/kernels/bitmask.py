@@ -13,20 +13,14 @@ MASK_BLOCK = 4096  # tokens a program masks at a time, looping over its row
 
 
 @triton.jit
-def allowed_tokens(
-    mask_row_ptr, first, words, BLOCK: tl.constexpr, VOLATILE: tl.constexpr, L2: tl.constexpr = False
-):  # fmt: skip
+def allowed_tokens(mask_row_ptr, first, words, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
     """[BLOCK] bool: whether the mask row at mask_row_ptr (int32 words, bit j of word i for token 32 i + j)
     allows tokens first .. first + BLOCK - 1. Tokens past the mask's last word are forbidden, as
     llguidance's own masking does. VOLATILE: read the words afresh from memory (host memory the host
-    rewrites between steps). L2: read them from L2, not from this multiprocessor's L1 (words this
-    program's other threads wrote)."""
+    rewrites between steps)."""
     WORDS: tl.constexpr = BLOCK // 32
     word = first // 32 + tl.arange(0, WORDS)
-    if L2:
-        bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, cache_modifier=".cg")
-    else:
-        bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, volatile=VOLATILE)
+    bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, volatile=VOLATILE)
     allowed = (bits[:, None] >> tl.arange(0, 32)[None, :]) & 1
     return tl.reshape(allowed, [BLOCK]) != 0
 

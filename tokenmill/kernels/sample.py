@@ -25,15 +25,13 @@ SAMPLE_BLOCK = 2048
 @triton.jit(do_not_specialize=["seed", "target", "timeout_ns"])
 def _sample_kernel(
     logits, stride_logits, temperature, out, vocab, seed,
-    mask_of_row, mask, stride_mask, words, counter, target, timeout_ns, staging,
-    HAS_TEMPERATURE: tl.constexpr, HAS_MASK: tl.constexpr, WAIT: tl.constexpr, WORDS_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    mask_of_row, mask, stride_mask, words, counter, target, timeout_ns,
+    HAS_TEMPERATURE: tl.constexpr, HAS_MASK: tl.constexpr, WAIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program r: out[r] = row r's draw at temperature[r] > 0, else its greedy token. A row whose logits
     are all -inf gives token 0. HAS_MASK: row r samples only the tokens mask row mask_of_row[r] allows
     (none: every token), read as it goes; WAIT: those rows wait for the host first (host_wait.wait),
-    the mask in pinned host memory, copied into `staging` (device memory of the mask's layout) and read
-    there (unmasked, counter[1] set, if the wait gives up)."""
+    the mask in pinned host memory (and unmasked, counter[1] set, if the wait gives up)."""
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride_logits
     masked = r < 0
@@ -46,14 +44,6 @@ def _sample_kernel(
             if masked:
                 masked = wait(counter, target, timeout_ns)
                 fence_system()
-                # The row's words come over the bus in one round trip (every load in flight at once) into
-                # device memory, which the loop then reads: read there block by block, each block's
-                # loads would wait for the bus in turn.
-                word = tl.arange(0, WORDS_PAD)
-                bits = tl.load(mask_row + word, mask=word < words, volatile=True)
-                mask_row = staging + m * stride_mask
-                tl.store(mask_row + word, bits, mask=word < words)
-                tl.debug_barrier()
     best = tl.full([], float("-inf"), tl.float32)
     best_token = tl.full([], 0, tl.int64)
     drawn = tl.full([], float("-inf"), tl.float32)
@@ -67,7 +57,7 @@ def _sample_kernel(
         x = tl.load(row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         if HAS_MASK:  # noqa: SIM102
             if masked:
-                x = tl.where(allowed_tokens(mask_row, first, words, BLOCK, False, WAIT), x, float("-inf"))
+                x = tl.where(allowed_tokens(mask_row, first, words, BLOCK, WAIT), x, float("-inf"))
         # Strictly greater: an earlier block keeps a tie, and argmax keeps the first index within one.
         block_best = tl.max(x, axis=0)
         if block_best > best:
@@ -87,14 +77,12 @@ class RowMasks(NamedTuple):
     """Grammar masks for sample_rows: logits row r samples what row mask_of_row[r] ([B] int64 on the
     device, -1: no mask) of `words` ([G, W] int32) allows. counter None: `words` is on the device, read
     as it is; else it is pinned host memory the host fills after the launch, and the rows with a mask
-    wait until counter[0] (pinned int64 [2]) reaches `target` (kernels/host_wait.py's protocol), then
-    read it through `staging` (int32 on the device, at least [G, W] with the words' row stride)."""
+    wait until counter[0] (pinned int64 [2]) reaches `target` (kernels/host_wait.py's protocol)."""
 
     mask_of_row: torch.Tensor
     words: torch.Tensor
     counter: torch.Tensor | None = None
     target: int = 0
-    staging: torch.Tensor | None = None
 
 
 def sample_rows(
@@ -111,24 +99,17 @@ def sample_rows(
         temperature = temperature.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    words = 0
     if masks is not None:
-        words = masks.words.shape[1]
         assert masks.words.dtype == torch.int32 and masks.words.stride(-1) == 1
-        mask_args = (masks.mask_of_row, masks.words, masks.words.stride(0), words)
-        wait_args = (out, 0, TIMEOUT_NS, out)
-        if masks.counter is not None:
-            staging = masks.staging
-            assert staging is not None and staging.dtype == torch.int32
-            assert staging.shape[0] >= masks.words.shape[0] and staging.stride(0) == masks.words.stride(0)
-            wait_args = (masks.counter, masks.target, TIMEOUT_NS, staging)
+        mask_args = (masks.mask_of_row, masks.words, masks.words.stride(0), masks.words.shape[1])
+        wait_args = (masks.counter, masks.target) if masks.counter is not None else (out, 0)
     else:
-        mask_args, wait_args = (out, out, 0, 0), (out, 0, TIMEOUT_NS, out)
+        mask_args, wait_args = (out, out, 0, 0), (out, 0)
     if rows:
         _sample_kernel[(rows,)](
             logits, logits.stride(0), temperature if temperature is not None else logits, out, vocab,
-            seed, *mask_args, *wait_args, HAS_TEMPERATURE=temperature is not None,
+            seed, *mask_args, *wait_args, TIMEOUT_NS, HAS_TEMPERATURE=temperature is not None,
             HAS_MASK=masks is not None, WAIT=masks is not None and masks.counter is not None,
-            WORDS_PAD=triton.next_power_of_2(max(words, 1)), BLOCK=SAMPLE_BLOCK, num_warps=8,
+            BLOCK=SAMPLE_BLOCK, num_warps=8,
         )  # fmt: skip
     return out

@@ -52,7 +52,6 @@ class GrammarMasks:
         # One pinned buffer serves every step: a step's masks are filled only after the step before it
         # returned its tokens, so the device has read that step's masks.
         self.on_host: torch.Tensor | None = None
-        self.staging: torch.Tensor | None = None  # on the device: where the sampler copies on_host's rows
         self._loaded: set[tuple] = set()  # the logits layouts the masking kernel has run on
 
     def host_masks(self, rows: int, words: int) -> HostMasks:
@@ -95,20 +94,17 @@ class GrammarMasks:
         if not isinstance(bitmask, HostMasks):
             (words,) = staged([bitmask], np.int32, self.device)
             return RowMasks(mask_of_row, words)
-        assert self.counter is not None and self.on_host is not None
-        if self.staging is None or self.staging.shape != self.on_host.shape:
-            # Allocated here, where no wait is pending (see _load_kernel), not with on_host.
-            self.staging = torch.empty(self.on_host.shape, dtype=torch.int32, device=self.device)
+        assert self.counter is not None
         words = bitmask.tensor.shape[1]
         key = ("sample", logits.dtype, logits.stride(0), logits.shape[1], words, temperature is None)
         if key not in self._loaded:
             allowed = torch.full((1, words), -1, dtype=torch.int32, pin_memory=True)
             first = torch.zeros(1, dtype=torch.int64, device=self.device)
             t = None if temperature is None else temperature[:1]
-            sample_rows(logits[:1], t, 0, RowMasks(first, allowed, self.counter, 0, self.staging))
+            sample_rows(logits[:1], t, 0, RowMasks(first, allowed, self.counter, 0))
             torch.cuda.synchronize(self.device)
             self._loaded.add(key)
-        return RowMasks(mask_of_row, bitmask.tensor, self.counter, bitmask.target, self.staging)
+        return RowMasks(mask_of_row, bitmask.tensor, self.counter, bitmask.target)
 
     def apply(self, logits: torch.Tensor, index: torch.Tensor, bitmask: np.ndarray | HostMasks) -> None:
         """-inf at logits row index[i] wherever row i of the masks has a 0 bit. HostMasks: the masks the
