@@ -32,7 +32,6 @@ from shapes import shape_dir  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
-from tokenmill.worker import model_runner as runner_module  # noqa: E402
 from tokenmill.worker import sampler as sampler_module  # noqa: E402
 from tokenmill.worker.sampler import Sampler  # noqa: E402
 from tokenmill.worker.step_output import AwaitingGrammar, PendingRunnerOutput  # noqa: E402
@@ -85,8 +84,6 @@ def instrument(llm: LLM) -> PhaseSeconds:
     _timed(AwaitingGrammar, "with_grammar", "masked sampling queued (in other)", seconds)
     if hasattr(runner, "grammar_masks"):
         _timed(runner.grammar_masks, "apply", "masks applied (in masked sampling queued)", seconds)
-        handed = "masks handed to the sampler (in masked sampling queued)"
-        _timed(runner.grammar_masks, "row_masks", handed, seconds)
         _timed(runner, "_for_sampling", "sampling batch built (in launch)", seconds)
     _timed(Sampler, "__call__", "sampler (in launch or sampling queued)", seconds)
     _timed(PendingRunnerOutput, "__init__", "tokens' copy queued (in launch or sampling queued)", seconds)
@@ -188,8 +185,7 @@ def main() -> None:
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
-        ":unbounded takes the schema without its strings' maxLength; :separate masks the logits in a launch "
-        "of their own before the one-launch sampling instead of in it",
+        ":unbounded takes the schema without its strings' maxLength",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -218,14 +214,11 @@ def main() -> None:
         label += f" switch={interval}us" if interval else ""
         label += " torch-sampler" if torch_form else ""
         label += " unbounded" if schema is not SCHEMA else ""
-        label += " separate-masking" if "separate" in options else ""
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
         threads, families = threads and int(threads), families and int(families)
-        runs.append((label, threads, families, interval, torch_form, schema, "separate" in options))
-    for label, threads, families, interval, torch_form, schema, separate in runs:
+        runs.append((label, threads, families, interval, torch_form, schema))
+    for label, threads, families, interval, torch_form, schema in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
-        # The masks' own launch before the sampling (the form before the sampler read them itself).
-        runner_module.one_launch = (lambda logits, batch: False) if separate else sampler_module.one_launch
         constraint = None
         # The engine's first fill lowers the switch interval to 100 us (and never raises it).
         sys.setswitchinterval(int(interval) * 1e-6 if interval else 0.0001)

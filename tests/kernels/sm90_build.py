@@ -31,7 +31,6 @@ from tokenmill.kernels import (
     norm,
     pdl,
     rotary,
-    sample,
     skinny_gemm,
     split_kv,
     w4a16_mma,
@@ -192,17 +191,6 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                 skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
 
 
-def _sampling_launches(dtype: torch.dtype) -> None:
-    """The one-launch sampler: greedy, at a temperature, and reading grammar masks (from the device, and
-    from pinned host memory after a wait, with its inline PTX)."""
-    logits, temperature = torch.empty(64, 49152, dtype=dtype), torch.empty(64)
-    words, mask_of_row = torch.empty(64, 1536, dtype=torch.int32), torch.zeros(64, dtype=torch.int64)
-    sample.sample_rows(logits, None, 0)
-    sample.sample_rows(logits, temperature, 0, sample.RowMasks(mask_of_row, words))
-    counter = torch.zeros(2, dtype=torch.int64)
-    sample.sample_rows(logits, temperature, 0, sample.RowMasks(mask_of_row, words, counter, 1))
-
-
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     builds: list[Build] = []
     kernels = [
@@ -219,7 +207,6 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
         (activation, "_silu_and_mul_kernel"),
-        (sample, "_sample_kernel"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]
     for module, name, fn in originals:
@@ -231,7 +218,6 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         _attention_launches(dtype)
         _small_launches(dtype)
         _skinny_launches(dtype)
-        _sampling_launches(dtype)
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)

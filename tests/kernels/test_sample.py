@@ -106,35 +106,3 @@ def test_seeds_key_the_draws() -> None:
     other = sample_rows(logits, temperature, seed=1235)
     assert (other != first).sum().item() > rows // 2  # a flat distribution: other seeds, other tokens
     assert ((first >= 0) & (first < vocab)).all()
-
-
-@pytest.mark.parametrize("temperature", [None, 0.7])
-def test_masked_rows_sample_what_masking_then_sampling_gives(temperature: float | None) -> None:
-    """Masks read in the sampling launch (RowMasks) against the masking launch, then the same sampling:
-    the same tokens, greedy and drawn (the same seed keys the same noise), rows without a mask untouched,
-    masks out of the rows' order, a mask narrower than the vocabulary (the tokens past it forbidden)."""
-    rows, vocab, words = 6, 2 * SAMPLE_BLOCK + 5, (2 * SAMPLE_BLOCK) // 32  # the mask stops 5 short
-    generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(rows, vocab, generator=generator)
-    bits = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=generator, dtype=torch.int64)
-    bits = bits.to(torch.int32)
-    bits[1] = 0
-    bits[1, 7] = 1 << 5  # one token allowed: 7 * 32 + 5
-    mask_of_row = torch.tensor([2, -1, 0, 1, -1, 3])
-    temps = None if temperature is None else torch.full((rows,), temperature)
-    masks = sample.RowMasks(mask_of_row.to(DEVICE), bits.to(DEVICE))
-    got = sample_rows(logits.to(DEVICE), None if temps is None else temps.to(DEVICE), 11, masks).cpu()
-    from tokenmill.kernels.bitmask import apply_bitmask
-
-    masked = logits.clone().to(DEVICE)
-    index = torch.tensor([2, 3, 0, 5], device=DEVICE)  # the logits rows of mask rows 0..3
-    apply_bitmask(masked, index, bits.to(DEVICE))
-    expected = sample_rows(masked, None if temps is None else temps.to(DEVICE), 11).cpu()
-    assert torch.equal(got, expected)
-    assert got[3] == 7 * 32 + 5
-    reference_tokens = reference.sample_rows(logits, temps, 11, sample.RowMasks(mask_of_row, bits))
-    if temperature is None:
-        assert torch.equal(got, reference_tokens)
-    for m, token in zip(mask_of_row.tolist(), got.tolist()):
-        if m >= 0:  # every masked row's token is one its mask allows
-            assert token < words * 32 and (int(bits[m, token // 32]) >> (token % 32)) & 1

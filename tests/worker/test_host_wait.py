@@ -93,45 +93,6 @@ def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(d
     assert counter[1] == 0
 
 
-@pytest.mark.parametrize("temperature", [None, 0.8])
-def test_the_sampling_launch_waits_then_reads_each_steps_masks_from_host_memory(temperature) -> None:
-    """The one-launch sampler reading the masks itself (kernels/sample.py's RowMasks with a counter): the
-    tokens of masking then sampling, with the masks written after the launch was queued (into the same
-    pinned buffer every step) and published from another thread; rows without a mask sample freely."""
-    from tokenmill.kernels.bitmask import apply_bitmask
-    from tokenmill.kernels.sample import RowMasks, sample_rows
-
-    gen = torch.Generator().manual_seed(1)
-    vocab, words = 5003, 156  # masks for 4,992 tokens: the last 11 forbidden in masked rows
-    counter = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-    host = torch.zeros(4, words, dtype=torch.int32, pin_memory=True)
-    mask_of_row = torch.tensor([3, -1, 0, 2, 1, -1], device="cuda")
-    index = torch.tensor([2, 4, 3, 0], device="cuda")  # the logits row of each mask row
-    temps = None if temperature is None else torch.full((6,), temperature, device="cuda")
-    logits = torch.randn(6, vocab, generator=gen).to(torch.bfloat16).cuda()
-    sample_rows(logits, temps, 0, RowMasks(mask_of_row, host, counter, 0))  # compiled and loaded, no wait
-    torch.cuda.synchronize()
-    for step in range(1, 5):
-        logits = torch.randn(6, vocab, generator=gen).to(torch.bfloat16).cuda()
-        got = sample_rows(logits, temps, step, RowMasks(mask_of_row, host, counter, step))
-        done = torch.cuda.Event()
-        done.record()
-        masks = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64)
-        masks = masks.to(torch.int32)
-
-        def publish(masks=masks, step=step) -> None:
-            time.sleep(0.02)
-            host.copy_(masks)
-            counter.numpy()[0] = step
-
-        threading.Thread(target=publish).start()
-        done.synchronize()
-        masked = logits.clone()
-        apply_bitmask(masked, index, masks.cuda())
-        assert torch.equal(got, sample_rows(masked, temps, step)), step
-    assert counter[1] == 0
-
-
 def test_a_wait_published_from_another_thread_while_this_one_blocks() -> None:
     from tokenmill.kernels.host_wait import wait_for_host
 

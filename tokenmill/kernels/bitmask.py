@@ -13,25 +13,18 @@ MASK_BLOCK = 4096  # tokens a program masks at a time, looping over its row
 
 
 @triton.jit
-def allowed_tokens(mask_row_ptr, first, words, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
-    """[BLOCK] bool: whether the mask row at mask_row_ptr (int32 words, bit j of word i for token 32 i + j)
-    allows tokens first .. first + BLOCK - 1. Tokens past the mask's last word are forbidden, as
-    llguidance's own masking does. VOLATILE: read the words afresh from memory (host memory the host
-    rewrites between steps)."""
-    WORDS: tl.constexpr = BLOCK // 32
-    word = first // 32 + tl.arange(0, WORDS)
-    bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, volatile=VOLATILE)
-    allowed = (bits[:, None] >> tl.arange(0, 32)[None, :]) & 1
-    return tl.reshape(allowed, [BLOCK]) != 0
-
-
-@triton.jit
 def mask_row(row, mask_row_ptr, vocab, words, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
     """-inf at the logits row `row` (a pointer to its first token) wherever the mask row at mask_row_ptr
-    forbids the token (allowed_tokens), BLOCK tokens at a time."""
+    (int32 words, bit j of word i for token 32 i + j) has a 0 bit, BLOCK tokens at a time. Tokens past
+    the mask's last word are forbidden, as llguidance's own masking does. VOLATILE: read the words
+    afresh from memory (host memory the host rewrites between steps)."""
+    WORDS: tl.constexpr = BLOCK // 32
     for first in range(0, vocab, BLOCK):
+        word = first // 32 + tl.arange(0, WORDS)
+        bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, volatile=VOLATILE)
+        allowed = (bits[:, None] >> tl.arange(0, 32)[None, :]) & 1
         cols = first + tl.arange(0, BLOCK)
-        forbidden = allowed_tokens(mask_row_ptr, first, words, BLOCK, VOLATILE) == 0
+        forbidden = tl.reshape(allowed, [BLOCK]) == 0
         minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(row.dtype.element_ty)
         tl.store(row + cols, minus_inf, mask=(cols < vocab) & forbidden)
 

@@ -32,7 +32,7 @@ def _now(like):
 
 
 @triton.jit
-def wait(counter, target, timeout_ns):
+def _wait(counter, target, timeout_ns):
     """Spin until counter[0] >= target or timeout_ns have passed; whether it was reached. A volatile load
     is a relaxed load at system scope: each one reads the host's memory afresh."""
     value = tl.load(counter, volatile=True)
@@ -47,19 +47,10 @@ def wait(counter, target, timeout_ns):
     return value >= target
 
 
-@triton.jit
-def fence_system():
-    """After a wait: what the host wrote before the counter is read as written, not before."""
-    tl.inline_asm_elementwise(
-        "fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
 # Not specialised on its values (Triton compiles a variant for 1 and for multiples of 16 otherwise).
 @triton.jit(do_not_specialize=["target", "timeout_ns"])
 def _wait_kernel(counter, target, timeout_ns):
-    wait(counter, target, timeout_ns)
+    _wait(counter, target, timeout_ns)
 
 
 @triton.jit(do_not_specialize=["target", "timeout_ns"])
@@ -71,8 +62,11 @@ def _wait_then_mask_kernel(
     host memory: bit j of word i for token 32 i + j; tokens past its last word are forbidden) has a 0 bit.
     The words are read over the bus with volatile loads (not from a cache line an earlier step's read of
     the same buffer left), after a system-scope fence (not before the counter said they are in)."""
-    if wait(counter, target, timeout_ns):
-        fence_system()
+    if _wait(counter, target, timeout_ns):
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         row = tl.load(rows + r).to(tl.int64)
         mask_row(logits + row * stride_logits, mask + r * stride_mask, vocab, words, BLOCK, True)

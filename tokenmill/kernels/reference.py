@@ -336,21 +336,12 @@ def fused_moe(
     return out
 
 
-def sample_rows(
-    logits: torch.Tensor, temperature: torch.Tensor | None, seed: int, masks=None
-) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor | None, seed: int) -> torch.Tensor:
     """kernels/sample.py's one-launch sampling in torch: int64 [B], where temperature [B] > 0 the argmax
     of logits / temperature plus Gumbel noise (a draw from softmax(logits / temperature)), else the first
     index of the row's largest logit. The same distribution as the kernel's, from torch's own generator
-    seeded with `seed` (not the kernel's Philox counters: the same seed gives other draws). masks
-    (sample.RowMasks, its words on the logits' device): the rows masked first."""
+    seeded with `seed` (not the kernel's Philox counters: the same seed gives other draws)."""
     x = logits.float()
-    if masks is not None:
-        from tokenmill.structured_outputs import apply_bitmask
-
-        rows = torch.nonzero(masks.mask_of_row >= 0)[:, 0]
-        x = x.clone()
-        apply_bitmask(x, rows.tolist(), masks.words[masks.mask_of_row[rows]].cpu().numpy())
     greedy = x.argmax(dim=-1)
     if temperature is None:
         return greedy

@@ -9,41 +9,22 @@ The torch reference of the same signature is kernels/reference.py's sample_rows.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
-
-from tokenmill.kernels.bitmask import allowed_tokens
-from tokenmill.kernels.host_wait import TIMEOUT_NS, fence_system, wait
 
 # Tokens a program reads at a time, looping over its row.
 SAMPLE_BLOCK = 2048
 
 
-@triton.jit(do_not_specialize=["seed", "target", "timeout_ns"])
+@triton.jit(do_not_specialize=["seed"])
 def _sample_kernel(
-    logits, stride_logits, temperature, out, vocab, seed,
-    mask_of_row, mask, stride_mask, words, counter, target, timeout_ns,
-    HAS_TEMPERATURE: tl.constexpr, HAS_MASK: tl.constexpr, WAIT: tl.constexpr, BLOCK: tl.constexpr,
+    logits, stride_logits, temperature, out, vocab, seed, HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """Program r: out[r] = row r's draw at temperature[r] > 0, else its greedy token. A row whose logits
-    are all -inf gives token 0. HAS_MASK: row r samples only the tokens mask row mask_of_row[r] allows
-    (none: every token), read as it goes; WAIT: those rows wait for the host first (host_wait.wait),
-    the mask in pinned host memory (and unmasked, counter[1] set, if the wait gives up)."""
+    are all -inf gives token 0."""
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride_logits
-    masked = r < 0
-    mask_row = mask
-    if HAS_MASK:
-        m = tl.load(mask_of_row + r).to(tl.int64)
-        masked = m >= 0
-        mask_row = mask + tl.where(masked, m, 0) * stride_mask
-        if WAIT:  # noqa: SIM102 (a constexpr test first: Triton compiles the branch away)
-            if masked:
-                masked = wait(counter, target, timeout_ns)
-                fence_system()
     best = tl.full([], float("-inf"), tl.float32)
     best_token = tl.full([], 0, tl.int64)
     drawn = tl.full([], float("-inf"), tl.float32)
@@ -55,9 +36,6 @@ def _sample_kernel(
     for first in range(0, vocab, BLOCK):
         cols = first + tl.arange(0, BLOCK)
         x = tl.load(row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:  # noqa: SIM102
-            if masked:
-                x = tl.where(allowed_tokens(mask_row, first, words, BLOCK, WAIT), x, float("-inf"))
         # Strictly greater: an earlier block keeps a tie, and argmax keeps the first index within one.
         block_best = tl.max(x, axis=0)
         if block_best > best:
@@ -73,43 +51,20 @@ def _sample_kernel(
     tl.store(out + r, tl.where(t > 0, drawn_token, best_token))
 
 
-class RowMasks(NamedTuple):
-    """Grammar masks for sample_rows: logits row r samples what row mask_of_row[r] ([B] int64 on the
-    device, -1: no mask) of `words` ([G, W] int32) allows. counter None: `words` is on the device, read
-    as it is; else it is pinned host memory the host fills after the launch, and the rows with a mask
-    wait until counter[0] (pinned int64 [2]) reaches `target` (kernels/host_wait.py's protocol)."""
-
-    mask_of_row: torch.Tensor
-    words: torch.Tensor
-    counter: torch.Tensor | None = None
-    target: int = 0
-
-
-def sample_rows(
-    logits: torch.Tensor, temperature: torch.Tensor | None, seed: int, masks: RowMasks | None = None
-) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor | None, seed: int) -> torch.Tensor:
     """One token per row of logits [B, V] (fp32, bf16 or fp16; rows may be a strided slice), int64 [B]:
     where temperature [B] (fp32) is > 0, a draw from softmax(row / temperature), else (or when
-    temperature is None) the row's greedy token; under `masks`, of the tokens the row's mask allows
-    (what masking the logits first and then sampling gives). seed: keys the noise; the same seed and
-    logits give the same tokens, so the caller passes a new one every step."""
+    temperature is None) the row's greedy token. seed: keys the noise; the same seed and logits give the
+    same tokens, so the caller passes a new one every step."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if temperature is not None and temperature.stride(0) != 1:
         temperature = temperature.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if masks is not None:
-        assert masks.words.dtype == torch.int32 and masks.words.stride(-1) == 1
-        mask_args = (masks.mask_of_row, masks.words, masks.words.stride(0), masks.words.shape[1])
-        wait_args = (masks.counter, masks.target) if masks.counter is not None else (out, 0)
-    else:
-        mask_args, wait_args = (out, out, 0, 0), (out, 0)
     if rows:
         _sample_kernel[(rows,)](
             logits, logits.stride(0), temperature if temperature is not None else logits, out, vocab,
-            seed, *mask_args, *wait_args, TIMEOUT_NS, HAS_TEMPERATURE=temperature is not None,
-            HAS_MASK=masks is not None, WAIT=masks is not None and masks.counter is not None,
-            BLOCK=SAMPLE_BLOCK, num_warps=8,
+            seed, HAS_TEMPERATURE=temperature is not None, BLOCK=SAMPLE_BLOCK, num_warps=8,
         )  # fmt: skip
     return out

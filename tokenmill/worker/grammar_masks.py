@@ -1,21 +1,16 @@
 """Grammar masks onto a step's logits: rows the host filled before the step samples (staged with the
 step's inputs), or rows in pinned memory the host fills after the sampling is queued, which the masking
-kernel waits for and reads in place (HostMasks; kernels/host_wait.py). Where the one-launch sampler
-samples the step (kernels/sample.py), it reads the masks itself (row_masks): no launch of their own."""
+kernel waits for and reads in place (HostMasks; kernels/host_wait.py)."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tokenmill.structured_outputs import apply_bitmask
 from tokenmill.worker.device import staged
-
-if TYPE_CHECKING:
-    from tokenmill.kernels.sample import RowMasks
 
 
 class HostMasks:
@@ -78,33 +73,6 @@ class GrammarMasks:
             apply_bitmask_from_host(logits, index[:1], allowed, self.counter, 0)
             torch.cuda.synchronize(self.device)
             self._loaded.add(key)
-
-    def row_masks(
-        self,
-        logits: torch.Tensor,
-        mask_of_row: torch.Tensor,
-        bitmask: np.ndarray | HostMasks,
-        temperature: torch.Tensor | None,
-    ) -> RowMasks:
-        """The masks as the one-launch sampler reads them (on a GPU): logits row r under mask row
-        mask_of_row[r] (-1: none). HostMasks: the sampling waits for them on the device; the sampling
-        kernel's variant for this layout is loaded first (see _load_kernel)."""
-        from tokenmill.kernels.sample import RowMasks, sample_rows
-
-        if not isinstance(bitmask, HostMasks):
-            (words,) = staged([bitmask], np.int32, self.device)
-            return RowMasks(mask_of_row, words)
-        assert self.counter is not None
-        words = bitmask.tensor.shape[1]
-        key = ("sample", logits.dtype, logits.stride(0), logits.shape[1], words, temperature is None)
-        if key not in self._loaded:
-            allowed = torch.full((1, words), -1, dtype=torch.int32, pin_memory=True)
-            first = torch.zeros(1, dtype=torch.int64, device=self.device)
-            t = None if temperature is None else temperature[:1]
-            sample_rows(logits[:1], t, 0, RowMasks(first, allowed, self.counter, 0))
-            torch.cuda.synchronize(self.device)
-            self._loaded.add(key)
-        return RowMasks(mask_of_row, bitmask.tensor, self.counter, bitmask.target)
 
     def apply(self, logits: torch.Tensor, index: torch.Tensor, bitmask: np.ndarray | HostMasks) -> None:
         """-inf at logits row index[i] wherever row i of the masks has a 0 bit. HostMasks: the masks the

@@ -24,7 +24,7 @@ from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
 from tokenmill.worker.pooler import Pooler
-from tokenmill.worker.sampler import Sampler, one_launch, score_prompt_tokens
+from tokenmill.worker.sampler import Sampler, score_prompt_tokens
 from tokenmill.worker.sampling_batch import SamplingBatch, build_sampling_batch
 from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
 from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
@@ -163,23 +163,19 @@ class ModelRunner:
         """The step's host arrays on the device in one pinned copy; input_ids hold a placeholder where
         the previous step's sampled token goes (`_gather_pending`, which must follow that sampling).
         grammar_req_ids: a step's constrained requests, whose logit rows (each request's last: a step
-        without drafts) travel in the same copy, for the masks (_sample): each one's row, and each row's
-        mask (-1: none)."""
+        without drafts) travel in the same copy, for the masks (_sample)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
         if grammar_req_ids:
             position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
-            rows = np.fromiter(map(position.__getitem__, grammar_req_ids), np.int64, len(grammar_req_ids))
-            mask_of_row = np.full(len(inputs.req_ids), -1, np.int64)
-            mask_of_row[rows] = np.arange(len(rows))
-            index_arrays += [rows, mask_of_row]
+            index_arrays.append(np.fromiter(map(position.__getitem__, grammar_req_ids), np.int64))
         staged = self._staged(
             [inputs.input_ids, inputs.positions, inputs.slot_mapping, *index_arrays,
              inputs.query_start_loc, inputs.seq_lens, inputs.block_tables],
             [np.int64] * (3 + len(index_arrays)) + [np.int32] * 3,
         )  # fmt: skip
         input_ids, positions, slot_mapping, pending_dst, pending_src = staged[:5]
-        grammar_rows = tuple(staged[5:7]) if grammar_req_ids else None
+        grammar_rows = staged[5] if grammar_req_ids else None
         query_start_loc, seq_lens, block_tables = staged[-3:]
         md = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -314,22 +310,15 @@ class ModelRunner:
     ) -> PendingRunnerOutput:
         """The sampling half of a step: the grammar's masks first, then verification or sampling."""
         inputs, batch, logits, rows = step.inputs, step.sampling_batch, step.logits, step.rows
-        row_masks = None
         if grammar_bitmask is not None:
-            if step.grammar_rows is not None and one_launch(logits, batch):
-                # The sampling launch reads the masks itself.
-                temperature = None if batch.all_greedy else batch.temperature
-                mask_of_row = step.grammar_rows[1]
-                row_masks = self.grammar_masks.row_masks(logits, mask_of_row, grammar_bitmask, temperature)
-            else:
-                index = step.grammar_rows[0] if step.grammar_rows is not None else None
-                if index is None:
-                    index = self._grammar_rows(step.scheduler_output, inputs, rows)
-                self.grammar_masks.apply(logits, index, grammar_bitmask)
+            index = step.grammar_rows
+            if index is None:
+                index = self._grammar_rows(step.scheduler_output, inputs, rows)
+            self.grammar_masks.apply(logits, index, grammar_bitmask)
         if rows is not None:
             pending = verify(self, inputs, batch, logits, rows, step.prompt_logprobs)
         else:
-            sampled, logprobs = self.sampler(logits, batch, row_masks)
+            sampled, logprobs = self.sampler(logits, batch)
             self._last_sampled = sampled  # its rows: _last_row_of, set at launch
             logprob_ks = [r.sampling_params.logprobs for r in batch.requests]
             pending = PendingRunnerOutput(self, inputs, sampled, logprobs, logprob_ks, step.prompt_logprobs)

@@ -6,7 +6,7 @@ what else is in the batch."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -14,9 +14,6 @@ import torch
 from tokenmill.core.outputs import TokenLogprobs
 from tokenmill.worker.device import on_device
 from tokenmill.worker.sampling_batch import SamplingBatch
-
-if TYPE_CHECKING:
-    from tokenmill.kernels.sample import RowMasks
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -189,17 +186,14 @@ class Sampler:
         return greedy, probs
 
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch, masks: RowMasks | None = None
+        self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[torch.Tensor, LogprobTensors | None]:
-        """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device. masks:
-        grammar masks the one-launch kernel reads as it samples (only where one_launch holds)."""
+        """Returns (sampled token ids [B] and, when a row asks for them, logprobs), on the device."""
         if one_launch(logits, batch):
             from tokenmill.kernels.sample import sample_rows
 
             self._seed = int(torch.randint(0, 2**62, ())) if self._seed is None else self._seed + 1
-            temperature = None if batch.all_greedy else batch.temperature
-            return sample_rows(logits, temperature, self._seed, masks), None
-        assert masks is None, "grammar masks go into the one-launch sampling only"
+            return sample_rows(logits, None if batch.all_greedy else batch.temperature, self._seed), None
         greedy, probs = self._process(logits, batch)
         if probs is None:
             sampled = greedy

@@ -132,8 +132,7 @@ class Launched(NamedTuple):
     logits: torch.Tensor
     rows: VerifyRows | None  # a verifying step's logit rows
     prompt_logprobs: dict | None
-    # The constrained requests' logit rows and each logit row's mask (-1: none), staged by prepare.
-    grammar_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    grammar_rows: torch.Tensor | None = None  # the constrained requests' logit rows, staged by prepare
 
 
 class AwaitingGrammar:
