@@ -30,6 +30,7 @@ from grammar_masks import SCHEMA, unbounded  # noqa: E402  (the structured stage
 from shapes import shape_dir  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.kernels import host_wait  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputsParams  # noqa: E402
 from tokenmill.structured_outputs import MASK_THREADS, MAX_FAMILIES  # noqa: E402
 from tokenmill.worker import sampler as sampler_module  # noqa: E402
@@ -185,7 +186,8 @@ def main() -> None:
         help="comma-separated runs in order: none (unconstrained) or THREADSxFAMILIES (under the schema), "
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
-        ":unbounded takes the schema without its strings' maxLength",
+        ":unbounded takes the schema without its strings' maxLength; :unstaged reads the masks over the bus "
+        "a block at a time (host_wait.STAGED_MASKS off)",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -214,11 +216,13 @@ def main() -> None:
         label += f" switch={interval}us" if interval else ""
         label += " torch-sampler" if torch_form else ""
         label += " unbounded" if schema is not SCHEMA else ""
+        label += " unstaged" if "unstaged" in options else ""
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
         threads, families = threads and int(threads), families and int(families)
-        runs.append((label, threads, families, interval, torch_form, schema))
-    for label, threads, families, interval, torch_form, schema in runs:
+        runs.append((label, threads, families, interval, torch_form, schema, "unstaged" in options))
+    for label, threads, families, interval, torch_form, schema, unstaged in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
+        host_wait.STAGED_MASKS = not unstaged
         constraint = None
         # The engine's first fill lowers the switch interval to 100 us (and never raises it).
         sys.setswitchinterval(int(interval) * 1e-6 if interval else 0.0001)

@@ -26,6 +26,7 @@ from tokenmill.kernels import (
     attention,
     gemv,
     gemv_f16x2,
+    host_wait,
     int4_gemm,
     kv_cache,
     norm,
@@ -191,6 +192,15 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                 skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
 
 
+def _grammar_launches(dtype: torch.dtype) -> None:
+    """The masking that waits for the host (with its inline PTX), reading the masks over the bus block by
+    block and through a device copy made in one round trip."""
+    logits, rows = torch.empty(64, 49152, dtype=dtype), torch.zeros(64, dtype=torch.int64)
+    words, counter = torch.empty(64, 1536, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    host_wait.apply_bitmask_from_host(logits, rows, words, counter, 1)
+    host_wait.apply_bitmask_from_host(logits, rows, words, counter, 1, torch.empty_like(words))
+
+
 def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
     builds: list[Build] = []
     kernels = [
@@ -207,6 +217,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
         (activation, "_silu_and_mul_kernel"),
+        (host_wait, "_wait_then_mask_kernel"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]
     for module, name, fn in originals:
@@ -218,6 +229,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         _attention_launches(dtype)
         _small_launches(dtype)
         _skinny_launches(dtype)
+        _grammar_launches(dtype)
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)

@@ -40,6 +40,7 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "_rms_norm_kernel",
         "_rotary_kernel",
         "_silu_and_mul_kernel",
+        "_wait_then_mask_kernel",
     }
     assert [build for build in builds if build["spill_bytes"]] == []
     attention_builds = [build for build in builds if build["kernel"] == "_paged_attention_kernel"]

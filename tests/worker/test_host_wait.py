@@ -52,8 +52,9 @@ def test_the_stream_runs_what_follows_the_wait_once_the_host_publishes() -> None
     assert counter[1] == 0
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(dtype) -> None:
+def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(dtype, staged) -> None:
     """apply_bitmask_from_host against the torch masking: logits a slice of wider rows (as the LM head's
     padded vocabulary leaves them) and wider than the mask's words (the tokens past them are forbidden),
     rows picked out of order, masks written into the same pinned buffer step after step (a stale read of
@@ -68,13 +69,14 @@ def test_the_masking_kernel_waits_then_reads_each_steps_masks_from_host_memory(d
     host = torch.zeros(5, words, dtype=torch.int32, pin_memory=True)
     rows = torch.tensor([6, 0, 3, 7, 2], device="cuda")
     wide = torch.randn(8, 1040, generator=gen).to(dtype).cuda()
-    apply_bitmask_from_host(wide[:, :vocab], rows, host, counter, 0)  # compiled and loaded, no wait
+    staging = torch.empty(host.shape, dtype=torch.int32, device="cuda") if staged else None
+    apply_bitmask_from_host(wide[:, :vocab], rows, host, counter, 0, staging)  # compiled, loaded, no wait
     torch.cuda.synchronize()
     for step in range(1, 6):
         wide = torch.randn(8, 1040, generator=gen).to(dtype).cuda()
         logits = wide[:, :vocab]
         expected = logits.cpu()
-        apply_bitmask_from_host(logits, rows, host, counter, step)
+        apply_bitmask_from_host(logits, rows, host, counter, step, staging)
         done = torch.cuda.Event()
         done.record()
         masks = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int64)

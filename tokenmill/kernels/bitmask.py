@@ -13,15 +13,21 @@ MASK_BLOCK = 4096  # tokens a program masks at a time, looping over its row
 
 
 @triton.jit
-def mask_row(row, mask_row_ptr, vocab, words, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
+def mask_row(
+    row, mask_row_ptr, vocab, words, BLOCK: tl.constexpr, VOLATILE: tl.constexpr, L2: tl.constexpr = False
+):  # fmt: skip
     """-inf at the logits row `row` (a pointer to its first token) wherever the mask row at mask_row_ptr
     (int32 words, bit j of word i for token 32 i + j) has a 0 bit, BLOCK tokens at a time. Tokens past
     the mask's last word are forbidden, as llguidance's own masking does. VOLATILE: read the words
-    afresh from memory (host memory the host rewrites between steps)."""
+    afresh from memory (host memory the host rewrites between steps). L2: read them from L2, not from
+    this multiprocessor's L1 (words other threads of the program wrote just before)."""
     WORDS: tl.constexpr = BLOCK // 32
     for first in range(0, vocab, BLOCK):
         word = first // 32 + tl.arange(0, WORDS)
-        bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, volatile=VOLATILE)
+        if L2:
+            bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, cache_modifier=".cg")
+        else:
+            bits = tl.load(mask_row_ptr + word, mask=word < words, other=0, volatile=VOLATILE)
         allowed = (bits[:, None] >> tl.arange(0, 32)[None, :]) & 1
         cols = first + tl.arange(0, BLOCK)
         forbidden = tl.reshape(allowed, [BLOCK]) == 0

@@ -55,8 +55,8 @@ def _wait_kernel(counter, target, timeout_ns):
 
 @triton.jit(do_not_specialize=["target", "timeout_ns"])
 def _wait_then_mask_kernel(
-    logits, stride_logits, rows, mask, stride_mask, vocab, words, counter, target, timeout_ns,
-    BLOCK: tl.constexpr,
+    logits, stride_logits, rows, mask, stride_mask, vocab, words, counter, target, timeout_ns, staging,
+    STAGED: tl.constexpr, WORDS_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program r: the wait, then -inf at logits row rows[r] wherever mask row r (int32 words in pinned
     host memory: bit j of word i for token 32 i + j; tokens past its last word are forbidden) has a 0 bit.
@@ -69,7 +69,18 @@ def _wait_then_mask_kernel(
         )  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         row = tl.load(rows + r).to(tl.int64)
-        mask_row(logits + row * stride_logits, mask + r * stride_mask, vocab, words, BLOCK, True)
+        if STAGED:
+            # The row's words over the bus in one round trip (every load in flight at once) into device
+            # memory, read there block by block: read over the bus block by block, each block's loads
+            # wait for it in turn.
+            word = tl.arange(0, WORDS_PAD)
+            bits = tl.load(mask + r * stride_mask + word, mask=word < words, volatile=True)
+            staged_row = staging + r * stride_mask
+            tl.store(staged_row + word, bits, mask=word < words)
+            tl.debug_barrier()
+            mask_row(logits + row * stride_logits, staged_row, vocab, words, BLOCK, False, True)
+        else:
+            mask_row(logits + row * stride_logits, mask + r * stride_mask, vocab, words, BLOCK, True)
 
 
 def wait_for_host(counter: torch.Tensor, target: int) -> None:
@@ -79,16 +90,33 @@ def wait_for_host(counter: torch.Tensor, target: int) -> None:
 
 
 def apply_bitmask_from_host(
-    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, counter: torch.Tensor, target: int
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    bitmask: torch.Tensor,
+    counter: torch.Tensor,
+    target: int,
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Queue on the current stream, in one launch: the wait of wait_for_host(counter, target), then
     kernels/bitmask.py's masking of logits [R, V] at rows [N] (int64, on the device) from bitmask [N, W]
-    (int32, in pinned host memory), read where the host wrote it (no copy to queue). If the wait gives
-    up, the logits are left unmasked (and counter[1] says so)."""
+    (int32, in pinned host memory), read where the host wrote it (no copy to queue). staging (int32 on
+    the device, at least [N, W] with bitmask's row stride; under STAGED_MASKS): each row comes over in
+    one round trip into it first. If the wait gives up, the logits are left unmasked (and counter[1]
+    says so)."""
     if rows.numel() == 0:
         return
     assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1 and bitmask.dtype == torch.int32
+    staged = STAGED_MASKS and staging is not None
+    if staged:
+        assert staging.dtype == torch.int32 and staging.stride(0) == bitmask.stride(0)
+        assert staging.shape[0] >= bitmask.shape[0]
     _wait_then_mask_kernel[(rows.numel(),)](
         logits, logits.stride(0), rows, bitmask, bitmask.stride(0), logits.shape[1], bitmask.shape[1],
-        counter, target, TIMEOUT_NS, BLOCK=MASK_BLOCK, num_warps=4,
+        counter, target, TIMEOUT_NS, staging if staged else bitmask, STAGED=staged,
+        WORDS_PAD=triton.next_power_of_2(bitmask.shape[1]) if staged else 1, BLOCK=MASK_BLOCK, num_warps=4,
     )  # fmt: skip
+
+
+# Whether the masking kernel copies each mask row into device memory in one round trip before masking
+# (apply_bitmask_from_host's staging), rather than reading it over the bus a block of words at a time.
+STAGED_MASKS = True

@@ -47,6 +47,7 @@ class GrammarMasks:
         # One pinned buffer serves every step: a step's masks are filled only after the step before it
         # returned its tokens, so the device has read that step's masks.
         self.on_host: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None  # on the device: where the masking kernel copies rows
         self._loaded: set[tuple] = set()  # the logits layouts the masking kernel has run on
 
     def host_masks(self, rows: int, words: int) -> HostMasks:
@@ -67,10 +68,14 @@ class GrammarMasks:
         from tokenmill.kernels.host_wait import apply_bitmask_from_host
 
         assert self.counter is not None
+        assert self.on_host is not None
+        if self.staging is None or self.staging.shape != self.on_host.shape:
+            # Allocated here, where no wait is pending, not with on_host (the step before may still wait).
+            self.staging = torch.empty(self.on_host.shape, dtype=torch.int32, device=self.device)
         key = (logits.dtype, logits.stride(0), logits.shape[1], words)
         if key not in self._loaded:
             allowed = torch.full((1, words), -1, dtype=torch.int32, pin_memory=True)
-            apply_bitmask_from_host(logits, index[:1], allowed, self.counter, 0)
+            apply_bitmask_from_host(logits, index[:1], allowed, self.counter, 0, self.staging[:1, :words])
             torch.cuda.synchronize(self.device)
             self._loaded.add(key)
 
@@ -86,7 +91,7 @@ class GrammarMasks:
 
             assert self.counter is not None
             self._load_kernel(logits, index, bitmask.tensor.shape[1])
-            apply_bitmask_from_host(logits, index, bitmask.tensor, self.counter, bitmask.target)
+            apply_bitmask_from_host(logits, index, bitmask.tensor, self.counter, bitmask.target, self.staging)
         else:
             # Through pinned memory as the step's inputs are: a copy from pageable memory would wait for
             # the forward pass, leaving the host idle instead of planning the next step.
