@@ -187,7 +187,8 @@ def main() -> None:
         "THREADSxFAMILIES:siN with the GIL's switch interval N us instead of the engine's 100; :torch after "
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
         ":unbounded takes the schema without its strings' maxLength; :unstaged reads the masks over the bus "
-        "a block at a time (host_wait.STAGED_MASKS off)",
+        "a block at a time (host_wait.STAGED_MASKS off); :pin runs the loop on CPU 0 and the mask threads "
+        "off the CPUs in $PIN_EXCLUDE (default 0)",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -217,10 +218,14 @@ def main() -> None:
         label += " torch-sampler" if torch_form else ""
         label += " unbounded" if schema is not SCHEMA else ""
         label += " unstaged" if "unstaged" in options else ""
+        label += " pinned" if "pin" in options else ""
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
         threads, families = threads and int(threads), families and int(families)
-        runs.append((label, threads, families, interval, torch_form, schema, "unstaged" in options))
-    for label, threads, families, interval, torch_form, schema, unstaged in runs:
+        unstaged, pin = "unstaged" in options, "pin" in options
+        runs.append((label, threads, families, interval, torch_form, schema, unstaged, pin))
+    all_cpus = os.sched_getaffinity(0)
+    exclude = {int(c) for c in os.environ.get("PIN_EXCLUDE", "0").split(",") if c}
+    for label, threads, families, interval, torch_form, schema, unstaged, pin in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
         host_wait.STAGED_MASKS = not unstaged
         constraint = None
@@ -230,6 +235,10 @@ def main() -> None:
             constraint = StructuredOutputsParams(json=schema)
             # A fresh compilation cache and llguidance executor for this many threads and families.
             structured.__init__(structured.load_tokenizer, structured.vocab_size, threads, families)
+            if pin:  # llguidance's threads start with the executor, on the CPUs its creator may use
+                os.sched_setaffinity(0, all_cpus - exclude)
+                structured.ll_tokenizer  # noqa: B018 (builds the executor now)
+        os.sched_setaffinity(0, {min(exclude)} if pin else all_cpus)
         # Fresh random prompts for each run and its warm-up: nothing comes from the prefix cache.
         prompts = rng.integers(100, 40000, (args.requests + args.batch, args.input_len)).tolist()
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, structured_outputs=constraint)

@@ -365,13 +365,14 @@ class Scheduler(StepIntake):
         """The step's requests that sample under a grammar (before the step's counts move)."""
         if self.structured is None or not any(r.grammar is not None for r in self.running):
             return {}
-        sampling = [
-            request_id
-            for request_id, request in ((r, self.requests[r]) for r in num_scheduled)
-            if request.grammar is not None
-            and request.num_computed_tokens + num_scheduled[request_id]
-            >= request.num_tokens_with_placeholders
-        ]
+        requests = self.requests
+        sampling: list[str] = []
+        for request_id, num_new in num_scheduled.items():
+            request = requests[request_id]
+            if request.grammar is not None and (
+                request.num_computed_tokens + num_new >= request.num_tokens_with_placeholders
+            ):
+                sampling.append(request_id)
         return {"grammar_req_ids": sampling} if sampling else {}
 
     def _can_admit(self) -> bool:
