@@ -2,9 +2,12 @@
 attribute access, small numpy over 64 requests) timed alone and beside: N threads hashing (no GIL), and
 llguidance filling 64 masks of the `structured` GPU stage's schema on its executor (a recorded random
 walk, replayed as the engine's helper does), continuously or with a 2 ms gap between fills. Prints the
-host's lscpu, then wall and thread-CPU microseconds per workload call for each condition.
+host's lscpu, then wall and thread-CPU microseconds per workload call for each condition. With
+--siblings: the workload pinned to CPU 0, timed with one hashing thread pinned to each other CPU in turn
+(an SMT sibling the hypervisor hides from the guest would stand out as the one that slows it most).
 
     python benchmarks/host_contention.py TOKENIZER_DIR [OUT.json]
+    python benchmarks/host_contention.py --siblings OUT.json
 """
 
 import hashlib
@@ -131,7 +134,38 @@ def llg_filler(mask_threads, gap_s, stop, stats):
     return [t]
 
 
+def siblings(out: str) -> None:
+    """CPU-seconds a workload call pinned to CPU 0 takes, alone and beside a busy thread on each CPU."""
+    os.sched_setaffinity(0, {0})
+    buf = os.urandom(1 << 20)
+
+    def speed() -> float:
+        return measure(0.25)["us_cpu"]
+
+    result: dict = {"alone": min(speed() for _ in range(3))}
+    for cpu in range(1, os.cpu_count() or 1):
+        stop = threading.Event()
+
+        def burn(cpu=cpu, stop=stop) -> None:
+            os.sched_setaffinity(0, {cpu})
+            while not stop.is_set():
+                hashlib.sha256(buf).digest()
+
+        thread = threading.Thread(target=burn)
+        thread.start()
+        time.sleep(0.05)
+        result[cpu] = min(speed(), speed())
+        stop.set()
+        thread.join()
+    print(json.dumps(result))
+    with open(out, "w") as f:
+        json.dump({"us_cpu": result}, f, indent=2)
+
+
 def main():
+    if sys.argv[1] == "--siblings":
+        siblings(sys.argv[2])
+        return
     info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(info)
     for cpu in (0, 1):
