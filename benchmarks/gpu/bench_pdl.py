@@ -41,8 +41,9 @@ def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
     tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with SiLU-and-multiply
-    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also with its one-row GEMV
-    launched plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one)."""
+    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also with two words' products
+    summed together, with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as
+    before the packed-fp16 one)."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -56,6 +57,10 @@ def variants(quantization: str | None) -> list[dict]:
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     if quantization == "int4":
+        # Two words' products summed in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), with the default act.
+        out.append(
+            {"name": "pdl-fuse-act-paired", "pdl": True, "fusion": _ACT, "switches": {"GEMV4_PAIRED": True}}
+        )
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
         # packed-fp16 kernel.

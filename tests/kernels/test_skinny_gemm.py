@@ -89,6 +89,31 @@ def test_w4a16_one_row_in_fp16_halves_keeps_every_magnitude(magnitude, dtype) ->
 
 
 @pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "config"),
+    [
+        (1, 40, 1024, 128, False, SkinnyConfig(8, 256, 1, 4, 1)),
+        (1, 72, 512, 32, True, SkinnyConfig(16, 128, 2, 4, 1)),  # K split, zero points
+        (2, 48, 768, 64, True, SkinnyConfig(16, 256, 1, 4, 1, prefetch=True)),  # two rows, a step ahead
+        (1, 24, 200, 8, False, None),  # groups of one word (SUB 1): unpaired; K past the tile
+    ],
+)
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4])
+def test_w4a16_paired_words_match_dequantize_then_matmul(m, n, k, group, zeros, config, magnitude) -> None:
+    """GEMV4_PAIRED: the packed-fp16 kernel sums two words' sixteen products in fp16 before fp32: the fp64
+    reference still, over magnitudes, zero points, K splits, two rows and the prefetching loop."""
+    from tokenmill.kernels import skinny_gemm
+
+    packed, scale, zero = int4_weight(n, k, group, zeros, seed=n + k + group)
+    gen = torch.Generator().manual_seed(k + group)
+    x = (torch.randn(m, k, generator=gen) * magnitude).to(DEVICE, torch.bfloat16)
+    with skinny_gemm.switches(GEMV4_PAIRED=True):
+        got = w4a16_skinny(x, packed, scale, zero, group, config=config)
+    weight = dequantize_int4(packed, scale, zero, group, k, torch.float64)
+    assert torch.isfinite(got).all()
+    assert_close(got, x.double() @ weight.t(), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
     ("m", "n", "k", "config"),
     [
         (1, 64, 128, SkinnyConfig(16, 64, 1, 4, 2)),

@@ -60,6 +60,45 @@ def _f16x2_word_constraints(rows):
     return ",".join(["=f"] * rows + ["r"] * (1 + 4 * rows))
 
 
+# Two adjacent words against their activations (PAIRED): $ROWS and $ROWS+1 the words, then for each row
+# r the first word's four f16x2 pairs and the second's; $r the fp32 sum of row r's sixteen products. The
+# same unpacking, then eight packed FMAs a row into one f16x2 sum and one conversion to fp32 for the two
+# words: 29 instructions for two words of one row where _f16x2_word_asm takes 32. A half's eight-product
+# sum stays under 16,384 (F16X2_TOP's bound, twice over), still far from fp16's 65,504.
+@triton.constexpr_function
+def _f16x2_word_pair_asm(rows):
+    lines = [
+        "{", ".reg .b32 w, q0, q1, q2, q3, p0, p1, p2, p3, acc, c, s, o;", ".reg .b16 l, h;",
+        ".reg .f32 fl, fh;", "mov.b32 c, 0x64086408;", "mov.b32 s, 0x2c002c00;", "mov.b32 o, 0xd480d480;",
+    ]  # fmt: skip
+    for word, q in ((f"${rows}", "q"), (f"${rows + 1}", "p")):
+        lines += [
+            f"lop3.b32 {q}0, {word}, 0x000f000f, 0x64006400, 0xea;",
+            f"lop3.b32 {q}1, {word}, 0x00f000f0, 0x64006400, 0xea;",
+            f"shr.b32 w, {word}, 8;",
+            f"lop3.b32 {q}2, w, 0x000f000f, 0x64006400, 0xea;",
+            f"lop3.b32 {q}3, w, 0x00f000f0, 0x64006400, 0xea;",
+            f"sub.rn.f16x2 {q}0, {q}0, c;", f"fma.rn.f16x2 {q}1, {q}1, s, o;",
+            f"sub.rn.f16x2 {q}2, {q}2, c;", f"fma.rn.f16x2 {q}3, {q}3, s, o;",
+        ]  # fmt: skip
+    for r in range(rows):
+        x = [f"${rows + 2 + 8 * r + i}" for i in range(8)]
+        lines += [
+            f"mul.rn.f16x2 acc, q0, {x[0]};", f"fma.rn.f16x2 acc, q1, {x[1]}, acc;",
+            f"fma.rn.f16x2 acc, q2, {x[2]}, acc;", f"fma.rn.f16x2 acc, q3, {x[3]}, acc;",
+            f"fma.rn.f16x2 acc, p0, {x[4]}, acc;", f"fma.rn.f16x2 acc, p1, {x[5]}, acc;",
+            f"fma.rn.f16x2 acc, p2, {x[6]}, acc;", f"fma.rn.f16x2 acc, p3, {x[7]}, acc;",
+            "mov.b32 {l, h}, acc;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", f"add.f32 ${r}, fl, fh;",
+        ]  # fmt: skip
+    return "\n".join(lines + ["}"])
+
+
+@triton.constexpr_function
+def _f16x2_word_pair_constraints(rows):
+    """_f16x2_word_pair_asm's operands: ROWS fp32 outputs, the two words and eight pairs a row."""
+    return ",".join(["=f"] * rows + ["r"] * (2 + 8 * rows))
+
+
 @triton.constexpr_function
 def _fp32s(rows):
     return (tl.float32,) * rows
@@ -117,6 +156,55 @@ def _f16x2_words(packed, pairs, ROWS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _halves(t, BLOCK_W: tl.constexpr):
+    """[..., BLOCK_W] -> (its even columns, its odd columns), each [..., BLOCK_W // 2]."""
+    return tl.split(tl.reshape(t, (t.shape[0], BLOCK_W // 2, 2)))
+
+
+@triton.jit
+def _f16x2_word_pairs(packed, pairs, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, ASM: tl.constexpr):
+    """_f16x2_words over adjacent words 2j and 2j + 1 together (_f16x2_word_pair_asm): for each of ROWS
+    rows the fp32 sum of the pair's sixteen products, [BLOCK_N, BLOCK_W // 2]. The interpreter sums the
+    sixteen in fp16 tensors likewise."""
+    even, odd = _halves(packed, BLOCK_W)
+    if ASM:
+        args = (even, odd)
+        for r in tl.static_range(ROWS):
+            evens = ()
+            odds = ()
+            for i in tl.static_range(4):
+                a, b = _halves(pairs[r][i], BLOCK_W)
+                evens = evens + (a,)
+                odds = odds + (b,)
+            args = args + evens + odds
+        sums = tl.inline_asm_elementwise(
+            _f16x2_word_pair_asm(ROWS),
+            _f16x2_word_pair_constraints(ROWS),
+            args,
+            dtype=_fp32s(ROWS),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        sums = ()
+        for r in tl.static_range(ROWS):
+            low = tl.zeros(even.shape, dtype=tl.float16)
+            high = tl.zeros(even.shape, dtype=tl.float16)
+            for i in tl.static_range(4):
+                low_even, low_odd = _halves(pairs[r][i][0], BLOCK_W)
+                high_even, high_odd = _halves(pairs[r][i][1], BLOCK_W)
+                low = (low + (((even >> (4 * i)) & 0xF) - 8).to(tl.float16) * low_even).to(tl.float16)
+                high = (high + (((even >> (4 * i + 16)) & 0xF) - 8).to(tl.float16) * high_even).to(tl.float16)
+            for i in tl.static_range(4):
+                low_even, low_odd = _halves(pairs[r][i][0], BLOCK_W)
+                high_even, high_odd = _halves(pairs[r][i][1], BLOCK_W)
+                low = (low + (((odd >> (4 * i)) & 0xF) - 8).to(tl.float16) * low_odd).to(tl.float16)
+                high = (high + (((odd >> (4 * i + 16)) & 0xF) - 8).to(tl.float16) * high_odd).to(tl.float16)
+            sums = sums + (low.to(tl.float32) + high.to(tl.float32),)
+    return sums
+
+
+@triton.jit
 def _x_step(x, rw, K, hi, EVEN_K: tl.constexpr):
     """The activations of words rw, as loaded: eight tensors, value 8w + i in the i-th."""
     xs = ()
@@ -157,6 +245,7 @@ def w4a16_gemv_f16x2_kernel(
     EARLY: tl.constexpr,
     GATED: tl.constexpr,
     PDL: tl.constexpr,
+    PAIRED: tl.constexpr = False,
 ):
     """w4a16_gemv_kernel's job for ROWS rows of 16-bit x (one, or a few) against BLOCK_N rows of the
     packed weight, BLOCK_W words a step, in packed fp16 arithmetic: 16 instructions a word of eight
@@ -164,7 +253,8 @@ def w4a16_gemv_f16x2_kernel(
     further row. Each step scales each row's activations by a power of two a group's words (F16X2_TOP)
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
     fp16, everything past the word in fp32, unscaled with the group's scale. GATED as in
-    gemv.w8a16_gemv_kernel."""
+    gemv.w8a16_gemv_kernel. PAIRED (SUB even): two adjacent words' products summed in fp16 together,
+    one conversion to fp32 for the two (_f16x2_word_pairs)."""
     rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
     )
@@ -201,18 +291,22 @@ def w4a16_gemv_f16x2_kernel(
             pairs = pairs + (row_pairs,)
             downs = downs + (down,)
             x_sums = x_sums + (x_sum,)
-        parts = _f16x2_words(packed, pairs, ROWS, ASM)
+        if PAIRED:  # each pair of words summed together (SUB even: a pair never straddles two groups)
+            parts = _f16x2_word_pairs(packed, pairs, ROWS, BLOCK_W, ASM)
+        else:
+            parts = _f16x2_words(packed, pairs, ROWS, ASM)
         rs = w0 + tl.arange(0, BLOCK_W // SUB) * SUB
         group = (rs * 8) // GROUP
         s_ok = (rs < hi)[None, :]
         s = tl.load(scale + rn_ld[:, None] * stride_sn + group[None, :], mask=s_ok, other=0.0).to(tl.float32)
         if HAS_ZERO:  # stored minus 8: q - zero = (q - 8) - stored
             z = tl.load(zero + rn_ld[:, None] * stride_zn + group[None, :], mask=s_ok, other=0).to(tl.float32)
+        per_sub: tl.constexpr = SUB // 2 if PAIRED else SUB  # parts' columns a group's words fill
         new_accs = ()
         for r in tl.static_range(ROWS):
             part = parts[r]
-            if SUB > 1:
-                part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // SUB, SUB)), axis=2)
+            if per_sub > 1:
+                part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // SUB, per_sub)), axis=2)
             part = part * downs[r][None, :]
             if HAS_ZERO:
                 part -= z * x_sums[r][None, :]

@@ -272,8 +272,8 @@ def w4a16_skinny(
                     stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
                     ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
-                    EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated, **common,
-                    **pdl.launch_args(x2, GEMV4_PDL),
+                    EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated,
+                    PAIRED=GEMV4_PAIRED and sub % 2 == 0, **common, **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
             gemv.w4a16_gemv_kernel[grid](
@@ -391,6 +391,10 @@ GEMV4_F16X2 = True
 # session): at 2 rows 7.8-34.7 us against kernels/w4a16_mma.py's 11.7-47.0 (every shape faster); at 3
 # rows tied or slower (down 31.4 against 26.0), at 4 slower (gate+up 63.6 against 47.0).
 GEMV4_ROWS = 2
+# Whether the packed-fp16 kernel sums two adjacent words' products in fp16 before converting to fp32
+# (gemv_f16x2's PAIRED): its loop at gate+up's tile 445 -> 412 sm_90 instructions (sass_loop.py). Not yet
+# timed on a GPU: off until bench_pdl says.
+GEMV4_PAIRED = False
 # The same for the FP8 (W8A16) one-row kernel (gemv.w8a16_gemv_kernel's ROWS, each weight tile converted
 # once for every row) against the tl.dot kernel above: faster at 2 rows (gate+up 34.1 against 44.1 us) and
 # 3 (40.9 against 43.7, QKV tied), mixed at 4. The dense one against cuBLAS: 0.7% faster at 2 rows summed
