@@ -30,48 +30,20 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # mantissas over 1024 (for i = 1 and 3 four bits up: over 1024 in steps of 16); one packed subtract (or,
 # four bits up, a packed FMA by 1/16) takes 1024 + 8 away; four packed FMAs a row sum the products, and
 # three instructions take the two halves' sums to fp32: 16 instructions a word for one row, where fp32
-# needs 24, and 7 for each further row (the word is unpacked once).
+# needs 24, and 7 for each further row (the word is unpacked once). Two words at once (PAIRED) share the
+# conversion: 29 instructions for two words of one row; a half's eight-product sum stays under 16,384.
 @triton.constexpr_function
-def _f16x2_word_asm(rows):
-    word = f"${rows}"
-    lines = [
-        "{", ".reg .b32 w, q0, q1, q2, q3, acc, c, s, o;", ".reg .b16 l, h;", ".reg .f32 fl, fh;",
-        "mov.b32 c, 0x64086408;", "mov.b32 s, 0x2c002c00;", "mov.b32 o, 0xd480d480;",
-        f"lop3.b32 q0, {word}, 0x000f000f, 0x64006400, 0xea;",
-        f"lop3.b32 q1, {word}, 0x00f000f0, 0x64006400, 0xea;",
-        f"shr.b32 w, {word}, 8;",
-        "lop3.b32 q2, w, 0x000f000f, 0x64006400, 0xea;", "lop3.b32 q3, w, 0x00f000f0, 0x64006400, 0xea;",
-        "sub.rn.f16x2 q0, q0, c;", "fma.rn.f16x2 q1, q1, s, o;",
-        "sub.rn.f16x2 q2, q2, c;", "fma.rn.f16x2 q3, q3, s, o;",
-    ]  # fmt: skip
-    for r in range(rows):
-        x = [f"${rows + 1 + 4 * r + i}" for i in range(4)]
-        lines += [
-            f"mul.rn.f16x2 acc, q0, {x[0]};", f"fma.rn.f16x2 acc, q1, {x[1]}, acc;",
-            f"fma.rn.f16x2 acc, q2, {x[2]}, acc;", f"fma.rn.f16x2 acc, q3, {x[3]}, acc;",
-            "mov.b32 {l, h}, acc;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", f"add.f32 ${r}, fl, fh;",
-        ]  # fmt: skip
-    return "\n".join(lines + ["}"])
-
-
-@triton.constexpr_function
-def _f16x2_word_constraints(rows):
-    """_f16x2_word_asm's operands: ROWS fp32 outputs, the word and four pairs a row."""
-    return ",".join(["=f"] * rows + ["r"] * (1 + 4 * rows))
-
-
-# Two adjacent words against their activations (PAIRED): $ROWS and $ROWS+1 the words, then for each row
-# r the first word's four f16x2 pairs and the second's; $r the fp32 sum of row r's sixteen products. The
-# same unpacking, then eight packed FMAs a row into one f16x2 sum and one conversion to fp32 for the two
-# words: 29 instructions for two words of one row where _f16x2_word_asm takes 32. A half's eight-product
-# sum stays under 16,384 (F16X2_TOP's bound, twice over), still far from fp16's 65,504.
-@triton.constexpr_function
-def _f16x2_word_pair_asm(rows):
+def _f16x2_word_asm(rows, words=1):
+    """The PTX above for `words` adjacent words (1, or 2: PAIRED): each word unpacked into its own
+    registers, then for each row all their products in one f16x2 sum and one conversion to fp32.
+    Operands: ROWS fp32 outputs, the words, then for each row each word's four pairs."""
+    unpacked = ("q", "p")[:words]
     lines = [
         "{", ".reg .b32 w, q0, q1, q2, q3, p0, p1, p2, p3, acc, c, s, o;", ".reg .b16 l, h;",
         ".reg .f32 fl, fh;", "mov.b32 c, 0x64086408;", "mov.b32 s, 0x2c002c00;", "mov.b32 o, 0xd480d480;",
     ]  # fmt: skip
-    for word, q in ((f"${rows}", "q"), (f"${rows + 1}", "p")):
+    for j, q in enumerate(unpacked):
+        word = f"${rows + j}"
         lines += [
             f"lop3.b32 {q}0, {word}, 0x000f000f, 0x64006400, 0xea;",
             f"lop3.b32 {q}1, {word}, 0x00f000f0, 0x64006400, 0xea;",
@@ -82,21 +54,19 @@ def _f16x2_word_pair_asm(rows):
             f"sub.rn.f16x2 {q}2, {q}2, c;", f"fma.rn.f16x2 {q}3, {q}3, s, o;",
         ]  # fmt: skip
     for r in range(rows):
-        x = [f"${rows + 2 + 8 * r + i}" for i in range(8)]
-        lines += [
-            f"mul.rn.f16x2 acc, q0, {x[0]};", f"fma.rn.f16x2 acc, q1, {x[1]}, acc;",
-            f"fma.rn.f16x2 acc, q2, {x[2]}, acc;", f"fma.rn.f16x2 acc, q3, {x[3]}, acc;",
-            f"fma.rn.f16x2 acc, p0, {x[4]}, acc;", f"fma.rn.f16x2 acc, p1, {x[5]}, acc;",
-            f"fma.rn.f16x2 acc, p2, {x[6]}, acc;", f"fma.rn.f16x2 acc, p3, {x[7]}, acc;",
-            "mov.b32 {l, h}, acc;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", f"add.f32 ${r}, fl, fh;",
-        ]  # fmt: skip
+        x = [f"${rows + words + 4 * words * r + i}" for i in range(4 * words)]
+        products = [f"{q}{i}" for q in unpacked for i in range(4)]
+        lines.append(f"mul.rn.f16x2 acc, {products[0]}, {x[0]};")
+        lines += [f"fma.rn.f16x2 acc, {q}, {xi}, acc;" for q, xi in zip(products[1:], x[1:])]
+        lines += ["mov.b32 {l, h}, acc;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;"]
+        lines.append(f"add.f32 ${r}, fl, fh;")
     return "\n".join(lines + ["}"])
 
 
 @triton.constexpr_function
-def _f16x2_word_pair_constraints(rows):
-    """_f16x2_word_pair_asm's operands: ROWS fp32 outputs, the two words and eight pairs a row."""
-    return ",".join(["=f"] * rows + ["r"] * (2 + 8 * rows))
+def _f16x2_word_constraints(rows, words=1):
+    """_f16x2_word_asm's operands: ROWS fp32 outputs, the words and four pairs a word a row."""
+    return ",".join(["=f"] * rows + ["r"] * (words + 4 * words * rows))
 
 
 @triton.constexpr_function
@@ -124,17 +94,26 @@ def _f16x2_pair(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _f16x2_words(packed, pairs, ROWS: tl.constexpr, ASM: tl.constexpr):
+def _f16x2_words(
+    packed, pairs, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr
+):  # fmt: skip
     """For each of ROWS rows, the fp32 sum of a word's eight products with that row's activation pairs
-    (pairs[r], four f16x2 tensors; _f16x2_word_asm): a tuple of ROWS tensors. The interpreter does the
-    same arithmetic in fp16 tensors (the products and the four-term sums in fp16, as the packed halves)."""
+    (pairs[r], four f16x2 tensors; _f16x2_word_asm): a tuple of ROWS tensors [BLOCK_N, BLOCK_W]; WORDS 2
+    (PAIRED): of adjacent words 2j and 2j + 1 together, [BLOCK_N, BLOCK_W // 2]. The interpreter (no PTX)
+    does the same arithmetic in fp16 tensors (the products and the sums in fp16, as the packed halves)."""
+    if WORDS == 2:
+        words = _halves(packed, BLOCK_W)
+    else:
+        words = (packed,)
     if ASM:
-        args = (packed,)
+        args = words
         for r in tl.static_range(ROWS):
-            args = args + pairs[r]
+            for w in tl.static_range(WORDS):
+                for i in tl.static_range(4):
+                    args = args + (_columns(pairs[r][i], w, BLOCK_W, WORDS),)
         sums = tl.inline_asm_elementwise(
-            _f16x2_word_asm(ROWS),
-            _f16x2_word_constraints(ROWS),
+            _f16x2_word_asm(ROWS, WORDS),
+            _f16x2_word_constraints(ROWS, WORDS),
             args,
             dtype=_fp32s(ROWS),
             is_pure=True,
@@ -143,14 +122,16 @@ def _f16x2_words(packed, pairs, ROWS: tl.constexpr, ASM: tl.constexpr):
     else:
         sums = ()
         for r in tl.static_range(ROWS):
-            low = tl.zeros(packed.shape, dtype=tl.float16)
-            high = tl.zeros(packed.shape, dtype=tl.float16)
-            for i in tl.static_range(4):
-                pair = pairs[r][i]
-                q_low = (((packed >> (4 * i)) & 0xF) - 8).to(tl.float16)
-                q_high = (((packed >> (4 * i + 16)) & 0xF) - 8).to(tl.float16)
-                low = (low + q_low * pair[0]).to(tl.float16)
-                high = (high + q_high * pair[1]).to(tl.float16)
+            low = tl.zeros(words[0].shape, dtype=tl.float16)
+            high = tl.zeros(words[0].shape, dtype=tl.float16)
+            for w in tl.static_range(WORDS):
+                for i in tl.static_range(4):
+                    x_low = _columns(pairs[r][i][0], w, BLOCK_W, WORDS)
+                    x_high = _columns(pairs[r][i][1], w, BLOCK_W, WORDS)
+                    q_low = (((words[w] >> (4 * i)) & 0xF) - 8).to(tl.float16)
+                    q_high = (((words[w] >> (4 * i + 16)) & 0xF) - 8).to(tl.float16)
+                    low = (low + q_low * x_low).to(tl.float16)
+                    high = (high + q_high * x_high).to(tl.float16)
             sums = sums + (low.to(tl.float32) + high.to(tl.float32),)
     return sums
 
@@ -162,46 +143,17 @@ def _halves(t, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _f16x2_word_pairs(packed, pairs, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, ASM: tl.constexpr):
-    """_f16x2_words over adjacent words 2j and 2j + 1 together (_f16x2_word_pair_asm): for each of ROWS
-    rows the fp32 sum of the pair's sixteen products, [BLOCK_N, BLOCK_W // 2]. The interpreter sums the
-    sixteen in fp16 tensors likewise."""
-    even, odd = _halves(packed, BLOCK_W)
-    if ASM:
-        args = (even, odd)
-        for r in tl.static_range(ROWS):
-            evens = ()
-            odds = ()
-            for i in tl.static_range(4):
-                a, b = _halves(pairs[r][i], BLOCK_W)
-                evens = evens + (a,)
-                odds = odds + (b,)
-            args = args + evens + odds
-        sums = tl.inline_asm_elementwise(
-            _f16x2_word_pair_asm(ROWS),
-            _f16x2_word_pair_constraints(ROWS),
-            args,
-            dtype=_fp32s(ROWS),
-            is_pure=True,
-            pack=1,
-        )
+def _columns(t, w: tl.constexpr, BLOCK_W: tl.constexpr, WORDS: tl.constexpr):
+    """t itself (WORDS 1), else its even (w 0) or odd (w 1) columns: word w of each pair."""
+    if WORDS == 1:
+        columns = t
     else:
-        sums = ()
-        for r in tl.static_range(ROWS):
-            low = tl.zeros(even.shape, dtype=tl.float16)
-            high = tl.zeros(even.shape, dtype=tl.float16)
-            for i in tl.static_range(4):
-                low_even, low_odd = _halves(pairs[r][i][0], BLOCK_W)
-                high_even, high_odd = _halves(pairs[r][i][1], BLOCK_W)
-                low = (low + (((even >> (4 * i)) & 0xF) - 8).to(tl.float16) * low_even).to(tl.float16)
-                high = (high + (((even >> (4 * i + 16)) & 0xF) - 8).to(tl.float16) * high_even).to(tl.float16)
-            for i in tl.static_range(4):
-                low_even, low_odd = _halves(pairs[r][i][0], BLOCK_W)
-                high_even, high_odd = _halves(pairs[r][i][1], BLOCK_W)
-                low = (low + (((odd >> (4 * i)) & 0xF) - 8).to(tl.float16) * low_odd).to(tl.float16)
-                high = (high + (((odd >> (4 * i + 16)) & 0xF) - 8).to(tl.float16) * high_odd).to(tl.float16)
-            sums = sums + (low.to(tl.float32) + high.to(tl.float32),)
-    return sums
+        even, odd = _halves(t, BLOCK_W)
+        if w == 0:
+            columns = even
+        else:
+            columns = odd
+    return columns
 
 
 @triton.jit
@@ -254,7 +206,7 @@ def w4a16_gemv_f16x2_kernel(
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
     fp16, everything past the word in fp32, unscaled with the group's scale. GATED as in
     gemv.w8a16_gemv_kernel. PAIRED (SUB even): two adjacent words' products summed in fp16 together,
-    one conversion to fp32 for the two (_f16x2_word_pairs)."""
+    one conversion to fp32 for the two (_f16x2_words of two)."""
     rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
     )
@@ -291,10 +243,8 @@ def w4a16_gemv_f16x2_kernel(
             pairs = pairs + (row_pairs,)
             downs = downs + (down,)
             x_sums = x_sums + (x_sum,)
-        if PAIRED:  # each pair of words summed together (SUB even: a pair never straddles two groups)
-            parts = _f16x2_word_pairs(packed, pairs, ROWS, BLOCK_W, ASM)
-        else:
-            parts = _f16x2_words(packed, pairs, ROWS, ASM)
+        # PAIRED: each pair of words summed together (SUB even: a pair never straddles two groups).
+        parts = _f16x2_words(packed, pairs, ROWS, BLOCK_W, 2 if PAIRED else 1, ASM)
         rs = w0 + tl.arange(0, BLOCK_W // SUB) * SUB
         group = (rs * 8) // GROUP
         s_ok = (rs < hi)[None, :]
