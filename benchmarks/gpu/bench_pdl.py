@@ -41,8 +41,8 @@ def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
     tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with SiLU-and-multiply
-    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also with two words' products
-    summed together, with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as
+    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also with the packed-fp16
+    kernel's candidates, with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as
     before the packed-fp16 one)."""
     if quantization is None:
         return [
@@ -57,10 +57,14 @@ def variants(quantization: str | None) -> list[dict]:
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     if quantization == "int4":
-        # Two words' products summed in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), with the default act.
-        out.append(
-            {"name": "pdl-fuse-act-paired", "pdl": True, "fusion": _ACT, "switches": {"GEMV4_PAIRED": True}}
-        )
+        # The packed-fp16 kernel's candidates, with the default act: two words' products summed in fp16
+        # before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load (GEMV4_WIDE_X).
+        for name, switches in (
+            ("paired", {"GEMV4_PAIRED": True}),
+            ("wide-x", {"GEMV4_WIDE_X": True}),
+            ("paired-wide-x", {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True}),
+        ):
+            out.append({"name": f"pdl-fuse-act-{name}", "pdl": True, "fusion": _ACT, "switches": switches})
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
         # The one-row 4-bit kernel in fp32 arithmetic, launched plainly: the step before 2026-12-03's
         # packed-fp16 kernel.

@@ -98,15 +98,21 @@ def test_w4a16_one_row_in_fp16_halves_keeps_every_magnitude(magnitude, dtype) ->
     ],
 )
 @pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4])
-def test_w4a16_paired_words_match_dequantize_then_matmul(m, n, k, group, zeros, config, magnitude) -> None:
-    """GEMV4_PAIRED: the packed-fp16 kernel sums two words' sixteen products in fp16 before fp32: the fp64
+@pytest.mark.parametrize(
+    "switches", [{"GEMV4_PAIRED": True}, {"GEMV4_WIDE_X": True}, {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True}]
+)
+def test_w4a16_paired_words_match_dequantize_then_matmul(
+    m, n, k, group, zeros, config, magnitude, switches
+) -> None:
+    """The packed-fp16 kernel's candidates: two words' sixteen products summed in fp16 before fp32
+    (GEMV4_PAIRED), each word's activations in one vector load (GEMV4_WIDE_X), and both: the fp64
     reference still, over magnitudes, zero points, K splits, two rows and the prefetching loop."""
     from tokenmill.kernels import skinny_gemm
 
     packed, scale, zero = int4_weight(n, k, group, zeros, seed=n + k + group)
     gen = torch.Generator().manual_seed(k + group)
     x = (torch.randn(m, k, generator=gen) * magnitude).to(DEVICE, torch.bfloat16)
-    with skinny_gemm.switches(GEMV4_PAIRED=True):
+    with skinny_gemm.switches(**switches):
         got = w4a16_skinny(x, packed, scale, zero, group, config=config)
     weight = dequantize_int4(packed, scale, zero, group, k, torch.float64)
     assert torch.isfinite(got).all()

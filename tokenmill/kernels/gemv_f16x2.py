@@ -157,15 +157,28 @@ def _columns(t, w: tl.constexpr, BLOCK_W: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _x_step(x, rw, K, hi, EVEN_K: tl.constexpr):
-    """The activations of words rw, as loaded: eight tensors, value 8w + i in the i-th."""
-    xs = ()
-    for i in tl.static_range(8):
-        k = rw * 8 + i
-        if EVEN_K:
-            xs = xs + (tl.load(x + k),)
-        else:
-            xs = xs + (tl.load(x + k, mask=(rw < hi) & (k < K), other=0.0),)
+def _x_step(x, rw, K, hi, EVEN_K: tl.constexpr, WIDE_X: tl.constexpr):
+    """The activations of words rw, as loaded: eight tensors, value 8w + i in the i-th. WIDE_X (EVEN_K): a
+    word's eight loaded as one 16-byte vector and split apart in registers, instead of eight loads."""
+    if WIDE_X:
+        words: tl.constexpr = rw.shape[0]
+        wide = tl.load(x + (rw * 8)[:, None] + tl.arange(0, 8)[None, :])
+        even, odd = tl.split(tl.reshape(wide, (words, 4, 2)))  # values 0, 2, 4, 6 and 1, 3, 5, 7
+        v04, v26 = tl.split(tl.reshape(even, (words, 2, 2)))
+        v15, v37 = tl.split(tl.reshape(odd, (words, 2, 2)))
+        v0, v4 = tl.split(v04)
+        v1, v5 = tl.split(v15)
+        v2, v6 = tl.split(v26)
+        v3, v7 = tl.split(v37)
+        xs = (v0, v1, v2, v3, v4, v5, v6, v7)
+    else:
+        xs = ()
+        for i in tl.static_range(8):
+            k = rw * 8 + i
+            if EVEN_K:
+                xs = xs + (tl.load(x + k),)
+            else:
+                xs = xs + (tl.load(x + k, mask=(rw < hi) & (k < K), other=0.0),)
     return xs
 
 
@@ -198,6 +211,7 @@ def w4a16_gemv_f16x2_kernel(
     GATED: tl.constexpr,
     PDL: tl.constexpr,
     PAIRED: tl.constexpr = False,
+    WIDE_X: tl.constexpr = False,
 ):
     """w4a16_gemv_kernel's job for ROWS rows of 16-bit x (one, or a few) against BLOCK_N rows of the
     packed weight, BLOCK_W words a step, in packed fp16 arithmetic: 16 instructions a word of eight
@@ -206,7 +220,8 @@ def w4a16_gemv_f16x2_kernel(
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
     fp16, everything past the word in fp32, unscaled with the group's scale. GATED as in
     gemv.w8a16_gemv_kernel. PAIRED (SUB even): two adjacent words' products summed in fp16 together,
-    one conversion to fp32 for the two (_f16x2_words of two)."""
+    one conversion to fp32 for the two (_f16x2_words of two). WIDE_X (with EVEN_K): each word's eight
+    activations in one vector load (_x_step)."""
     rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
     )
@@ -218,7 +233,7 @@ def w4a16_gemv_f16x2_kernel(
         ahead = tl.load(base + lo)
         if EARLY:  # (PREFETCH only) the first words before the PDL wait, x after it
             pdl.start(PDL)
-        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, ROWS, EVEN_K)
+        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
@@ -228,13 +243,13 @@ def w4a16_gemv_f16x2_kernel(
             following = w0 + BLOCK_W
             following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
             ahead = tl.load(base + following)
-            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, ROWS, EVEN_K)
+            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
         elif EVEN_K:
             packed = tl.load(base + w0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
         pairs = ()
         downs = ()
         x_sums = ()
@@ -268,11 +283,11 @@ def w4a16_gemv_f16x2_kernel(
 
 
 @triton.jit
-def _x_rows(x, stride_xm, rw, K, hi, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+def _x_rows(x, stride_xm, rw, K, hi, ROWS: tl.constexpr, EVEN_K: tl.constexpr, WIDE_X: tl.constexpr):
     """_x_step for each of ROWS rows of x."""
     rows = ()
     for r in tl.static_range(ROWS):
-        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, EVEN_K),)
+        rows = rows + (_x_step(x + r * stride_xm, rw, K, hi, EVEN_K, WIDE_X),)
     return rows
 
 

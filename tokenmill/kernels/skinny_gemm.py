@@ -273,7 +273,8 @@ def w4a16_skinny(
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
                     ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
                     EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated,
-                    PAIRED=GEMV4_PAIRED and sub % 2 == 0, **common, **pdl.launch_args(x2, GEMV4_PDL),
+                    PAIRED=GEMV4_PAIRED and sub % 2 == 0, WIDE_X=GEMV4_WIDE_X, **common,
+                    **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return
             gemv.w4a16_gemv_kernel[grid](
@@ -395,6 +396,9 @@ GEMV4_ROWS = 2
 # (gemv_f16x2's PAIRED): its loop at gate+up's tile 445 -> 412 sm_90 instructions (sass_loop.py). Not yet
 # timed on a GPU: off until bench_pdl says.
 GEMV4_PAIRED = False
+# Whether it loads each word's eight activations as one 16-byte vector (gemv_f16x2's WIDE_X, whole steps
+# along K only): 445 -> 433 instructions at gate+up's tile, 412 -> 398 with PAIRED. Not yet timed: off.
+GEMV4_WIDE_X = False
 # The same for the FP8 (W8A16) one-row kernel (gemv.w8a16_gemv_kernel's ROWS, each weight tile converted
 # once for every row) against the tl.dot kernel above: faster at 2 rows (gate+up 34.1 against 44.1 us) and
 # 3 (40.9 against 43.7, QKV tied), mixed at 4. The dense one against cuBLAS: 0.7% faster at 2 rows summed
