@@ -8,8 +8,8 @@ step reads every weight once and the matmul is a matrix-vector product in all bu
   FP8 GEMM tuned for large tiles.
 
 Both read the weight in wide rows (coalesced) and dequantize in registers: with 2-16 rows through
-tl.dot, with one row in the kernels of kernels/gemv.py (which also serve dense 16-bit weights,
-`dense_gemv`).
+tl.dot (kernels/skinny_dot.py), with one row in the kernels of kernels/gemv.py (which also serve dense
+16-bit weights, `dense_gemv`).
 
 The references are kernels/quant_reference.py's w4a16_gemm and w8a16_gemm (the launch hint aside,
 the same signatures).
@@ -24,10 +24,9 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, sm_count
+from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, skinny_dot, sm_count
 
 
 class SkinnyConfig(NamedTuple):
@@ -38,105 +37,6 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
     unroll: int = 1  # one row: K-loop iterations unrolled, so that their loads are in flight together
     prefetch: bool = False  # one row, 4-bit, 16-bit x: each step's loads issued a step ahead (registers)
-
-
-@triton.jit
-def _w4a16_skinny_kernel(
-    x,
-    w_packed,
-    scale,
-    zero,
-    out,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_zn,
-    stride_om,
-    magic,
-    GROUP: tl.constexpr,
-    HAS_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """2-16 rows of x: each nibble's [BLOCK_N, BLOCK_W] plane is dequantized and goes through tl.dot."""
-    pdl.start(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    lo, hi = gemv.span(tl.cdiv(K, 8), pid_k, SPLIT_K, BLOCK_W)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for w0 in range(lo, hi, BLOCK_W):
-        rw = w0 + tl.arange(0, BLOCK_W)
-        w_ok = rw < hi
-        nw_ok = n_ok[:, None] & w_ok[None, :]
-        packed = tl.load(w_packed + rn[:, None] * stride_wn + rw[None, :], mask=nw_ok, other=0)
-        group = (rw * 8) // GROUP
-        s = tl.load(scale + rn[:, None] * stride_sn + group[None, :], mask=nw_ok, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(zero + rn[:, None] * stride_zn + group[None, :], mask=nw_ok, other=0).to(tl.float32)
-            z = z + 8.0
-        else:
-            z = 8.0
-        for i in tl.static_range(8):
-            k = rw * 8 + i
-            xi = tl.load(
-                x + rm[:, None] * stride_xm + k[None, :],
-                mask=m_ok[:, None] & (w_ok & (k < K))[None, :],
-                other=0.0,
-            )
-            q = (((packed >> (4 * i)) & 0xF) | magic).to(tl.float32, bitcast=True) - 8388608.0
-            w = ((q - z) * s).to(xi.dtype)
-            acc = tl.dot(xi, tl.trans(w), acc, input_precision=PRECISION)
-    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
-
-
-@triton.jit
-def _w8a16_skinny_kernel(
-    x,
-    w,
-    w_scale,
-    out,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """2-16 rows of x: the e4m3 tile goes to x's dtype and through tl.dot; the row scale at the end."""
-    pdl.start(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    lo, hi = gemv.span(K, pid_k, SPLIT_K, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < hi
-        wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
-    s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
-    gemv.store(out, acc * s[None, :], rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
 
 
 def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
@@ -283,7 +183,7 @@ def w4a16_skinny(
                 **pdl.launch_args(x2, GEMV4_PDL),
             )  # fmt: skip
         else:
-            _w4a16_skinny_kernel[grid](
+            skinny_dot.w4a16_dot_kernel[grid](
                 x2, w_packed, scale, zero_arg, out, m, n, k, x2.stride(0), w_packed.stride(0),
                 scale.stride(0), z_stride, out.stride(0), gemv.MAGIC,
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
@@ -331,7 +231,7 @@ def w8a16_skinny(
                 GATED=fused.gated, **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
-            _w8a16_skinny_kernel[grid](
+            skinny_dot.w8a16_dot_kernel[grid](
                 x2, w_q, w_scale, out, m, n, k, x2.stride(0), w_q.stride(0), out.stride(0),
                 BLOCK_M=MAX_ROWS, PRECISION=_precision(x), **common, **pdl.launch_args(x2),
             )  # fmt: skip
@@ -392,20 +292,20 @@ GEMV4_F16X2 = True
 # session): at 2 rows 7.8-34.7 us against kernels/w4a16_mma.py's 11.7-47.0 (every shape faster); at 3
 # rows tied or slower (down 31.4 against 26.0), at 4 slower (gate+up 63.6 against 47.0).
 GEMV4_ROWS = 2
-# Whether the packed-fp16 kernel sums two adjacent words' products in fp16 before converting to fp32
+# The same for the FP8 (W8A16) one-row kernel (gemv.w8a16_gemv_kernel's ROWS, each weight tile converted
+# once for every row) against the tl.dot kernel (skinny_dot.py): faster at 2 rows (gate+up 34.1 against
+# 44.1 us) and 3 (40.9 against 43.7, QKV tied), mixed at 4. The dense one against cuBLAS: 0.7% faster at
+# 2 rows summed over a layer (gate+up slower), slower at 3-4: stays off.
+GEMV8_ROWS = 3
+DENSE_ROWS = 1
+MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
+# Whether the packed-fp16 4-bit kernel sums two adjacent words' products in fp16 before converting to fp32
 # (gemv_f16x2's PAIRED): its loop at gate+up's tile 445 -> 412 sm_90 instructions (sass_loop.py). Not yet
 # timed on a GPU: off until bench_pdl says.
 GEMV4_PAIRED = False
 # Whether it loads each word's eight activations as one 16-byte vector (gemv_f16x2's WIDE_X, whole steps
 # along K only): 445 -> 433 instructions at gate+up's tile, 412 -> 398 with PAIRED. Not yet timed: off.
 GEMV4_WIDE_X = False
-# The same for the FP8 (W8A16) one-row kernel (gemv.w8a16_gemv_kernel's ROWS, each weight tile converted
-# once for every row) against the tl.dot kernel above: faster at 2 rows (gate+up 34.1 against 44.1 us) and
-# 3 (40.9 against 43.7, QKV tied), mixed at 4. The dense one against cuBLAS: 0.7% faster at 2 rows summed
-# over a layer (gate+up slower), slower at 3-4: stays off.
-GEMV8_ROWS = 3
-DENSE_ROWS = 1
-MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
 
 
 def _gemv_rows(switch: int) -> int:

@@ -1,0 +1,108 @@
+"""The tl.dot kernels behind kernels/skinny_gemm.py's wrappers for 2-16 rows of activations: a 4-bit
+weight dequantized a nibble plane at a time (the exponent trick of kernels/gemv.py), and an e4m3 weight
+taken to the activations' dtype, each tile through tl.dot; K split across programs where the grid would
+leave SMs idle (gemv.store adds the partial sums)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tokenmill.kernels import gemv, pdl
+
+
+@triton.jit
+def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output columns and the activation rows, each with which of them are real."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    return rn, rn < N, rm, rm < M
+
+
+@triton.jit
+def w4a16_dot_kernel(
+    x,
+    w_packed,
+    scale,
+    zero,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    magic,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """2-16 rows of x: each nibble's [BLOCK_N, BLOCK_W] plane is dequantized and goes through tl.dot."""
+    pdl.start(PDL)
+    rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
+    lo, hi = gemv.span(tl.cdiv(K, 8), tl.program_id(1), SPLIT_K, BLOCK_W)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for w0 in range(lo, hi, BLOCK_W):
+        rw = w0 + tl.arange(0, BLOCK_W)
+        w_ok = rw < hi
+        nw_ok = n_ok[:, None] & w_ok[None, :]
+        packed = tl.load(w_packed + rn[:, None] * stride_wn + rw[None, :], mask=nw_ok, other=0)
+        group = (rw * 8) // GROUP
+        s = tl.load(scale + rn[:, None] * stride_sn + group[None, :], mask=nw_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(zero + rn[:, None] * stride_zn + group[None, :], mask=nw_ok, other=0).to(tl.float32)
+            z = z + 8.0
+        else:
+            z = 8.0
+        for i in tl.static_range(8):
+            k = rw * 8 + i
+            xi = tl.load(
+                x + rm[:, None] * stride_xm + k[None, :],
+                mask=m_ok[:, None] & (w_ok & (k < K))[None, :],
+                other=0.0,
+            )
+            q = (((packed >> (4 * i)) & 0xF) | magic).to(tl.float32, bitcast=True) - 8388608.0
+            w = ((q - z) * s).to(xi.dtype)
+            acc = tl.dot(xi, tl.trans(w), acc, input_precision=PRECISION)
+    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+
+
+@triton.jit
+def w8a16_dot_kernel(
+    x,
+    w,
+    w_scale,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """2-16 rows of x: the e4m3 tile goes to x's dtype and through tl.dot; the row scale at the end."""
+    pdl.start(PDL)
+    rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
+    lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < hi
+        wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
+    s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
+    gemv.store(out, acc * s[None, :], rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
