@@ -65,10 +65,13 @@ def measure(seconds=2.0):
     return {"us_wall": round(wall / n * 1e6, 2), "us_cpu": round(cpu / n * 1e6, 2)}
 
 
-def hashers(count, stop):
+def hashers(count, stop, cpu=None):
+    """count threads hashing (sha256 lets the GIL go) until stop is set, on CPU `cpu` if given."""
     buf = os.urandom(1 << 20)
 
     def burn():
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
         while not stop.is_set():
             hashlib.sha256(buf).digest()
 
@@ -137,7 +140,6 @@ def llg_filler(mask_threads, gap_s, stop, stats):
 def siblings(out: str) -> None:
     """CPU-seconds a workload call pinned to CPU 0 takes, alone and beside a busy thread on each CPU."""
     os.sched_setaffinity(0, {0})
-    buf = os.urandom(1 << 20)
 
     def speed() -> float:
         return measure(0.25)["us_cpu"]
@@ -145,18 +147,12 @@ def siblings(out: str) -> None:
     result: dict = {"alone": min(speed() for _ in range(3))}
     for cpu in range(1, os.cpu_count() or 1):
         stop = threading.Event()
-
-        def burn(cpu=cpu, stop=stop) -> None:
-            os.sched_setaffinity(0, {cpu})
-            while not stop.is_set():
-                hashlib.sha256(buf).digest()
-
-        thread = threading.Thread(target=burn)
-        thread.start()
+        threads = hashers(1, stop, cpu)
         time.sleep(0.05)
         result[cpu] = min(speed(), speed())
         stop.set()
-        thread.join()
+        for thread in threads:
+            thread.join()
     print(json.dumps(result))
     with open(out, "w") as f:
         json.dump({"us_cpu": result}, f, indent=2)

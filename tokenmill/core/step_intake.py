@@ -216,16 +216,14 @@ class StepIntake:
         assert self.structured is not None  # a request with a grammar was refused without one
         req_ids = out.grammar_req_ids
         requests = [self.requests.get(r) for r in req_ids]
-        # The usual case: the step in flight had these requests in this order, each keeping its token.
-        same_rows = in_flight is not None and in_flight[0] == req_ids and all(in_flight[1])
         rows = {}
-        if in_flight is not None and not same_rows:
+        if in_flight is not None:
             rows = {request_id: row for row, (request_id, keeps) in enumerate(zip(*in_flight[:2])) if keeps}
         matchers: list[Any] = []
         families: list[int] = []
         consume: list[tuple[Any, int]] = []  # (matcher, token) for each token not yet in its grammar
         claimed: list[tuple[Any, int]] = []  # (matcher, row of the step in flight)
-        for index, (request_id, request) in enumerate(zip(req_ids, requests)):
+        for request_id, request in zip(req_ids, requests):
             if request is None:
                 matchers.append(None)
                 families.append(-1)
@@ -235,7 +233,7 @@ class StepIntake:
             if request.grammar_unconsumed:
                 consume.extend((request.grammar, token_id) for token_id in request.grammar_unconsumed)
                 request.grammar_unconsumed = []
-            row = index if same_rows else rows.get(request_id)
+            row = rows.get(request_id)
             if row is not None:
                 claimed.append((request.grammar, row))
                 request.grammar_claimed += 1

@@ -220,7 +220,7 @@ def w4a16_gemv_f16x2_kernel(
     and makes their f16x2 pairs once for all BLOCK_N weight rows; a word's eight products are summed in
     fp16, everything past the word in fp32, unscaled with the group's scale. GATED as in
     gemv.w8a16_gemv_kernel. PAIRED (SUB even): two adjacent words' products summed in fp16 together,
-    one conversion to fp32 for the two (_f16x2_words of two). WIDE_X (with EVEN_K): each word's eight
+    one conversion to fp32 for the two (_f16x2_words of two). WIDE_X (EVEN_K only): each word's eight
     activations in one vector load (_x_step)."""
     rn_ld, rn, n_ok, base, lo, hi = gemv.program_rows(
         w_packed, N, tl.cdiv(K, 8), stride_wn, BLOCK_N, BLOCK_W, SPLIT_K, PDL, EARLY, GATED
@@ -235,7 +235,7 @@ def w4a16_gemv_f16x2_kernel(
         ahead = tl.load(base + lo)
         if EARLY:  # (PREFETCH only) the first words before the PDL wait, x after it
             pdl.start(PDL)
-        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
+        x_ahead = _x_rows(x, stride_xm, lo + cols, K, hi, ROWS, EVEN_K, WIDE_X)
     for w0 in tl.range(lo, hi, BLOCK_W, loop_unroll_factor=UNROLL):
         w0 = tl.multiple_of(w0, BLOCK_W)
         rw = w0 + cols
@@ -245,13 +245,13 @@ def w4a16_gemv_f16x2_kernel(
             following = w0 + BLOCK_W
             following = tl.where(following < hi, following, lo)  # past the end: a harmless reload
             ahead = tl.load(base + following)
-            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
+            x_ahead = _x_rows(x, stride_xm, following + cols, K, hi, ROWS, EVEN_K, WIDE_X)
         elif EVEN_K:
             packed = tl.load(base + w0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K, WIDE_X)
         else:
             packed = tl.load(base + w0, mask=(rw < hi)[None, :], other=0)
-            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K, WIDE_X and EVEN_K)
+            x_raw = _x_rows(x, stride_xm, rw, K, hi, ROWS, EVEN_K, WIDE_X)
         pairs = ()
         downs = ()
         x_sums = ()

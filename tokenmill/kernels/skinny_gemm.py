@@ -173,7 +173,7 @@ def w4a16_skinny(
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
                     ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
                     EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated,
-                    PAIRED=GEMV4_PAIRED and sub % 2 == 0, WIDE_X=GEMV4_WIDE_X, **common,
+                    PAIRED=GEMV4_PAIRED and sub % 2 == 0, WIDE_X=GEMV4_WIDE_X and even, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
                 return

@@ -166,9 +166,7 @@ class ModelRunner:
         without drafts) travel in the same copy, for the masks (_sample)."""
         pending_rows = [self._last_row_of[r] for r in inputs.pending_src_req_ids]
         index_arrays = [np.asarray(inputs.pending_dst, np.int64), np.asarray(pending_rows, np.int64)]
-        if grammar_req_ids and grammar_req_ids == inputs.req_ids:  # every row constrained, in order
-            index_arrays.append(np.arange(len(grammar_req_ids), dtype=np.int64))
-        elif grammar_req_ids:
+        if grammar_req_ids:
             position = {request_id: i for i, request_id in enumerate(inputs.req_ids)}
             index_arrays.append(np.fromiter(map(position.__getitem__, grammar_req_ids), np.int64))
         staged = self._staged(
