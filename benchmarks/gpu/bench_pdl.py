@@ -7,12 +7,18 @@ difference), and replayed twice more to see that they do not change (a PDL kerne
 wait would show here first).
 
     python benchmarks/gpu/bench_pdl.py [--shape llama-3.1-8b] [--quantization fp8|int4] [--context 256]
-                                       [--out FILE]
+                                       [--probes] [--out FILE]
+
+--probes adds variants that leave launches out of the step (their logits are wrong; only their time
+means something): what each small launch of a layer costs the step as captured, the part of the step
+that moves no weight and that fusing them could win (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -25,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import ceilings, dummy_llm  # noqa: E402
 from shapes import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
 
+import tokenmill.kernels.attention as attention_kernels  # noqa: E402
 import tokenmill.layers.fused_linear as fused_linear  # noqa: E402
 import tokenmill.layers.linear as linear  # noqa: E402
 from tokenmill.kernels import pdl, skinny_gemm  # noqa: E402
@@ -41,9 +48,9 @@ def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
     tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with SiLU-and-multiply
-    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also with the packed-fp16
-    kernel's candidates, with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as
-    before the packed-fp16 one)."""
+    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also without the packed-fp16
+    kernel's paired words and vector activation loads, with its one-row GEMV launched plainly, and the
+    fp32 one-row kernel so launched, as before the packed-fp16 one)."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -57,12 +64,13 @@ def variants(quantization: str | None) -> list[dict]:
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     if quantization == "int4":
-        # The packed-fp16 kernel's candidates, with the default act: two words' products summed in fp16
-        # before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load (GEMV4_WIDE_X).
+        # The packed-fp16 kernel without its defaults, with the default act: two words' products summed
+        # in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load
+        # (GEMV4_WIDE_X).
         for name, switches in (
-            ("paired", {"GEMV4_PAIRED": True}),
-            ("wide-x", {"GEMV4_WIDE_X": True}),
-            ("paired-wide-x", {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True}),
+            ("unpaired", {"GEMV4_PAIRED": False}),
+            ("narrow-x", {"GEMV4_WIDE_X": False}),
+            ("unpaired-narrow-x", {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": False}),
         ):
             out.append({"name": f"pdl-fuse-act-{name}", "pdl": True, "fusion": _ACT, "switches": switches})
         out.append({"name": "pdl-gemv4-plain", "pdl": True, "switches": {"GEMV4_PDL": False}})
@@ -73,13 +81,75 @@ def variants(quantization: str | None) -> list[dict]:
     return out
 
 
+def _no_norm(x, *rest):
+    """rms_norm / fused_add_rms_norm without a launch: the input (and the residual) as they are."""
+    return x if len(rest) == 2 else (x, rest[0])
+
+
+def _no_rotary(positions, q, k, *rest):
+    """rotary_and_write_kv_cache without a launch: q and k unrotated, nothing stored."""
+    return q, k
+
+
+def _no_attention(query, *args, **kwargs):
+    """paged_attention without a launch: an output of the right shape, unwritten."""
+    return torch.empty_like(query)
+
+
+def probes() -> list[dict]:
+    """Variants that leave a layer's small launches out (wrong logits, real times), with the engine's
+    defaults otherwise: both norms, the rotary-and-KV-store, the split merge, attention with its merge,
+    all of them; and attention over 1 and 4 KV splits instead of the graph's count (1: no merge)."""
+    out = [
+        {"name": "probe-no-norms", "kernels": {"rms_norm": _no_norm, "fused_add_rms_norm": _no_norm}},
+        {"name": "probe-no-rotary", "kernels": {"rotary_and_write_kv_cache": _no_rotary}},
+        {"name": "probe-no-merge", "merge": False},
+        {"name": "probe-no-attention", "kernels": {"paged_attention": _no_attention}},
+        {"name": "probe-splits-1", "splits": 1},
+        {"name": "probe-splits-4", "splits": 4},
+    ]
+    every = {
+        "rms_norm": _no_norm, "fused_add_rms_norm": _no_norm,
+        "rotary_and_write_kv_cache": _no_rotary, "paged_attention": _no_attention,
+    }  # fmt: skip
+    out.append({"name": "probe-gemvs-only", "kernels": every})
+    for probe in out:
+        probe.update(pdl=True, fusion=_ACT)
+    return out
+
+
+@contextlib.contextmanager
+def patched(model, variant: dict):
+    """The variant's kernels in every layer that holds a Kernels tuple, its KV split count and merge in
+    kernels/attention.py; restored on exit."""
+    replace, saved = dict(variant.get("kernels", {})), []
+    splits, merge = variant.get("splits"), variant.get("merge", True)
+    merge_splits = attention_kernels.merge_splits
+    if splits is not None:
+        paged = attention_kernels.paged_attention
+        replace["paged_attention"] = functools.partial(paged, num_kv_splits=splits)
+    for module in model.modules():
+        kernels = getattr(module, "kernels", None)
+        if replace and hasattr(kernels, "_replace"):
+            saved.append((module, kernels))
+            module.kernels = kernels._replace(**replace)
+    if not merge:
+        attention_kernels.merge_splits = lambda *args: None
+    try:
+        yield
+    finally:
+        for module, kernels in reversed(saved):
+            module.kernels = kernels
+        attention_kernels.merge_splits = merge_splits
+
+
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
     linear.DENSE_GEMV = variant.get("gemv", True)
     # No fusion unless the variant names parts (the engine's default, "act", is the fuse-act variants).
     fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
     try:
-        with skinny_gemm.switches(**variant.get("switches", {})):
+        with skinny_gemm.switches(**variant.get("switches", {})), patched(runner.model, variant):
             graphs = DecodeGraphs(
                 runner.model, 1, runner.max_blocks_per_seq, runner.max_model_len, runner.device
             )
@@ -116,6 +186,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--probes", action="store_true", help="add the variants that leave launches out")
     parser.add_argument("--out")
     args = parser.parse_args()
     llm = dummy_llm(
@@ -123,7 +194,15 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
     )  # fmt: skip
     runner = llm.engine.runner
-    graphs = {v["name"]: capture(runner, v, args.context) for v in variants(args.quantization)}
+    chosen = variants(args.quantization) + (probes() if args.probes else [])
+    graphs = {}
+    for variant in chosen:
+        try:
+            graphs[variant["name"]] = capture(runner, variant, args.context)
+        except Exception as error:  # a probe that cannot capture is reported, the others still run
+            if not variant["name"].startswith("probe-"):
+                raise
+            print(f"{variant['name']}: not captured: {error!r}", flush=True)
     names = list(graphs)
     logits = {}
     for key in names:

@@ -178,9 +178,9 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             skinny_gemm.w8a16_skinny(x, w_q, w_scale, fusion=fusion)
             with skinny_gemm.switches(DENSE_ROWS=2):
                 skinny_gemm.dense_gemv(x, w_dense, fusion=fusion)
-        # The 4-bit one-row kernel's candidates (two words' products summed together, each word's
+        # The 4-bit one-row kernel without its defaults (two words' products summed together, each word's
         # activations in one vector load), one and two rows.
-        with skinny_gemm.switches(GEMV4_PAIRED=True, GEMV4_WIDE_X=True):
+        with skinny_gemm.switches(GEMV4_PAIRED=False, GEMV4_WIDE_X=False):
             for rows in (1, 2):
                 skinny_gemm.w4a16_skinny(torch.empty(rows, k, dtype=dtype), packed, scale, None, 128)
         # The candidates: the one-row kernels' first weight tile before the PDL wait, and the one-row

@@ -99,13 +99,19 @@ def test_w4a16_one_row_in_fp16_halves_keeps_every_magnitude(magnitude, dtype) ->
 )
 @pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4])
 @pytest.mark.parametrize(
-    "switches", [{"GEMV4_PAIRED": True}, {"GEMV4_WIDE_X": True}, {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True}]
+    "switches",
+    [
+        {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True},  # the default
+        {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": False},
+        {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": True},
+        {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": False},
+    ],
 )
 def test_w4a16_paired_words_match_dequantize_then_matmul(
     m, n, k, group, zeros, config, magnitude, switches
 ) -> None:
-    """The packed-fp16 kernel's candidates: two words' sixteen products summed in fp16 before fp32
-    (GEMV4_PAIRED), each word's activations in one vector load (GEMV4_WIDE_X), and both: the fp64
+    """The packed-fp16 kernel's two words' sixteen products summed in fp16 before fp32 (GEMV4_PAIRED)
+    and each word's activations in one vector load (GEMV4_WIDE_X), both, and neither: the fp64
     reference still, over magnitudes, zero points, K splits, two rows and the prefetching loop."""
     from tokenmill.kernels import skinny_gemm
 

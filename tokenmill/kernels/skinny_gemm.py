@@ -300,12 +300,12 @@ GEMV8_ROWS = 3
 DENSE_ROWS = 1
 MAX_GEMV_ROWS = 4  # the most these candidates take (each row's accumulators cost registers)
 # Whether the packed-fp16 4-bit kernel sums two adjacent words' products in fp16 before converting to fp32
-# (gemv_f16x2's PAIRED): its loop at gate+up's tile 445 -> 412 sm_90 instructions (sass_loop.py). Not yet
-# timed on a GPU: off until bench_pdl says.
-GEMV4_PAIRED = False
-# Whether it loads each word's eight activations as one 16-byte vector (gemv_f16x2's WIDE_X, whole steps
-# along K only): 445 -> 433 instructions at gate+up's tile, 412 -> 398 with PAIRED. Not yet timed: off.
-GEMV4_WIDE_X = False
+# (gemv_f16x2's PAIRED): its loop at gate+up's tile 417 -> 384 sm_90 instructions (sass_loop.py). Whether
+# it loads each word's eight activations as one 16-byte vector (WIDE_X, whole steps along K only): 373
+# with both. Batch-1 Llama-3.1-8B INT4 step on an H200 (bench_pdl, 2026-12-04): 2.191 ms without either,
+# 2.151 with PAIRED, 2.125 with WIDE_X, 2.041 with both (-6.8%). On; off for A/B.
+GEMV4_PAIRED = True
+GEMV4_WIDE_X = True
 
 
 def _gemv_rows(switch: int) -> int:
