@@ -47,10 +47,11 @@ _ACT = frozenset({"act"})
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
-    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), and with SiLU-and-multiply
-    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act") (int4 also without the packed-fp16
-    kernel's paired words and vector activation loads, with its one-row GEMV launched plainly, and the
-    fp32 one-row kernel so launched, as before the packed-fp16 one)."""
+    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), with SiLU-and-multiply
+    folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act"), and that with the metadata and a
+    decode's earlier keys read after the PDL wait (pdl.EARLY_READS off: late-reads). int4 also without
+    the packed-fp16 kernel's paired words and vector activation loads, with its one-row GEMV launched
+    plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -59,10 +60,13 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "triton-pdl", "pdl": True, "gemv": True},
             {"name": "triton-pdl-late", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": False}},
             {"name": "triton-pdl-fuse-act", "pdl": True, "gemv": True, "fusion": _ACT},
-        ]
+            {"name": "triton-pdl-fuse-act-late-reads", "pdl": True, "gemv": True, "fusion": _ACT,
+             "early_reads": False},
+        ]  # fmt: skip
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
+    out.append({"name": "pdl-fuse-act-late-reads", "pdl": True, "fusion": _ACT, "early_reads": False})
     if quantization == "int4":
         # The packed-fp16 kernel without its defaults, with the default act: two words' products summed
         # in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load
@@ -148,6 +152,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     linear.DENSE_GEMV = variant.get("gemv", True)
     # No fusion unless the variant names parts (the engine's default, "act", is the fuse-act variants).
     fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
+    early_reads, pdl.EARLY_READS = pdl.EARLY_READS, variant.get("early_reads", True)
     try:
         with skinny_gemm.switches(**variant.get("switches", {})), patched(runner.model, variant):
             graphs = DecodeGraphs(
@@ -157,6 +162,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     finally:
         pdl.enabled = _PDL_ENABLED
         fused_linear.GEMV_FUSION = fusion
+        pdl.EARLY_READS = early_reads
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])
@@ -187,6 +193,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--probes", action="store_true", help="add the variants that leave launches out")
+    parser.add_argument("--variants", help="a comma list of variant names to run (the first is the base)")
     parser.add_argument("--out")
     args = parser.parse_args()
     llm = dummy_llm(
@@ -195,6 +202,12 @@ def main() -> None:
     )  # fmt: skip
     runner = llm.engine.runner
     chosen = variants(args.quantization) + (probes() if args.probes else [])
+    if args.variants:
+        by_name = {variant["name"]: variant for variant in chosen}
+        unknown = [name for name in args.variants.split(",") if name not in by_name]
+        if unknown:
+            raise ValueError(f"--variants: unknown {unknown}; these exist: {sorted(by_name)}")
+        chosen = [by_name[name] for name in args.variants.split(",")]
     graphs = {}
     for variant in chosen:
         try:

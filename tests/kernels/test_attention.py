@@ -138,6 +138,39 @@ def test_decode_matches_reference(
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+@pytest.mark.parametrize("seq_len", [20, 64, 65, 100, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_this_steps_key_and_value_after_its_wait(
+    monkeypatch, num_kv_splits: int, seq_len: int, dtype: torch.dtype
+) -> None:
+    """pdl.EARLY_READS: a decode reads its split's first key tile before the PDL wait, but this step's own
+    key and value (which the launch before stores) only after it. Here the "wait" is where that store
+    lands: before it the step's slot holds NaN, so a kernel that used an earlier read of it would show
+    NaN (and one that kept the tile's early zeros there, a wrong output). One request and one
+    KV head: each program runs whole before the next, and the store lands at the first one's wait (later
+    programs see it stored, as on the GPU). The step's key in the first tile and in a later one."""
+    batch = make_batch([seq_len], [1], 4, 1, 64, dtype=dtype, seed=seq_len)
+    want = reference.paged_attention(*batch)
+    page, slot = int(batch.block_tables[0, (seq_len - 1) // 16]), (seq_len - 1) % 16
+    fresh_k, fresh_v = batch.k_cache[page, slot].clone(), batch.v_cache[page, slot].clone()
+    batch.k_cache[page, slot], batch.v_cache[page, slot] = float("nan"), float("nan")
+    waits = []
+
+    def wait(PDL) -> None:
+        waits.append(PDL)
+        batch.k_cache[page, slot], batch.v_cache[page, slot] = fresh_k, fresh_v
+
+    monkeypatch.setattr(attention.pdl, "EARLY_READS", True)
+    monkeypatch.setattr(attention.pdl, "start", wait)
+    got = attention.paged_attention(*batch, max_query_len=1, num_kv_splits=num_kv_splits)
+    # Every program waited: the attention's, one a split, and the merge's, one a head.
+    assert len(waits) == num_kv_splits + (4 if num_kv_splits > 1 else 0)
+    torch.testing.assert_close(
+        got.float(), want.float(), **(FP32_TOL if dtype == torch.float32 else BF16_TOL)
+    )
+
+
 @pytest.mark.parametrize("num_kv_splits", [4, 8])
 def test_short_requests_beside_long_ones_leave_splits_empty(num_kv_splits: int) -> None:
     """A launch's split count is fixed (a CUDA graph's): requests shorter than it leave splits without

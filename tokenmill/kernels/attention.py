@@ -106,6 +106,83 @@ def _attend_kv_range(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _split_range(kv_end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [kv_lo, kv_hi) of split `split` of a query tile that sees keys [0, kv_end): whole tiles of
+    BLOCK_N keys, the last split's range cut at kv_end (empty splits: kv_lo >= kv_hi)."""
+    if NUM_SPLITS > 1:
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    return kv_lo, kv_hi
+
+
+@triton.jit
+def _kv_tile_offsets(block_table, kv_head_offset, k_pos, key_ok, dims, stride_cache_block,
+                     stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Offsets into the cache of keys k_pos (through the block table; 0 where not key_ok), [keys, dims]."""
+    page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
+    slot_offset = (
+        page.to(tl.int64) * stride_cache_block + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot + kv_head_offset
+    )
+    return slot_offset[:, None] + dims[None, :]
+
+
+@triton.jit
+def _early_kv_tile(
+    k_cache, v_cache, block_tables, seq, seq_len, context_len, kv_head, split, stride_block_table,
+    stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """A decode's first tile of keys and values in its split, as the cache holds them before this step:
+    the context's keys only (earlier steps wrote them), zeros elsewhere."""
+    kv_lo, kv_hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    k_pos = kv_lo + tl.arange(0, BLOCK_N)
+    key_ok = (k_pos < kv_hi) & (k_pos < context_len)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    offsets = _kv_tile_offsets(
+        block_tables + seq.to(tl.int64) * stride_block_table, kv_head.to(tl.int64) * stride_cache_head,
+        k_pos, key_ok, dims, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
+    )  # fmt: skip
+    mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    return tl.load(k_cache + offsets, mask=mask, other=0.0), tl.load(v_cache + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def _attend_early_tile(
+    acc, m_i, l_i, q, first_k, first_v, k_cache, v_cache, block_table, kv_head_offset, kv_lo, kv_hi,
+    context_len, qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The online-softmax update of a decode's first tile (keys kv_lo.. of its split, read by
+    _early_kv_tile), with this step's keys and values (positions context_len..kv_hi) read now. A decode
+    row sees every key before kv_hi; an empty split leaves (acc, m_i, l_i) as they were."""
+    k_pos = kv_lo + tl.arange(0, BLOCK_N)
+    in_range = k_pos < kv_hi
+    fresh = in_range & (k_pos >= context_len)
+    offsets = _kv_tile_offsets(
+        block_table, kv_head_offset, k_pos, fresh, dims, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE
+    )
+    mask = fresh[:, None]
+    if PAD_DIM:
+        mask = mask & dim_ok[None, :]
+    k = tl.where(fresh[:, None], tl.load(k_cache + offsets, mask=mask, other=0.0), first_k).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(in_range[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet (an empty split) subtracts 0: p and alpha are 0, nothing changes.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.where(fresh[:, None], tl.load(v_cache + offsets, mask=mask, other=0.0), first_v).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
 # left to Triton's default, each would specialise on == 1 and % 16 == 0 and compile new variants while
 # serving (an 8B server measured 0.7-0.9 s stalls for num_seqs, a 0.6B one 1.4 s for the stride).
@@ -144,12 +221,17 @@ def _paged_attention_kernel(
     SEQ_FILTER: tl.constexpr = 0,
     DOT_FP16: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
     SEQ_FILTER 1 takes only the requests with one query token, 2 only the others (0: every request): a
-    batch that mixes prompt chunks and decodes runs as two launches, each with its own tile size."""
-    pdl.start(PDL)  # before the early exits below: every program waits
+    batch that mixes prompt chunks and decodes runs as two launches, each with its own tile size.
+    EARLY (pdl.EARLY_READS): the step's metadata, and for a decode the first key tile of its split
+    without this step's own key, are read before the PDL wait (no kernel of the step writes them); the
+    step's key and value, which the launch before stores, are read after it into that tile."""
+    if not EARLY:
+        pdl.start(PDL)  # before the early exits below: every program waits
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
@@ -163,6 +245,16 @@ def _paged_attention_kernel(
         q_tile = tile_id - (tl.load(query_start_loc + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc + seq)
     query_len = tl.load(query_start_loc + seq + 1) - q_start
+    seq_len = tl.load(seq_lens + seq)
+    context_len = seq_len - query_len
+    if EARLY and DECODE:
+        first_k, first_v = _early_kv_tile(
+            k_cache, v_cache, block_tables, seq, seq_len, context_len, kv_head, split, stride_block_table,
+            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
+            BLOCK_N, NUM_SPLITS,
+        )  # fmt: skip
+    if EARLY:
+        pdl.start(PDL)  # before the exits: every program waits
     # Padded requests (query_len 0) and the gaps of the tile numbering stop here, before any load.
     if q_tile * BLOCK_Q >= query_len:
         return
@@ -172,8 +264,6 @@ def _paged_attention_kernel(
     if SEQ_FILTER == 2:  # noqa: SIM102
         if query_len == 1:
             return
-    seq_len = tl.load(seq_lens + seq)
-    context_len = seq_len - query_len
 
     rows = tl.arange(0, BLOCK_M)
     tok = q_tile * BLOCK_Q + rows // GROUP
@@ -193,13 +283,7 @@ def _paged_attention_kernel(
 
     first_pos = context_len + q_tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    if NUM_SPLITS > 1:
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * split_len
-        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
-    else:
-        kv_lo = 0
-        kv_hi = kv_end
+    kv_lo, kv_hi = _split_range(kv_end, split, NUM_SPLITS, BLOCK_N)
     # Keys before first_pos + 1 are visible to every row: whole tiles of them skip the causal mask,
     # and tiles past the tile's last query position are never visited.
     unmasked_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, first_pos + 1) // BLOCK_N * BLOCK_N)
@@ -209,6 +293,15 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if EARLY and DECODE:
+        # The first tile, read before the wait but for this step's key and value; the loops go on after it.
+        acc, m_i, l_i = _attend_early_tile(
+            acc, m_i, l_i, q, first_k, first_v, k_cache, v_cache, block_table, kv_head_offset, kv_lo, kv_hi,
+            context_len, qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok, KV_BLOCK_SIZE,
+            BLOCK_N, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+        )  # fmt: skip
+        kv_lo = kv_lo + BLOCK_N
+        unmasked_hi = tl.maximum(kv_lo, unmasked_hi)
     acc, m_i, l_i = _attend_kv_range(
         acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, unmasked_hi,
         qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
@@ -339,7 +432,8 @@ def paged_attention(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
             DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query),
+            EARLY=pdl.EARLY_READS, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            **pdl.launch_args(query),
         )  # fmt: skip
 
     small = config if decode else decode_config(group, query.element_size(), k_cache.element_size())

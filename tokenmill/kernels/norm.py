@@ -25,13 +25,17 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
     """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
-    then normalise in fp32, round to the input dtype, and multiply by the weight."""
-    pdl.start(PDL)
+    then normalise in fp32, round to the input dtype, and multiply by the weight. EARLY
+    (pdl.EARLY_READS): the weight is read before the PDL wait (no kernel of the step writes it)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
+    if EARLY:
+        w = tl.load(weight + cols, mask=mask, other=0.0)
+    pdl.start(PDL)
     hidden = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         res = tl.load(residual + row * stride_residual + cols, mask=mask, other=0.0)
@@ -40,7 +44,8 @@ def _rms_norm_kernel(
     hidden32 = hidden.to(tl.float32)
     mean_square = tl.sum(hidden32 * hidden32, 0) / HIDDEN
     normed = (hidden32 * tl.rsqrt(mean_square + eps)).to(hidden.dtype)
-    w = tl.load(weight + cols, mask=mask, other=0.0)
+    if not EARLY:
+        w = tl.load(weight + cols, mask=mask, other=0.0)
     result = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out + row * stride_out + cols, result.to(out.dtype.element_ty), mask=mask)
 
@@ -67,7 +72,7 @@ def _launch(
             rows.stride(0), residual_rows.stride(0) if residual_rows is not None else 0,
             out.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps,
             HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
+            EARLY=pdl.EARLY_READS, num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
         )  # fmt: skip
     out = out.view(*x.shape[:-1], hidden_size)
     if residual_out is not None:

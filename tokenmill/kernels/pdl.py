@@ -14,6 +14,14 @@ program waits, early exits included (a kernel whose programs exit unwaited could
 predecessor, and its successor's wait would then pass too early). Kernels launched without PDL (torch's
 own, cuBLAS) keep the stream's usual ordering, and a PDL kernel after them simply starts when they end.
 
+With EARLY_READS a kernel reads before its wait what no kernel of the graph writes: the step's metadata
+(positions, sequence lengths, query offsets, block tables, slots: copied in before the replay), the keys
+and values of earlier steps (a decode's split, all but this step's own key) and weights. Those reads'
+round trips then overlap the kernel before instead of following it; what the launch before writes (this
+step's key and value, the activations) is still read after the wait. This holds because only the
+graphs' launches use PDL, their inputs are copied in by operations that are not kernels, and a kernel
+launched without PDL (torch's) starts only after everything before it has finished.
+
 Only launches inside `in_graphs()` use it: the CUDA graph captures and their warm-ups (which build the
 same kernel variants, so nothing compiles while a stream captures; worker/cuda_graphs.py). With it on
 eager launches too, the 0.6B throughput run (host-bound, its prompt steps eager beside graphed decodes)
@@ -35,6 +43,9 @@ from triton.language.extra import cuda as tl_cuda
 
 ENV = "TOKENMILL_PDL"
 _graph_depth = 0
+# Whether kernels read their metadata (and a decode's earlier keys) before the PDL wait (see above);
+# off: after it, for A/B. The kernels take it as their EARLY constexpr with or without PDL.
+EARLY_READS = True
 
 
 @contextlib.contextmanager

@@ -69,11 +69,14 @@ def _rotary_kernel(
     FP8: tl.constexpr,
     WRITE_KV: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
     """One program per token, its cos/sin row read once for every head: query and key rotated in place;
     with WRITE_KV the rotated key and the value are then stored at the token's slot (none for slot -1,
-    padding). FP8: stored as x / scale, saturated to e4m3."""
-    pdl.start(PDL)
+    padding). FP8: stored as x / scale, saturated to e4m3. EARLY (pdl.EARLY_READS): the position, its
+    cos/sin row and the slot are read before the PDL wait (no kernel of the step writes them)."""
+    if not EARLY:
+        pdl.start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + tok).to(tl.int64)
     cols = tl.arange(0, HALF_DIM_PAD)
@@ -81,6 +84,12 @@ def _rotary_kernel(
     cos = tl.load(cos_sin_cache + pos * stride_cache_pos + cols, mask=col_ok, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_cache + pos * stride_cache_pos + HALF_DIM + cols, mask=col_ok, other=0.0)
     cos, sin = cos[None, :], sin.to(tl.float32)[None, :]
+    if WRITE_KV:
+        slot = tl.load(slot_mapping + tok).to(tl.int64)
+    else:
+        slot = -1
+    if EARLY:
+        pdl.start(PDL)
     _rotate_heads(
         query + tok * stride_query_tok, stride_query_head, cos, sin, cols, col_ok,
         NUM_Q_HEADS, Q_HEADS_PAD, HALF_DIM,
@@ -91,7 +100,6 @@ def _rotary_kernel(
     )  # fmt: skip
     if not WRITE_KV:
         return
-    slot = tl.load(slot_mapping + tok).to(tl.int64)
     if slot < 0:
         return
     first_v = value + tok * stride_value_tok + heads[:, None] * stride_value_head + cols[None, :]
@@ -126,7 +134,8 @@ def _launch(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_DIM=half_dim, HALF_DIM_PAD=triton.next_power_of_2(half_dim), KV_BLOCK_SIZE=k_cache.shape[1],
-        FP8=k_cache.dtype == torch.float8_e4m3fn, WRITE_KV=write_kv, num_warps=4, **pdl.launch_args(query),
+        FP8=k_cache.dtype == torch.float8_e4m3fn, WRITE_KV=write_kv, EARLY=pdl.EARLY_READS, num_warps=4,
+        **pdl.launch_args(query),
     )  # fmt: skip
 
 

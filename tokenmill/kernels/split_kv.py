@@ -27,13 +27,19 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
-    """Merge the splits of one (request, head) of a decode by their log-sum-exp weights."""
-    pdl.start(PDL)
+    """Merge the splits of one (request, head) of a decode by their log-sum-exp weights. EARLY
+    (pdl.EARLY_READS): the query offsets are read before the PDL wait (no kernel of the step writes them)."""
+    if not EARLY:
+        pdl.start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc + seq)
-    if tl.load(query_start_loc + seq + 1) == q_start:
+    q_end = tl.load(query_start_loc + seq + 1)
+    if EARLY:
+        pdl.start(PDL)  # before the exit: every program waits
+    if q_end == q_start:
         return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -62,8 +68,8 @@ def merge_splits(
     _reduce_splits_kernel[(num_seqs, num_heads)](
         partial_out, partial_lse, out, query_start_loc, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), num_warps=4,
-        **pdl.launch_args(out),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), EARLY=pdl.EARLY_READS,
+        num_warps=4, **pdl.launch_args(out),
     )  # fmt: skip
 
 
