@@ -138,6 +138,7 @@ def test_decode_matches_reference(
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's stand-in for the PDL wait")
 @pytest.mark.parametrize("num_kv_splits", [1, 2])
 @pytest.mark.parametrize("seq_len", [20, 64, 65, 100, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
