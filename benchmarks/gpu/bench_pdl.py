@@ -103,7 +103,9 @@ def _no_attention(query, *args, **kwargs):
 def probes() -> list[dict]:
     """Variants that leave a layer's small launches out (wrong logits, real times), with the engine's
     defaults otherwise: both norms, the rotary-and-KV-store, the split merge, attention with its merge,
-    all of them; and attention over 1 and 4 KV splits instead of the graph's count (1: no merge)."""
+    all of them; attention over 1 and 4 KV splits instead of the graph's count (1: no merge), and its
+    decode tile with 1 and 2 pipeline stages instead of 3 (they are timing probes too: a step's output
+    is right with them, but they are not the engine's default)."""
     out = [
         {"name": "probe-no-norms", "kernels": {"rms_norm": _no_norm, "fused_add_rms_norm": _no_norm}},
         {"name": "probe-no-rotary", "kernels": {"rotary_and_write_kv_cache": _no_rotary}},
@@ -111,6 +113,9 @@ def probes() -> list[dict]:
         {"name": "probe-no-attention", "kernels": {"paged_attention": _no_attention}},
         {"name": "probe-splits-1", "splits": 1},
         {"name": "probe-splits-4", "splits": 4},
+        # The decode tile's software pipeline (shared memory for num_stages copies of a key/value tile).
+        {"name": "probe-attn-stages-1", "tile": {"num_stages": 1}},
+        {"name": "probe-attn-stages-2", "tile": {"num_stages": 2}},
     ]
     every = {
         "rms_norm": _no_norm, "fused_add_rms_norm": _no_norm,
@@ -128,7 +133,11 @@ def patched(model, variant: dict):
     kernels/attention.py; restored on exit."""
     replace, saved = dict(variant.get("kernels", {})), []
     splits, merge = variant.get("splits"), variant.get("merge", True)
-    merge_splits = attention_kernels.merge_splits
+    merge_splits, decode_config = attention_kernels.merge_splits, attention_kernels.decode_config
+    if "tile" in variant:
+        attention_kernels.decode_config = lambda *args, **kwargs: decode_config(*args, **kwargs)._replace(
+            **variant["tile"]
+        )
     if splits is not None:
         paged = attention_kernels.paged_attention
         replace["paged_attention"] = functools.partial(paged, num_kv_splits=splits)
@@ -144,7 +153,7 @@ def patched(model, variant: dict):
     finally:
         for module, kernels in reversed(saved):
             module.kernels = kernels
-        attention_kernels.merge_splits = merge_splits
+        attention_kernels.merge_splits, attention_kernels.decode_config = merge_splits, decode_config
 
 
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
