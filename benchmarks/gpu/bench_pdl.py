@@ -32,6 +32,7 @@ from bench_engine import ceilings, dummy_llm  # noqa: E402
 from shapes import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
 
 import tokenmill.kernels.attention as attention_kernels  # noqa: E402
+import tokenmill.layers.attention as attention_layer  # noqa: E402
 import tokenmill.layers.fused_linear as fused_linear  # noqa: E402
 import tokenmill.layers.linear as linear  # noqa: E402
 from tokenmill.kernels import pdl, skinny_gemm  # noqa: E402
@@ -49,9 +50,11 @@ def variants(quantization: str | None) -> list[dict]:
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
     tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), with SiLU-and-multiply
     folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act"), and that with the metadata and a
-    decode's earlier keys read after the PDL wait (pdl.EARLY_READS off: late-reads). int4 also without
-    the packed-fp16 kernel's paired words and vector activation loads, with its one-row GEMV launched
-    plainly, and the fp32 one-row kernel so launched, as before the packed-fp16 one."""
+    decode's earlier keys read after the PDL wait (pdl.EARLY_READS off: late-reads), and with the
+    rotary and KV store in a launch of their own before attention (layers/attention.py DECODE_ROTARY
+    off: rotary-launch). int4 also without the packed-fp16 kernel's paired words and vector activation
+    loads, with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as before the
+    packed-fp16 one."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -62,11 +65,14 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "triton-pdl-fuse-act", "pdl": True, "gemv": True, "fusion": _ACT},
             {"name": "triton-pdl-fuse-act-late-reads", "pdl": True, "gemv": True, "fusion": _ACT,
              "early_reads": False},
+            {"name": "triton-pdl-fuse-act-rotary-launch", "pdl": True, "gemv": True, "fusion": _ACT,
+             "decode_rotary": False},
         ]  # fmt: skip
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     out.append({"name": "pdl-fuse-act-late-reads", "pdl": True, "fusion": _ACT, "early_reads": False})
+    out.append({"name": "pdl-fuse-act-rotary-launch", "pdl": True, "fusion": _ACT, "decode_rotary": False})
     if quantization == "int4":
         # The packed-fp16 kernel without its defaults, with the default act: two words' products summed
         # in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load
@@ -108,7 +114,12 @@ def probes() -> list[dict]:
     is right with them, but they are not the engine's default)."""
     out = [
         {"name": "probe-no-norms", "kernels": {"rms_norm": _no_norm, "fused_add_rms_norm": _no_norm}},
-        {"name": "probe-no-rotary", "kernels": {"rotary_and_write_kv_cache": _no_rotary}},
+        # The rotary-and-KV-store launch as it was before the decode attention took it over.
+        {
+            "name": "probe-no-rotary",
+            "kernels": {"rotary_and_write_kv_cache": _no_rotary},
+            "decode_rotary": False,
+        },
         {"name": "probe-no-merge", "merge": False},
         {"name": "probe-no-attention", "kernels": {"paged_attention": _no_attention}},
         {"name": "probe-splits-1", "splits": 1},
@@ -162,6 +173,10 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     # No fusion unless the variant names parts (the engine's default, "act", is the fuse-act variants).
     fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
     early_reads, pdl.EARLY_READS = pdl.EARLY_READS, variant.get("early_reads", True)
+    decode_rotary, attention_layer.DECODE_ROTARY = (
+        attention_layer.DECODE_ROTARY,
+        variant.get("decode_rotary", True),
+    )
     try:
         with skinny_gemm.switches(**variant.get("switches", {})), patched(runner.model, variant):
             graphs = DecodeGraphs(
@@ -172,6 +187,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
         pdl.enabled = _PDL_ENABLED
         fused_linear.GEMV_FUSION = fusion
         pdl.EARLY_READS = early_reads
+        attention_layer.DECODE_ROTARY = decode_rotary
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

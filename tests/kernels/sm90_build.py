@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels import (
     GemvFusion,
+    StepRotary,
     activation,
     attention,
     gemv,
@@ -128,6 +129,19 @@ def _attention_launches(dtype: torch.dtype) -> None:
             attention.paged_attention(
                 query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, 0.1,
                 max_query_len=max(query_lens), num_kv_splits=splits,
+            )  # fmt: skip
+        # A decode that rotates its query and key and stores the step's key and value itself (the
+        # attention layer's decodes), over a cache of the query's dtype and an FP8 one.
+        query = torch.empty(2, num_heads, head_dim, dtype=dtype)
+        kv = torch.empty(2, num_kv_heads, head_dim, dtype=dtype)
+        step = StepRotary(
+            torch.zeros(2, dtype=torch.int64), torch.empty(64, head_dim, dtype=dtype), kv, kv,
+            torch.zeros(2, dtype=torch.int64),
+        )  # fmt: skip
+        for cache in (k_cache, k_cache.to(torch.float8_e4m3fn)):
+            attention.paged_attention(
+                query, cache, cache, block_tables, seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1,
+                max_query_len=1, num_kv_splits=4, rotary=step,
             )  # fmt: skip
 
 

@@ -36,6 +36,19 @@ class Kernels(NamedTuple):
     topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+class StepRotary(NamedTuple):
+    """What paged_attention needs to rotate a step's query and key itself and store its key and value
+    (the attention layer's rotary and KV store folded into its launch): the tokens' positions [T], the
+    rotary cos/sin cache [positions, head_dim] (cos, then sin), the step's unrotated key and its value
+    [T, kv_heads, head_dim] and the tokens' cache slots [T] (-1: none)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 class GemvFusion(NamedTuple):
     """Work a decode-sized linear layer does in its one-row GEMV's stores instead of in a launch of its
     own (kernels/gemv.py's store_row; layers/fused_linear.py asks for it): silu_mul: the output is gate ||

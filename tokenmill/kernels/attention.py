@@ -10,7 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import pdl, sm_count
+from tokenmill.kernels import StepRotary, pdl, sm_count
+from tokenmill.kernels.attention_tiles import (
+    attend_kv_range,
+    attend_tile,
+    cached_tile,
+    last_tile_start,
+    rotate_half,
+    split_range,
+)
+from tokenmill.kernels.rotary import rotary_and_write_kv_cache
 from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
@@ -43,144 +52,25 @@ def _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_kv_range(
-    acc,
-    m_i,
-    l_i,
-    q,
-    q_pos,
-    k_cache,
-    v_cache,
-    block_table,
-    kv_head_offset,
-    kv_lo,
-    kv_hi,
-    qk_scale,
-    stride_cache_block,
-    stride_cache_slot,
-    dims,
-    dim_ok,
-    KV_BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    PAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Online-softmax update of (acc, m_i, l_i) with keys kv_lo..kv_hi read through the block table.
-    Without CAUSAL_MASK every key of the range is visible to every row and in bounds."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        k_pos = start + offs_n
-        if CAUSAL_MASK:
-            key_ok = k_pos < kv_hi
-            page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
-            kv_mask = key_ok[:, None]
-            if PAD_DIM:
-                kv_mask = kv_mask & dim_ok[None, :]
-            kv_other = 0.0
-        else:
-            page = tl.load(block_table + k_pos // KV_BLOCK_SIZE)
-            kv_mask = None
-            kv_other = None
-            if PAD_DIM:
-                kv_mask = dim_ok[None, :]
-                kv_other = 0.0
-        slot_offset = (
-            page.to(tl.int64) * stride_cache_block
-            + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot
-            + kv_head_offset
-        )
-        kv_offsets = slot_offset[:, None] + dims[None, :]
-        k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if CAUSAL_MASK:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _split_range(kv_end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [kv_lo, kv_hi) of split `split` of a query tile that sees keys [0, kv_end): whole tiles of
-    BLOCK_N keys, the last split's range cut at kv_end (empty splits: kv_lo >= kv_hi)."""
-    if NUM_SPLITS > 1:
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * split_len
-        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
-    else:
-        kv_lo = 0
-        kv_hi = kv_end
-    return kv_lo, kv_hi
-
-
-@triton.jit
-def _kv_tile_offsets(block_table, kv_head_offset, k_pos, key_ok, dims, stride_cache_block,
-                     stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """Offsets into the cache of keys k_pos (through the block table; 0 where not key_ok), [keys, dims]."""
-    page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
-    slot_offset = (
-        page.to(tl.int64) * stride_cache_block + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot + kv_head_offset
-    )
-    return slot_offset[:, None] + dims[None, :]
-
-
-@triton.jit
-def _early_kv_tile(
-    k_cache, v_cache, block_tables, seq, seq_len, context_len, kv_head, split, stride_block_table,
-    stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """A decode's first tile of keys and values in its split, as the cache holds them before this step:
-    the context's keys only (earlier steps wrote them), zeros elsewhere."""
-    kv_lo, kv_hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
-    k_pos = kv_lo + tl.arange(0, BLOCK_N)
-    key_ok = (k_pos < kv_hi) & (k_pos < context_len)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    offsets = _kv_tile_offsets(
-        block_tables + seq.to(tl.int64) * stride_block_table, kv_head.to(tl.int64) * stride_cache_head,
-        k_pos, key_ok, dims, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
-    )  # fmt: skip
-    mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    return tl.load(k_cache + offsets, mask=mask, other=0.0), tl.load(v_cache + offsets, mask=mask, other=0.0)
-
-
-@triton.jit
-def _attend_early_tile(
-    acc, m_i, l_i, q, first_k, first_v, k_cache, v_cache, block_table, kv_head_offset, kv_lo, kv_hi,
-    context_len, qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
-    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """The online-softmax update of a decode's first tile (keys kv_lo.. of its split, read by
-    _early_kv_tile), with this step's keys and values (positions context_len..kv_hi) read now. A decode
-    row sees every key before kv_hi; an empty split leaves (acc, m_i, l_i) as they were."""
-    k_pos = kv_lo + tl.arange(0, BLOCK_N)
-    in_range = k_pos < kv_hi
-    fresh = in_range & (k_pos >= context_len)
-    offsets = _kv_tile_offsets(
-        block_table, kv_head_offset, k_pos, fresh, dims, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE
-    )
-    mask = fresh[:, None]
-    if PAD_DIM:
-        mask = mask & dim_ok[None, :]
-    k = tl.where(fresh[:, None], tl.load(k_cache + offsets, mask=mask, other=0.0), first_k).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = tl.where(in_range[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no key yet (an empty split) subtracts 0: p and alpha are 0, nothing changes.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.where(fresh[:, None], tl.load(v_cache + offsets, mask=mask, other=0.0), first_v).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
+def _store_step_kv(key_row, value_row, k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin,
+                   k_scale, v_scale, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr,
+                   HALF_DIM: tl.constexpr):  # fmt: skip
+    """The step's key of one KV head rotated and its value, in the cache's dtype as kernels/rotary.py
+    stores them (rounded to the key's dtype, then FP8 as x / scale saturated to e4m3); stored at `slot`
+    by the program that owns the key (slot -1: padding, none). Returns (key, value), [HEAD_DIM_PAD]."""
+    new_k = tl.sum(rotate_half(key_row, dims, dim_ok[None, :], cos, sin, HALF_DIM), 0)
+    new_k = new_k.to(key_row.dtype.element_ty)
+    new_v = tl.load(value_row + dims, mask=dim_ok, other=0.0)
+    if k_cache.dtype.element_ty == tl.float8e4nv:
+        new_k = tl.clamp(new_k.to(tl.float32) / k_scale, -448.0, 448.0)
+        new_v = tl.clamp(new_v.to(tl.float32) / v_scale, -448.0, 448.0)
+    new_k = new_k.to(k_cache.dtype.element_ty)
+    new_v = new_v.to(v_cache.dtype.element_ty)
+    offsets = (slot // KV_BLOCK_SIZE) * stride_cache_block + (slot % KV_BLOCK_SIZE) * stride_cache_slot
+    mask = dim_ok & owner & (slot >= 0)
+    tl.store(k_cache + offsets + kv_head_offset + dims, new_k, mask=mask)
+    tl.store(v_cache + offsets + kv_head_offset + dims, new_v, mask=mask)
+    return new_k, new_v
 
 
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
@@ -199,7 +89,18 @@ def _paged_attention_kernel(
     query_start_loc,
     num_seqs,
     qk_scale,
+    k_scale,
     v_scale,
+    positions,
+    cos_sin_cache,
+    key,
+    value,
+    slot_mapping,
+    stride_cos,
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -222,14 +123,20 @@ def _paged_attention_kernel(
     DOT_FP16: tl.constexpr = False,
     PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    ROTARY: tl.constexpr = False,
+    HALF_DIM: tl.constexpr = 1,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
     SEQ_FILTER 1 takes only the requests with one query token, 2 only the others (0: every request): a
     batch that mixes prompt chunks and decodes runs as two launches, each with its own tile size.
-    EARLY (pdl.EARLY_READS): the step's metadata, and for a decode the first key tile of its split
-    without this step's own key, are read before the PDL wait (no kernel of the step writes them); the
-    step's key and value, which the launch before stores, are read after it into that tile."""
+    A decode takes the last tile of its split's keys into registers first (the newest keys: the step's own
+    key, in the split that holds it), then the tiles before it. EARLY (pdl.EARLY_READS): the step's
+    metadata and that tile as earlier steps left it are read before the PDL wait (no kernel of the
+    step writes them); the step's key and value, which the launch before stores, after it. ROTARY
+    (decodes only): query and key arrive unrotated (positions, cos_sin_cache): the program rotates its
+    query rows, and the one whose split holds the step's key rotates it, stores it and the value at the
+    step's slot (FP8: as x / scale) and attends to them from registers; one launch instead of two."""
     if not EARLY:
         pdl.start(PDL)  # before the early exits below: every program waits
     kv_head = tl.program_id(1)
@@ -247,12 +154,29 @@ def _paged_attention_kernel(
     query_len = tl.load(query_start_loc + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - query_len
-    if EARLY and DECODE:
-        first_k, first_v = _early_kv_tile(
-            k_cache, v_cache, block_tables, seq, seq_len, context_len, kv_head, split, stride_block_table,
-            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, HEAD_DIM_PAD, KV_BLOCK_SIZE,
-            BLOCK_N, NUM_SPLITS,
+    if DECODE:
+        block_table = block_tables + seq.to(tl.int64) * stride_block_table
+        kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        offs_n = tl.arange(0, BLOCK_N)
+        # The split's last tile as earlier steps left it: keys before context_len only.
+        kv_lo, kv_hi = split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+        tile_lo = last_tile_start(kv_lo, kv_hi, BLOCK_N)
+        tile_ok = tile_lo + offs_n < kv_hi
+        cached = tile_ok & (tile_lo + offs_n < context_len)
+        last_k, last_v = cached_tile(
+            k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, cached, dims, dim_ok,
+            stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
         )  # fmt: skip
+        if ROTARY:
+            has_token = query_len > 0
+            pos = tl.load(positions + q_start, mask=has_token, other=0).to(tl.int64)
+            half = dims % HALF_DIM
+            cos = tl.load(cos_sin_cache + pos * stride_cos + half, mask=dim_ok, other=0.0).to(tl.float32)
+            sin = tl.load(cos_sin_cache + pos * stride_cos + HALF_DIM + half, mask=dim_ok, other=0.0)
+            sin = sin.to(tl.float32)
+            slot = tl.load(slot_mapping + q_start, mask=has_token, other=-1).to(tl.int64)
     if EARLY:
         pdl.start(PDL)  # before the exits: every program waits
     # Padded requests (query_len 0) and the gaps of the tile numbering stop here, before any load.
@@ -265,14 +189,22 @@ def _paged_attention_kernel(
         if query_len == 1:
             return
 
+    if not DECODE:
+        block_table = block_tables + seq.to(tl.int64) * stride_block_table
+        kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_ok = dims < HEAD_DIM
     rows = tl.arange(0, BLOCK_M)
     tok = q_tile * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < query_len)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    q_offsets = (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(query + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_rows = query + (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    if ROTARY:
+        # Rounded to the query's dtype, as the rotary launch stores it.
+        q = rotate_half(q_rows, dims, q_mask, cos, sin, HALF_DIM).to(query.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
     if DOT_FP16:
         # An FP8 cache under bf16 queries: keys, values and probabilities meet the query in fp16, since
         # Hopper turns two e4m3 values into fp16 in one instruction and into bf16 only through fp32.
@@ -281,37 +213,53 @@ def _paged_attention_kernel(
     # Rows past the request's last token sit past seq_len, see every key and so stay finite.
     q_pos = context_len + tok
 
-    first_pos = context_len + q_tile * BLOCK_Q
-    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    kv_lo, kv_hi = _split_range(kv_end, split, NUM_SPLITS, BLOCK_N)
-    # Keys before first_pos + 1 are visible to every row: whole tiles of them skip the causal mask,
-    # and tiles past the tile's last query position are never visited.
-    unmasked_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, first_pos + 1) // BLOCK_N * BLOCK_N)
-
-    block_table = block_tables + seq.to(tl.int64) * stride_block_table
-    kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if EARLY and DECODE:
-        # The first tile, read before the wait but for this step's key and value; the loops go on after it.
-        acc, m_i, l_i = _attend_early_tile(
-            acc, m_i, l_i, q, first_k, first_v, k_cache, v_cache, block_table, kv_head_offset, kv_lo, kv_hi,
-            context_len, qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok, KV_BLOCK_SIZE,
-            BLOCK_N, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+    if DECODE:
+        # The last tile, with the step's key and value (at context_len, when this split holds it) put in.
+        fresh = tile_ok & (tile_lo + offs_n >= context_len)
+        if ROTARY:
+            new_k, new_v = _store_step_kv(
+                key + q_start * stride_key_tok + kv_head * stride_key_head,
+                value + q_start * stride_value_tok + kv_head * stride_value_head,
+                k_cache, v_cache, slot, kv_head_offset, (kv_lo <= context_len) & (context_len < kv_hi),
+                dims, dim_ok, cos, sin, k_scale, v_scale, stride_cache_block, stride_cache_slot,
+                KV_BLOCK_SIZE, HALF_DIM,
+            )  # fmt: skip
+            k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
+            v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
+        else:
+            new_k, new_v = cached_tile(
+                k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, fresh, dims, dim_ok,
+                stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
+            )  # fmt: skip
+            k_tile = tl.where(fresh[:, None], new_k, last_k)
+            v_tile = tl.where(fresh[:, None], new_v, last_v)
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_tile, v_tile, tile_ok, qk_scale, PRECISION)
+        # The tiles before it: whole, and every key visible to the decode's row.
+        acc, m_i, l_i = attend_kv_range(
+            acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, tile_lo,
+            qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+            KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
         )  # fmt: skip
-        kv_lo = kv_lo + BLOCK_N
-        unmasked_hi = tl.maximum(kv_lo, unmasked_hi)
-    acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, unmasked_hi,
-        qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, unmasked_hi, kv_hi,
-        qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
-        KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
-    )  # fmt: skip
+    else:
+        first_pos = context_len + q_tile * BLOCK_Q
+        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+        kv_lo, kv_hi = split_range(kv_end, split, NUM_SPLITS, BLOCK_N)
+        # Keys before first_pos + 1 are visible to every row: whole tiles of them skip the causal mask,
+        # and tiles past the tile's last query position are never visited.
+        unmasked_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, first_pos + 1) // BLOCK_N * BLOCK_N)
+        acc, m_i, l_i = attend_kv_range(
+            acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, unmasked_hi,
+            qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+            KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+        )  # fmt: skip
+        acc, m_i, l_i = attend_kv_range(
+            acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, unmasked_hi, kv_hi,
+            qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+            KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+        )  # fmt: skip
 
     # An empty split (short request, many splits) has l_i == 0: it reports lse -inf and a zero output.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -378,6 +326,7 @@ def paged_attention(
     num_decodes: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rotary: StepRotary | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context; see the reference.
 
@@ -386,8 +335,16 @@ def paged_attention(
     num_kv_splits when capturing a graph. num_decodes, the requests with one query token, lets a batch
     that mixes them with longer queries give them the decode kernel's small tile: in one launch each
     would fill a prompt-sized tile (128 rows for a GQA group of 2) and pay for all of it. Rows of `out`
-    that no request owns are left untouched.
+    that no request owns are left untouched. With `rotary` (see the reference) a decode rotates the
+    query and the step's key and stores the step's key and value itself (one launch, not two); other
+    steps run kernels/rotary.py's launch first.
     """
+    if rotary is not None and max_query_len != 1:
+        query, _ = rotary_and_write_kv_cache(
+            rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
+            rotary.slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
+        rotary = None
     num_tokens, num_heads, head_dim = query.shape
     kv_block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -422,18 +379,27 @@ def paged_attention(
     # under bf16 queries; its per-tensor scales fold into the softmax scale (K) and the output (V).
     dot_fp16 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16
 
+    if rotary is not None:
+        positions, cos_sin_cache, key, value, slot_mapping = rotary
+        if cos_sin_cache.shape[-1] != head_dim or key.stride(-1) != 1 or value.stride(-1) != 1:
+            raise ValueError("rotary: the cos/sin cache must span head_dim, key and value rows be contiguous")
+    else:  # unused pointers
+        positions = cos_sin_cache = key = value = slot_mapping = query
+
     def launch(grid, partial_out, partial_lse, tile: TileConfig, block_q: int, num_splits: int, decode: bool,
                seq_filter: int) -> None:  # fmt: skip
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, partial_out, partial_lse,
-            block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * _LOG2_E, v_scale,
+            block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * _LOG2_E, k_scale, v_scale,
+            positions, cos_sin_cache, key, value, slot_mapping, cos_sin_cache.stride(0),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
             DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
-            EARLY=pdl.EARLY_READS, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            **pdl.launch_args(query),
+            EARLY=pdl.EARLY_READS, ROTARY=rotary is not None, HALF_DIM=head_dim // 2,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query),
         )  # fmt: skip
 
     small = config if decode else decode_config(group, query.element_size(), k_cache.element_size())

@@ -10,9 +10,13 @@ p % block_size.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tokenmill.kernels import StepRotary
 
 # e4m3, the FP8 of weights, activations and the KV cache alike, and its largest finite value (448).
 FP8_DTYPE = torch.float8_e4m3fn
@@ -61,6 +65,7 @@ def paged_attention(
     num_decodes: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rotary: StepRotary | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
@@ -72,8 +77,14 @@ def paged_attention(
     their grid by them; this reference needs none. Padded requests (seq_len 0, query_len 0) are skipped,
     and rows of `out` that no request owns are left untouched. An FP8 cache holds K / k_scale and
     V / v_scale: its values are read exactly, k_scale folds into the softmax scale and v_scale into the
-    output.
+    output. With `rotary` the query and the step's key arrive unrotated: they are rotated and the step's
+    key and value stored first (rotary_and_write_kv_cache; the query may be left rotated in place).
     """
+    if rotary is not None:
+        query, _ = rotary_and_write_kv_cache(
+            rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
+            rotary.slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:

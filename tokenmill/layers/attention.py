@@ -11,8 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.kernels import Kernels, StepRotary, get_kernels
 from tokenmill.layers.rotary import RotaryEmbedding
+
+# Whether a decode step's attention rotates q and k and stores K/V in its own launch (paged_attention's
+# `rotary`) instead of after the rotary-and-store launch; off for A/B.
+DECODE_ROTARY = True
 
 # Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
 _DENSE_BACKENDS = [
@@ -157,8 +161,13 @@ class Attention(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache (see store_kv), then paged attention of q [T, H, D] over
-        each request's context; into `out` when given. Returns [T, H, D]."""
-        q, _ = self.store_kv(q, k, v, attn_metadata, positions)
+        each request's context; into `out` when given. Returns [T, H, D]. A decode step (one query token
+        a request) with a rotary embedding does both in the attention launch (DECODE_ROTARY)."""
+        rotary = None
+        if DECODE_ROTARY and self.rotary and positions is not None and attn_metadata.max_query_len == 1:
+            rotary = StepRotary(positions, self.rotary[0].cos_sin_cache, k, v, attn_metadata.slot_mapping)
+        else:
+            q, _ = self.store_kv(q, k, v, attn_metadata, positions)
         return self.kernels.paged_attention(
             q,
             self.k_cache,
@@ -173,4 +182,5 @@ class Attention(nn.Module):
             num_decodes=attn_metadata.num_decodes,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            rotary=rotary,
         )

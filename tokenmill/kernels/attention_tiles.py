@@ -1,0 +1,146 @@
+"""The paged attention kernel's building blocks (kernels/attention.py): a split's key range, a tile's
+offsets through the block table, the online-softmax update over a range of tiles and over one tile a
+decode holds in registers, and the rotate-half rotary embedding of rows it reads itself."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_kv_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_cache,
+    v_cache,
+    block_table,
+    kv_head_offset,
+    kv_lo,
+    kv_hi,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_slot,
+    dims,
+    dim_ok,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    PAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) with keys kv_lo..kv_hi read through the block table.
+    Without CAUSAL_MASK every key of the range is visible to every row and in bounds."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = start + offs_n
+        if CAUSAL_MASK:
+            key_ok = k_pos < kv_hi
+            page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
+            kv_mask = key_ok[:, None]
+            if PAD_DIM:
+                kv_mask = kv_mask & dim_ok[None, :]
+            kv_other = 0.0
+        else:
+            page = tl.load(block_table + k_pos // KV_BLOCK_SIZE)
+            kv_mask = None
+            kv_other = None
+            if PAD_DIM:
+                kv_mask = dim_ok[None, :]
+                kv_other = 0.0
+        slot_offset = (
+            page.to(tl.int64) * stride_cache_block
+            + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot
+            + kv_head_offset
+        )
+        kv_offsets = slot_offset[:, None] + dims[None, :]
+        k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if CAUSAL_MASK:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def split_range(kv_end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [kv_lo, kv_hi) of split `split` of a query tile that sees keys [0, kv_end): whole tiles of
+    BLOCK_N keys, the last split's range cut at kv_end (empty splits: kv_lo >= kv_hi)."""
+    if NUM_SPLITS > 1:
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    return kv_lo, kv_hi
+
+
+@triton.jit
+def last_tile_start(kv_lo, kv_hi, BLOCK_N: tl.constexpr):
+    """The first key of the last tile of [kv_lo, kv_hi) (kv_lo for an empty range): a decode's newest
+    keys, its own among them in the split that holds it."""
+    return kv_lo + tl.maximum(kv_hi - kv_lo - 1, 0) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def kv_tile_offsets(block_table, kv_head_offset, k_pos, key_ok, dims, stride_cache_block, stride_cache_slot,
+                    KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Offsets into the cache of keys k_pos (through the block table; page 0 where not key_ok),
+    [keys, dims]."""
+    page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
+    slot_offset = (
+        page.to(tl.int64) * stride_cache_block + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot + kv_head_offset
+    )
+    return slot_offset[:, None] + dims[None, :]
+
+
+@triton.jit
+def cached_tile(k_cache, v_cache, block_table, kv_head_offset, k_pos, key_ok, dims, dim_ok,
+                stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Keys and values k_pos as the cache holds them (in its dtype), zeros where not key_ok."""
+    offsets = kv_tile_offsets(
+        block_table, kv_head_offset, k_pos, key_ok, dims, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE
+    )
+    mask = key_ok[:, None] & dim_ok[None, :]
+    return tl.load(k_cache + offsets, mask=mask, other=0.0), tl.load(v_cache + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def rotate_half(rows, dims, mask, cos, sin, HALF_DIM: tl.constexpr):
+    """Neox-style rotary embedding in fp32 of rows (pointers to their dimension 0: [R, 1], or one
+    pointer for [1, D]) where mask ([R, D]) is set, 0 elsewhere: x1 cos - x2 sin in the first half, x2 cos
+    + x1 sin in the second (cos, sin: [D], each half's value at both its dims). Read as two loads of the
+    same rows, the second half-swapped, so the result keeps the rows' layout. The caller rounds where
+    kernels/rotary.py rounds."""
+    first = dims < HALF_DIM
+    partner = tl.where(first, dims + HALF_DIM, dims - HALF_DIM)
+    x = tl.load(rows + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    swapped = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * cos[None, :] + swapped * tl.where(first, -sin, sin)[None, :]
+
+
+@triton.jit
+def attend_tile(acc, m_i, l_i, q, k, v, key_ok, qk_scale, PRECISION: tl.constexpr):
+    """The online-softmax update with one tile of keys and values held in registers (a decode row sees
+    every key_ok one). A row that has seen no key yet (an empty split) subtracts 0: p and alpha are 0 and
+    (acc, m_i, l_i) stay as they were."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return acc, m_new, l_i
