@@ -51,10 +51,10 @@ def variants(quantization: str | None) -> list[dict]:
     tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), with SiLU-and-multiply
     folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act"), and that with the metadata and a
     decode's earlier keys read after the PDL wait (pdl.EARLY_READS off: late-reads), and with the
-    rotary and KV store in a launch of their own before attention (layers/attention.py DECODE_ROTARY
-    off: rotary-launch). int4 also without the packed-fp16 kernel's paired words and vector activation
-    loads, with its one-row GEMV launched plainly, and the fp32 one-row kernel so launched, as before the
-    packed-fp16 one."""
+    rotary and KV store done by the decode attention's launch instead of their own (layers/attention.py
+    DECODE_ROTARY on: rotary-in-attention). int4 also without the packed-fp16 kernel's paired words and
+    vector activation loads, with its one-row GEMV launched plainly, and the fp32 one-row kernel so
+    launched, as before the packed-fp16 one."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -65,14 +65,16 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "triton-pdl-fuse-act", "pdl": True, "gemv": True, "fusion": _ACT},
             {"name": "triton-pdl-fuse-act-late-reads", "pdl": True, "gemv": True, "fusion": _ACT,
              "early_reads": False},
-            {"name": "triton-pdl-fuse-act-rotary-launch", "pdl": True, "gemv": True, "fusion": _ACT,
-             "decode_rotary": False},
+            {"name": "triton-pdl-fuse-act-rotary-in-attention", "pdl": True, "gemv": True, "fusion": _ACT,
+             "decode_rotary": True},
         ]  # fmt: skip
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     out.append({"name": "pdl-fuse-act-late-reads", "pdl": True, "fusion": _ACT, "early_reads": False})
-    out.append({"name": "pdl-fuse-act-rotary-launch", "pdl": True, "fusion": _ACT, "decode_rotary": False})
+    out.append(
+        {"name": "pdl-fuse-act-rotary-in-attention", "pdl": True, "fusion": _ACT, "decode_rotary": True}
+    )
     if quantization == "int4":
         # The packed-fp16 kernel without its defaults, with the default act: two words' products summed
         # in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load
@@ -173,10 +175,8 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     # No fusion unless the variant names parts (the engine's default, "act", is the fuse-act variants).
     fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
     early_reads, pdl.EARLY_READS = pdl.EARLY_READS, variant.get("early_reads", True)
-    decode_rotary, attention_layer.DECODE_ROTARY = (
-        attention_layer.DECODE_ROTARY,
-        variant.get("decode_rotary", True),
-    )
+    decode_rotary = attention_layer.DECODE_ROTARY  # the layer's default unless the variant names one
+    attention_layer.DECODE_ROTARY = variant.get("decode_rotary", decode_rotary)
     try:
         with skinny_gemm.switches(**variant.get("switches", {})), patched(runner.model, variant):
             graphs = DecodeGraphs(

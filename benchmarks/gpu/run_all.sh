@@ -133,7 +133,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # decode attention tile's pipeline stages).
     pdl-launches) for q in none fp8 int4; do base=pdl-fuse-act; [ $q = none ] && base=triton-pdl-fuse-act
                     timeout 150 $py benchmarks/gpu/bench_pdl.py $([ $q = none ] || echo --quantization $q) \
-                      --rounds 7 --variants $base,$base-rotary-launch,$base-late-reads --out "$out/pdl_launches_$q.json" \
+                      --rounds 7 --variants $base,$base-rotary-in-attention,$base-late-reads --out "$out/pdl_launches_$q.json" \
                       2>&1 | grep -v "Warn\|variant met" | tail -3; done
                   timeout 200 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \
                     pdl-fuse-act,probe-no-norms,probe-no-rotary,probe-no-merge,probe-no-attention,probe-attn-stages-1,probe-attn-stages-2,probe-gemvs-only \

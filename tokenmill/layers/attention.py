@@ -15,8 +15,9 @@ from tokenmill.kernels import Kernels, StepRotary, get_kernels
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Whether a decode step's attention rotates q and k and stores K/V in its own launch (paged_attention's
-# `rotary`) instead of after the rotary-and-store launch; off for A/B.
-DECODE_ROTARY = True
+# `rotary`) instead of after the rotary-and-store launch. Off until timed and tested on a GPU (it has run
+# in the interpreter and the sm_90 compiler only): bench_pdl's rotary-in-attention variants.
+DECODE_ROTARY = False
 
 # Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
 _DENSE_BACKENDS = [
