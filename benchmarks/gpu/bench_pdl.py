@@ -112,8 +112,9 @@ def probes() -> list[dict]:
     """Variants that leave a layer's small launches out (wrong logits, real times), with the engine's
     defaults otherwise: both norms, the rotary-and-KV-store, the split merge, attention with its merge,
     all of them; attention over 1 and 4 KV splits instead of the graph's count (1: no merge), and its
-    decode tile with 1 and 2 pipeline stages instead of 3 (they are timing probes too: a step's output
-    is right with them, but they are not the engine's default)."""
+    decode tile with 1 and 2 pipeline stages instead of 3, 2 and 8 warps instead of 4, 32 and 128 keys
+    instead of 64 (they are timing probes too: a step's output is right with them, but they are not the
+    engine's default)."""
     out = [
         {"name": "probe-no-norms", "kernels": {"rms_norm": _no_norm, "fused_add_rms_norm": _no_norm}},
         # The rotary-and-KV-store launch as it was before the decode attention took it over.
@@ -129,6 +130,11 @@ def probes() -> list[dict]:
         # The decode tile's software pipeline (shared memory for num_stages copies of a key/value tile).
         {"name": "probe-attn-stages-1", "tile": {"num_stages": 1}},
         {"name": "probe-attn-stages-2", "tile": {"num_stages": 2}},
+        # Its warps and keys a tile.
+        {"name": "probe-attn-warps-2", "tile": {"num_warps": 2}},
+        {"name": "probe-attn-warps-8", "tile": {"num_warps": 8}},
+        {"name": "probe-attn-keys-32", "tile": {"block_n": 32}},
+        {"name": "probe-attn-keys-128", "tile": {"block_n": 128}},
     ]
     every = {
         "rms_norm": _no_norm, "fused_add_rms_norm": _no_norm,

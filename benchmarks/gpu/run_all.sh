@@ -136,7 +136,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                       --rounds 7 --variants $base,$base-rotary-in-attention,$base-late-reads --out "$out/pdl_launches_$q.json" \
                       2>&1 | grep -v "Warn\|variant met" | tail -3; done
                   timeout 200 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \
-                    pdl-fuse-act,probe-no-norms,probe-no-rotary,probe-no-merge,probe-no-attention,probe-attn-stages-1,probe-attn-stages-2,probe-gemvs-only \
+                    pdl-fuse-act,probe-no-norms,probe-no-rotary,probe-no-merge,probe-no-attention,probe-attn-stages-1,probe-attn-stages-2,probe-attn-warps-2,probe-attn-warps-8,probe-attn-keys-32,probe-attn-keys-128,probe-gemvs-only \
                     --out "$out/pdl_probes_fp8.json" 2>&1 | grep -v "Warn\|variant met" | tail -8 ;;
     # Batch-1 decode with and without SiLU-and-multiply folded into the gate/up projection's GEMV store
     # (layers/fused_linear.py's fused_linear; TOKENMILL_GEMV_FUSION: 0 none, act the default); bf16 / FP8
