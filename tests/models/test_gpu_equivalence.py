@@ -20,8 +20,18 @@ NEAR_TIE = 0.04  # of the largest logit: bf16 keeps about 3 significant digits t
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_greedy_tokens_match_transformers_in_bf16(arch, enforce_eager, hf_model_dirs):
+@pytest.mark.parametrize(
+    ("enforce_eager", "decode_rotary"),
+    # The decode attention doing the rotary and the K/V store itself (layers/attention.py DECODE_ROTARY),
+    # in the graphs and eager.
+    [(False, False), (True, False), (False, True), (True, True)],
+)
+def test_greedy_tokens_match_transformers_in_bf16(
+    arch, enforce_eager, decode_rotary, hf_model_dirs, monkeypatch
+):
+    from tokenmill.layers import attention as attention_layer
+
+    monkeypatch.setattr(attention_layer, "DECODE_ROTARY", decode_rotary)
     path, hf_model = hf_model_dirs[arch]
     llm = LLM(
         model=path,
