@@ -418,6 +418,21 @@ def test_decode_rotates_and_stores_the_steps_key_itself(
     assert not torch.equal(got_batch.k_cache.flatten(0, 1).float()[slots], before[slots])  # they were stored
 
 
+@pytest.mark.parametrize("kv_block_size", [1, 8, 32])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_decode_over_other_cache_block_sizes(kv_block_size: int, rotary: bool) -> None:
+    """A decode's tiles through block tables of 1-, 8- and 32-token blocks (a tile spans several blocks,
+    or a block several tiles), with and without the rotary and K/V store in its launch."""
+    seq_lens = [3, 40, 129]
+    batch = make_batch(seq_lens, [1] * 3, 6, 2, 64, kv_block_size=kv_block_size, seed=kv_block_size)
+    step = step_rotary(batch, 2, seed=kv_block_size) if rotary else None
+    want_batch = batch._replace(k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone())
+    want = reference.paged_attention(*want_batch, max_query_len=1, rotary=step)
+    got = attention.paged_attention(*batch, max_query_len=1, num_kv_splits=2, rotary=step)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    torch.testing.assert_close(batch.k_cache, want_batch.k_cache, **FP32_TOL)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's stand-in for the PDL wait")
 @pytest.mark.parametrize("seq_len", [20, 100])
 def test_rotary_decode_reads_the_steps_query_key_and_value_after_its_wait(monkeypatch, seq_len: int) -> None:
