@@ -5,7 +5,11 @@ for each number of families (compilations of the constraint) and mask threads, a
 steps as the engine leaves one (the rest of its step loop). One JSON document on stdout (and --out).
 
     python benchmarks/grammar_masks.py [--model default | HF_DIR] [--batch 64] [--steps 128]
-        [--threads 1,12] [--families 1,12] [--gaps-ms 0,5] [--out FILE]
+        [--threads 1,12] [--families 1,12] [--gaps-ms 0,5] [--schema bounded|unbounded]
+        [--slices default|none|short] [--out FILE]
+
+--schema unbounded drops the strings' maxLength; --slices sets llguidance's slicer: its defaults, none,
+or its defaults with slices for strings of 1-9 characters added.
 """
 
 from __future__ import annotations
@@ -51,10 +55,28 @@ def unbounded(schema):
     return out
 
 
-def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int, gap_s: float) -> dict:
+def slices(name: str) -> list[str] | None:
+    """llguidance's slicer regexes for --slices."""
+    import llguidance
+
+    if name == "default":
+        return None
+    if name == "none":
+        return []
+    if name == "short":
+        general = llguidance.LLTokenizer.general_slices()
+        chars = general[1].split("{")[0]  # a JSON string's characters, as its {1,10} slice spells them
+        return general[:1] + [f"{chars}{{1,{n}}}" for n in range(1, 10)] + general[1:]
+    raise ValueError(f"--slices {name!r}: default, none or short")
+
+
+def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int, gap_s: float,
+         schema: dict, slicer: list[str] | None) -> dict:  # fmt: skip
     """Mask-fill seconds per step over one random walk of `batch` requests."""
-    structured = StructuredOutputs(source.load_tokenizer, vocab, mask_threads=threads, max_families=families)
-    constraint = StructuredOutputsParams(json=SCHEMA)
+    structured = StructuredOutputs(
+        source.load_tokenizer, vocab, mask_threads=threads, max_families=families, slices=slicer
+    )
+    constraint = StructuredOutputsParams(json=schema)
     handed = [structured.matcher(constraint) for _ in range(batch)]
     matchers, family_ids = [m for m, _ in handed], [f for _, f in handed]
     rng = np.random.default_rng(0)
@@ -90,19 +112,25 @@ def main() -> None:
     parser.add_argument("--threads", default=f"1,{MASK_THREADS}", help="comma-separated mask thread counts")
     parser.add_argument("--families", default=f"1,{MASK_THREADS}", help="comma-separated family counts")
     parser.add_argument("--gaps-ms", default="0,5", help="comma-separated idle gaps between steps")
+    parser.add_argument("--schema", choices=["bounded", "unbounded"], default="bounded")
+    parser.add_argument("--slices", default="default", help="llguidance's slicer: default, none or short")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
+    schema = SCHEMA if args.schema == "bounded" else unbounded(SCHEMA)
+    slicer = slices(args.slices)
     source = resolve_model(args.model)
     vocab = source.hf_config.vocab_size
     rows = []
     for gap in (float(g) for g in args.gaps_ms.split(",")):
         for threads in (int(t) for t in args.threads.split(",")):
             for families in (int(f) for f in args.families.split(",")):
-                row = walk(source, vocab, args.batch, args.steps, threads, families, gap / 1e3)
+                row = walk(
+                    source, vocab, args.batch, args.steps, threads, families, gap / 1e3, schema, slicer
+                )
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
     report = {"model": args.model, "batch": args.batch, "steps": args.steps, "default_threads": MASK_THREADS,
-              "results": rows}  # fmt: skip
+              "schema": args.schema, "slices": args.slices, "results": rows}  # fmt: skip
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -141,11 +141,14 @@ class StructuredOutputs:
         vocab_size: int,
         mask_threads: int = MASK_THREADS,
         max_families: int = MAX_FAMILIES,
+        slices: list[str] | None = None,
     ) -> None:
         """load_tokenizer: returns the model's Hugging Face fast tokenizer, called on first use.
         mask_threads: llguidance threads filling a step's masks. max_families: the most compilations
         ("families") of one constraint that requests are dealt over; copies of one compiled matcher share
-        its lexer and its caches, so the threads' work on requests of one family contends."""
+        its lexer and its caches, so the threads' work on requests of one family contends. slices: the
+        regexes of llguidance's slicer (token sets it precomputes for the masks; [] none), None its
+        defaults."""
         for name, value in (("mask_threads", mask_threads), ("max_families", max_families)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -154,6 +157,7 @@ class StructuredOutputs:
         self.words = (vocab_size + 31) // 32
         self.mask_threads = mask_threads
         self.max_families = max_families
+        self.slices = slices
         self._ll_tokenizer = None
         self._executor = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
@@ -173,6 +177,7 @@ class StructuredOutputs:
                     _tokenizer_json(hf_tokenizer),
                     n_vocab=self.vocab_size,
                     eos_token=hf_tokenizer.eos_token_id,
+                    slices=self.slices,
                 )
                 self._executor = llguidance.LLExecutor(self.mask_threads)
             return self._ll_tokenizer
