@@ -143,6 +143,11 @@ def _attention_launches(dtype: torch.dtype) -> None:
                 query, cache, cache, block_tables, seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1,
                 max_query_len=1, num_kv_splits=4, rotary=step,
             )  # fmt: skip
+        # And a decode over an FP8 cache without it (its tile is 128 keys).
+        attention.paged_attention(
+            query, k_cache.to(torch.float8_e4m3fn), k_cache.to(torch.float8_e4m3fn), block_tables, seq_lens,
+            torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1, num_kv_splits=4,
+        )  # fmt: skip
 
 
 def _small_launches(dtype: torch.dtype) -> None:

@@ -542,6 +542,21 @@ def test_the_attention_layer_decodes_with_the_rotary_in_its_launch(monkeypatch, 
     assert len(launches) == (1 if fused else 2)  # the prompt's; the decode's too unless fused
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3, None])
+def test_fp8_decode_over_long_splits(num_kv_splits: int | None) -> None:
+    """An FP8 cache's decode tile is 128 keys but its register tile (the newest keys) 64: the keys before
+    it are whole tiles and then what is left of one, against the reference."""
+    batch = make_batch([5, 130, 300, 700], [1] * 4, 6, 2, 48, dtype=torch.bfloat16, seed=7)
+    k_scale, v_scale = 0.05, 0.3
+    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    hints = dict(max_query_len=1, k_scale=k_scale, v_scale=v_scale)
+    want = reference.paged_attention(*fp8, **hints)
+    got = attention.paged_attention(*fp8, num_kv_splits=num_kv_splits, **hints)
+    torch.testing.assert_close(got, want, **BF16_TOL)
+
+
 def dense_attention(batch: Batch) -> torch.Tensor:
     """Float64 softmax attention written out: each request's queries over its context, the mask spelled
     as positions, the cache read block by block."""

@@ -44,7 +44,8 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
     }
     assert [build for build in builds if build["spill_bytes"]] == []
     attention_builds = [build for build in builds if build["kernel"] == "_paged_attention_kernel"]
-    assert len(attention_builds) == 18  # 12, and 6 decodes that rotate and store the step's key themselves
+    # 12, 6 decodes that rotate and store the step's key themselves, 3 over an FP8 cache without
+    assert len(attention_builds) == 21
     assert all(build["uses_tensor_cores"] for build in attention_builds)
     # Hopper allows 227 KB of shared memory per block.
     assert max(build["shared_bytes"] for build in builds) <= 227 * 1024

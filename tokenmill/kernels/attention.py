@@ -73,6 +73,18 @@ def _store_step_kv(key_row, value_row, k_cache, v_cache, slot, kv_head_offset, o
     return new_k, new_v
 
 
+@triton.jit
+def _put_row(tile, row, where):
+    """tile with `row` in the rows where `where` is set; FP8 as bytes (a select of the values would widen
+    them, and the registers of the FP8 decode with its rotary run out)."""
+    if tile.dtype == tl.float8e4nv:
+        bits = tl.where(
+            where[:, None], row.to(tl.int8, bitcast=True)[None, :], tile.to(tl.int8, bitcast=True)
+        )
+        return bits.to(tl.float8e4nv, bitcast=True)
+    return tl.where(where[:, None], row[None, :], tile)
+
+
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
 # left to Triton's default, each would specialise on == 1 and % 16 == 0 and compile new variants while
 # serving (an 8B server measured 0.7-0.9 s stalls for num_seqs, a 0.6B one 1.4 s for the stride).
@@ -125,13 +137,15 @@ def _paged_attention_kernel(
     EARLY: tl.constexpr = False,
     ROTARY: tl.constexpr = False,
     HALF_DIM: tl.constexpr = 1,
+    LAST_N: tl.constexpr = 64,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
     SEQ_FILTER 1 takes only the requests with one query token, 2 only the others (0: every request): a
     batch that mixes prompt chunks and decodes runs as two launches, each with its own tile size.
-    A decode takes the last tile of its split's keys into registers first (the newest keys: the step's own
-    key, in the split that holds it), then the tiles before it. EARLY (pdl.EARLY_READS): the step's
+    A decode takes the last LAST_N keys of its split into registers first (the newest keys: the step's own
+    key, in the split that holds it; fewer than BLOCK_N where a tile of BLOCK_N would not fit in
+    registers), then the tiles before them. EARLY (pdl.EARLY_READS): the step's
     metadata and that tile as earlier steps left it are read before the PDL wait (no kernel of the
     step writes them); the step's key and value, which the launch before stores, after it. ROTARY
     (decodes only): query and key arrive unrotated (positions, cos_sin_cache): the program rotates its
@@ -159,16 +173,21 @@ def _paged_attention_kernel(
         kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
         dims = tl.arange(0, HEAD_DIM_PAD)
         dim_ok = dims < HEAD_DIM
-        offs_n = tl.arange(0, BLOCK_N)
-        # The split's last tile as earlier steps left it: keys before context_len only.
+        offs_n = tl.arange(0, LAST_N)
+        # The split's last tile as earlier steps left it: keys before context_len (the step's own key, at
+        # context_len, is put in after the wait where this split holds it).
         kv_lo, kv_hi = split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
-        tile_lo = last_tile_start(kv_lo, kv_hi, BLOCK_N)
+        tile_lo = last_tile_start(kv_lo, kv_hi, LAST_N)
         tile_ok = tile_lo + offs_n < kv_hi
-        cached = tile_ok & (tile_lo + offs_n < context_len)
+        fresh = tile_ok & (tile_lo + offs_n >= context_len)
         last_k, last_v = cached_tile(
-            k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, cached, dims, dim_ok,
+            k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, tile_ok & ~fresh, dims, dim_ok,
             stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
         )  # fmt: skip
+        owner = (kv_lo <= context_len) & (context_len < kv_hi)
+        if not ROTARY:  # the row where the launch before stores the step's key and value
+            page = tl.load(block_table + context_len // KV_BLOCK_SIZE, mask=owner, other=0).to(tl.int64)
+            step_row = page * stride_cache_block + (context_len % KV_BLOCK_SIZE) * stride_cache_slot
         if ROTARY:
             has_token = query_len > 0
             pos = tl.load(positions + q_start, mask=has_token, other=0).to(tl.int64)
@@ -217,32 +236,38 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if DECODE:
-        # The last tile, with the step's key and value (at context_len, when this split holds it) put in.
-        fresh = tile_ok & (tile_lo + offs_n >= context_len)
+        # The last tile with the step's key and value put in (at context_len, where this split holds it).
         if ROTARY:
             new_k, new_v = _store_step_kv(
                 key + q_start * stride_key_tok + kv_head * stride_key_head,
                 value + q_start * stride_value_tok + kv_head * stride_value_head,
-                k_cache, v_cache, slot, kv_head_offset, (kv_lo <= context_len) & (context_len < kv_hi),
-                dims, dim_ok, cos, sin, k_scale, v_scale, stride_cache_block, stride_cache_slot,
-                KV_BLOCK_SIZE, HALF_DIM,
+                k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin, k_scale, v_scale,
+                stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, HALF_DIM,
             )  # fmt: skip
-            k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
-            v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
+            k_tile = _put_row(last_k, new_k, fresh)
+            v_tile = _put_row(last_v, new_v, fresh)
         else:
-            new_k, new_v = cached_tile(
-                k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, fresh, dims, dim_ok,
-                stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
-            )  # fmt: skip
-            k_tile = tl.where(fresh[:, None], new_k, last_k)
-            v_tile = tl.where(fresh[:, None], new_v, last_v)
+            # Read into the registers that hold the tile (a predicated load, no select): every row points
+            # at the step's, only its own reads.
+            rows = step_row + kv_head_offset + tl.zeros([LAST_N, 1], tl.int64) + dims[None, :]
+            fresh_mask = fresh[:, None] & dim_ok[None, :]
+            k_tile = tl.load(k_cache + rows, mask=fresh_mask, other=last_k)
+            v_tile = tl.load(v_cache + rows, mask=fresh_mask, other=last_v)
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_tile, v_tile, tile_ok, qk_scale, PRECISION)
-        # The tiles before it: whole, and every key visible to the decode's row.
+        # The keys before it, every one visible to the decode's row: whole tiles, then what is left of a
+        # tile (when LAST_N < BLOCK_N).
+        whole_hi = kv_lo + (tile_lo - kv_lo) // BLOCK_N * BLOCK_N
         acc, m_i, l_i = attend_kv_range(
-            acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, tile_lo,
+            acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, whole_hi,
             qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
             KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
         )  # fmt: skip
+        if LAST_N < BLOCK_N:
+            acc, m_i, l_i = attend_kv_range(
+                acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, whole_hi, tile_lo,
+                qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
+                KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+            )  # fmt: skip
     else:
         first_pos = context_len + q_tile * BLOCK_Q
         kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
@@ -399,6 +424,9 @@ def paged_attention(
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
             DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
             EARLY=pdl.EARLY_READS, ROTARY=rotary is not None, HALF_DIM=head_dim // 2,
+            # A decode's register tile: 16 keys a warp at most (64 FP8 keys of 128 widened to fp16 ran
+            # the registers out).
+            LAST_N=min(tile.block_n, 16 * tile.num_warps),
             num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query),
         )  # fmt: skip
 
