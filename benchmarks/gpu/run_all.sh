@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl pdl-launches server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches pdl-probes server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -127,15 +127,22 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # replayed in turns in one process per dtype (bench_pdl.py).
     pdl) for q in none fp8 int4; do timeout 200 $py benchmarks/gpu/bench_pdl.py \
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
+    # The attention, rotary and norm kernel tests and the greedy-token GPU tests (the decode attention
+    # changed without a device: run before its timings).
+    attention-tests) timeout 150 $py -m pytest -q tests/kernels/test_attention.py tests/kernels/test_rotary.py \
+                       tests/kernels/test_norm.py -p no:cacheprovider --junitxml="$out/attention_kernel_tests.xml" \
+                       2>&1 | tail -3
+                     timeout 240 $py -m pytest -q -m gpu tests/models/test_gpu_equivalence.py -p no:cacheprovider \
+                       --junitxml="$out/attention_gpu_tests.xml" 2>&1 | tail -3 ;;
     # Batch-1 decode: the small launches' changes against the default, alternating in one process (the
-    # decode attention's own rotary and KV store against the separate launch, reads after the PDL wait),
-    # then what each small launch costs (FP8, bench_pdl --probes: variants that leave one out, and the
-    # decode attention tile's pipeline stages).
+    # decode attention's own rotary and KV store against the separate launch, reads after the PDL wait).
     pdl-launches) for q in none fp8 int4; do base=pdl-fuse-act; [ $q = none ] && base=triton-pdl-fuse-act
                     timeout 150 $py benchmarks/gpu/bench_pdl.py $([ $q = none ] || echo --quantization $q) \
                       --rounds 7 --variants $base,$base-rotary-in-attention,$base-late-reads --out "$out/pdl_launches_$q.json" \
-                      2>&1 | grep -v "Warn\|variant met" | tail -3; done
-                  timeout 200 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \
+                      2>&1 | grep -v "Warn\|variant met" | tail -3; done ;;
+    # What each small launch costs the FP8 step (bench_pdl --probes: variants that leave one out), and the
+    # decode attention tile's pipeline stages, warps and keys.
+    pdl-probes) timeout 300 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \
                     pdl-fuse-act,probe-no-norms,probe-no-rotary,probe-no-merge,probe-no-attention,probe-attn-stages-1,probe-attn-stages-2,probe-attn-warps-2,probe-attn-warps-8,probe-attn-keys-32,probe-attn-keys-128,probe-gemvs-only \
                     --out "$out/pdl_probes_fp8.json" 2>&1 | grep -v "Warn\|variant met" | tail -8 ;;
     # Batch-1 decode with and without SiLU-and-multiply folded into the gate/up projection's GEMV store

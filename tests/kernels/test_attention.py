@@ -288,6 +288,70 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
     torch.testing.assert_close(out, want, **BF16_TOL)
 
 
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_after_pdl_launches_in_a_graph_matches_eager(fp8: bool, fused: bool) -> None:
+    """A decode step as the graphs run it: the query, key and value written by launches just before (a
+    norm each, with PDL), then the rotary and K/V store and attention (in one launch when fused), reading
+    their metadata and earlier keys before their PDL waits (pdl.EARLY_READS). The step's slots hold NaN
+    before each run, so a read of them before the store lands would show. Replayed, it matches the same
+    launches run eagerly (no PDL), output and cache, bit for bit."""
+    from tokenmill.kernels import norm, pdl, rotary
+
+    batch = make_batch([300, 17, 64, 1], [1] * 4, 32, 8, 128, dtype=torch.bfloat16, seed=5)
+    if fp8:
+        batch = batch._replace(
+            k_cache=(batch.k_cache.float() * 4).to(torch.float8_e4m3fn),
+            v_cache=(batch.v_cache.float() * 4).to(torch.float8_e4m3fn),
+        )
+    scales = dict(k_scale=0.25, v_scale=0.25) if fp8 else {}
+    step = step_rotary(batch, 8, seed=5)
+    raw = [torch.randn(4, n * 128, device=DEVICE, dtype=torch.bfloat16) for n in (32, 8, 8)]
+    weight = torch.rand(128, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    slots = step.slot_mapping.long()
+    out = torch.zeros_like(batch.query)
+
+    def run() -> None:
+        q, k, v = (norm.rms_norm(x.view(4, -1, 128), weight, 1e-6) for x in raw)
+        rot = step._replace(key=k, value=v)
+        if fused:
+            attention.paged_attention(
+                q, *batch[1:], out=out, max_query_len=1, num_kv_splits=8, rotary=rot, **scales
+            )
+        else:
+            q, _ = rotary.rotary_and_write_kv_cache(
+                step.positions, q, k, v, step.cos_sin_cache, batch.k_cache, batch.v_cache, slots, **scales
+            )
+            attention.paged_attention(q, *batch[1:], out=out, max_query_len=1, num_kv_splits=8, **scales)
+
+    def poison() -> None:  # NaN in the step's slots (e4m3's NaN byte is 0x7F)
+        for cache in (batch.k_cache, batch.v_cache):
+            if fp8:
+                cache.view(torch.uint8).view(-1, 8, 128)[slots] = 0x7F
+            else:
+                cache.view(-1, 8, 128)[slots] = float("nan")
+
+    poison()
+    run()
+    torch.cuda.synchronize()
+    want, want_k = out.clone(), batch.k_cache.clone()
+    assert torch.isfinite(want.float()).all()
+    graph = torch.cuda.CUDAGraph()
+    with pdl.in_graphs():
+        run()  # the PDL variants compile outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            run()
+    for _ in range(3):
+        poison()
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert torch.equal(batch.k_cache.view(torch.uint8), want_k.view(torch.uint8))
+
+
 def test_reference_batched_decode_ignores_nan_in_unwritten_slots() -> None:
     # The KV cache is allocated uninitialised: slots past each request's length may hold NaN or inf.
     batch = make_batch([5, 17, 33], [1, 1, 1], 6, 2, 48)
