@@ -15,9 +15,12 @@ from tokenmill.kernels.attention_tiles import (
     attend_kv_range,
     attend_tile,
     cached_tile,
+    find_seq,
     last_tile_start,
+    put_row,
     rotate_half,
     split_range,
+    store_step_kv,
 )
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
 from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
@@ -33,56 +36,6 @@ class TileConfig(NamedTuple):
     block_n: int  # keys per step of the KV loop
     num_warps: int
     num_stages: int
-
-
-@triton.jit
-def _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
-    """The request owning query tile `tile_id`. Request b's tiles are numbered from
-    query_start_loc[b] // BLOCK_Q + b: no prefix sum over tile counts is needed, at the price of at most
-    one unused number per request, whose program finds no query rows and exits."""
-    lo = 0
-    hi = num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= tile_id:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@triton.jit
-def _store_step_kv(key_row, value_row, k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin,
-                   k_scale, v_scale, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr,
-                   HALF_DIM: tl.constexpr):  # fmt: skip
-    """The step's key of one KV head rotated and its value, in the cache's dtype as kernels/rotary.py
-    stores them (rounded to the key's dtype, then FP8 as x / scale saturated to e4m3); stored at `slot`
-    by the program that owns the key (slot -1: padding, none). Returns (key, value), [HEAD_DIM_PAD]."""
-    new_k = tl.sum(rotate_half(key_row, dims, dim_ok[None, :], cos, sin, HALF_DIM), 0)
-    new_k = new_k.to(key_row.dtype.element_ty)
-    new_v = tl.load(value_row + dims, mask=dim_ok, other=0.0)
-    if k_cache.dtype.element_ty == tl.float8e4nv:
-        new_k = tl.clamp(new_k.to(tl.float32) / k_scale, -448.0, 448.0)
-        new_v = tl.clamp(new_v.to(tl.float32) / v_scale, -448.0, 448.0)
-    new_k = new_k.to(k_cache.dtype.element_ty)
-    new_v = new_v.to(v_cache.dtype.element_ty)
-    offsets = (slot // KV_BLOCK_SIZE) * stride_cache_block + (slot % KV_BLOCK_SIZE) * stride_cache_slot
-    mask = dim_ok & owner & (slot >= 0)
-    tl.store(k_cache + offsets + kv_head_offset + dims, new_k, mask=mask)
-    tl.store(v_cache + offsets + kv_head_offset + dims, new_v, mask=mask)
-    return new_k, new_v
-
-
-@triton.jit
-def _put_row(tile, row, where):
-    """tile with `row` in the rows where `where` is set; FP8 as bytes (a select of the values would widen
-    them, and the registers of the FP8 decode with its rotary run out)."""
-    if tile.dtype == tl.float8e4nv:
-        bits = tl.where(
-            where[:, None], row.to(tl.int8, bitcast=True)[None, :], tile.to(tl.int8, bitcast=True)
-        )
-        return bits.to(tl.float8e4nv, bitcast=True)
-    return tl.where(where[:, None], row[None, :], tile)
 
 
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
@@ -162,7 +115,7 @@ def _paged_attention_kernel(
         # Last tiles first: a request's later query tiles see the most keys, so starting them early
         # shortens the tail of the launch.
         tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-        seq = _find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q)
+        seq = find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q)
         q_tile = tile_id - (tl.load(query_start_loc + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc + seq)
     query_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -238,14 +191,14 @@ def _paged_attention_kernel(
     if DECODE:
         # The last tile with the step's key and value put in (at context_len, where this split holds it).
         if ROTARY:
-            new_k, new_v = _store_step_kv(
+            new_k, new_v = store_step_kv(
                 key + q_start * stride_key_tok + kv_head * stride_key_head,
                 value + q_start * stride_value_tok + kv_head * stride_value_head,
                 k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin, k_scale, v_scale,
                 stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, HALF_DIM,
             )  # fmt: skip
-            k_tile = _put_row(last_k, new_k, fresh)
-            v_tile = _put_row(last_v, new_v, fresh)
+            k_tile = put_row(last_k, new_k, fresh)
+            v_tile = put_row(last_v, new_v, fresh)
         else:
             # Read into the registers that hold the tile (a predicated load, no select): every row points
             # at the step's, only its own reads.

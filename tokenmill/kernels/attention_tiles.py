@@ -1,6 +1,7 @@
-"""The paged attention kernel's building blocks (kernels/attention.py): a split's key range, a tile's
-offsets through the block table, the online-softmax update over a range of tiles and over one tile a
-decode holds in registers, and the rotate-half rotary embedding of rows it reads itself."""
+"""The paged attention kernel's building blocks (kernels/attention.py): the request of a query tile, a
+split's key range, a tile's offsets through the block table, the online-softmax update over a range of
+tiles and over one tile a decode holds in registers, and a decode's own key and value: rotate-half
+rotary of rows it reads itself, the store into the cache, a row put into the tile."""
 
 from __future__ import annotations
 
@@ -144,3 +145,53 @@ def attend_tile(acc, m_i, l_i, q, k, v, key_ok, qk_scale, PRECISION: tl.constexp
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def find_seq(query_start_loc, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """The request owning query tile `tile_id`. Request b's tiles are numbered from
+    query_start_loc[b] // BLOCK_Q + b: no prefix sum over tile counts is needed, at the price of at most
+    one unused number per request, whose program finds no query rows and exits."""
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= tile_id:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def store_step_kv(key_row, value_row, k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin,
+                   k_scale, v_scale, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr,
+                   HALF_DIM: tl.constexpr):  # fmt: skip
+    """The step's key of one KV head rotated and its value, in the cache's dtype as kernels/rotary.py
+    stores them (rounded to the key's dtype, then FP8 as x / scale saturated to e4m3); stored at `slot`
+    by the program that owns the key (slot -1: padding, none). Returns (key, value), [HEAD_DIM_PAD]."""
+    new_k = tl.sum(rotate_half(key_row, dims, dim_ok[None, :], cos, sin, HALF_DIM), 0)
+    new_k = new_k.to(key_row.dtype.element_ty)
+    new_v = tl.load(value_row + dims, mask=dim_ok, other=0.0)
+    if k_cache.dtype.element_ty == tl.float8e4nv:
+        new_k = tl.clamp(new_k.to(tl.float32) / k_scale, -448.0, 448.0)
+        new_v = tl.clamp(new_v.to(tl.float32) / v_scale, -448.0, 448.0)
+    new_k = new_k.to(k_cache.dtype.element_ty)
+    new_v = new_v.to(v_cache.dtype.element_ty)
+    offsets = (slot // KV_BLOCK_SIZE) * stride_cache_block + (slot % KV_BLOCK_SIZE) * stride_cache_slot
+    mask = dim_ok & owner & (slot >= 0)
+    tl.store(k_cache + offsets + kv_head_offset + dims, new_k, mask=mask)
+    tl.store(v_cache + offsets + kv_head_offset + dims, new_v, mask=mask)
+    return new_k, new_v
+
+
+@triton.jit
+def put_row(tile, row, where):
+    """tile with `row` in the rows where `where` is set; FP8 as bytes (a select of the values would widen
+    them, and the registers of the FP8 decode with its rotary run out)."""
+    if tile.dtype == tl.float8e4nv:
+        bits = tl.where(
+            where[:, None], row.to(tl.int8, bitcast=True)[None, :], tile.to(tl.int8, bitcast=True)
+        )
+        return bits.to(tl.float8e4nv, bitcast=True)
+    return tl.where(where[:, None], row[None, :], tile)
