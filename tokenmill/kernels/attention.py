@@ -17,7 +17,6 @@ from tokenmill.kernels.attention_tiles import (
     cached_tile,
     find_seq,
     last_tile_start,
-    put_row,
     rotate_half,
     split_range,
     store_step_kv,
@@ -141,7 +140,7 @@ def _paged_attention_kernel(
         if not ROTARY:  # the row where the launch before stores the step's key and value
             page = tl.load(block_table + context_len // KV_BLOCK_SIZE, mask=owner, other=0).to(tl.int64)
             step_row = page * stride_cache_block + (context_len % KV_BLOCK_SIZE) * stride_cache_slot
-        if ROTARY:
+        else:
             has_token = query_len > 0
             pos = tl.load(positions + q_start, mask=has_token, other=0).to(tl.int64)
             half = dims % HALF_DIM
@@ -197,8 +196,8 @@ def _paged_attention_kernel(
                 k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin, k_scale, v_scale,
                 stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, HALF_DIM,
             )  # fmt: skip
-            k_tile = put_row(last_k, new_k, fresh)
-            v_tile = put_row(last_v, new_v, fresh)
+            k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
+            v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
         else:
             # Read into the registers that hold the tile (a predicated load, no select): every row points
             # at the step's, only its own reads.

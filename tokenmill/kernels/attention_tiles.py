@@ -1,7 +1,7 @@
 """The paged attention kernel's building blocks (kernels/attention.py): the request of a query tile, a
 split's key range, a tile's offsets through the block table, the online-softmax update over a range of
 tiles and over one tile a decode holds in registers, and a decode's own key and value: rotate-half
-rotary of rows it reads itself, the store into the cache, a row put into the tile."""
+rotary of rows it reads itself, and their store into the cache."""
 
 from __future__ import annotations
 
@@ -95,24 +95,14 @@ def last_tile_start(kv_lo, kv_hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def kv_tile_offsets(block_table, kv_head_offset, k_pos, key_ok, dims, stride_cache_block, stride_cache_slot,
-                    KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """Offsets into the cache of keys k_pos (through the block table; page 0 where not key_ok),
-    [keys, dims]."""
-    page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
-    slot_offset = (
-        page.to(tl.int64) * stride_cache_block + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot + kv_head_offset
-    )
-    return slot_offset[:, None] + dims[None, :]
-
-
-@triton.jit
 def cached_tile(k_cache, v_cache, block_table, kv_head_offset, k_pos, key_ok, dims, dim_ok,
                 stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
     """Keys and values k_pos as the cache holds them (in its dtype), zeros where not key_ok."""
-    offsets = kv_tile_offsets(
-        block_table, kv_head_offset, k_pos, key_ok, dims, stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE
+    page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
+    slot = (
+        page.to(tl.int64) * stride_cache_block + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot + kv_head_offset
     )
+    offsets = slot[:, None] + dims[None, :]
     mask = key_ok[:, None] & dim_ok[None, :]
     return tl.load(k_cache + offsets, mask=mask, other=0.0), tl.load(v_cache + offsets, mask=mask, other=0.0)
 
@@ -170,7 +160,7 @@ def store_step_kv(key_row, value_row, k_cache, v_cache, slot, kv_head_offset, ow
     """The step's key of one KV head rotated and its value, in the cache's dtype as kernels/rotary.py
     stores them (rounded to the key's dtype, then FP8 as x / scale saturated to e4m3); stored at `slot`
     by the program that owns the key (slot -1: padding, none). Returns (key, value), [HEAD_DIM_PAD]."""
-    new_k = tl.sum(rotate_half(key_row, dims, dim_ok[None, :], cos, sin, HALF_DIM), 0)
+    new_k = tl.reshape(rotate_half(key_row, dims, dim_ok[None, :], cos, sin, HALF_DIM), dims.shape)
     new_k = new_k.to(key_row.dtype.element_ty)
     new_v = tl.load(value_row + dims, mask=dim_ok, other=0.0)
     if k_cache.dtype.element_ty == tl.float8e4nv:
@@ -183,15 +173,3 @@ def store_step_kv(key_row, value_row, k_cache, v_cache, slot, kv_head_offset, ow
     tl.store(k_cache + offsets + kv_head_offset + dims, new_k, mask=mask)
     tl.store(v_cache + offsets + kv_head_offset + dims, new_v, mask=mask)
     return new_k, new_v
-
-
-@triton.jit
-def put_row(tile, row, where):
-    """tile with `row` in the rows where `where` is set; FP8 as bytes (a select of the values would widen
-    them, and the registers of the FP8 decode with its rotary run out)."""
-    if tile.dtype == tl.float8e4nv:
-        bits = tl.where(
-            where[:, None], row.to(tl.int8, bitcast=True)[None, :], tile.to(tl.int8, bitcast=True)
-        )
-        return bits.to(tl.float8e4nv, bitcast=True)
-    return tl.where(where[:, None], row[None, :], tile)
