@@ -117,7 +117,7 @@ def probes() -> list[dict]:
     engine's default)."""
     out = [
         {"name": "probe-no-norms", "kernels": {"rms_norm": _no_norm, "fused_add_rms_norm": _no_norm}},
-        # The rotary-and-KV-store launch as it was before the decode attention took it over.
+        # The separate rotary-and-KV-store launch (DECODE_ROTARY off, whatever the layer's default).
         {
             "name": "probe-no-rotary",
             "kernels": {"rotary_and_write_kv_cache": _no_rotary},
