@@ -11,7 +11,13 @@ Masks are filled in parallel, by llguidance's thread pool, but copies of one com
 lexer and take turns at it: 64 requests under one schema filled one at a time (8.9 ms a step on the
 H200's host, against ~2 ms for the forward pass of the 0.6B model). So a constraint in use by many requests
 is compiled again, up to once per mask thread (a "family" of copies each), and a step's matchers go to
-the pool grouped by family: the threads then work on different lexers."""
+the pool grouped by family: the threads then work on different lexers.
+
+The pool's workers take whichever matchers they steal, anew each step. With MASK_LANES each thread is
+instead a lane with a one-worker pool of its own that fills the same families every step (their
+lexers stay in its core's caches), its worker optionally on a CPU of its own ("pin"): on the 2-core
+VM, with the walk's own work between the fills, 2.1-2.5 ms a step against 2.9-3.4 for the shared pool
+(benchmarks/grammar_masks.py --fills). Off until timed on the GPU's host."""
 
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ _MAX_COMPILED = 1024
 # llguidance's own default: 80% of the CPUs this process may run on, up to 32.
 MASK_THREADS = max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 MAX_FAMILIES = 64
+# How a step's masks are spread over the mask threads: "" llguidance's shared pool, "lanes" a pool of
+# one worker per thread with fixed families, "pin" lanes whose workers each keep a CPU of their own.
+MASK_LANES = os.environ.get("TOKENMILL_MASK_LANES", "")
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
 # small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
 # (format, title...) are ignored rather than refused. A schema's own "x-guidance" overrides these.
@@ -132,6 +141,62 @@ class _Families:
         self.roots, self.ids, self.live = [root], [family_id], [0]
 
 
+class MaskLanes:
+    """A step's masks over `threads` lanes: lane i a thread with an llguidance pool of one worker of its
+    own, filling the rows dealt to it. With pin each worker keeps a CPU of its own (not the first of the
+    process's when there are more CPUs than lanes): a pool spawns its worker from the thread that builds
+    it, on that thread's CPUs."""
+
+    def __init__(self, threads: int, pin: bool = False) -> None:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) > threads:
+            cpus = cpus[1:]
+        self.threads, self.pin, self.cpus = threads, pin, cpus
+        self._go = [threading.Event() for _ in range(threads)]
+        self._done = [threading.Event() for _ in range(threads)]
+        self._jobs: list[tuple] = [()] * threads
+        self._errors: list[BaseException | None] = [None] * threads
+        ready = threading.Barrier(threads + 1)
+        for lane in range(threads):
+            threading.Thread(
+                target=self._run, args=(lane, ready), daemon=True, name=f"tokenmill-mask-lane-{lane}"
+            ).start()
+        ready.wait()
+
+    def _run(self, lane: int, ready: threading.Barrier) -> None:
+        import llguidance
+
+        if self.pin:
+            os.sched_setaffinity(0, {self.cpus[lane % len(self.cpus)]})
+        executor = llguidance.LLExecutor(1)
+        ready.wait()
+        while True:
+            self._go[lane].wait()
+            self._go[lane].clear()
+            try:
+                executor.unsafe_compute_mask_ptr(*self._jobs[lane])
+            except BaseException as exc:  # handed to fill(), which raises it on the caller's thread
+                self._errors[lane] = exc
+            self._done[lane].set()
+
+    def fill(self, lanes: list[list[tuple[Any, int]]], pointer: int, row_bytes: int, rows: int) -> None:
+        """Each lane's (matcher, row) pairs into the [rows, row_bytes] mask at `pointer`; returns when
+        every lane is done (each lets the GIL go while it fills)."""
+        busy = [lane for lane, work in enumerate(lanes) if work]
+        for lane in busy:
+            self._jobs[lane] = (lanes[lane], pointer, row_bytes, rows)
+            self._go[lane].set()
+        errors = []
+        for lane in busy:
+            self._done[lane].wait()
+            self._done[lane].clear()
+            if self._errors[lane] is not None:
+                errors.append(self._errors[lane])
+                self._errors[lane] = None
+        if errors:
+            raise errors[0]
+
+
 class StructuredOutputs:
     """Grammar compilation and masks for one model's tokenizer."""
 
@@ -142,13 +207,15 @@ class StructuredOutputs:
         mask_threads: int = MASK_THREADS,
         max_families: int = MAX_FAMILIES,
         slices: list[str] | None = None,
+        lanes: str | None = None,
     ) -> None:
         """load_tokenizer: returns the model's Hugging Face fast tokenizer, called on first use.
         mask_threads: llguidance threads filling a step's masks. max_families: the most compilations
         ("families") of one constraint that requests are dealt over; copies of one compiled matcher share
         its lexer and its caches, so the threads' work on requests of one family contends. slices: the
         regexes of llguidance's slicer (token sets it precomputes for the masks; [] none), None its
-        defaults."""
+        defaults. lanes: how the masks are spread over the threads ("", "lanes" or "pin": MASK_LANES),
+        None MASK_LANES."""
         for name, value in (("mask_threads", mask_threads), ("max_families", max_families)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -158,8 +225,12 @@ class StructuredOutputs:
         self.mask_threads = mask_threads
         self.max_families = max_families
         self.slices = slices
+        self.lanes = MASK_LANES if lanes is None else lanes
+        if self.lanes not in ("", "lanes", "pin"):
+            raise ValueError(f"lanes must be '', 'lanes' or 'pin', got {self.lanes!r}.")
         self._ll_tokenizer = None
         self._executor = None
+        self._lanes: MaskLanes | None = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
         self.num_compiled = 0  # families over every constraint in the cache
         self._family_of: dict[int, tuple[_Families, int]] = {}  # family id -> (its constraint's, index)
@@ -180,6 +251,8 @@ class StructuredOutputs:
                     slices=self.slices,
                 )
                 self._executor = llguidance.LLExecutor(self.mask_threads)
+                if self.lanes:
+                    self._lanes = MaskLanes(self.mask_threads, pin=self.lanes == "pin")
             return self._ll_tokenizer
 
     def _compile(self, params: StructuredOutputsParams):
@@ -280,6 +353,12 @@ class StructuredOutputs:
                 mask[row] = -1
             else:
                 work.append((matcher, row))
+        lanes, by_lane = self._lanes, None
+        if lanes is not None and work:
+            # a family always to the same lane (by its id), rows alone without families
+            by_lane = [[] for _ in range(lanes.threads)]
+            for matcher, row in work:
+                by_lane[(row if families is None else families[row]) % lanes.threads].append((matcher, row))
         executor = self._executor
         # llguidance's parallel consume refuses a matcher named twice; a matcher holds at most one token
         # between fills, but several would go one at a time rather than fail the step.
@@ -299,7 +378,9 @@ class StructuredOutputs:
                 tokens = tokens_of()
                 executor.consume_token_par([(matcher, tokens[row]) for matcher, row in rows])
             consumed()
-            if work:  # matchers exist only once ll_tokenizer (and the executor) were built
+            if by_lane is not None:
+                lanes.fill(by_lane, mask.ctypes.data, self.words * 4, len(matchers))
+            elif work:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
             return mask
 
