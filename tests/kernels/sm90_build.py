@@ -143,11 +143,26 @@ def _attention_launches(dtype: torch.dtype) -> None:
                 query, cache, cache, block_tables, seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1,
                 max_query_len=1, num_kv_splits=4, rotary=step,
             )  # fmt: skip
-        # And a decode over an FP8 cache without it (its tile is 128 keys).
-        attention.paged_attention(
-            query, k_cache.to(torch.float8_e4m3fn), k_cache.to(torch.float8_e4m3fn), block_tables, seq_lens,
-            torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1, num_kv_splits=4,
-        )  # fmt: skip
+        # And a decode over an FP8 cache without it (its tile is 128 keys); under bf16 queries also with
+        # its whole tiles read as pairs (attention.FP8_PAIR_LOADS), and for 128-dim heads a launch of
+        # many short decodes (64-key tiles of two warps) with and without them.
+        fp8_cache = k_cache.to(torch.float8_e4m3fn)
+        for pairs in (False, True) if dtype == torch.bfloat16 else (False,):
+            attention.FP8_PAIR_LOADS = pairs
+            try:
+                attention.paged_attention(
+                    query, fp8_cache, fp8_cache, block_tables, seq_lens,
+                    torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1, num_kv_splits=4,
+                )  # fmt: skip
+                if head_dim == 128:
+                    many = torch.arange(33, dtype=torch.int32)
+                    attention.paged_attention(
+                        torch.empty(32, num_heads, head_dim, dtype=dtype), fp8_cache, fp8_cache,
+                        torch.zeros(32, 8, dtype=torch.int32), torch.full((32,), 100, dtype=torch.int32),
+                        many, 0.1, max_query_len=1, num_kv_splits=1,
+                    )  # fmt: skip
+            finally:
+                attention.FP8_PAIR_LOADS = False
 
 
 def _small_launches(dtype: torch.dtype) -> None:

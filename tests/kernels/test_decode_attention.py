@@ -215,6 +215,32 @@ def test_fp8_decode_over_long_splits(num_kv_splits: int | None) -> None:
     torch.testing.assert_close(got, want, **BF16_TOL)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize(("head_dim", "seq_lens"), [(128, [700, 5, 300]), (64, [130, 1000]), (48, [300])])
+def test_fp8_pair_loads_read_what_the_byte_loads_read(
+    monkeypatch, num_kv_splits: int, head_dim: int, seq_lens: list[int]
+) -> None:
+    """attention.FP8_PAIR_LOADS: a decode's whole tiles over an e4m3 cache read as 16-bit pairs widened in
+    registers (attention_tiles.fp8_pairs_as_fp16) give what the tiles read value by value give (the same
+    fp16 operands: bit for bit in the interpreter), whole tiles before the newest keys and the masked
+    remainder both; a padded head dim (48) keeps the value-by-value reads."""
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, dtype=torch.bfloat16, seed=head_dim)
+    k_scale, v_scale = 0.05, 0.3
+    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    hints = dict(max_query_len=1, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits)
+    values = attention.paged_attention(*fp8, **hints)
+    monkeypatch.setattr(attention, "FP8_PAIR_LOADS", True)
+    pairs = attention.paged_attention(*fp8, **hints)
+    if DEVICE == "cpu":
+        assert torch.equal(pairs, values)
+    else:
+        torch.testing.assert_close(pairs, values, **FP32_TOL)
+    torch.testing.assert_close(pairs, reference.paged_attention(*fp8, max_query_len=1, k_scale=k_scale,
+                                                               v_scale=v_scale), **BF16_TOL)  # fmt: skip
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_attention_layer_decodes_with_the_rotary_in_its_launch(monkeypatch, fused: bool) -> None:
     """layers/attention.py: a decode step (one query token a request) hands the rotary and the K/V store

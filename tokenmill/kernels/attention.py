@@ -4,19 +4,23 @@ with query heads of a KV group packed into one tensor-core tile and split-KV for
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels import StepRotary, pdl, sm_count
-from tokenmill.kernels.attention_tiles import (
+from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs: attention's own names)
+    _FP8_MANY_PROGRAMS,
+    TileConfig,
     attend_kv_range,
     attend_tile,
     cached_tile,
+    decode_config,
     find_seq,
     last_tile_start,
+    prefill_config,
     rotate_half,
     split_range,
     store_step_kv,
@@ -26,15 +30,12 @@ from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
-
-
-class TileConfig(NamedTuple):
-    """Tile shape and launch options of one attention kernel launch."""
-
-    block_m: int  # rows of the query tile: query tokens x heads of one KV group
-    block_n: int  # keys per step of the KV loop
-    num_warps: int
-    num_stages: int
+# A decode over an e4m3 cache under bf16 queries reads its whole tiles as pairs of values widened in
+# registers (attention_tiles.fp8_pairs_as_fp16; sm_90 SASS: a quarter of the shared-memory loads, and
+# none of the default's spill at 64 keys a tile). Off until timed on a GPU (TOKENMILL_FP8_PAIR_LOADS=1
+# turns it on). Triton's interpreter takes the same path without the inline PTX.
+FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
@@ -90,6 +91,7 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,
     HALF_DIM: tl.constexpr = 1,
     LAST_N: tl.constexpr = 64,
+    FP8_PAIRS: tl.constexpr = 0,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
@@ -212,7 +214,7 @@ def _paged_attention_kernel(
         acc, m_i, l_i = attend_kv_range(
             acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, kv_lo, whole_hi,
             qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
-            KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+            KV_BLOCK_SIZE, BLOCK_N, False, HEAD_DIM != HEAD_DIM_PAD, PRECISION, FP8_PAIRS,
         )  # fmt: skip
         if LAST_N < BLOCK_N:
             acc, m_i, l_i = attend_kv_range(
@@ -252,39 +254,6 @@ def _paged_attention_kernel(
         tl.store(partial_out + partial_row[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(partial_lse + partial_row, lse, mask=row_ok)
-
-
-# Programs per multiprocessor from which a decode launch over an FP8 cache takes small tiles of two warps.
-_FP8_MANY_PROGRAMS = 4
-
-
-def decode_config(
-    group: int, element_size: int, cache_element_size: int | None = None, programs_per_sm: float = 0.0
-) -> TileConfig:
-    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache reads
-    128 keys a tile, as many bytes as 64 bf16 keys (with 64, FP8 KV ran slower than bf16 at 32k, H200);
-    but a launch of many short programs (many requests, no KV splits: programs_per_sm of at least
-    _FP8_MANY_PROGRAMS) reads 64 keys a tile with two warps, the fastest at 256 x 544 and 128 x 1,024 on
-    an H200 (docs/performance.md: 122 against 141 us and 100 against 107 us a layer)."""
-    block_m = max(16, triton.next_power_of_2(group))
-    fp8_cache = cache_element_size == 1 and element_size <= 2
-    if fp8_cache and programs_per_sm >= _FP8_MANY_PROGRAMS:
-        return TileConfig(block_m=block_m, block_n=64, num_warps=2, num_stages=3)
-    block_n = 128 if fp8_cache else 64 if element_size <= 2 else 32
-    return TileConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
-
-
-def prefill_config(max_query_len: int, group: int, head_dim: int, element_size: int) -> TileConfig:
-    """Short query chunks (a decode in a mixed batch, a speculative verify) get a small tile; fp32
-    (tests only) gets smaller tiles so its doubled operand size still fits in registers."""
-    rows = max_query_len * group
-    block_m = 16 if rows <= 16 else 64 if rows <= 64 or element_size > 2 else 128
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_n = 64 if element_size <= 2 else 32
-    num_warps = 8 if block_m == 128 and head_dim > 64 else 4
-    return TileConfig(
-        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=3 if block_m < 128 else 2
-    )
 
 
 def paged_attention(
@@ -355,6 +324,10 @@ def paged_attention(
     # An FP8 cache is read into the query's dtype (exact: e4m3 fits in bf16, fp16 and fp32), into fp16
     # under bf16 queries; its per-tensor scales fold into the softmax scale (K) and the output (V).
     dot_fp16 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16
+    fp8_pairs = 0
+    even = all(stride % 2 == 0 for stride in k_cache.stride()[:3])  # a pair's word is 2-byte aligned
+    if FP8_PAIR_LOADS and dot_fp16 and k_cache.dtype == torch.float8_e4m3fn and even:
+        fp8_pairs = 1 if INTERPRETED else 2
 
     if rotary is not None:
         positions, cos_sin_cache, key, value, slot_mapping = rotary
@@ -378,7 +351,7 @@ def paged_attention(
             EARLY=pdl.EARLY_READS, ROTARY=rotary is not None, HALF_DIM=head_dim // 2,
             # A decode's register tile: 16 keys a warp at most (64 FP8 keys of 128 widened to fp16 ran
             # the registers out).
-            LAST_N=min(tile.block_n, 16 * tile.num_warps),
+            LAST_N=min(tile.block_n, 16 * tile.num_warps), FP8_PAIRS=fp8_pairs,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query),
         )  # fmt: skip
 

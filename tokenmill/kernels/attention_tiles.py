@@ -1,12 +1,80 @@
 """The paged attention kernel's building blocks (kernels/attention.py): the request of a query tile, a
 split's key range, a tile's offsets through the block table, the online-softmax update over a range of
 tiles and over one tile a decode holds in registers, and a decode's own key and value: rotate-half
-rotary of rows it reads itself, and their store into the cache."""
+rotary of rows it reads itself, and their store into the cache; an FP8 tile read as pairs of values
+widened to fp16 in registers before the tensor cores' layout takes them; and the tiles a launch takes
+(TileConfig: decode_config, prefill_config)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
+
+
+class TileConfig(NamedTuple):
+    """Tile shape and launch options of one attention kernel launch."""
+
+    block_m: int  # rows of the query tile: query tokens x heads of one KV group
+    block_n: int  # keys per step of the KV loop
+    num_warps: int
+    num_stages: int
+
+
+# Programs per multiprocessor from which a decode launch over an FP8 cache takes small tiles of two warps.
+_FP8_MANY_PROGRAMS = 4
+
+
+def decode_config(
+    group: int, element_size: int, cache_element_size: int | None = None, programs_per_sm: float = 0.0
+) -> TileConfig:
+    """One decode token's GROUP heads padded to 16 rows, the smallest tensor-core tile. An FP8 cache reads
+    128 keys a tile, as many bytes as 64 bf16 keys (with 64, FP8 KV ran slower than bf16 at 32k, H200);
+    but a launch of many short programs (many requests, no KV splits: programs_per_sm of at least
+    _FP8_MANY_PROGRAMS) reads 64 keys a tile with two warps, the fastest at 256 x 544 and 128 x 1,024 on
+    an H200 (docs/performance.md: 122 against 141 us and 100 against 107 us a layer)."""
+    block_m = max(16, triton.next_power_of_2(group))
+    fp8_cache = cache_element_size == 1 and element_size <= 2
+    if fp8_cache and programs_per_sm >= _FP8_MANY_PROGRAMS:
+        return TileConfig(block_m=block_m, block_n=64, num_warps=2, num_stages=3)
+    block_n = 128 if fp8_cache else 64 if element_size <= 2 else 32
+    return TileConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
+
+
+def prefill_config(max_query_len: int, group: int, head_dim: int, element_size: int) -> TileConfig:
+    """Short query chunks (a decode in a mixed batch, a speculative verify) get a small tile; fp32
+    (tests only) gets smaller tiles so its doubled operand size still fits in registers."""
+    rows = max_query_len * group
+    block_m = 16 if rows <= 16 else 64 if rows <= 64 or element_size > 2 else 128
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 64 if element_size <= 2 else 32
+    num_warps = 8 if block_m == 128 and head_dim > 64 else 4
+    return TileConfig(
+        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=3 if block_m < 128 else 2
+    )
+
+
+@triton.jit
+def fp8_pairs_as_fp16(cache, slot_offset, HALF_PAD: tl.constexpr, ASM: tl.constexpr):
+    """Keys or values [N, 2 * HALF_PAD] in fp16 from an e4m3 cache (rows at slot_offset, dims from 0):
+    each two adjacent dims read as one 16-bit word and widened in the layout they were read in (ASM:
+    one cvt.rn.f16x2.e4m3x2 a word; else, as Triton's interpreter can run it, byte by byte), then
+    interleaved back into rows. Read through .to() instead, Triton moves the widening past its change to
+    the tensor cores' operand layout, which then gathers bytes from shared memory one at a time (sm_90
+    SASS of the 64-key, two-warp decode loop: 172 -> 36 shared-memory loads, 832 -> 777 instructions;
+    of the 128-key, four-warp one: 180 -> 44 and 1,033 -> 759). Exact, as .to() is."""
+    pairs = cache.to(tl.pointer_type(tl.int16), bitcast=True)
+    words = tl.load(pairs + (slot_offset[:, None] // 2 + tl.arange(0, HALF_PAD)[None, :]))
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [words],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        lo = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.reshape(tl.join(lo, hi), (slot_offset.shape[0], 2 * HALF_PAD))
 
 
 @triton.jit
@@ -32,9 +100,13 @@ def attend_kv_range(
     CAUSAL_MASK: tl.constexpr,
     PAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAIRS: tl.constexpr = 0,
 ):
     """Online-softmax update of (acc, m_i, l_i) with keys kv_lo..kv_hi read through the block table.
-    Without CAUSAL_MASK every key of the range is visible to every row and in bounds."""
+    Without CAUSAL_MASK every key of the range is visible to every row and in bounds. PAIRS (an e4m3
+    cache, fp16 queries; 1 in Triton's interpreter, 2 compiled): the unmasked tiles of a head dim that
+    is a power of two are read by fp8_pairs_as_fp16."""
+    as_pairs: tl.constexpr = PAIRS > 0 and not CAUSAL_MASK and not PAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + offs_n
@@ -58,7 +130,10 @@ def attend_kv_range(
             + kv_head_offset
         )
         kv_offsets = slot_offset[:, None] + dims[None, :]
-        k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
+        if as_pairs:
+            k = fp8_pairs_as_fp16(k_cache, slot_offset, dims.shape[0] // 2, PAIRS == 2)
+        else:
+            k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if CAUSAL_MASK:
             visible = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
@@ -67,7 +142,10 @@ def attend_kv_range(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
+        if as_pairs:
+            v = fp8_pairs_as_fp16(v_cache, slot_offset, dims.shape[0] // 2, PAIRS == 2)
+        else:
+            v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
