@@ -341,7 +341,8 @@ def test_mask_lanes_fill_what_the_shared_pool_fills(lanes: str) -> None:
     its own) every step; the rows are the shared pool's, bit for bit, whatever lanes get no work; an
     error in a lane reaches the caller and the lanes keep filling; a bad setting is refused by name."""
     from tokenmill.loader import resolve_model
-    from tokenmill.structured_outputs import MaskLanes, StructuredOutputs
+    from tokenmill.mask_lanes import MaskLanes
+    from tokenmill.structured_outputs import StructuredOutputs
 
     source = resolve_model("default")
     tokenizer = source.load_tokenizer()
