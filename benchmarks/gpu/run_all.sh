@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches pdl-probes grammar-lanes fp8-pairs server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches pdl-probes grammar-lanes fp8-pairs fp8-pairs-step server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -110,16 +110,16 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     attention-variants) timeout 400 $py benchmarks/gpu/ab_attention.py --out "$out/attention_variants.json" \
                           2>&1 | grep -v Warning | tail -40 ;;
     # The FP8 cache's whole tiles read as pairs widened in registers (attention.FP8_PAIR_LOADS) against
-    # the value-by-value reads: the kernel at 16 x 32k, 256 x 544 and 128 x 1,024 (each case's own tiles
-    # and splits), then the 32k decode step with them (against decode-kv32k's FP8 figure; run it in the
-    # same call) and the decode tests with them on.
-    fp8-pairs) for case in 16x32768 256x544 128x1024; do timeout 150 $py benchmarks/gpu/ab_attention.py --groups pairs \
-                 --case $case --out "$out/fp8_pairs_$case.json" 2>&1 | grep -v Warning | tail -14; done
-               TOKENMILL_FP8_PAIR_LOADS=1 timeout 150 $py -m pytest -q tests/kernels/test_decode_attention.py \
-                 tests/kernels/test_attention.py -p no:cacheprovider -k "fp8 or FP8" 2>&1 | tail -3
-               TOKENMILL_FP8_PAIR_LOADS=1 timeout 280 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 \
-                 --output-len 64 --max-model-len 33024 --max-num-seqs 16 --repeats 1 --kv-cache-dtype fp8 \
-                 --out "$out/decode_8b_b16_32k_kv_fp8_pairs.json" ;;
+    # the value-by-value reads, also under register caps: the kernel at 16 x 32k, 256 x 544 and
+    # 128 x 1,024 (each case's own tiles and splits). fp8-pairs-step: the decode tests with them on, then
+    # the 32k decode step with them (against decode-kv32k's FP8 figure; the step is device-bound).
+    fp8-pairs) for case in 16x32768 256x544 128x1024; do timeout 180 $py benchmarks/gpu/ab_attention.py --groups pairs \
+                 --case $case --out "$out/fp8_pairs_$case.json" 2>&1 | grep -v Warning | tail -24; done ;;
+    fp8-pairs-step) TOKENMILL_FP8_PAIR_LOADS=1 timeout 150 $py -m pytest -q tests/kernels/test_decode_attention.py \
+                      tests/kernels/test_attention.py -p no:cacheprovider -k "fp8 or FP8" 2>&1 | tail -3
+                    TOKENMILL_FP8_PAIR_LOADS=1 timeout 280 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 \
+                      --output-len 64 --max-model-len 33024 --max-num-seqs 16 --repeats 1 --kv-cache-dtype fp8 \
+                      --out "$out/decode_8b_b16_32k_kv_fp8_pairs.json" ;;
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \
