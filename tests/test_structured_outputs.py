@@ -336,10 +336,11 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
 
 
 @pytest.mark.parametrize("lanes", ["lanes", "pin"])
-def test_mask_lanes_fill_what_the_shared_pool_fills(lanes: str) -> None:
+def test_mask_lanes_fill_what_the_shared_pool_fills(monkeypatch, lanes: str) -> None:
     """MASK_LANES: each family's rows go to the same lane (a one-worker llguidance pool of a thread of
     its own) every step; the rows are the shared pool's, bit for bit, whatever lanes get no work; an
     error in a lane reaches the caller and the lanes keep filling; a bad setting is refused by name."""
+    from tokenmill import structured_outputs
     from tokenmill.loader import resolve_model
     from tokenmill.mask_lanes import MaskLanes
     from tokenmill.structured_outputs import StructuredOutputs
@@ -376,8 +377,11 @@ def test_mask_lanes_fill_what_the_shared_pool_fills(lanes: str) -> None:
         pool.fill([[(rows[0], 0)], [], []], mask.ctypes.data, 4, 1)  # not a row's size
     pool.fill([[], [(rows[0], 0)], []], mask.ctypes.data, laned.words * 4, 1)
     assert (mask == one).all()
-    with pytest.raises(ValueError, match="lanes"):
+    with pytest.raises(ValueError, match="lanes must be"):
         StructuredOutputs(source.load_tokenizer, 49152, lanes="rayon")
+    monkeypatch.setattr(structured_outputs, "MASK_LANES", "1")
+    with pytest.raises(ValueError, match="TOKENMILL_MASK_LANES"):
+        StructuredOutputs(source.load_tokenizer, 49152)
 
 
 def test_the_fill_hands_each_matcher_its_tokens_in_order() -> None:

@@ -172,7 +172,8 @@ class StructuredOutputs:
         self.slices = slices
         self.lanes = MASK_LANES if lanes is None else lanes
         if self.lanes not in ("", "lanes", "pin"):
-            raise ValueError(f"lanes must be '', 'lanes' or 'pin', got {self.lanes!r}.")
+            source = "TOKENMILL_MASK_LANES" if lanes is None else "lanes"
+            raise ValueError(f"{source} must be '', 'lanes' or 'pin', got {self.lanes!r}.")
         self._ll_tokenizer = None
         self._executor = None
         self._lanes: MaskLanes | None = None
