@@ -221,9 +221,10 @@ def test_fp8_pair_loads_read_what_the_byte_loads_read(
     monkeypatch, num_kv_splits: int, head_dim: int, seq_lens: list[int]
 ) -> None:
     """attention.FP8_PAIR_LOADS: a decode's whole tiles over an e4m3 cache read as 16-bit pairs widened in
-    registers (attention_tiles.fp8_pairs_as_fp16) give what the tiles read value by value give (the same
-    fp16 operands: bit for bit in the interpreter), whole tiles before the newest keys and the masked
-    remainder both; a padded head dim (48) keeps the value-by-value reads."""
+    registers (attention_tiles.fp8_pair_words, widen_pairs) give what the tiles read value by value give
+    (the same fp16 operands: bit for bit in the interpreter): the newest keys' register tile with the
+    step's own key put in, the whole tiles before it and the masked remainder; a padded head dim (48)
+    keeps the value-by-value reads."""
     batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, dtype=torch.bfloat16, seed=head_dim)
     k_scale, v_scale = 0.05, 0.3
     k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -19,21 +19,24 @@ from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs:
     cached_tile,
     decode_config,
     find_seq,
+    fp8_pair_words,
     last_tile_start,
     prefill_config,
     rotate_half,
     split_range,
     store_step_kv,
+    widen_pairs,
 )
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
 from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
 
 # exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
 _LOG2_E = 1.4426950408889634
-# A decode over an e4m3 cache under bf16 queries reads its whole tiles as pairs of values widened in
-# registers (attention_tiles.fp8_pairs_as_fp16; sm_90 SASS: a quarter of the shared-memory loads, and
-# none of the default's spill at 64 keys a tile). Off until timed on a GPU (TOKENMILL_FP8_PAIR_LOADS=1
-# turns it on). Triton's interpreter takes the same path without the inline PTX.
+# A decode over an e4m3 cache under bf16 queries reads its tiles (the newest keys' register tile, the
+# whole tiles, the remainder) as 16-bit words of two values widened in registers (attention_tiles
+# .widen_pairs; sm_90 SASS: a quarter of the shared-memory loads; registers 255 -> 177 at 64 keys and two
+# warps, where the value reads spill, and 253 -> 162 at 128 keys and four). Off until timed on a GPU
+# (TOKENMILL_FP8_PAIR_LOADS=1 turns it on). Triton's interpreter takes the same path without the PTX.
 FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -122,6 +125,8 @@ def _paged_attention_kernel(
     query_len = tl.load(query_start_loc + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - query_len
+    # The decode's register tile read as pair words too (not when it rotates the step's key itself).
+    PAIR_TILE: tl.constexpr = FP8_PAIRS > 0 and not ROTARY and HEAD_DIM == HEAD_DIM_PAD
     if DECODE:
         block_table = block_tables + seq.to(tl.int64) * stride_block_table
         kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
@@ -136,7 +141,7 @@ def _paged_attention_kernel(
         fresh = tile_ok & (tile_lo + offs_n >= context_len)
         last_k, last_v = cached_tile(
             k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, tile_ok & ~fresh, dims, dim_ok,
-            stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE,
+            stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, WORDS=PAIR_TILE,
         )  # fmt: skip
         owner = (kv_lo <= context_len) & (context_len < kv_hi)
         if not ROTARY:  # the row where the launch before stores the step's key and value
@@ -203,10 +208,17 @@ def _paged_attention_kernel(
         else:
             # Read into the registers that hold the tile (a predicated load, no select): every row points
             # at the step's, only its own reads.
-            rows = step_row + kv_head_offset + tl.zeros([LAST_N, 1], tl.int64) + dims[None, :]
-            fresh_mask = fresh[:, None] & dim_ok[None, :]
-            k_tile = tl.load(k_cache + rows, mask=fresh_mask, other=last_k)
-            v_tile = tl.load(v_cache + rows, mask=fresh_mask, other=last_v)
+            if PAIR_TILE:  # as words of two values (a predicated load likewise), widened in registers
+                step_rows = step_row + kv_head_offset + tl.zeros([LAST_N], tl.int64)
+                k_words = fp8_pair_words(k_cache, step_rows, fresh, HEAD_DIM // 2, True, last_k)
+                v_words = fp8_pair_words(v_cache, step_rows, fresh, HEAD_DIM // 2, True, last_v)
+                k_tile = widen_pairs(k_words, FP8_PAIRS == 2)
+                v_tile = widen_pairs(v_words, FP8_PAIRS == 2)
+            else:
+                rows = step_row + kv_head_offset + tl.zeros([LAST_N, 1], tl.int64) + dims[None, :]
+                fresh_mask = fresh[:, None] & dim_ok[None, :]
+                k_tile = tl.load(k_cache + rows, mask=fresh_mask, other=last_k)
+                v_tile = tl.load(v_cache + rows, mask=fresh_mask, other=last_v)
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_tile, v_tile, tile_ok, qk_scale, PRECISION)
         # The keys before it, every one visible to the decode's row: whole tiles, then what is left of a
         # tile (when LAST_N < BLOCK_N).
@@ -220,7 +232,7 @@ def _paged_attention_kernel(
             acc, m_i, l_i = attend_kv_range(
                 acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head_offset, whole_hi, tile_lo,
                 qk_scale, stride_cache_block, stride_cache_slot, dims, dim_ok,
-                KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION,
+                KV_BLOCK_SIZE, BLOCK_N, True, HEAD_DIM != HEAD_DIM_PAD, PRECISION, FP8_PAIRS,
             )  # fmt: skip
     else:
         first_pos = context_len + q_tile * BLOCK_Q

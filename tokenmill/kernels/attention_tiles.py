@@ -56,16 +56,24 @@ def prefill_config(max_query_len: int, group: int, head_dim: int, element_size: 
 
 
 @triton.jit
-def fp8_pairs_as_fp16(cache, slot_offset, HALF_PAD: tl.constexpr, ASM: tl.constexpr):
-    """Keys or values [N, 2 * HALF_PAD] in fp16 from an e4m3 cache (rows at slot_offset, dims from 0):
-    each two adjacent dims read as one 16-bit word and widened in the layout they were read in (ASM:
-    one cvt.rn.f16x2.e4m3x2 a word; else, as Triton's interpreter can run it, byte by byte), then
-    interleaved back into rows. Read through .to() instead, Triton moves the widening past its change to
-    the tensor cores' operand layout, which then gathers bytes from shared memory one at a time (sm_90
-    SASS of the 64-key, two-warp decode loop: 172 -> 36 shared-memory loads, 832 -> 777 instructions;
-    of the 128-key, four-warp one: 180 -> 44 and 1,033 -> 759). Exact, as .to() is."""
+def fp8_pair_words(cache, slot_offset, key_ok, HALF_PAD: tl.constexpr, MASKED: tl.constexpr, other=0):
+    """An e4m3 cache's rows at slot_offset (dims from 0) as 16-bit words, each two adjacent dims:
+    [N, HALF_PAD] int16 (MASKED: `other` where not key_ok)."""
     pairs = cache.to(tl.pointer_type(tl.int16), bitcast=True)
-    words = tl.load(pairs + (slot_offset[:, None] // 2 + tl.arange(0, HALF_PAD)[None, :]))
+    offsets = slot_offset[:, None] // 2 + tl.arange(0, HALF_PAD)[None, :]
+    if MASKED:
+        return tl.load(pairs + offsets, mask=key_ok[:, None], other=other)
+    return tl.load(pairs + offsets)
+
+
+@triton.jit
+def widen_pairs(words, ASM: tl.constexpr):
+    """fp8_pair_words' words [N, H] as fp16 values [N, 2 H]: each word widened in the layout it was read
+    in (ASM: one cvt.rn.f16x2.e4m3x2 a word; else, as Triton's interpreter can run it, byte by byte),
+    then interleaved back into rows. Read through .to() instead, Triton moves the widening past its
+    change to the tensor cores' operand layout, which then gathers bytes from shared memory one at a
+    time (sm_90 SASS of the 64-key, two-warp decode loop: 172 -> 36 shared-memory loads, 832 -> 777
+    instructions; of the 128-key, four-warp one: 180 -> 44 and 1,033 -> 759). Exact, as .to() is."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [words],
@@ -74,7 +82,7 @@ def fp8_pairs_as_fp16(cache, slot_offset, HALF_PAD: tl.constexpr, ASM: tl.conste
     else:
         lo = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         hi = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return tl.reshape(tl.join(lo, hi), (slot_offset.shape[0], 2 * HALF_PAD))
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
 
 
 @triton.jit
@@ -104,9 +112,10 @@ def attend_kv_range(
 ):
     """Online-softmax update of (acc, m_i, l_i) with keys kv_lo..kv_hi read through the block table.
     Without CAUSAL_MASK every key of the range is visible to every row and in bounds. PAIRS (an e4m3
-    cache, fp16 queries; 1 in Triton's interpreter, 2 compiled): the unmasked tiles of a head dim that
-    is a power of two are read by fp8_pairs_as_fp16."""
-    as_pairs: tl.constexpr = PAIRS > 0 and not CAUSAL_MASK and not PAD_DIM
+    cache, fp16 queries; 1 in Triton's interpreter, 2 compiled): the tiles of a head dim that is a power
+    of two are read as pair words (fp8_pair_words, widen_pairs)."""
+    as_pairs: tl.constexpr = PAIRS > 0 and not PAD_DIM
+    HALF_PAD: tl.constexpr = dims.shape[0] // 2
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + offs_n
@@ -131,7 +140,9 @@ def attend_kv_range(
         )
         kv_offsets = slot_offset[:, None] + dims[None, :]
         if as_pairs:
-            k = fp8_pairs_as_fp16(k_cache, slot_offset, dims.shape[0] // 2, PAIRS == 2)
+            k = widen_pairs(
+                fp8_pair_words(k_cache, slot_offset, k_pos < kv_hi, HALF_PAD, CAUSAL_MASK), PAIRS == 2
+            )
         else:
             k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -143,7 +154,9 @@ def attend_kv_range(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if as_pairs:
-            v = fp8_pairs_as_fp16(v_cache, slot_offset, dims.shape[0] // 2, PAIRS == 2)
+            v = widen_pairs(
+                fp8_pair_words(v_cache, slot_offset, k_pos < kv_hi, HALF_PAD, CAUSAL_MASK), PAIRS == 2
+            )
         else:
             v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
@@ -174,15 +187,24 @@ def last_tile_start(kv_lo, kv_hi, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def cached_tile(k_cache, v_cache, block_table, kv_head_offset, k_pos, key_ok, dims, dim_ok,
-                stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """Keys and values k_pos as the cache holds them (in its dtype), zeros where not key_ok."""
+                stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE: tl.constexpr,
+                WORDS: tl.constexpr = False):  # fmt: skip
+    """Keys and values k_pos as the cache holds them (in its dtype; WORDS, an e4m3 cache: as
+    fp8_pair_words), zeros where not key_ok."""
     page = tl.load(block_table + k_pos // KV_BLOCK_SIZE, mask=key_ok, other=0)
     slot = (
         page.to(tl.int64) * stride_cache_block + (k_pos % KV_BLOCK_SIZE) * stride_cache_slot + kv_head_offset
     )
-    offsets = slot[:, None] + dims[None, :]
-    mask = key_ok[:, None] & dim_ok[None, :]
-    return tl.load(k_cache + offsets, mask=mask, other=0.0), tl.load(v_cache + offsets, mask=mask, other=0.0)
+    if WORDS:  # one return: Triton wants every return of a function to have the same types
+        half: tl.constexpr = dims.shape[0] // 2
+        keys = fp8_pair_words(k_cache, slot, key_ok, half, True)
+        values = fp8_pair_words(v_cache, slot, key_ok, half, True)
+    else:
+        offsets = slot[:, None] + dims[None, :]
+        mask = key_ok[:, None] & dim_ok[None, :]
+        keys = tl.load(k_cache + offsets, mask=mask, other=0.0)
+        values = tl.load(v_cache + offsets, mask=mask, other=0.0)
+    return keys, values
 
 
 @triton.jit
