@@ -154,6 +154,12 @@ def _attention_launches(dtype: torch.dtype) -> None:
                     query, fp8_cache, fp8_cache, block_tables, seq_lens,
                     torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1, num_kv_splits=4,
                 )  # fmt: skip
+                if pairs:  # and one that rotates and stores the step's key itself
+                    attention.paged_attention(
+                        query, fp8_cache, fp8_cache, block_tables, seq_lens,
+                        torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1, num_kv_splits=4,
+                        rotary=step,
+                    )  # fmt: skip
                 if head_dim == 128:
                     many = torch.arange(33, dtype=torch.int32)
                     attention.paged_attention(

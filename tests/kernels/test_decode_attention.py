@@ -240,6 +240,20 @@ def test_fp8_pair_loads_read_what_the_byte_loads_read(
         torch.testing.assert_close(pairs, values, **FP32_TOL)
     torch.testing.assert_close(pairs, reference.paged_attention(*fp8, max_query_len=1, k_scale=k_scale,
                                                                v_scale=v_scale), **BF16_TOL)  # fmt: skip
+    # A decode that rotates and stores the step's key itself puts its words into the tile.
+    rotary = step_rotary(fp8, 2, seed=head_dim)
+    outputs = []
+    for on in (False, True):
+        monkeypatch.setattr(attention, "FP8_PAIR_LOADS", on)
+        run = fp8._replace(k_cache=k8.clone(), v_cache=v8.clone())
+        outputs.append((attention.paged_attention(*run, rotary=rotary, **hints), run.k_cache, run.v_cache))
+    (values, k_values, v_values), (pairs, k_pairs, v_pairs) = outputs
+    assert torch.equal(k_pairs.view(torch.uint8), k_values.view(torch.uint8))
+    assert torch.equal(v_pairs.view(torch.uint8), v_values.view(torch.uint8))
+    if DEVICE == "cpu":
+        assert torch.equal(pairs, values)
+    else:
+        torch.testing.assert_close(pairs, values, **FP32_TOL)
 
 
 @pytest.mark.parametrize("fused", [True, False])

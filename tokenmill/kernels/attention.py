@@ -14,6 +14,7 @@ from tokenmill.kernels import StepRotary, pdl, sm_count
 from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs: attention's own names)
     _FP8_MANY_PROGRAMS,
     TileConfig,
+    as_pair_words,
     attend_kv_range,
     attend_tile,
     cached_tile,
@@ -125,8 +126,8 @@ def _paged_attention_kernel(
     query_len = tl.load(query_start_loc + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - query_len
-    # The decode's register tile read as pair words too (not when it rotates the step's key itself).
-    PAIR_TILE: tl.constexpr = FP8_PAIRS > 0 and not ROTARY and HEAD_DIM == HEAD_DIM_PAD
+    # The decode's register tile read as pair words too.
+    PAIR_TILE: tl.constexpr = FP8_PAIRS > 0 and HEAD_DIM == HEAD_DIM_PAD
     if DECODE:
         block_table = block_tables + seq.to(tl.int64) * stride_block_table
         kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
@@ -203,8 +204,14 @@ def _paged_attention_kernel(
                 k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin, k_scale, v_scale,
                 stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, HALF_DIM,
             )  # fmt: skip
-            k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
-            v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
+            if PAIR_TILE:
+                k_words = tl.where(fresh[:, None], as_pair_words(new_k)[None, :], last_k)
+                v_words = tl.where(fresh[:, None], as_pair_words(new_v)[None, :], last_v)
+                k_tile = widen_pairs(k_words, FP8_PAIRS == 2)
+                v_tile = widen_pairs(v_words, FP8_PAIRS == 2)
+            else:
+                k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
+                v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
         else:
             # Read into the registers that hold the tile (a predicated load, no select): every row points
             # at the step's, only its own reads.

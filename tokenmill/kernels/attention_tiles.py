@@ -67,6 +67,14 @@ def fp8_pair_words(cache, slot_offset, key_ok, HALF_PAD: tl.constexpr, MASKED: t
 
 
 @triton.jit
+def as_pair_words(values):
+    """An e4m3 row [D] as fp8_pair_words reads it from memory: [D / 2] int16, dim 2i in the low byte."""
+    byte = values.to(tl.uint8, bitcast=True).to(tl.int16)
+    low, high = tl.split(tl.reshape(byte, (values.shape[0] // 2, 2)))
+    return low | (high << 8)
+
+
+@triton.jit
 def widen_pairs(words, ASM: tl.constexpr):
     """fp8_pair_words' words [N, H] as fp16 values [N, 2 H]: each word widened in the layout it was read
     in (ASM: one cvt.rn.f16x2.e4m3x2 a word; else, as Triton's interpreter can run it, byte by byte),
