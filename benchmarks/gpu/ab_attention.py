@@ -152,6 +152,9 @@ def main() -> int:
         for config in (tile(16, 64, 2, 3), tile(16, 128, 4, 3), tile(16, 64, 4, 3)):
             for pairs in (False, True):
                 run(f"fp8{'_pairs' if pairs else ''}_{tuple(config)}_s1", k8, v8, 1, None, config, pairs)
+        # Tiles the registers freed by the pairs (255 -> 162-177) may now hold.
+        for config in (tile(16, 256, 4, 3), tile(16, 128, 2, 3)):
+            run(f"fp8_pairs_{tuple(config)}_sdefault", k8, v8, None, None, config, True)
         # Read as pairs, the loop keeps clear of spills under a register cap (sm_90 SASS: at 168, 3 local
         # loads in the 64-key two-warp loop, 6 blocks a multiprocessor instead of 4; the 128-key
         # four-warp one 3 instead of 2), so more warps hide the loads' latency.
