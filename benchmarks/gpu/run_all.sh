@@ -159,7 +159,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
            $([ $q = none ] || echo --quantization $q) --out "$out/pdl_8b_$q.json" 2>&1 | grep -v Warning | tail -8; done ;;
     # The attention, rotary and norm kernel tests and the greedy-token GPU tests (the decode attention
     # changed without a device: run before its timings).
-    attention-tests) timeout 150 $py -m pytest -q tests/kernels/test_attention.py tests/kernels/test_decode_attention.py \
+    attention-tests) timeout 240 $py -m pytest -q tests/kernels/test_attention.py tests/kernels/test_decode_attention.py \
                        tests/kernels/test_rotary.py \
                        tests/kernels/test_norm.py -p no:cacheprovider --junitxml="$out/attention_kernel_tests.xml" \
                        2>&1 | tail -3
