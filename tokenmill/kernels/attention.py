@@ -39,6 +39,9 @@ _LOG2_E = 1.4426950408889634
 # warps, where the value reads spill, and 253 -> 162 at 128 keys and four). Off until timed on a GPU
 # (TOKENMILL_FP8_PAIR_LOADS=1 turns it on). Triton's interpreter takes the same path without the PTX.
 FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
+# A register cap for those decodes (None: the compiler's choice), so that more blocks share a
+# multiprocessor: at 168, 6 blocks of the 64-key two-warp tile instead of 5. For A/B until timed.
+FP8_PAIR_MAXNREG = int(os.environ.get("TOKENMILL_FP8_PAIR_MAXNREG", "0")) or None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -347,6 +350,7 @@ def paged_attention(
     even = all(stride % 2 == 0 for stride in k_cache.stride()[:3])  # a pair's word is 2-byte aligned
     if FP8_PAIR_LOADS and dot_fp16 and k_cache.dtype == torch.float8_e4m3fn and even:
         fp8_pairs = 1 if INTERPRETED else 2
+    capped = {"maxnreg": FP8_PAIR_MAXNREG} if decode and fp8_pairs == 2 and FP8_PAIR_MAXNREG else {}
 
     if rotary is not None:
         positions, cos_sin_cache, key, value, slot_mapping = rotary
@@ -371,7 +375,7 @@ def paged_attention(
             # A decode's register tile: 16 keys a warp at most (64 FP8 keys of 128 widened to fp16 ran
             # the registers out).
             LAST_N=min(tile.block_n, 16 * tile.num_warps), FP8_PAIRS=fp8_pairs,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query),
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query), **capped,
         )  # fmt: skip
 
     small = config if decode else decode_config(group, query.element_size(), k_cache.element_size())
