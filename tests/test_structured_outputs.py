@@ -235,8 +235,8 @@ def test_the_engine_fills_in_lanes_what_it_fills_with_the_shared_pool(llm, monke
     structured = laned.engine.core.scheduler.structured
     assert structured is not None and structured.lanes == "lanes"
     params = [
-        SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": PERSON}),
-        SamplingParams(max_tokens=200, temperature=0.9, seed=3, structured_outputs={"json": PERSON}),
+        SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": PERSON}),
+        SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured_outputs={"json": PERSON}),
         SamplingParams(max_tokens=20, temperature=0.8, seed=5, structured_outputs={"regex": "[a-z ]{3,12}"}),
         SamplingParams(max_tokens=12, temperature=0),
     ]
