@@ -59,7 +59,8 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
     # each of those with their tiles read as pairs, and many short FP8 decodes with and without
     assert len(attention_builds) == 29
     pairs = [build for build in attention_builds if build["constants"].get("FP8_PAIRS")]
-    assert len(pairs) == 7 and all(build["constants"]["FP8_PAIRS"] == 2 for build in pairs)
+    # (48-dim heads asked for pairs keep the value reads: their last word would straddle the padding)
+    assert len(pairs) == 5 and all(build["constants"]["HEAD_DIM"] in (64, 128) for build in pairs)
     assert all(build["uses_tensor_cores"] for build in attention_builds)
     # Hopper allows 227 KB of shared memory per block.
     assert max(build["shared_bytes"] for build in builds) <= 227 * 1024

@@ -42,7 +42,6 @@ FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
 # A register cap for those decodes (None: the compiler's choice), so that more blocks share a
 # multiprocessor: at 168, 6 blocks of the 64-key two-warp tile instead of 5. For A/B until timed.
 FP8_PAIR_MAXNREG = int(os.environ.get("TOKENMILL_FP8_PAIR_MAXNREG", "0")) or None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
@@ -98,7 +97,7 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,
     HALF_DIM: tl.constexpr = 1,
     LAST_N: tl.constexpr = 64,
-    FP8_PAIRS: tl.constexpr = 0,
+    FP8_PAIRS: tl.constexpr = False,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
@@ -129,8 +128,6 @@ def _paged_attention_kernel(
     query_len = tl.load(query_start_loc + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
     context_len = seq_len - query_len
-    # The decode's register tile read as pair words too.
-    PAIR_TILE: tl.constexpr = FP8_PAIRS > 0 and HEAD_DIM == HEAD_DIM_PAD
     if DECODE:
         block_table = block_tables + seq.to(tl.int64) * stride_block_table
         kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
@@ -145,7 +142,7 @@ def _paged_attention_kernel(
         fresh = tile_ok & (tile_lo + offs_n >= context_len)
         last_k, last_v = cached_tile(
             k_cache, v_cache, block_table, kv_head_offset, tile_lo + offs_n, tile_ok & ~fresh, dims, dim_ok,
-            stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, WORDS=PAIR_TILE,
+            stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, WORDS=FP8_PAIRS,
         )  # fmt: skip
         owner = (kv_lo <= context_len) & (context_len < kv_hi)
         if not ROTARY:  # the row where the launch before stores the step's key and value
@@ -199,7 +196,8 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if DECODE:
-        # The last tile with the step's key and value put in (at context_len, where this split holds it).
+        # The last tile with the step's key and value put in (at context_len, where this split holds it),
+        # as the cache holds them (FP8_PAIRS: as words of two values, widened once the tile is whole).
         if ROTARY:
             new_k, new_v = store_step_kv(
                 key + q_start * stride_key_tok + kv_head * stride_key_head,
@@ -207,28 +205,23 @@ def _paged_attention_kernel(
                 k_cache, v_cache, slot, kv_head_offset, owner, dims, dim_ok, cos, sin, k_scale, v_scale,
                 stride_cache_block, stride_cache_slot, KV_BLOCK_SIZE, HALF_DIM,
             )  # fmt: skip
-            if PAIR_TILE:
-                k_words = tl.where(fresh[:, None], as_pair_words(new_k)[None, :], last_k)
-                v_words = tl.where(fresh[:, None], as_pair_words(new_v)[None, :], last_v)
-                k_tile = widen_pairs(k_words, FP8_PAIRS == 2)
-                v_tile = widen_pairs(v_words, FP8_PAIRS == 2)
-            else:
-                k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
-                v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
-        else:
+            if FP8_PAIRS:
+                new_k, new_v = as_pair_words(new_k), as_pair_words(new_v)
+            k_tile = tl.where(fresh[:, None], new_k[None, :], last_k)
+            v_tile = tl.where(fresh[:, None], new_v[None, :], last_v)
+        elif FP8_PAIRS:
             # Read into the registers that hold the tile (a predicated load, no select): every row points
             # at the step's, only its own reads.
-            if PAIR_TILE:  # as words of two values (a predicated load likewise), widened in registers
-                step_rows = step_row + kv_head_offset + tl.zeros([LAST_N], tl.int64)
-                k_words = fp8_pair_words(k_cache, step_rows, fresh, HEAD_DIM // 2, True, last_k)
-                v_words = fp8_pair_words(v_cache, step_rows, fresh, HEAD_DIM // 2, True, last_v)
-                k_tile = widen_pairs(k_words, FP8_PAIRS == 2)
-                v_tile = widen_pairs(v_words, FP8_PAIRS == 2)
-            else:
-                rows = step_row + kv_head_offset + tl.zeros([LAST_N, 1], tl.int64) + dims[None, :]
-                fresh_mask = fresh[:, None] & dim_ok[None, :]
-                k_tile = tl.load(k_cache + rows, mask=fresh_mask, other=last_k)
-                v_tile = tl.load(v_cache + rows, mask=fresh_mask, other=last_v)
+            step_rows = step_row + kv_head_offset + tl.zeros([LAST_N], tl.int64)
+            k_tile = fp8_pair_words(k_cache, step_rows, fresh, HEAD_DIM // 2, True, last_k)
+            v_tile = fp8_pair_words(v_cache, step_rows, fresh, HEAD_DIM // 2, True, last_v)
+        else:
+            rows = step_row + kv_head_offset + tl.zeros([LAST_N, 1], tl.int64) + dims[None, :]
+            fresh_mask = fresh[:, None] & dim_ok[None, :]
+            k_tile = tl.load(k_cache + rows, mask=fresh_mask, other=last_k)
+            v_tile = tl.load(v_cache + rows, mask=fresh_mask, other=last_v)
+        if FP8_PAIRS:
+            k_tile, v_tile = widen_pairs(k_tile), widen_pairs(v_tile)
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_tile, v_tile, tile_ok, qk_scale, PRECISION)
         # The keys before it, every one visible to the decode's row: whole tiles, then what is left of a
         # tile (when LAST_N < BLOCK_N).
@@ -346,11 +339,16 @@ def paged_attention(
     # An FP8 cache is read into the query's dtype (exact: e4m3 fits in bf16, fp16 and fp32), into fp16
     # under bf16 queries; its per-tensor scales fold into the softmax scale (K) and the output (V).
     dot_fp16 = k_cache.element_size() == 1 and query.dtype == torch.bfloat16
-    fp8_pairs = 0
-    even = all(stride % 2 == 0 for stride in k_cache.stride()[:3])  # a pair's word is 2-byte aligned
-    if FP8_PAIR_LOADS and dot_fp16 and k_cache.dtype == torch.float8_e4m3fn and even:
-        fp8_pairs = 1 if INTERPRETED else 2
-    capped = {"maxnreg": FP8_PAIR_MAXNREG} if decode and fp8_pairs == 2 and FP8_PAIR_MAXNREG else {}
+    # Pair loads: a pair's word 2-byte aligned, no padded dims (a word would straddle the last one).
+    even = all(stride % 2 == 0 for stride in k_cache.stride()[:3])
+    fp8_pairs = (
+        FP8_PAIR_LOADS
+        and dot_fp16
+        and k_cache.dtype == torch.float8_e4m3fn
+        and even
+        and head_dim == head_dim_pad
+    )
+    capped = {"maxnreg": FP8_PAIR_MAXNREG} if decode and fp8_pairs and FP8_PAIR_MAXNREG else {}
 
     if rotary is not None:
         positions, cos_sin_cache, key, value, slot_mapping = rotary

@@ -12,6 +12,11 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import INTERPRETED
+
+# widen_pairs' inline PTX, which Triton's interpreter does not run (it takes the byte-by-byte path).
+_PTX = tl.constexpr(not INTERPRETED)
+
 
 class TileConfig(NamedTuple):
     """Tile shape and launch options of one attention kernel launch."""
@@ -75,14 +80,14 @@ def as_pair_words(values):
 
 
 @triton.jit
-def widen_pairs(words, ASM: tl.constexpr):
+def widen_pairs(words):
     """fp8_pair_words' words [N, H] as fp16 values [N, 2 H]: each word widened in the layout it was read
-    in (ASM: one cvt.rn.f16x2.e4m3x2 a word; else, as Triton's interpreter can run it, byte by byte),
+    in (one cvt.rn.f16x2.e4m3x2 a word; in Triton's interpreter, byte by byte),
     then interleaved back into rows. Read through .to() instead, Triton moves the widening past its
     change to the tensor cores' operand layout, which then gathers bytes from shared memory one at a
     time (sm_90 SASS of the 64-key, two-warp decode loop: 172 -> 36 shared-memory loads, 832 -> 777
     instructions; of the 128-key, four-warp one: 180 -> 44 and 1,033 -> 759). Exact, as .to() is."""
-    if ASM:
+    if _PTX:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [words],
             dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
@@ -116,13 +121,12 @@ def attend_kv_range(
     CAUSAL_MASK: tl.constexpr,
     PAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
-    PAIRS: tl.constexpr = 0,
+    PAIRS: tl.constexpr = False,
 ):
     """Online-softmax update of (acc, m_i, l_i) with keys kv_lo..kv_hi read through the block table.
     Without CAUSAL_MASK every key of the range is visible to every row and in bounds. PAIRS (an e4m3
-    cache, fp16 queries; 1 in Triton's interpreter, 2 compiled): the tiles of a head dim that is a power
-    of two are read as pair words (fp8_pair_words, widen_pairs)."""
-    as_pairs: tl.constexpr = PAIRS > 0 and not PAD_DIM
+    cache, fp16 queries, no padded dims): the tiles are read as pair words (fp8_pair_words,
+    widen_pairs)."""
     HALF_PAD: tl.constexpr = dims.shape[0] // 2
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -147,10 +151,8 @@ def attend_kv_range(
             + kv_head_offset
         )
         kv_offsets = slot_offset[:, None] + dims[None, :]
-        if as_pairs:
-            k = widen_pairs(
-                fp8_pair_words(k_cache, slot_offset, k_pos < kv_hi, HALF_PAD, CAUSAL_MASK), PAIRS == 2
-            )
+        if PAIRS:
+            k = widen_pairs(fp8_pair_words(k_cache, slot_offset, k_pos < kv_hi, HALF_PAD, CAUSAL_MASK))
         else:
             k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -161,10 +163,8 @@ def attend_kv_range(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if as_pairs:
-            v = widen_pairs(
-                fp8_pair_words(v_cache, slot_offset, k_pos < kv_hi, HALF_PAD, CAUSAL_MASK), PAIRS == 2
-            )
+        if PAIRS:
+            v = widen_pairs(fp8_pair_words(v_cache, slot_offset, k_pos < kv_hi, HALF_PAD, CAUSAL_MASK))
         else:
             v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=kv_other).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)

@@ -13,15 +13,10 @@ TB/s of int4 bytes on Llama-3.1-8B's linears, 1.1-1.3x the fp32 kernel at their 
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import gemv, pdl
-
-# Read once, as @triton.jit reads it: the interpreter runs no PTX (the kernels' ASM=False paths then).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tokenmill.kernels import INTERPRETED, gemv, pdl  # noqa: F401 (INTERPRETED: the skinny launches')
 
 
 # One word of eight 4-bit values against its eight activations in each of ROWS rows, in packed 16-bit

@@ -25,19 +25,15 @@ The reference is kernels/quant_reference.py's w4a16_gemm.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import gemv, k_splits, pdl, sm_count
+from tokenmill.kernels import INTERPRETED, gemv, k_splits, pdl, sm_count
 from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_rows
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
 MAX_ROWS = 128  # activation rows it takes; above them the whole weight is dequantized for cuBLAS
-# Read once, as @triton.jit reads it when this module is imported: the interpreter runs no PTX.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (a & b) | c as LOP3's lookup table, and each dtype's magic pair and magic + 8 pair.
 _LUT = 0xEA
