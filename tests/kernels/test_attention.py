@@ -39,6 +39,14 @@ class Batch(NamedTuple):
     scale: float
 
 
+def fp8_cache(batch: Batch, k_scale: float = 1.0, v_scale: float = 1.0) -> Batch:
+    """The batch with its cache in e4m3 as an FP8 KV cache holds it: K / k_scale and V / v_scale,
+    saturated at 448."""
+    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return batch._replace(k_cache=k8, v_cache=v8)
+
+
 def make_batch(
     seq_lens: list[int],
     query_lens: list[int],
@@ -292,9 +300,8 @@ def test_fp8_cache_reads_exactly_with_scales_folded_in(max_query_len: int | None
     query_lens = [1, 1, 1] if max_query_len == 1 else [1, 9, 33]
     batch = make_batch([5, 17, 33], query_lens, 6, 2, 48, dtype=dtype)
     k_scale, v_scale = 0.05, 0.3
-    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    fp8 = fp8_cache(batch, k_scale, v_scale)
+    k8, v8 = fp8.k_cache, fp8.v_cache
     dequantized = batch._replace(
         k_cache=(k8.float() * k_scale).to(dtype), v_cache=(v8.float() * v_scale).to(dtype)
     )
@@ -351,9 +358,8 @@ def test_fp8_cache_decode_of_many_requests_takes_the_small_tile_and_matches() ->
     requests = attention._FP8_MANY_PROGRAMS * sm_count(DEVICE) // 2
     seq_lens = [(37 * i) % 190 + 1 for i in range(requests)]
     batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, dtype=torch.bfloat16)
-    k8 = batch.k_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
-    v8 = batch.v_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
-    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    fp8 = fp8_cache(batch)
+    k8, v8 = fp8.k_cache, fp8.v_cache
     many = len(seq_lens) * 2 / sm_count(batch.query.device)
     assert many >= attention._FP8_MANY_PROGRAMS
     assert attention.decode_config(4, 2, 1, many) == attention.TileConfig(16, 64, 2, 3)

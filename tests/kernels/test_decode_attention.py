@@ -14,6 +14,7 @@ from tests.kernels.test_attention import (  # noqa: E402
     DEVICE,
     FP32_TOL,
     Batch,
+    fp8_cache,
     make_batch,
     needs_cuda,
 )
@@ -110,9 +111,7 @@ def test_decode_rotates_and_stores_the_steps_key_itself(
     scales = {}
     if fp8:
         k_scale, v_scale = 0.05, 0.3
-        k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        batch, scales = batch._replace(k_cache=k8, v_cache=v8), dict(k_scale=k_scale, v_scale=v_scale)
+        batch, scales = fp8_cache(batch, k_scale, v_scale), dict(k_scale=k_scale, v_scale=v_scale)
     rotary = step_rotary(batch, num_kv_heads, seed=head_dim)
     before = batch.k_cache.flatten(0, 1).float().clone()
     want_batch = batch._replace(k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone())
@@ -206,9 +205,7 @@ def test_fp8_decode_over_long_splits(num_kv_splits: int | None) -> None:
     it are whole tiles and then what is left of one, against the reference."""
     batch = make_batch([5, 130, 300, 700], [1] * 4, 6, 2, 48, dtype=torch.bfloat16, seed=7)
     k_scale, v_scale = 0.05, 0.3
-    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    fp8 = fp8_cache(batch, k_scale, v_scale)
     hints = dict(max_query_len=1, k_scale=k_scale, v_scale=v_scale)
     want = reference.paged_attention(*fp8, **hints)
     got = attention.paged_attention(*fp8, num_kv_splits=num_kv_splits, **hints)
@@ -227,9 +224,7 @@ def test_fp8_pair_loads_read_what_the_byte_loads_read(
     keeps the value-by-value reads."""
     batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, dtype=torch.bfloat16, seed=head_dim)
     k_scale, v_scale = 0.05, 0.3
-    k8 = (batch.k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    v8 = (batch.v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    fp8 = batch._replace(k_cache=k8, v_cache=v8)
+    fp8 = fp8_cache(batch, k_scale, v_scale)
     hints = dict(max_query_len=1, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits)
     values = attention.paged_attention(*fp8, **hints)
     monkeypatch.setattr(attention, "FP8_PAIR_LOADS", True)
@@ -245,7 +240,7 @@ def test_fp8_pair_loads_read_what_the_byte_loads_read(
     outputs = []
     for on in (False, True):
         monkeypatch.setattr(attention, "FP8_PAIR_LOADS", on)
-        run = fp8._replace(k_cache=k8.clone(), v_cache=v8.clone())
+        run = fp8._replace(k_cache=fp8.k_cache.clone(), v_cache=fp8.v_cache.clone())
         outputs.append((attention.paged_attention(*run, rotary=rotary, **hints), run.k_cache, run.v_cache))
     (values, k_values, v_values), (pairs, k_pairs, v_pairs) = outputs
     assert torch.equal(k_pairs.view(torch.uint8), k_values.view(torch.uint8))
