@@ -16,7 +16,7 @@ the pool grouped by family: the threads then work on different lexers.
 The pool's workers take whichever matchers they steal, anew each step. With MASK_LANES each thread is
 instead a lane with a one-worker pool of its own that fills the same families every step (their
 lexers stay in its core's caches), its worker optionally on a CPU of its own ("pin"): on the 2-core
-VM, with the walk's own work between the fills, 2.1-2.5 ms a step against 2.9-3.4 for the shared pool
+VM, with the walk's own work between the fills, 2.1-2.5 ms a step against 2.8-3.4 for the shared pool
 (benchmarks/grammar_masks.py --fills). Off until timed on the GPU's host."""
 
 from __future__ import annotations
