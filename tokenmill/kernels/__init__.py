@@ -19,9 +19,6 @@ from tokenmill.kernels import reference
 
 BACKEND_ENV = "TOKENMILL_ATTENTION_BACKEND"
 _BACKENDS = ("torch", "triton")
-# Read once, as @triton.jit reads it: Triton's interpreter runs no inline PTX (the kernels' paths without
-# it then).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Kernels(NamedTuple):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import INTERPRETED
+from tokenmill.kernels.interpreter import INTERPRETED
 
 # widen_pairs' inline PTX, which Triton's interpreter does not run (it takes the byte-by-byte path).
 _PTX = tl.constexpr(not INTERPRETED)

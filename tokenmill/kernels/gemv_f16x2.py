@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import INTERPRETED, gemv, pdl  # noqa: F401 (INTERPRETED: the skinny launches')
+from tokenmill.kernels import gemv, pdl
 
 
 # One word of eight 4-bit values against its eight activations in each of ROWS rows, in packed 16-bit

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import gemv, k_splits, skinny_gemm, w4a16_mma
+from tokenmill.kernels.interpreter import INTERPRETED
 
 PACK = 8
 MMA_ROWS = w4a16_mma.MAX_ROWS  # activation rows up to which w4a16_mma runs (from 2)
@@ -203,7 +204,7 @@ def dequantize(
             w_packed, scale, zero if zero is not None else scale, out, n, in_features, w_packed.stride(0),
             scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
             GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_N=block_n, WORDS=words,
-            ASM=not w4a16_mma.INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=4,
+            ASM=not INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -27,6 +27,7 @@ import triton
 
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
 from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, skinny_dot, sm_count
+from tokenmill.kernels.interpreter import INTERPRETED
 
 
 class SkinnyConfig(NamedTuple):
@@ -171,7 +172,7 @@ def w4a16_skinny(
                     x2, w_packed, scale, zero_arg, out, N=n, K=k, stride_xm=x2.stride(0),
                     stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
-                    ASM=not gemv_f16x2.INTERPRETED, PREFETCH=config.prefetch and even,
+                    ASM=not INTERPRETED, PREFETCH=config.prefetch and even,
                     EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated,
                     PAIRED=GEMV4_PAIRED and sub % 2 == 0, WIDE_X=GEMV4_WIDE_X and even, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),

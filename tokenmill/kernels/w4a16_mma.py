@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import INTERPRETED, gemv, k_splits, pdl, sm_count
+from tokenmill.kernels import gemv, k_splits, pdl, sm_count
+from tokenmill.kernels.interpreter import INTERPRETED
 from tokenmill.kernels.skinny_gemm import SkinnyConfig, as_rows, launch_over_rows
 
 TILE_K = 128  # values along K per iteration: one group (group sizes must be multiples of it)
