@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import pytest
 
 from tests.schemas import Book
 
@@ -78,3 +79,34 @@ def test_vllm_extras_on_chat_and_completions(client) -> None:
             assert isinstance(json.loads(answer.message.content), dict)
             stopped += 1
     assert stopped
+
+
+def test_logprobs_under_a_grammar_are_numbers(client) -> None:
+    """A grammar masks most tokens to -inf before the logprobs are taken (as vLLM's do); the response
+    reports them at vLLM's floor, -9999.0, not as a float JSON cannot carry."""
+    regex = {"structured_outputs": {"regex": "[12][0-9]{3}"}}
+    chat = dict(model="default", messages=[{"role": "user", "content": "Year?"}], max_tokens=6, temperature=0)
+    answer = client.chat.completions.create(**chat, logprobs=True, top_logprobs=5, extra_body=regex)
+    content = answer.choices[0].logprobs.content
+    assert re.fullmatch("[12][0-9]{3}", answer.choices[0].message.content)
+    assert "".join(entry.token for entry in content) == answer.choices[0].message.content
+    values = [top.logprob for entry in content for top in entry.top_logprobs] + [e.logprob for e in content]
+    assert all(-9999.0 <= value <= 0.0 for value in values) and -9999.0 in values
+    streamed = client.chat.completions.create(
+        **chat, logprobs=True, top_logprobs=5, extra_body=regex, stream=True
+    )
+    entries = [
+        e
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in entries] == [e.token for e in content]
+    # (the same figures but for the prefix cache's rounding: the prompt is cached by now)
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-3)
+    completion = client.completions.create(
+        model="default", prompt="Year:", max_tokens=6, temperature=0, logprobs=5, extra_body=regex
+    )
+    logprobs = completion.choices[0].logprobs
+    assert all(v >= -9999.0 for top in logprobs.top_logprobs for v in top.values())
+    assert all(v >= -9999.0 for v in logprobs.token_logprobs)

@@ -56,6 +56,10 @@ class ServerState:
             self.chat_encoder = ChatEncoder(tokenizer)
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.engine, "eos_token_ids", ()))
+
+    @property
     def encode_chat(self) -> Callable[[str], list[int]] | None:
         return self.chat_encoder.encode if self.chat_encoder is not None else None
 
@@ -180,16 +184,32 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda item: item[1].rank)[:k]
 
 
+# What a response reports for a token no sampling could pick (-inf: masked by a grammar, or cut by top-k
+# / top-p before logprobs were taken): JSON has no infinity, and OpenAI's clients read floats. vLLM's figure.
+LOGPROB_FLOOR = -9999.0
+
+
+def _reported(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def _token_text(token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
 def reported_tokens(
-    completion: CompletionOutput, token_ids: list[int], logprobs: list | None
+    completion: CompletionOutput, token_ids: list[int], logprobs: list | None, eos_token_ids: frozenset[int]
 ) -> tuple[list[int], list | None]:
     """The tokens whose logprobs a response reports: an EOS token that ended the completion is not part
-    of its text, and OpenAI reports no logprob for it. (Offline outputs keep it, as vLLM's do.)"""
-    if logprobs and completion.finish_reason == "stop" and completion.stop_reason is None:
+    of its text, and OpenAI reports no logprob for it. (Offline outputs keep it, as vLLM's do.) A
+    completion its grammar ended also stops without a stop reason, on a token of its text."""
+    if (
+        logprobs
+        and completion.finish_reason == "stop"
+        and completion.stop_reason is None
+        and token_ids
+        and token_ids[-1] in eos_token_ids
+    ):
         return token_ids[:-1], logprobs[:-1]
     return token_ids, logprobs
 
@@ -202,10 +222,14 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: i
         content.append(
             {
                 "token": text,
-                "logprob": sampled.logprob,
+                "logprob": _reported(sampled.logprob),
                 "bytes": list(text.encode()),
                 "top_logprobs": [
-                    {"token": (t := _token_text(tid, lp)), "logprob": lp.logprob, "bytes": list(t.encode())}
+                    {
+                        "token": (t := _token_text(tid, lp)),
+                        "logprob": _reported(lp.logprob),
+                        "bytes": list(t.encode()),
+                    }
                     for tid, lp in _top(entry, k)
                 ],
             }
@@ -219,8 +243,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     for token_id, entry in zip(token_ids, logprobs, strict=True):
         text = _token_text(token_id, entry[token_id])
         tokens.append(text)
-        token_logprobs.append(entry[token_id].logprob)
-        top_logprobs.append({_token_text(tid, lp): lp.logprob for tid, lp in entry.items()})
+        token_logprobs.append(_reported(entry[token_id].logprob))
+        top_logprobs.append({_token_text(tid, lp): _reported(lp.logprob) for tid, lp in entry.items()})
         offsets.append(text_offset)
         text_offset += len(text)
     return {

@@ -169,7 +169,9 @@ class ChatServing:
             {
                 "index": c.index,
                 **tools.message(c.text, c.finish_reason),
-                "logprobs": chat_logprobs(*reported_tokens(c, c.token_ids, c.logprobs), k)
+                "logprobs": chat_logprobs(
+                    *reported_tokens(c, c.token_ids, c.logprobs, self.state.eos_token_ids), k
+                )
                 if k is not None and c.logprobs
                 else None,
                 "stop_reason": c.stop_reason,
@@ -213,7 +215,9 @@ class ChatServing:
                 for c in output.outputs:
                     if c.index in finished:
                         continue
-                    token_ids, token_logprobs = reported_tokens(c, c.delta_token_ids, c.delta_logprobs)
+                    token_ids, token_logprobs = reported_tokens(
+                        c, c.delta_token_ids, c.delta_logprobs, self.state.eos_token_ids
+                    )
                     logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
                     done = c.finish_reason is not None
                     deltas = []

@@ -169,7 +169,7 @@ class CompletionServing:
         text_offset: int = 0,
     ) -> dict:
         if finished:
-            token_ids, logprobs = reported_tokens(completion, token_ids, logprobs)
+            token_ids, logprobs = reported_tokens(completion, token_ids, logprobs, self.state.eos_token_ids)
         choice = {
             "index": prompt_index * request.n + completion.index,
             "text": text,
