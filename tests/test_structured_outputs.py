@@ -505,3 +505,72 @@ def test_grammars_under_preemption_write_the_same_with_async_scheduling() -> Non
         assert re.fullmatch("[a-z]{24}", texts[0]) and re.fullmatch("[0-9]{3}-[a-z]{9}", texts[1])
         assert texts[2] in ("alpha beta", "gamma")
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize(
+    ("schema", "accepted", "refused"),
+    [
+        (  # allOf: one object of two parts, closed to the names of both
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+                ]
+            },
+            ['{"a": 1, "b": 2}'],
+            ['{"a": 1, "b": 2, "c": 3}', '{"a": 1}'],
+        ),
+        (  # properties beside alternatives that list their own: each alternative holds the parent's too
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["x", "y"]}},
+                "required": ["kind"],
+                "anyOf": [
+                    {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                    {"properties": {"y": {"type": "boolean"}}, "required": ["y"]},
+                ],
+            },
+            ['{"kind": "x", "x": 3}', '{"kind": "y", "y": true}'],
+            ['{"kind": "x", "x": 3, "z": 1}', '{"kind": "x"}'],
+        ),
+        (  # a definition used as an allOf part, beside properties of the object using it
+            {
+                "$defs": {
+                    "Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+                },
+                "allOf": [{"$ref": "#/$defs/Base"}],
+                "properties": {"name": {"type": "string"}},
+                "required": ["name"],
+            },
+            ['{"id": 1, "name": "a"}'],
+            ['{"id": 1, "name": "a", "extra": 0}'],
+        ),
+        (  # alternatives alone are closed each to its own names (pydantic's unions)
+            {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
+            ['{"a": 1}'],
+            ['{"a": 1, "b": 2}'],
+        ),
+    ],
+)
+def test_composed_schemas_are_closed_as_one_object(schema, accepted, refused) -> None:
+    """Objects made of parts (allOf; properties beside anyOf alternatives with their own) are closed to
+    the names of all their parts, not each part to its own names (which no object could satisfy)."""
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import StructuredOutputs
+
+    source = resolve_model("default")
+    tokenizer = source.load_tokenizer()
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=1, max_families=1)
+    root = structured.compiled(StructuredOutputsParams(json=schema)).roots[0]
+
+    def complete(text: str) -> bool:
+        matcher = root.deep_copy()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return (
+            matcher.validate_tokens(ids) == len(ids)
+            and matcher.consume_tokens(ids)
+            and matcher.is_accepting()
+        )
+
+    assert all(complete(text) for text in accepted)
+    assert not any(complete(text) for text in refused)

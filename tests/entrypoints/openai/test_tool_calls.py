@@ -102,8 +102,43 @@ def test_bad_tool_requests_are_400(server) -> None:
             "tool_choice",
         ),
     ]
+    bad_call = {"id": "call_1", "type": "function", "function": {"arguments": "{}"}}  # no name
+    cases += [
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [bad_call]}]}, "messages.1.tool_calls"),
+        ({"messages": [*ASK, {"role": "tool", "content": "21 C"}]}, "messages.1"),  # answers no call
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools.1.function.name"),
+    ]
     for override, param in cases:
         assert_error(server.post("/v1/chat/completions", json={**body, **override}), 400, param)
+    assert server.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_tools_whose_parameters_refer_to_their_definitions(client) -> None:
+    """pydantic (through the openai client's pydantic_function_tool, LangChain) writes nested models as
+    $defs the parameters refer to: `required` moves each tool's under the call list's own $defs."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class When(BaseModel):
+        day: int = Field(ge=1, le=31)
+        month: int = Field(ge=1, le=12)
+
+    class Booking(BaseModel):
+        when: When
+        guests: int = Field(ge=1, le=9)
+
+    tool = openai.pydantic_function_tool(Booking)
+    assert "$defs" in tool["function"]["parameters"]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "Booking"}}):
+        answer = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Book a table for 2 on May 3."}],
+            tools=[tool, WEATHER], tool_choice=tool_choice, max_tokens=80, temperature=0,
+        )  # fmt: skip
+        calls = answer.choices[0].message.tool_calls
+        assert calls and answer.choices[0].finish_reason == "tool_calls"
+        for call in calls:
+            if call.function.name == "Booking":
+                Booking.model_validate_json(call.function.arguments)
 
 
 def test_auto_tool_choice_with_the_hermes_parser(tmp_path) -> None:
@@ -202,3 +237,14 @@ def test_streamed_deltas_add_up(mode, parser, text, content, calls) -> None:
     """Fed a character at a time: the content deltas and the calls' fragments add up to the answer."""
     choice = {"type": "function", "function": {"name": "f"}} if mode == "named" else mode
     assert _replay(ToolStream(mode, choice, parser, True), text) == (content, calls)
+
+
+def test_a_required_list_cut_by_max_tokens_gives_its_complete_calls_streamed_or_not() -> None:
+    from tokenmill.entrypoints.openai.tool_calls import ToolCall, calls_from_constrained
+
+    cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}, {"name": "a", "param'
+    expected = [ToolCall("a", '{"x": 1}'), ToolCall("b", "{}")]
+    assert calls_from_constrained(cut, "required") == expected
+    _, streamed = _replay(ToolStream("required", "required", None, True), cut)
+    assert streamed == {i: (c.name, json.loads(c.arguments)) for i, c in enumerate(expected)}
+    assert calls_from_constrained(cut[:20], "required") == []

@@ -174,6 +174,25 @@ class ChatMessage(OpenAIModel):
                     )
         return content
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_name_functions(cls, calls: list[dict] | None) -> list[dict] | None:
+        """An assistant's calls as OpenAI writes them: {"id", "type": "function", "function": {"name",
+        "arguments"}}; the chat template reads each one's function name and arguments."""
+        for index, call in enumerate(calls or []):
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"tool_calls.{index}.function must be an object with the function's name")
+            if not isinstance(function.get("arguments"), str | dict):
+                raise ValueError(f"tool_calls.{index}.function.arguments must be the arguments' JSON text")
+        return calls
+
+    @model_validator(mode="after")
+    def _tool_results_name_their_call(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message of role 'tool' needs the tool_call_id of the call it answers")
+        return self
+
     def template_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):

@@ -36,12 +36,16 @@ class ToolCall(NamedTuple):
 
 def check_tools(tools: list | None, tool_choice: str | dict | None) -> None:
     """The request's tools and tool_choice are well formed and agree; ParamError naming the field."""
+    names: set[str] = set()
     for index, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise ParamError(f"tools.{index}", "each tool must be {'type': 'function', 'function': {...}}")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise ParamError(f"tools.{index}.function.name", "a tool's function needs a name")
+        if function["name"] in names:
+            raise ParamError(f"tools.{index}.function.name", f"two tools are named {function['name']!r}")
+        names.add(function["name"])
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict):
             raise ParamError(
@@ -85,27 +89,72 @@ def tool_constraint(
         return StructuredOutputsParams(json=_parameters(tool))
     if tool_choice != "required":
         return None
+    # Each tool's parameters as a definition of the list's schema, its own references ("#/$defs/...",
+    # as pydantic writes nested models) moved under it: embedded as they are, they would point at the
+    # list's root.
+    definitions = {
+        f"tool_{i}": _moved_under(_parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)
+    }
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": {"$ref": f"#/$defs/tool_{i}"},
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
-    calls_list = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    calls_list = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": definitions}
     if not parallel:
         calls_list["maxItems"] = 1
     return StructuredOutputsParams(json=calls_list)
 
 
+def _moved_under(schema: object, pointer: str) -> object:
+    """schema with its local references ("#", "#/...") pointing into where it now sits, at `pointer`."""
+    if isinstance(schema, list):
+        return [_moved_under(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _moved_under(value, pointer) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = pointer + ref[1:]
+    return out
+
+
 def calls_from_constrained(text: str, tool_choice: str | dict) -> list[ToolCall]:
-    """What a grammar-enforced output means: the named function's arguments, or `required`'s list."""
+    """What a grammar-enforced output means: the named function's arguments, or the calls of
+    `required`'s list that are complete (all of them, unless max_tokens cut the list: then those before
+    the cut, as a stream sends them)."""
     name = named_choice(tool_choice)
     if name is not None:
         return [ToolCall(name, text)]
-    return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in json.loads(text)]
+    return complete_calls(text, 0)[0]
+
+
+def complete_calls(text: str, position: int) -> tuple[list[ToolCall], int]:
+    """The calls of `required`'s list ([{"name": ..., "parameters": {...}}, ...]) complete in text from
+    position on, and where the last of them ends (position if none)."""
+    if "[" not in text:
+        return [], position
+    position = max(position, text.find("[") + 1)
+    decoder = json.JSONDecoder()
+    calls = []
+    while True:
+        start = position
+        while start < len(text) and text[start] in " \n\t\r,":
+            start += 1
+        try:
+            item, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            return calls, position  # not complete yet (or the list's end)
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}))))
+        position = end
 
 
 # ---- parsers for tool_choice auto ------------------------------------------------------------
@@ -277,24 +326,8 @@ class ToolStream:
         return out
 
     def _required(self, text: str) -> list[dict]:
-        out = []
-        decoder = json.JSONDecoder()
-        position = max(self.sent, text.find("[") + 1) if "[" in text else len(text)
-        while position < len(text):
-            while position < len(text) and text[position] in " \n\t\r,":
-                position += 1
-            try:
-                item, end = decoder.raw_decode(text, position)
-            except json.JSONDecodeError:
-                break  # not complete yet
-            if (
-                isinstance(item, dict)
-                and isinstance(item.get("name"), str)
-                and (self.parallel or not self.calls)
-            ):
-                out.append(self._call(item["name"], json.dumps(item.get("parameters", {}))))
-            position = self.sent = end
-        return out
+        calls, self.sent = complete_calls(text, self.sent)
+        return [self._call(c.name, c.arguments) for c in calls if self.parallel or not self.calls]
 
     def _auto(self, text: str, final: bool) -> list[dict]:
         out = []
