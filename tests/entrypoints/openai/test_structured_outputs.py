@@ -10,6 +10,7 @@ import re
 import jsonschema
 import pytest
 
+from tests.entrypoints.openai.test_api_server import assert_error
 from tests.schemas import Book
 
 MESSAGES = [{"role": "user", "content": "Describe a book as JSON."}]
@@ -110,3 +111,14 @@ def test_logprobs_under_a_grammar_are_numbers(client) -> None:
     logprobs = completion.choices[0].logprobs
     assert all(v >= -9999.0 for top in logprobs.top_logprobs for v in top.values())
     assert all(v >= -9999.0 for v in logprobs.token_logprobs)
+
+
+def test_completions_take_response_format(client, server) -> None:
+    """As vLLM's completions do: OpenAI's response_format on /v1/completions, checked as on chat."""
+    completion = client.completions.create(
+        model="default", prompt="A book as JSON:", max_tokens=120, temperature=0,
+        extra_body={"response_format": response_format(BOOK)},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(completion.choices[0].text), BOOK)
+    body = {"model": "default", "prompt": "x", "max_tokens": 2, "response_format": {"type": "bogus"}}
+    assert_error(server.post("/v1/completions", json=body), 400, "response_format")

@@ -63,7 +63,9 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Structured outputs, as vLLM takes them: one object, or the older guided_* fields.
+    # Structured outputs: OpenAI's response_format; as vLLM takes them, one object or the older guided_*
+    # fields.
+    response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -71,8 +73,27 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
 
     def constraints(self) -> list[tuple[str, dict]]:
-        """(request field, StructuredOutputsParams fields) for every constraint the request gives."""
+        """(request field, StructuredOutputsParams fields) for every constraint the request gives: OpenAI's
+        response_format (json_object, or json_schema with its schema; completions take it too, as vLLM's
+        do) beside vLLM's fields."""
         found = []
+        response_format = self.response_format
+        kind = response_format.get("type", "text") if response_format is not None else "text"
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ParamError(
+                    "response_format", "response_format json_schema needs json_schema.schema, an object"
+                )
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise ParamError(
+                "response_format",
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            )
         if self.structured_outputs is not None:
             found.append(("structured_outputs", dict(self.structured_outputs)))
         for kind in ("json", "regex", "choice", "grammar"):
@@ -214,7 +235,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
@@ -239,30 +259,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice in (None, "auto"):
             return "auto"
         return "required" if self.tool_choice == "required" else "named"
-
-    def constraints(self) -> list[tuple[str, dict]]:
-        """OpenAI's response_format (json_object, or json_schema with its schema) beside vLLM's fields."""
-        found = super().constraints()
-        response_format = self.response_format
-        if response_format is None:
-            return found
-        kind = response_format.get("type", "text")
-        if kind == "json_object":
-            found.insert(0, ("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise ParamError(
-                    "response_format", "response_format json_schema needs json_schema.schema, an object"
-                )
-            found.insert(0, ("response_format", {"json": schema}))
-        elif kind != "text":
-            raise ParamError(
-                "response_format",
-                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-            )
-        return found
 
     @property
     def requested_max_tokens(self) -> int | None:
