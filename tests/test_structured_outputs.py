@@ -574,3 +574,56 @@ def test_composed_schemas_are_closed_as_one_object(schema, accepted, refused) ->
 
     assert all(complete(text) for text in accepted)
     assert not any(complete(text) for text in refused)
+
+
+def test_a_grammar_after_thinking_leaves_the_thinking_free(monkeypatch) -> None:
+    """StructuredOutputsParams.reasoning: while the model thinks its rows allow everything and its tokens
+    are not the grammar's; from the token that ends the thinking on, the rows are the grammar's as if
+    nothing came before. deepseek_r1 starts inside the thinking; under qwen3 the first token may open it
+    (its row: the grammar's and the opening tag). Tokens reach the gates as pending (consume) or from the
+    step in flight (claimed)."""
+    from dataclasses import replace
+
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import AfterThinking, StructuredOutputs
+
+    source = resolve_model("default")
+    tokenizer = source.load_tokenizer()
+    (start,), (end,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("<", ">"))  # stand-ins
+    (one,), (letter,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("1", "a"))
+    monkeypatch.setattr(StructuredOutputs, "thinking_tags", lambda self: (start, end))
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=2, max_families=1)
+    params = StructuredOutputsParams(regex="[0-9]{3}")
+
+    def row(matcher, tokens=(), claimed=()) -> np.ndarray:
+        fill = structured.bitmask_fill(
+            [matcher], consume=[(matcher, t) for t in tokens],
+            claimed=(lambda: list(claimed), [(matcher, 0)]) if claimed else None,
+        )  # fmt: skip
+        return fill()[0].copy()
+
+    def allowed(mask_row: np.ndarray, token: int) -> bool:
+        return bool((mask_row.view(np.uint32)[token >> 5] >> np.uint32(token & 31)) & 1)
+
+    plain = structured.matcher(params)[0]
+    fresh = row(plain)
+    thinker = structured.matcher(replace(params, reasoning="deepseek_r1"))[0]
+    assert isinstance(thinker, AfterThinking) and thinker.thinking
+    assert (row(thinker) == -1).all()
+    assert (row(thinker, [letter, start]) == -1).all() and not thinker.is_stopped()  # still thinking
+    assert (row(thinker, claimed=[end]) == fresh).all() and not thinker.thinking
+    after_one = row(plain, [one])
+    assert (row(thinker, [one]) == after_one).all()
+    assert (row(thinker, [one, one]) == row(plain, [one, one])).all()
+    assert thinker.is_stopped() == plain.is_stopped()
+
+    qwen3 = structured.matcher(replace(params, reasoning="qwen3"))[0]
+    first = row(qwen3)
+    assert allowed(first, start) and not allowed(fresh, start)
+    first.view(np.uint32)[start >> 5] &= ~np.uint32(1 << (start & 31))
+    assert (first == fresh).all()
+    assert (row(qwen3, [start]) == -1).all() and (row(qwen3, [letter, end]) == fresh).all()
+    answering = structured.matcher(replace(params, reasoning="qwen3"))[0]
+    assert (row(answering, claimed=[one]) == after_one).all() and not allowed(after_one, start)
+    monkeypatch.setattr(StructuredOutputs, "thinking_tags", lambda self: None)  # a model that does not think
+    assert not isinstance(structured.matcher(replace(params, reasoning="qwen3"))[0], AfterThinking)

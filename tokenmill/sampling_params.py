@@ -11,13 +11,17 @@ _GREEDY_EPS = 1e-5
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of a JSON
     schema (`json`, a dict or its text), any JSON object (`json_object`), a regular expression (`regex`),
-    one of a list of strings (`choice`) or a Lark grammar as llguidance reads it (`grammar`)."""
+    one of a list of strings (`choice`) or a Lark grammar as llguidance reads it (`grammar`). `reasoning`
+    (a reasoning parser's name, deepseek_r1 or qwen3; the OpenAI server sets it from --reasoning-parser):
+    the model's thinking (`<think>...</think>`, as that parser reads it) goes free, the constraint applies
+    to the answer after it, as vLLM's structured outputs with a reasoning parser do."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -41,6 +45,11 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs {name} must be a non-empty string, got {value!r}.")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs json must be a JSON schema (an object), got {self.json!r}.")
+        if self.reasoning not in (None, "deepseek_r1", "qwen3"):
+            raise ValueError(
+                "structured_outputs reasoning must be 'deepseek_r1' or 'qwen3' (or None), "
+                f"got {self.reasoning!r}."
+            )
 
     @property
     def kind(self) -> str:

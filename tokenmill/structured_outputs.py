@@ -198,6 +198,35 @@ def _key(params: StructuredOutputsParams) -> str:
     return params.kind + "\0" + (value if isinstance(value, str) else json.dumps(value))
 
 
+class AfterThinking:
+    """A request's grammar held back while its model thinks (StructuredOutputsParams.reasoning): the
+    thinking's tokens go free and are not the grammar's; the answer after `</think>` is. Under deepseek_r1
+    the prompt opens the thinking, so the output starts inside it; under qwen3 the model opens it with its
+    first token or not at all (that token's mask: the grammar's, and `<think>`). Takes a matcher's place
+    for the engine (consume_token, is_stopped); bitmask_fill fills its row."""
+
+    __slots__ = ("matcher", "start", "end", "thinking", "first")
+
+    def __init__(self, matcher, start: int, end: int, inside: bool) -> None:
+        self.matcher, self.start, self.end = matcher, start, end
+        self.thinking = inside
+        self.first = not inside  # the first token may open the thinking
+
+    def consume_token(self, token: int) -> bool:
+        if self.first:
+            self.first = False
+            if token == self.start:
+                self.thinking = True
+                return True
+        if self.thinking:
+            self.thinking = token != self.end
+            return True
+        return self.matcher.consume_token(token)
+
+    def is_stopped(self) -> bool:
+        return not self.thinking and self.matcher.is_stopped()
+
+
 class _Families:
     """The compiled matchers (never advanced) of one constraint, and how many live requests hold a copy
     of each."""
@@ -241,6 +270,7 @@ class StructuredOutputs:
             source = "TOKENMILL_MASK_LANES" if lanes is None else "lanes"
             raise ValueError(f"{source} must be '', 'lanes' or 'pin', got {self.lanes!r}.")
         self._ll_tokenizer = None
+        self._thinking_tags: tuple[int, ...] | None = None
         self._executor = None
         self._lanes: MaskLanes | None = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
@@ -320,7 +350,20 @@ class StructuredOutputs:
             self.num_compiled += 1
             self._evict()
         families.live[turn] += 1
-        return families.roots[turn].deep_copy(), families.ids[turn]
+        matcher = families.roots[turn].deep_copy()
+        tags = self.thinking_tags() if params.reasoning is not None else None
+        if tags is not None:
+            matcher = AfterThinking(matcher, *tags, inside=params.reasoning == "deepseek_r1")
+        return matcher, families.ids[turn]
+
+    def thinking_tags(self) -> tuple[int, int] | None:
+        """The ids of `<think>` and `</think>` where the tokenizer has each as one token, else None (a
+        model that does not think: its constraint applies from the first token)."""
+        if self._thinking_tags is None:
+            tokenizer = self.load_tokenizer()
+            ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in ("<think>", "</think>")]
+            self._thinking_tags = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else ()
+        return self._thinking_tags or None
 
     def release(self, family_id: int) -> None:
         """A request holding a copy from this family ended (a family evicted since: nothing to do)."""
@@ -359,10 +402,13 @@ class StructuredOutputs:
             else sorted(range(len(matchers)), key=families.__getitem__)
         )
         work = []
+        gated = []  # (AfterThinking, row): filled once their tokens tell whether the model still thinks
         for row in order:
             matcher = matchers[row]
             if matcher is None:
                 mask[row] = -1
+            elif isinstance(matcher, AfterThinking):
+                gated.append((matcher, row))
             else:
                 work.append((matcher, row))
         lanes, by_lane = self._lanes, None
@@ -372,6 +418,14 @@ class StructuredOutputs:
             for matcher, row in work:
                 by_lane[(row if families is None else families[row]) % lanes.threads].append((matcher, row))
         executor = self._executor
+        consume_gated: list[tuple[Any, int]] = []
+        claimed_gated: list[tuple[Any, int]] = []
+        if gated:  # their tokens go through the gates, in order, one at a time
+            consume_gated = [(m, t) for m, t in consume or [] if isinstance(m, AfterThinking)]
+            consume = [(m, t) for m, t in consume or [] if not isinstance(m, AfterThinking)]
+            if claimed:
+                claimed_gated = [(m, r) for m, r in claimed[1] if isinstance(m, AfterThinking)]
+                claimed = (claimed[0], [(m, r) for m, r in claimed[1] if not isinstance(m, AfterThinking)])
         # llguidance's parallel consume refuses a matcher named twice; a matcher holds at most one token
         # between fills, but several would go one at a time rather than fail the step.
         serial = bool(consume) and len({id(matcher) for matcher, _ in consume}) < len(consume)
@@ -385,18 +439,38 @@ class StructuredOutputs:
                     matcher.consume_token(token)
             elif consume:
                 executor.consume_token_par(consume)
+            for gate, token in consume_gated:
+                gate.consume_token(token)
             if claimed:
                 tokens_of, rows = claimed
                 tokens = tokens_of()
-                executor.consume_token_par([(matcher, tokens[row]) for matcher, row in rows])
+                if rows:
+                    executor.consume_token_par([(matcher, tokens[row]) for matcher, row in rows])
+                for gate, row in claimed_gated:
+                    gate.consume_token(tokens[row])
             consumed()
             if by_lane is not None:
                 lanes.fill(by_lane, mask.ctypes.data, self.words * 4, len(matchers))
             elif work:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
+            if gated:
+                self._fill_gated(gated, mask)
             return mask
 
         return fill
+
+    def _fill_gated(self, gated: list[tuple[AfterThinking, int]], mask: np.ndarray) -> None:
+        """AfterThinking rows: everything while the model thinks, else the grammar's (and `<think>` too
+        where the first token may open the thinking)."""
+        answering = [(gate.matcher, row) for gate, row in gated if not gate.thinking]
+        if answering:
+            self._executor.unsafe_compute_mask_ptr(answering, mask.ctypes.data, self.words * 4, len(mask))
+        words = mask.view(np.uint32)
+        for gate, row in gated:
+            if gate.thinking:
+                mask[row] = -1
+            elif gate.first:
+                words[row, gate.start >> 5] |= np.uint32(1 << (gate.start & 31))
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:

@@ -58,3 +58,70 @@ def test_server_routes_the_thinking(tmp_path) -> None:
         assert streamed == message.model_extra["reasoning_content"]
     finally:
         process.stop()
+
+
+def thinking_model(path) -> str:
+    """A small random Llama whose tokenizer (SmolLM2's) has `<think>` and `</think>` as tokens of their
+    own (ids 49152 and 49153), as Qwen3's and DeepSeek-R1's have."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tokenmill.loader import resolve_model
+
+    tokenizer = resolve_model("default").load_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    assert tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) == [49152, 49153]
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=49154, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def test_constraints_apply_to_the_answer_after_the_thinking(tmp_path) -> None:
+    """Under a reasoning parser a constraint leaves the thinking free and constrains the answer after
+    `</think>` (as vLLM's do): the answer is the schema's, in content, not in reasoning_content. The
+    random model ends its thinking at once here (a logit bias on `</think>`, which the grammar then
+    forbids); without it, it never does, and all of its answer is thinking."""
+    import json
+
+    import jsonschema
+
+    model = thinking_model(tmp_path / "model")
+    args = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128"]
+    process = ServerProcess([*args, "--reasoning-parser", "deepseek_r1"], tmp_path / "r.log")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    think_once = {"49153": 100}
+    try:
+        client = process.wait_ready().client()
+        ask = dict(model=model, messages=[{"role": "user", "content": "Ok?"}], max_tokens=24, temperature=0)
+        answer = client.chat.completions.create(
+            **ask, logit_bias=think_once,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        ).choices[0]  # fmt: skip
+        jsonschema.validate(json.loads(answer.message.content), schema)
+        assert answer.finish_reason == "stop" and not answer.message.model_extra.get("reasoning_content")
+        stream = client.chat.completions.create(
+            **ask, logit_bias=think_once, stream=True, extra_body={"guided_choice": ["yes", "no"]}
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no")
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        called = client.chat.completions.create(
+            **ask,
+            logit_bias=think_once,
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        ).choices[0]
+        (call,) = called.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        free = client.chat.completions.create(
+            **{**ask, "max_tokens": 8}, extra_body={"guided_choice": ["yes"]}
+        )
+        assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content
+        assert free.choices[0].message.model_extra["reasoning_content"]
+    finally:
+        process.stop()

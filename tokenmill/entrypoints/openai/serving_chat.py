@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -150,6 +151,11 @@ class ChatServing:
         if mode in ("required", "named"):
             params.structured_outputs = tool_constraint(
                 request.tools, request.tool_choice, request.parallel_tool_calls
+            )
+        if state.reasoning_parser and params.structured_outputs is not None:
+            # The constraint is the answer's: the thinking before it goes free.
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, reasoning=state.reasoning_parser
             )
         await check_constraint(state, request, params)
         tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)

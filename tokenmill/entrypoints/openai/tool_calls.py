@@ -132,7 +132,7 @@ def calls_from_constrained(text: str, tool_choice: str | dict) -> list[ToolCall]
     the cut, as a stream sends them)."""
     name = named_choice(tool_choice)
     if name is not None:
-        return [ToolCall(name, text)]
+        return [ToolCall(name, text)] if text.strip() else []  # nothing written: cut before the call
     return complete_calls(text, 0)[0]
 
 
