@@ -23,9 +23,19 @@ CONFIGS = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+# Shapes for one test each: rows not a multiple of 8 (an MLP 100 wide; one KV head of 20 dims).
+AWKWARD_CONFIGS = {
+    "qwen3-ragged": transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=20, vocab_size=256, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
 def random_model(arch: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    config = CONFIGS.get(arch) or AWKWARD_CONFIGS[arch]
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def load(path, **options) -> LLM:

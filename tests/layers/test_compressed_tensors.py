@@ -5,11 +5,12 @@ tokenmill and compared with the library's own fake-quantized forward: the same s
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import LinearBase
 
 from .quant_models import CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
@@ -43,6 +44,7 @@ SCHEMES = {
         None,
     ),
     "int4-channel": ("pack-quantized", dict(INT4, strategy="channel", symmetric=True), None),
+    "int4-channel-zero-points": ("pack-quantized", dict(INT4, strategy="channel", symmetric=False), None),
 }
 
 
@@ -119,6 +121,27 @@ def test_logprobs_match_the_librarys_fake_quantized_forward(arch: str, scheme: s
     stored_as = {"float-quantized": "weight", "pack-quantized": "weight_packed"}[SCHEMES[scheme][0]]
     assert linears and all(getattr(m, stored_as).dtype in (torch.float8_e4m3fn, torch.int32) for m in linears)
     prompt_logprobs_match(llm, logits)
+
+
+def test_zero_points_of_rows_not_a_multiple_of_eight(tmp_path) -> None:
+    """Zero points are packed eight output rows a word; where a layer's rows are not a multiple of 8 (an
+    MLP 100 wide, KV heads 20 wide) the last word's padding is not a row of the layer."""
+    logits = make_checkpoint("qwen3-ragged", "int4-channel-zero-points", tmp_path)
+    prompt_logprobs_match(load(tmp_path), logits)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel-dynamic", "int4-group-zero-points"])
+def test_dummy_weights_in_a_checkpoints_quantized_layout(scheme: str, tmp_path) -> None:
+    """load_format dummy on a quantized checkpoint's config: random weights in its layout (as a benchmark
+    of a quantized shape runs), finite log-probabilities."""
+    make_checkpoint("llama", scheme, tmp_path)
+    llm = load(tmp_path, load_format="dummy")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert any(p.dtype in (torch.float8_e4m3fn, torch.int32) for m in linears for p in m.parameters())
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert all(math.isfinite(entry[t].logprob) for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:]))
 
 
 def test_unsupported_schemes_name_the_field(tmp_path) -> None:

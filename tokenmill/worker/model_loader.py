@@ -81,10 +81,31 @@ def kv_cache_dtype(
 
 
 def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Random weights of the model's shapes, also in a quantized checkpoint's layout (its config's
+    `quantization_config` with load_format dummy): norms 1, 16- and 32-bit weights N(0, 0.02), FP8
+    weights N(0, 1) in e4m3 beside scales that bring them to about 0.02, 4-bit weights and zero points
+    random nibbles beside scales of 0.004. What records a shape or an order (weight_shape,
+    g_idx) keeps what the layer built it with."""
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
+            elif "scale" in name.rsplit(".", 1)[-1] or name.endswith(".scales"):
+                param.fill_(0.004 if _packs_int4(model, name) else 0.02)
+            elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                param.copy_(values.normal_(0.0, 1.0, generator=generator).to(param.dtype))
+            elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=generator)
+            elif param.dtype == torch.int8:  # zero points kept unpacked, one nibble each
+                param.random_(0, 16, generator=generator)
+            elif param.dim() == 2:  # packed int4 words: every bit pattern is eight valid nibbles
+                info = torch.iinfo(param.dtype)
+                param.random_(info.min, info.max, generator=generator)
+
+
+def _packs_int4(model: nn.Module, name: str) -> bool:
+    """Whether the parameter's module holds its weight as packed 4-bit words."""
+    module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return any(p.dim() == 2 and not p.is_floating_point() for p in module.parameters(recurse=False))

@@ -59,7 +59,11 @@ class Int4W4A16LinearMethod(LinearMethodBase):
             # Kept unpacked ([N, groups] int8): the checkpoint packs it along N, and unpacked its rows
             # line up with the weight's for the fused layers' loaders.
             def load_zero(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+                # Packed eight rows a word, the last word padded where the rows are not a multiple of 8.
                 unpacked = unpack_int4(loaded.t().contiguous(), loaded.shape[0] * PACK).t()
+                rows_stored = _checkpoint_rows(layer, shard_id, output_size)
+                if unpacked.shape[0] - PACK < rows_stored <= unpacked.shape[0]:
+                    unpacked = unpacked[:rows_stored]
                 weight_loader(param, unpacked.contiguous(), shard_id)
 
             zero = _param(
@@ -124,6 +128,17 @@ def int4_gemv_takes(x: torch.Tensor, group_size: int) -> bool:
         return False
     takes = triton_kernel("skinny_gemm", "packed_kernel_takes")
     return takes is not None and takes(x.dtype, x.numel() // x.shape[-1])
+
+
+def _checkpoint_rows(layer: nn.Module, shard_id: ShardId, output_size: int) -> int:
+    """How many output rows the checkpoint's tensor for this layer (or this part of a fused one) has."""
+    if hasattr(layer, "total_num_kv_heads"):  # QKV: the checkpoint's heads, before any replication
+        kv = layer.total_num_kv_heads * layer.head_size
+        sizes = {"q": layer.total_num_heads * layer.head_size, "k": kv, "v": kv}
+        return sizes[shard_id] if shard_id is not None else sum(sizes.values())
+    if shard_id is not None:
+        return layer.output_sizes[shard_id]
+    return output_size
 
 
 def _param(
