@@ -23,11 +23,16 @@ CONFIGS = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-# Shapes for one test each: rows not a multiple of 8 (an MLP 100 wide; one KV head of 20 dims).
+# Shapes for one test each: rows not a multiple of 8 (an MLP 100 wide; one KV head of 20 dims); a head
+# tied to the embedding.
 AWKWARD_CONFIGS = {
     "qwen3-ragged": transformers.Qwen3Config(
         hidden_size=64, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=20, vocab_size=256, tie_word_embeddings=False,
+    ),
+    "llama-tied": transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
     ),
 }  # fmt: skip
 

@@ -48,9 +48,11 @@ SCHEMES = {
 }
 
 
-def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) -> torch.Tensor:
-    """Quantize a random model with compressed-tensors, save it compressed; return the library's
-    fake-quantized logits for PROMPT."""
+def make_checkpoint(
+    arch: str, scheme: str, path, ignore: tuple[str, ...] = (), head: bool = False
+) -> torch.Tensor:
+    """Quantize a random model with compressed-tensors (head: its LM head too), save it compressed;
+    return the library's fake-quantized logits for PROMPT."""
     model = random_model(arch)
     fmt, weight_args, activations = SCHEMES[scheme]
     input_args = None
@@ -64,7 +66,7 @@ def make_checkpoint(arch: str, scheme: str, path, ignore: tuple[str, ...] = ()) 
         config_groups={
             "group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_args)
         },
-        ignore=["lm_head", *ignore],
+        ignore=[*([] if head else ["lm_head"]), *ignore],
         quantization_status=QuantizationStatus.INITIALIZED,
         format=fmt,
     )
@@ -144,6 +146,25 @@ def test_dummy_weights_in_a_checkpoints_quantized_layout(scheme: str, tmp_path) 
     assert all(math.isfinite(entry[t].logprob) for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:]))
 
 
+def test_a_quantized_head_tied_to_the_embedding_is_said_and_runs_as_the_embedding(tmp_path, caplog) -> None:
+    make_checkpoint("llama-tied", "fp8-channel-dynamic", tmp_path, head=True)
+    assert any(name.startswith("lm_head.") for name in safetensors_names(tmp_path))
+    llm = load(tmp_path)
+    assert "quantized lm_head (lm_head.weight" in caplog.text
+    model = llm.engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def safetensors_names(path) -> list[str]:
+    from safetensors import safe_open
+
+    names = []
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, "pt") as stored:
+            names += list(stored.keys())
+    return names
+
+
 def test_unsupported_schemes_name_the_field(tmp_path) -> None:
     make_checkpoint("llama", "fp8-channel-dynamic", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -174,6 +195,12 @@ def test_ignored_layers_stay_unquantized(tmp_path) -> None:
     assert dtypes.pop("model.layers.0.self_attn.qkv_proj") == torch.float32
     assert set(dtypes.values()) == {torch.float8_e4m3fn}
     prompt_logprobs_match(llm, logits)
+
+
+def test_an_ignore_list_naming_some_parts_of_a_fused_layer_names_the_field(tmp_path) -> None:
+    make_checkpoint("llama", "fp8-channel-dynamic", tmp_path, ("re:.*layers.0.mlp.gate_proj",))
+    with pytest.raises(ValueError, match=r"quantization_config.ignore leaves .*gate_proj.* not .*up_proj"):
+        load(tmp_path)
 
 
 @pytest.mark.gpu

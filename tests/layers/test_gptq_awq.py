@@ -18,13 +18,14 @@ from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 from .quant_models import ARCHITECTURES, CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
 
 
-def make_checkpoint(arch: str, method: str, group: int, path) -> torch.Tensor:
-    """Quantize a random model's linears (round-to-nearest, asymmetric groups), save the GPTQ or AWQ
-    tensors; returns the logits of the model with the dequantized weights."""
+def make_checkpoint(arch: str, method: str, group: int, path, skip: tuple[str, ...] = ()) -> torch.Tensor:
+    """Quantize a random model's linears (round-to-nearest, asymmetric groups; not those named in
+    `skip`, listed in modules_to_not_convert), save the GPTQ or AWQ tensors; returns the logits of the
+    model with the dequantized weights."""
     model = random_model(arch)
     tensors = {}
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head" or name in skip:
             continue
         w = module.weight.data  # [N, K]
         n, k = w.shape
@@ -55,6 +56,8 @@ def make_checkpoint(arch: str, method: str, group: int, path) -> torch.Tensor:
     quantization.update(
         {"desc_act": False, "sym": False} if method == "gptq" else {"zero_point": True, "version": "gemm"}
     )
+    if skip:
+        quantization["modules_to_not_convert"] = list(skip)
     config["quantization_config"] = quantization
     config["architectures"] = [ARCHITECTURES[arch]]
     (path / "config.json").write_text(json.dumps(config))
@@ -85,4 +88,22 @@ def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tm
     config["quantization_config"].update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_modules_to_not_convert_naming_a_fused_layers_parts(method: str, tmp_path) -> None:
+    """modules_to_not_convert names the checkpoint's modules: layer 0's q, k and v projections, which
+    tokenmill fuses into one qkv_proj, stay unquantized together; only some of them is a ValueError."""
+    attention = "model.layers.0.self_attn."
+    logits = make_checkpoint(
+        "llama", method, 32, tmp_path, skip=tuple(attention + p for p in ("q_proj", "k_proj", "v_proj"))
+    )
+    llm = load(tmp_path)
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    prompt_logprobs_match(llm, logits)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = [attention + "q_proj"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="modules_to_not_convert leaves"):
         load(tmp_path)

@@ -6,6 +6,7 @@ mixture-of-experts members swap the MLP for layers/fused_moe.py: Mixtral (every 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from tokenmill.models.utils import load_model_weights
 
 if TYPE_CHECKING:
     from tokenmill.models.eagle import FeatureSink
+
+logger = logging.getLogger(__name__)
 
 
 class ArchFlags:
@@ -221,9 +224,14 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
         without_head = self.lm_head is None or self.flags.tie_word_embeddings
-        skip = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if without_head else [])
+        # With the head tied to the embedding, every lm_head tensor is left out: a quantized head's too
+        # (its scales, packed words), said once below.
+        skip = ["rotary_emb.inv_freq"] + (["lm_head."] if without_head else [])
+        head_tensors: list[str] = []
         # A bare model's checkpoint (Qwen3Model, ...) names its tensors without the "model." prefix.
         named = ((_with_model_prefix(name), tensor) for name, tensor in weights)
+        if self.lm_head is not None and self.flags.tie_word_embeddings:
+            named = _noting_head(named, head_tensors)
         if self.flags.mixtral:
             named = ((_mixtral_name(name), tensor) for name, tensor in named)
         mapping = expert_params_mapping(self.flags.num_experts) + self.stacked_params_mapping
@@ -231,6 +239,20 @@ class LlamaForCausalLM(nn.Module):
         load_model_weights(self, kv_scales_aside(named, kv_scales), mapping, skip_substrs=skip)
         for index, scales in kv_scales.items():
             self.model.layers[index].self_attn.attn.stored_kv_scales = scales
+        quantized_head = [name for name in head_tensors if name != "lm_head.weight"]
+        if quantized_head:
+            logger.warning(
+                "the checkpoint stores a quantized lm_head (%s) but config.json ties the head to the "
+                "embedding (tie_word_embeddings): the head runs as the embedding, unquantized",
+                ", ".join(quantized_head[:4]),
+            )
+
+
+def _noting_head(named: Iterable[tuple[str, torch.Tensor]], seen: list[str]):
+    for name, tensor in named:
+        if name.startswith("lm_head."):
+            seen.append(name)
+        yield name, tensor
 
 
 _MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -13,7 +13,7 @@ needs no requantization. A static input scale of a fused layer is the largest of
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -114,11 +114,28 @@ class CompressedTensorsConfig:
         """Whether the layer named `prefix` stays unquantized: an exact name or a `re:` pattern of the
         ignore list (matched from the start of the name), checked against the checkpoint's names of a
         fused layer's parts."""
-        names = _checkpoint_names(prefix)
-        return any(
-            any(re.match(entry[3:], n) for n in names) if entry.startswith("re:") else entry in names
-            for entry in self.ignore
+        return ignored_layer(prefix, self._listed, "quantization_config.ignore")
+
+    def _listed(self, name: str) -> bool:
+        return any(re.match(e[3:], name) if e.startswith("re:") else e == name for e in self.ignore)
+
+
+def ignored_layer(prefix: str, listed: Callable[[str], bool], field: str) -> bool:
+    """Whether the layer named `prefix` stays unquantized, by whether the checkpoint's names of it are
+    `listed` (a fused layer's: each of its parts', which must agree; a ValueError naming `field` where
+    only some parts are listed: one fused layer here, quantized or not as a whole)."""
+    names = _checkpoint_names(prefix)
+    hits = [listed(name) for name in names]
+    if all(hits):
+        return True
+    if any(hits):
+        some = [name for name, hit in zip(names, hits) if hit]
+        rest = [name for name, hit in zip(names, hits) if not hit]
+        raise ValueError(
+            f"{field} leaves {some} unquantized but not {rest}: tokenmill runs them as one fused layer "
+            f"({prefix}), quantized or not as a whole; list all of its parts or none."
         )
+    return False
 
 
 def _checkpoint_names(prefix: str) -> list[str]:
