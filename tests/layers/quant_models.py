@@ -20,7 +20,10 @@ CONFIGS = {
         num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
     ),
 }  # fmt: skip
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3-ragged": "Qwen3ForCausalLM", "llama-tied": "LlamaForCausalLM",
+}  # fmt: skip
 
 
 # Shapes for one test each: rows not a multiple of 8 (an MLP 100 wide; one KV head of 20 dims); a head
@@ -37,10 +40,13 @@ AWKWARD_CONFIGS = {
 }  # fmt: skip
 
 
+def model_config(arch: str) -> transformers.PretrainedConfig:
+    return CONFIGS.get(arch) or AWKWARD_CONFIGS[arch]
+
+
 def random_model(arch: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = CONFIGS.get(arch) or AWKWARD_CONFIGS[arch]
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_config(model_config(arch), dtype=torch.float32).eval()
 
 
 def load(path, **options) -> LLM:

@@ -165,6 +165,42 @@ def safetensors_names(path) -> list[str]:
     return names
 
 
+def test_a_group_index_of_older_gptq_runs(tmp_path) -> None:
+    """actorder "group" (llm-compressor's GPTQ before compressed-tensors 0.20 dropped it): each input
+    column's group in weight_g_idx. The library's checkpoint is rewritten with its columns' groups in an
+    order of their own (one order for the layers that read the same input), the reference being the
+    same model holding those dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.kernels.quant_reference import pack_int4, unpack_int4
+
+    make_checkpoint("llama", "int4-group-symmetric", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    model = random_model("llama")
+    for name, module in model.named_modules():
+        if f"{name}.weight_packed" not in tensors:
+            continue
+        n, k = module.weight.shape
+        site = name.rsplit(".", 1)[0] + (".in" if name.endswith(("gate_proj", "up_proj")) else "")
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(sum(map(ord, site))))
+        q = unpack_int4(tensors[f"{name}.weight_packed"], k)  # [N, K], column c in group c // 32
+        scale = tensors[f"{name}.weight_scale"].float()
+        moved = torch.empty_like(q)
+        moved[:, order] = q  # column order[c] holds what column c held, and its group
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = torch.arange(k, dtype=torch.int32) // 32
+        tensors[f"{name}.weight_packed"] = pack_int4(moved)
+        tensors[f"{name}.weight_g_idx"] = g_idx
+        module.weight.data = moved.float() * scale[:, g_idx.long()]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+    prompt_logprobs_match(load(tmp_path), logits)
+
+
 def test_unsupported_schemes_name_the_field(tmp_path) -> None:
     make_checkpoint("llama", "fp8-channel-dynamic", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -18,10 +18,14 @@ from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 from .quant_models import ARCHITECTURES, CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
 
 
-def make_checkpoint(arch: str, method: str, group: int, path, skip: tuple[str, ...] = ()) -> torch.Tensor:
+def make_checkpoint(
+    arch: str, method: str, group: int, path, skip: tuple[str, ...] = (), act_order: bool = False
+) -> torch.Tensor:
     """Quantize a random model's linears (round-to-nearest, asymmetric groups; not those named in
     `skip`, listed in modules_to_not_convert), save the GPTQ or AWQ tensors; returns the logits of the
-    model with the dequantized weights."""
+    model with the dequantized weights. act_order (GPTQ's desc_act): each layer's input rows grouped in
+    an order of their own (one order for the layers that read the same input: q/k/v, gate/up), its
+    g_idx saying which group each row is in."""
     model = random_model(arch)
     tensors = {}
     for name, module in model.named_modules():
@@ -29,18 +33,28 @@ def make_checkpoint(arch: str, method: str, group: int, path, skip: tuple[str, .
             continue
         w = module.weight.data  # [N, K]
         n, k = w.shape
-        groups = w.t().reshape(k // group, group, n)  # [G, group, N]
+        site = name.rsplit(".", 1)[0] + (".mlp_in" if name.endswith(("gate_proj", "up_proj")) else "")
+        seed = sum(map(ord, site)) if act_order else None  # the layers of one input share an order
+        order = (
+            torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
+        )
+        groups = w.t()[order].reshape(k // group, group, n)  # [G, group, N], rows in quantization order
         lo, hi = groups.amin(1), groups.amax(1)
         scale = ((hi - lo) / 15).clamp(min=1e-8).half()
         zero = torch.round(-lo / scale.float()).clamp(1, 15)  # GPTQ stores zero - 1: keep zero >= 1
         q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, 15)  # [G, group, N]
-        dequantized = (q - zero[:, None]) * scale.float()[:, None]
-        module.weight.data = dequantized.reshape(k, n).t().contiguous()
-        q = q.reshape(k, n)
+        dequantized = torch.empty(k, n)
+        dequantized[order] = ((q - zero[:, None]) * scale.float()[:, None]).reshape(k, n)
+        module.weight.data = dequantized.t().contiguous()
+        q_rows = torch.empty(k, n)
+        q_rows[order] = q.reshape(k, n)
+        q = q_rows
         if method == "gptq":
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[order] = torch.arange(k, dtype=torch.int32) // group
             tensors[f"{name}.qweight"] = pack_gptq_rows(q)
             tensors[f"{name}.qzeros"] = pack_columns(zero - 1)
-            tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
+            tensors[f"{name}.g_idx"] = g_idx
         else:
             tensors[f"{name}.qweight"] = pack_columns(q, AWQ_ORDER)
             tensors[f"{name}.qzeros"] = pack_columns(zero, AWQ_ORDER)
@@ -54,7 +68,7 @@ def make_checkpoint(arch: str, method: str, group: int, path, skip: tuple[str, .
     config = CONFIGS[arch].to_dict()
     quantization = {"quant_method": method, "bits": 4, "group_size": group}
     quantization.update(
-        {"desc_act": False, "sym": False} if method == "gptq" else {"zero_point": True, "version": "gemm"}
+        {"desc_act": act_order, "sym": False} if method == "gptq" else {"zero_point": True, "version": "gemm"}
     )
     if skip:
         quantization["modules_to_not_convert"] = list(skip)
@@ -78,7 +92,6 @@ def test_logprobs_match_the_dequantized_model(arch: str, method: str, tmp_path) 
     ("change", "message"),
     [
         ({"bits": 8}, "bits 8 is not supported"),
-        ({"desc_act": True}, "desc_act true"),
         ({"checkpoint_format": "gptq_v2"}, "checkpoint_format 'gptq_v2'"),
     ],
 )
@@ -106,4 +119,29 @@ def test_modules_to_not_convert_naming_a_fused_layers_parts(method: str, tmp_pat
     config["quantization_config"]["modules_to_not_convert"] = [attention + "q_proj"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="modules_to_not_convert leaves"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_act_order_checkpoints_match_the_dequantized_model(arch: str, tmp_path) -> None:
+    """desc_act: rows quantized in an order of their own (g_idx); the layer sorts its packed columns by
+    group once loaded and gathers the activations the same way."""
+    logits = make_checkpoint(arch, "gptq", 32, tmp_path, act_order=True)
+    llm = load(tmp_path)
+    ordered = [m for m in llm.engine.runner.model.modules() if getattr(m, "input_order", None) is not None]
+    assert ordered and len(ordered) == len(
+        [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    )
+    prompt_logprobs_match(llm, logits)
+
+
+def test_act_order_parts_of_a_fused_layer_must_agree(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    make_checkpoint("llama", "gptq", 32, tmp_path, act_order=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = torch.flip(tensors[name], [0]).contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="g_idx differs between the parts of one fused layer"):
         load(tmp_path)

@@ -101,6 +101,10 @@ class LinearMethodBase(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def after_loading(self, layer: nn.Module) -> None:
+        """Once every checkpoint tensor is in (or dummy weights): what needs all of them at once."""
+        return None
+
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether `gemv` takes activations like x (their rows, dtype and device): a method whose one-row
         GEMV does GemvFusion's work says so; none by default."""

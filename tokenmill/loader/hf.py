@@ -13,9 +13,33 @@ def load_hf_config(path: str):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"model {path!r}: cannot read config.json ({exc}).") from exc
+    if getattr(config, "quantization_config", None) is None:
+        stored = _separate_quantization_config(path)
+        if stored is not None:
+            config.quantization_config = stored
+    return config
+
+
+def _separate_quantization_config(path: str) -> dict | None:
+    """The quantization config of checkpoints that keep it beside config.json, as AutoGPTQ wrote it
+    (quantize_config.json) and AutoAWQ (quant_config.json), in config.json's quantization_config form."""
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        with open(file) as f:
+            stored = json.load(f)
+        if method == "awq" and "w_bit" in stored:  # AutoAWQ's own key names
+            stored = {
+                "bits": stored["w_bit"], "group_size": stored.get("q_group_size"),
+                "zero_point": stored.get("zero_point", True), "version": stored.get("version", "gemm"),
+                "modules_to_not_convert": stored.get("modules_to_not_convert"),
+            }  # fmt: skip
+        return {"quant_method": method, **stored}
+    return None
 
 
 def safetensors_files(path: str) -> list[str]:

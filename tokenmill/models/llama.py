@@ -232,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
         named = ((_with_model_prefix(name), tensor) for name, tensor in weights)
         if self.lm_head is not None and self.flags.tie_word_embeddings:
             named = _noting_head(named, head_tensors)
+        elif self.lm_head is not None:
+            named = _refusing_quantized_head(named)
         if self.flags.mixtral:
             named = ((_mixtral_name(name), tensor) for name, tensor in named)
         mapping = expert_params_mapping(self.flags.num_experts) + self.stacked_params_mapping
@@ -246,6 +248,17 @@ class LlamaForCausalLM(nn.Module):
                 "embedding (tie_word_embeddings): the head runs as the embedding, unquantized",
                 ", ".join(quantized_head[:4]),
             )
+
+
+def _refusing_quantized_head(named: Iterable[tuple[str, torch.Tensor]]):
+    for name, tensor in named:
+        if name.startswith("lm_head.") and name not in ("lm_head.weight", "lm_head.bias"):
+            raise ValueError(
+                f"the checkpoint stores a quantized LM head ({name}), which is not supported: keep lm_head "
+                "unquantized (in the quantization config's ignore list, or modules_to_not_convert; GPTQ's "
+                "lm_head false), as llm-compressor and AutoGPTQ do by default."
+            )
+        yield name, tensor
 
 
 def _noting_head(named: Iterable[tuple[str, torch.Tensor]], seen: list[str]):

@@ -42,6 +42,9 @@ def build_model(
         _init_dummy_weights(model, config.seed, device)
     else:
         model.load_weights(source.iter_weights())
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.after_loading(module)
     if config.quantization is not None and stored is None:  # a quantized checkpoint is used as it is
         count = quantize_model(model, config.quantization)
         logger.info("quantized %d linear layers to %s", count, config.quantization)

@@ -71,6 +71,12 @@ class CompressedTensorsConfig:
                     f"{where}.weights.group_size {weights.get('group_size')!r} must be positive."
                 )
             self.symmetric = bool(weights.get("symmetric"))
+            # GPTQ's activation order: "group" keeps each column's group in weight_g_idx; "weight" (alias
+            # "static") only changed how the weights were rounded.
+            actorder = weights.get("actorder")
+            if actorder not in (None, "weight", "static", "group", "dynamic"):
+                raise ValueError(f"{where}.weights.actorder {actorder!r} is not supported.")
+            self.group_order = f"{where}.weights.actorder" if actorder in ("group", "dynamic") else None
             if activations is not None:
                 raise ValueError(
                     f"{where}.input_activations: 4-bit weights run W4A16; activations must be null."
@@ -107,7 +113,7 @@ class CompressedTensorsConfig:
         if self.format == "dense":
             return UnquantizedLinearMethod()
         if self.format == "pack-quantized":
-            return Int4W4A16LinearMethod(self.group_size, self.symmetric)
+            return Int4W4A16LinearMethod(self.group_size, self.symmetric, self.group_order)
         return CompressedTensorsFp8LinearMethod(self.input_scheme)
 
     def is_ignored(self, prefix: str) -> bool:

@@ -109,19 +109,19 @@ class Fp8BlockLinearMethod(LinearMethodBase):
     ) -> None:
         rows, columns = sum(output_partition_sizes), input_size_per_partition
         fused = isinstance(layer, (QKVParallelLinear, MergedColumnParallelLinear))
-        if fused and any(size % self.block_n for size in output_partition_sizes[:-1]):
-            raise ValueError(
-                f"output sizes {output_partition_sizes} are not multiples of the weight block "
-                f"({self.block_n} rows): a fused layer's parts would share scale blocks"
-            )
+        # A fused layer's parts each have their own scale blocks. Where a part is not a whole number of
+        # blocks (KV heads of 2 x 80 rows against blocks of 128), its scales are kept in finer blocks that
+        # every part is a whole number of, each holding its original block's scale.
+        block_n = math.gcd(self.block_n, *output_partition_sizes[:-1]) if fused else self.block_n
+        layer.fp8_block_n = block_n
         if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and columns % self.block_k:
             raise ValueError(f"input size per rank {columns} is not a multiple of the block ({self.block_k})")
         weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE), requires_grad=False)
         weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
         layer.register_parameter("weight", weight)
-        # One scale per block of rows: a fused layer's parts each start on a block boundary (checked
-        # above), so the parts' scale rows concatenate like their weight rows, in units of blocks.
-        block_rows = [math.ceil(size / self.block_n) for size in output_partition_sizes]
+        # One scale per block of rows: a fused layer's parts each start on a block boundary (above), so
+        # the parts' scale rows concatenate like their weight rows, in units of blocks.
+        block_rows = [math.ceil(size / block_n) for size in output_partition_sizes]
         scale = nn.Parameter(
             torch.empty(sum(block_rows), math.ceil(columns / self.block_k), dtype=torch.float32),
             requires_grad=False,
@@ -139,6 +139,9 @@ class Fp8BlockLinearMethod(LinearMethodBase):
                 return
             index = "qkv".index(shard_id) if isinstance(shard_id, str) else int(shard_id)
             dest = param.data.narrow(0, offsets[index], block_rows[index])
+            stored_rows = math.ceil(output_partition_sizes[index] / self.block_n)
+            if block_n != self.block_n and loaded.shape[0] == stored_rows:  # into the finer blocks
+                loaded = loaded[torch.arange(block_rows[index]) * block_n // self.block_n]
             if loaded.shape != dest.shape:
                 raise ValueError(
                     f"shape {tuple(loaded.shape)} does not match the expected {tuple(dest.shape)}"
@@ -150,5 +153,7 @@ class Fp8BlockLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # Row r of a fused weight finds its scale block at r // block_n: every part but the last starts
-        # on a block boundary (checked when the weights were created).
-        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_n, self.block_k, bias)
+        # on a block boundary (of the layer's own blocks, create_weights).
+        return fp8_block_linear(
+            x, layer.weight, layer.weight_scale_inv, layer.fp8_block_n, self.block_k, bias
+        )

@@ -25,7 +25,14 @@ from tokenmill.kernels import GemvFusion
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 from tokenmill.layers.quantization.compressed_tensors import ignored_layer
-from tokenmill.layers.quantization.int4 import int4_gemv_takes, int4_matmul
+from tokenmill.layers.quantization.int4 import (
+    add_group_index,
+    checkpoint_rows,
+    int4_gemv_takes,
+    int4_matmul,
+    order_input_columns,
+    ordered_input,
+)
 
 METHODS = ("gptq", "awq")
 # AWQ packs column 8c + AWQ_ORDER[j] into nibble j of word c; reading nibble j back gives that column.
@@ -44,8 +51,6 @@ class GptqAwqConfig:
         if self.group_size == 0 or self.group_size < -1:
             raise ValueError(f"{where}.group_size {config.get('group_size')!r} must be positive or -1.")
         if self.method == "gptq":
-            if config.get("desc_act"):
-                raise ValueError(f"{where}.desc_act true (reordered input rows) is not supported yet.")
             fmt = config.get("checkpoint_format", "gptq")
             if fmt != "gptq":
                 raise ValueError(f"{where}.checkpoint_format {fmt!r} is not supported (supported: gptq).")
@@ -105,11 +110,27 @@ class GptqAwqLinearMethod(LinearMethodBase):
         num_groups = math.ceil(columns / group)
         awq = self.awq
 
+        def stored_shape(name: str, n: int) -> tuple[int, int]:
+            """The tensor's shape in the file, for a layer (or part) of n output rows."""
+            packed_n = math.ceil(n / PACK)
+            return {
+                "qweight": (columns, packed_n) if awq else (columns // PACK, n),
+                "qzeros": (num_groups, packed_n),
+                "scales": (num_groups, n),
+            }[name]
+
         def add(name: str, data: torch.Tensor, convert) -> None:
             param = nn.Parameter(data, requires_grad=False)
             param.output_dim, param.input_dim = 0, None
 
             def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+                # Checked as stored: converted, a wrong shape would be reported transposed or unpacked.
+                expected = stored_shape(name, checkpoint_rows(layer, shard_id, output_size))
+                if tuple(loaded.shape) != expected:
+                    raise ValueError(
+                        f"shape {tuple(loaded.shape)} does not match the expected {expected} (the "
+                        f"{'AWQ' if awq else 'GPTQ'} layout of {name} for this layer)"
+                    )
                 weight_loader(param, convert(loaded), shard_id)
 
             param.weight_loader = load
@@ -130,18 +151,15 @@ class GptqAwqLinearMethod(LinearMethodBase):
         add("scales", torch.zeros(rows, num_groups, dtype=params_dtype or torch.get_default_dtype()),
             lambda loaded: loaded.t().contiguous())  # fmt: skip
         if not awq:
-            expected = torch.arange(columns, dtype=torch.int32) // group
-
-            def check_g_idx(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-                if not torch.equal(loaded.to(torch.int32).cpu(), expected):
-                    raise ValueError("g_idx reorders the input rows (desc_act), which is not supported yet")
-
-            g_idx = nn.Parameter(torch.zeros(0, dtype=torch.int32), requires_grad=False)
-            g_idx.weight_loader, g_idx.output_dim, g_idx.input_dim = check_g_idx, None, None
-            layer.register_parameter("g_idx", g_idx)
+            add_group_index(layer, "g_idx", columns, "quantization_config.desc_act")
         layer.int4_group_size = group
 
+    def after_loading(self, layer: nn.Module) -> None:
+        if not self.awq:
+            order_input_columns(layer, "qweight", "quantization_config.desc_act")
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = ordered_input(layer, x)
         return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
@@ -150,4 +168,5 @@ class GptqAwqLinearMethod(LinearMethodBase):
     def gemv(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
     ) -> torch.Tensor:
+        x = ordered_input(layer, x)
         return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias, fusion)

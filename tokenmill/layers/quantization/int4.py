@@ -26,9 +26,12 @@ from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
-    def __init__(self, group_size: int, symmetric: bool) -> None:
+    def __init__(self, group_size: int, symmetric: bool, group_order: str | None = None) -> None:
+        """group_order: the config field of a checkpoint whose layers store `weight_g_idx` (actorder
+        "group"), else None."""
         self.group_size = group_size
         self.symmetric = symmetric
+        self.group_order = group_order
 
     def create_weights(
         self,
@@ -61,7 +64,7 @@ class Int4W4A16LinearMethod(LinearMethodBase):
             def load_zero(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
                 # Packed eight rows a word, the last word padded where the rows are not a multiple of 8.
                 unpacked = unpack_int4(loaded.t().contiguous(), loaded.shape[0] * PACK).t()
-                rows_stored = _checkpoint_rows(layer, shard_id, output_size)
+                rows_stored = checkpoint_rows(layer, shard_id, output_size)
                 if unpacked.shape[0] - PACK < rows_stored <= unpacked.shape[0]:
                     unpacked = unpacked[:rows_stored]
                 weight_loader(param, unpacked.contiguous(), shard_id)
@@ -86,9 +89,16 @@ class Int4W4A16LinearMethod(LinearMethodBase):
         layer.register_parameter("weight_shape", shape)
         layer.int4_group_size = group
         layer.int4_in_features = columns
+        if self.group_order is not None:
+            add_group_index(layer, "weight_g_idx", columns, self.group_order)
+
+    def after_loading(self, layer: nn.Module) -> None:
+        if self.group_order is not None:
+            order_input_columns(layer, "weight_packed", self.group_order)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         zero = getattr(layer, "weight_zero_point", None)
+        x = ordered_input(layer, x)
         return int4_matmul(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
@@ -99,6 +109,7 @@ class Int4W4A16LinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         zero = getattr(layer, "weight_zero_point", None)
         group = layer.int4_group_size
+        x = ordered_input(layer, x)
         return int4_matmul(x, layer.weight_packed, layer.weight_scale, zero, group, bias, fusion)
 
 
@@ -130,7 +141,7 @@ def int4_gemv_takes(x: torch.Tensor, group_size: int) -> bool:
     return takes is not None and takes(x.dtype, x.numel() // x.shape[-1])
 
 
-def _checkpoint_rows(layer: nn.Module, shard_id: ShardId, output_size: int) -> int:
+def checkpoint_rows(layer: nn.Module, shard_id: ShardId, output_size: int) -> int:
     """How many output rows the checkpoint's tensor for this layer (or this part of a fused one) has."""
     if hasattr(layer, "total_num_kv_heads"):  # QKV: the checkpoint's heads, before any replication
         kv = layer.total_num_kv_heads * layer.head_size
@@ -139,6 +150,58 @@ def _checkpoint_rows(layer: nn.Module, shard_id: ShardId, output_size: int) -> i
     if shard_id is not None:
         return layer.output_sizes[shard_id]
     return output_size
+
+
+def add_group_index(layer: nn.Module, name: str, columns: int, field: str) -> None:
+    """Register `name` (a checkpoint's g_idx: each input column's group, [K]) on a 4-bit layer: kept as it
+    loads (a fused layer's parts, which share their input, must agree) for order_input_columns."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if tuple(loaded.shape) != (columns,):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected ({columns},)")
+        loaded = loaded.to(torch.int64).cpu()
+        earlier = getattr(layer, "group_index", None)
+        if earlier is not None and not torch.equal(earlier, loaded):
+            raise ValueError(
+                f"{name} differs between the parts of one fused layer ({field}): they read the same "
+                "input, which tokenmill reorders once for all of them"
+            )
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            raise ValueError(
+                f"{field} with tp_size > 1 is not supported yet (the row-parallel layers' {name})"
+            )
+        layer.group_index = loaded
+
+    param = nn.Parameter(torch.zeros(0, dtype=torch.int32), requires_grad=False)
+    param.weight_loader, param.output_dim, param.input_dim = load, None, None
+    layer.register_parameter(name, param)
+
+
+def order_input_columns(layer: nn.Module, packed_name: str, field: str) -> None:
+    """Where a checkpoint quantized the input columns in an order of its own (GPTQ desc_act,
+    compressed-tensors actorder "group": column k's group is g_idx[k]), the packed weight's columns are
+    sorted by group once loaded, so that groups are contiguous again, and `input_order` gathers the
+    activations' columns the same way before each matmul: x W^T = x[:, order] W[:, order]^T."""
+    group_index = getattr(layer, "group_index", None)
+    if group_index is None:
+        return
+    del layer.group_index
+    group = layer.int4_group_size
+    columns = group_index.numel()
+    if torch.equal(group_index, torch.arange(columns) // group):
+        return  # in order already
+    order = torch.sort(group_index, stable=True).indices
+    if not torch.equal(group_index[order], torch.arange(columns) // group):
+        raise ValueError(f"{field}: g_idx does not put {group} input columns in each group")
+    packed = getattr(layer, packed_name)
+    values = unpack_int4(packed.data, columns)[:, order.to(packed.device)]
+    packed.data = pack_int4(values)
+    layer.input_order = order.to(packed.device)
+
+
+def ordered_input(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    order = getattr(layer, "input_order", None)
+    return x if order is None else x.index_select(-1, order)
 
 
 def _param(
