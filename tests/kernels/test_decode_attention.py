@@ -268,10 +268,10 @@ def test_the_attention_layer_decodes_with_the_rotary_in_its_launch(monkeypatch, 
     heads, kv_heads, dim = 4, 2, 64
     layers, launches = {}, []
     for backend in ("triton", "torch"):
-        kernels = _kernels_for("cpu", backend)
+        kernels = _kernels_for(DEVICE, backend)
         layer = Attention(
             heads, kv_heads, dim, dim**-0.5, kernels, RotaryEmbedding(config, dim, 512, kernels)
-        )
+        ).to(DEVICE)
         if backend == "triton":  # count the separate rotary launches
             separate = kernels.rotary_and_write_kv_cache
             layer.kernels = kernels._replace(
@@ -280,8 +280,8 @@ def test_the_attention_layer_decodes_with_the_rotary_in_its_launch(monkeypatch, 
                     separate(*args, **kw),
                 )[1]
             )
-        layer.k_cache = torch.zeros(8, 16, kv_heads, dim)
-        layer.v_cache = torch.zeros(8, 16, kv_heads, dim)
+        layer.k_cache = torch.zeros(8, 16, kv_heads, dim, device=DEVICE)
+        layer.v_cache = torch.zeros(8, 16, kv_heads, dim, device=DEVICE)
         layers[backend] = layer
     gen = torch.Generator().manual_seed(0)
     tables = torch.tensor([[3, 5, 0], [1, 2, 4]], dtype=torch.int32)
@@ -292,11 +292,15 @@ def test_the_attention_layer_decodes_with_the_rotary_in_its_launch(monkeypatch, 
         requests = torch.cat([torch.full((q,), b) for b, q in enumerate(query_lens)])
         slots = tables[requests, positions // 16].long() * 16 + positions % 16
         md = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32),
+            slot_mapping=slots.to(DEVICE), block_tables=tables.to(DEVICE),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, query_lens[0], sum(query_lens)], device=DEVICE).int(),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=query_lens.count(1),
         )  # fmt: skip
-        q, k, v = (torch.randn(len(positions), n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+        q, k, v = (
+            torch.randn(len(positions), n, dim, generator=gen).to(DEVICE) for n in (heads, kv_heads, kv_heads)
+        )
+        positions = positions.to(DEVICE)
         got = layers["triton"].attend(q.clone(), k.clone(), v.clone(), md, positions=positions)
         want = layers["torch"].attend(q.clone(), k.clone(), v.clone(), md, positions=positions)
         torch.testing.assert_close(got, want, **FP32_TOL)
