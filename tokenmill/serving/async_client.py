@@ -94,7 +94,7 @@ class AsyncEngineClient:
         self.vocab_size = ready.vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.input_processor = InputProcessor(tokenizer, ready.max_model_len, ready.vocab_size)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids)
         self.process = process
         # Only the API process that started the core stops it; one attached to a launcher's core does not.
         self.owns_core = isinstance(process, multiprocessing.process.BaseProcess)

@@ -26,13 +26,19 @@ class IncrementalDetokenizer:
         # string cut from the text can be told apart (their logprobs are not reported).
         self.token_starts: list[int] | None = [] if params.stop else None
 
-    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
+    def update(
+        self, new_token_ids: list[int], check_stop: bool = True, last_in_text: bool = True
+    ) -> str | None:
         """Add tokens; returns the stop string that matched (text is then cut before it), else None.
-        check_stop is False while the request is still under its min_tokens."""
-        for token_id in new_token_ids:
+        check_stop is False while the request is still under its min_tokens. last_in_text False: the
+        last token (an EOS or stop token that ended the request) adds no text, as in vLLM unless
+        include_stop_str_in_output."""
+        for index, token_id in enumerate(new_token_ids):
             start = len(self.output_text)
             if self.token_starts is not None:
                 self.token_starts.append(start)
+            if not last_in_text and index == len(new_token_ids) - 1:
+                break
             chunk = self._stream.step(self._backend, token_id)
             if chunk:
                 self.output_text += chunk

@@ -28,7 +28,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size, structured
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
 
     @property
     def scheduler(self):

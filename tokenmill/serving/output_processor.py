@@ -4,6 +4,7 @@ RequestOutput per user request however many samples (n) it fans out into."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.core.outputs import EngineCoreOutput, TokenLogprobs
@@ -88,8 +89,9 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int] = ()) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
@@ -202,7 +204,19 @@ class OutputProcessor:
             stop = None
             if detokenizer is not None:
                 past_min_tokens = len(sample.token_ids) >= sample.params.min_tokens
-                stop = detokenizer.update(new_token_ids, check_stop=past_min_tokens)
+                # A stop token or EOS that ended the request is not part of its text (vLLM's rule).
+                on_token = (
+                    finish_reason == "stop"
+                    and bool(new_token_ids)
+                    and (
+                        isinstance(stop_reason, int)
+                        or (stop_reason is None and new_token_ids[-1] in self.eos_token_ids)
+                    )
+                )
+                last_in_text = not on_token or sample.params.include_stop_str_in_output
+                stop = detokenizer.update(
+                    new_token_ids, check_stop=past_min_tokens, last_in_text=last_in_text
+                )
                 if stop is not None:
                     if finish_reason is None:
                         to_abort.append(core_output.request_id)

@@ -204,3 +204,56 @@ def test_include_stop_str_in_output(client, greedy):
         extra_body={"include_stop_str_in_output": True},
     )  # fmt: skip
     assert result.choices[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_strings_with_logprobs(client):
+    """A stop string cuts the text and the logprobs of its tokens, streamed or not, on both endpoints:
+    one logprob entry per reported token, the entries' tokens adding up to the text."""
+    prompt, stop = "1, 2, 3, 4,", [", 8"]
+    whole = client.completions.create(
+        model="default", prompt=prompt, max_tokens=20, temperature=0, stop=stop, logprobs=1
+    ).choices[0]
+    assert whole.finish_reason == "stop" and whole.stop_reason == ", 8"
+    assert "".join(whole.logprobs.tokens) == whole.text
+    assert (
+        len(whole.logprobs.tokens) == len(whole.logprobs.token_logprobs) == len(whole.logprobs.top_logprobs)
+    )
+    chunks = client.completions.create(
+        model="default", prompt=prompt, max_tokens=20, temperature=0, stop=stop, logprobs=1, stream=True
+    )
+    tokens = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.tokens]
+    assert tokens == whole.logprobs.tokens
+    messages = [{"role": "user", "content": "Count from 1 to 10 separated by commas."}]
+    ask = dict(
+        model="default", messages=messages, max_tokens=30, temperature=0, stop=["5", "4,"], logprobs=True
+    )
+    chat = client.chat.completions.create(**ask).choices[0]
+    assert "".join(e.token for e in chat.logprobs.content) == chat.message.content
+    streamed = client.chat.completions.create(**ask, stream=True)
+    entries = [
+        e.token for c in streamed for choice in c.choices if choice.logprobs for e in choice.logprobs.content
+    ]
+    assert entries == [e.token for e in chat.logprobs.content]
+
+
+def test_a_stop_token_or_eos_is_not_in_the_text(server, client, greedy):
+    """As vLLM: the stop token (stop_token_ids) or EOS that ends a request adds no text unless
+    include_stop_str_in_output, whatever skip_special_tokens says."""
+    text = greedy.choices[0].text
+    ids = tokenize(server, PROMPT + text)[len(tokenize(server, PROMPT)) :]
+    stop_id = ids[2]
+    cut = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"stop_token_ids": [stop_id]}
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop_id
+    assert cut.text == server.post("/detokenize", json={"tokens": ids[:2]}).json()["prompt"]
+    kept = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=10, temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": True},
+    ).choices[0]  # fmt: skip
+    assert kept.text == server.post("/detokenize", json={"tokens": ids[:3]}).json()["prompt"]
+    answer = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Say hi."}], max_tokens=60, temperature=0,
+        extra_body={"skip_special_tokens": False},
+    ).choices[0]  # fmt: skip
+    assert answer.finish_reason == "stop" and "<|im_end|>" not in answer.message.content

@@ -197,12 +197,14 @@ def _token_text(token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
-def reported_tokens(
+def reported_logprobs(
     completion: CompletionOutput, token_ids: list[int], logprobs: list | None, eos_token_ids: frozenset[int]
-) -> tuple[list[int], list | None]:
-    """The tokens whose logprobs a response reports: an EOS token that ended the completion is not part
-    of its text, and OpenAI reports no logprob for it. (Offline outputs keep it, as vLLM's do.) A
-    completion its grammar ended also stops without a stop reason, on a token of its text."""
+) -> list | None:
+    """The logprob entries a response reports (of token_ids, the tokens these entries end with): an EOS
+    token that ended the completion is not part of its text, and OpenAI reports no logprob for it.
+    (Offline outputs keep it, as vLLM's do.) A completion its grammar ended also stops without a stop
+    reason, on a token of its text. Entries may be fewer than tokens: those of a stop string's tokens
+    are not reported (serving/output_processor.py)."""
     if (
         logprobs
         and completion.finish_reason == "stop"
@@ -210,14 +212,19 @@ def reported_tokens(
         and token_ids
         and token_ids[-1] in eos_token_ids
     ):
-        return token_ids[:-1], logprobs[:-1]
-    return token_ids, logprobs
+        return logprobs[:-1]
+    return logprobs
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> dict:
+def _sampled(entry: dict[int, Logprob]) -> tuple[int, Logprob]:
+    """An entry's sampled token: its first (the top alternatives follow it)."""
+    return next(iter(entry.items()))
+
+
+def chat_logprobs(logprobs: list[dict[int, Logprob]], k: int) -> dict:
     content = []
-    for token_id, entry in zip(token_ids, logprobs, strict=True):
-        sampled = entry[token_id]
+    for entry in logprobs:
+        token_id, sampled = _sampled(entry)
         text = _token_text(token_id, sampled)
         content.append(
             {
@@ -237,13 +244,14 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: i
     return {"content": content}
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int) -> dict:
+def completion_logprobs(logprobs: list[dict[int, Logprob]], text_offset: int) -> dict:
     """The legacy completions shape: parallel lists, top alternatives as {token text: logprob}."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, logprobs, strict=True):
-        text = _token_text(token_id, entry[token_id])
+    for entry in logprobs:
+        token_id, sampled = _sampled(entry)
+        text = _token_text(token_id, sampled)
         tokens.append(text)
-        token_logprobs.append(_reported(entry[token_id].logprob))
+        token_logprobs.append(_reported(sampled.logprob))
         top_logprobs.append({_token_text(tid, lp): _reported(lp.logprob) for tid, lp in entry.items()})
         offsets.append(text_offset)
         text_offset += len(text)
@@ -255,12 +263,10 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     }
 
 
-def echo_logprobs(
-    prompt_token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None], first_token_text: str
-) -> dict:
+def echo_logprobs(prompt_logprobs: list[dict[int, Logprob] | None], first_token_text: str) -> dict:
     """The prompt's part of an echoed completion's logprobs: the first token has no logprob (nothing
     precedes it), every later one is scored given the tokens before it."""
-    scored = completion_logprobs(prompt_token_ids[1:], prompt_logprobs[1:], len(first_token_text))
+    scored = completion_logprobs(prompt_logprobs[1:], len(first_token_text))
     return {
         "tokens": [first_token_text] + scored["tokens"],
         "token_logprobs": [None] + scored["token_logprobs"],

@@ -24,7 +24,7 @@ from .common import (
     check_constraint,
     error_event,
     final_outputs,
-    reported_tokens,
+    reported_logprobs,
     resolve_max_tokens,
     sse,
     usage,
@@ -176,7 +176,7 @@ class ChatServing:
                 "index": c.index,
                 **tools.message(c.text, c.finish_reason),
                 "logprobs": chat_logprobs(
-                    *reported_tokens(c, c.token_ids, c.logprobs, self.state.eos_token_ids), k
+                    reported_logprobs(c, c.token_ids, c.logprobs, self.state.eos_token_ids), k
                 )
                 if k is not None and c.logprobs
                 else None,
@@ -221,10 +221,10 @@ class ChatServing:
                 for c in output.outputs:
                     if c.index in finished:
                         continue
-                    token_ids, token_logprobs = reported_tokens(
+                    token_logprobs = reported_logprobs(
                         c, c.delta_token_ids, c.delta_logprobs, self.state.eos_token_ids
                     )
-                    logprobs = chat_logprobs(token_ids, token_logprobs, k) if token_logprobs else None
+                    logprobs = chat_logprobs(token_logprobs, k) if token_logprobs else None
                     done = c.finish_reason is not None
                     deltas = []
                     if tools.plain:

@@ -28,7 +28,7 @@ from .common import (
     join_logprobs,
     merge_streams,
     render_input,
-    reported_tokens,
+    reported_logprobs,
     resolve_max_tokens,
     sse,
     usage,
@@ -155,7 +155,7 @@ class CompletionServing:
         tokenizer = self.state.engine.tokenizer
         first = prompt.token_ids[0]
         first_text = tokenizer.decode([first]) if tokenizer is not None else f"token_id:{first}"
-        return echo_logprobs(prompt.token_ids, output.prompt_logprobs, first_text)
+        return echo_logprobs(output.prompt_logprobs, first_text)
 
     def _choice(
         self,
@@ -169,13 +169,11 @@ class CompletionServing:
         text_offset: int = 0,
     ) -> dict:
         if finished:
-            token_ids, logprobs = reported_tokens(completion, token_ids, logprobs, self.state.eos_token_ids)
+            logprobs = reported_logprobs(completion, token_ids, logprobs, self.state.eos_token_ids)
         choice = {
             "index": prompt_index * request.n + completion.index,
             "text": text,
-            "logprobs": completion_logprobs(token_ids, logprobs, text_offset)
-            if logprobs is not None
-            else None,
+            "logprobs": completion_logprobs(logprobs, text_offset) if logprobs is not None else None,
             "finish_reason": completion.finish_reason if finished else None,
         }
         if finished:
