@@ -99,10 +99,10 @@ ARCHS = [
 ]  # dense: every path runs them
 
 
-def make_hf_model(arch: str, seed: int = 0):
+def make_hf_model(arch: str, seed: int = 0, **overrides):
     import transformers
 
-    spec = dict(ARCH_CONFIGS[arch])
+    spec = {**ARCH_CONFIGS[arch], **overrides}
     config_cls = getattr(transformers, spec.pop("cls"))
     config = config_cls(
         vocab_size=1003,

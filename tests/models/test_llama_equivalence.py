@@ -120,3 +120,22 @@ def test_greedy_under_preemption(arch, hf_model_dirs, references):
     assert generate_ids(llm, PROMPTS) == references[arch]
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv.pool.num_free_blocks == 24
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_the_configs_activation(hidden_act, tmp_path):
+    """hidden_act other than SiLU (the family's own) runs as transformers computes it."""
+    from tests.conftest import make_hf_model
+
+    hf_model = make_hf_model("qwen2", hidden_act=hidden_act)
+    hf_model.save_pretrained(tmp_path)
+    got = generate_ids(make_llm(str(tmp_path)), PROMPTS)
+    assert got == [hf_greedy(hf_model, p) for p in PROMPTS]
+
+
+def test_an_unknown_activation_is_refused_by_name(tmp_path):
+    from tests.conftest import make_hf_model
+
+    make_hf_model("llama", hidden_act="quick_gelu").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="hidden_act 'quick_gelu' is not supported"):
+        make_llm(str(tmp_path))

@@ -1,4 +1,7 @@
-"""SiLU-and-multiply, the gate of the Llama MLP."""
+"""The gated activation of the Llama MLP: act(gate) * up over the gate/up projection's two halves. SiLU
+(the family's own, `hidden_act: silu`) runs in the kernel set's one launch and folds into the one-row
+GEMVs' stores (layers/fused_linear.py); the GELU and ReLU variants a config may name run as torch ops,
+as transformers computes them."""
 
 from __future__ import annotations
 
@@ -6,6 +9,17 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import Kernels, get_kernels
+
+# hidden_act -> the torch function of the gate (None: SiLU, SiluAndMul's kernels).
+_GATES = {
+    "silu": None,
+    "swish": None,
+    "gelu": lambda x: nn.functional.gelu(x),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+}
 
 
 class SiluAndMul(nn.Module):
@@ -15,3 +29,24 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(x)
+
+
+class GatedActivation(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.gate = _GATES[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return self.gate(gate) * up
+
+
+def check_hidden_act(name: str) -> None:
+    if name not in _GATES:
+        raise ValueError(f"hidden_act {name!r} is not supported (supported: {', '.join(_GATES)}).")
+
+
+def gated_activation(name: str, kernels: Kernels) -> nn.Module:
+    """The MLP's act(gate) * up for the config's hidden_act; a ValueError naming it when unknown."""
+    check_hidden_act(name)
+    return SiluAndMul(kernels) if _GATES[name] is None else GatedActivation(name)

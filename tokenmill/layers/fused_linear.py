@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import GemvFusion
+from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import LinearBase
 
 # What fused_linear folds into the one-row GEMVs (TOKENMILL_GEMV_FUSION: a comma list of these parts, 1
@@ -32,11 +33,11 @@ GEMV_FUSION = _gemv_fusion(os.environ.get("TOKENMILL_GEMV_FUSION", "act"))
 
 
 def fused_linear(layer: LinearBase, x: torch.Tensor, *, act: nn.Module | None = None) -> torch.Tensor:
-    """act(layer(x)), with act (SiLU-and-multiply of the output's gate || up halves) done as the output is
-    stored where a one-row kernel takes x (decode of a few sequences on a GPU; the quant method's
-    gemv_takes) and GEMV_FUSION names "act"; else (and always with tensor parallelism) in a launch of its
-    own."""
-    if act is not None and gemv_fusion_takes(layer, x, "act"):
+    """act(layer(x)), with act (SiluAndMul: SiLU-and-multiply of the output's gate || up halves) done as
+    the output is stored where a one-row kernel takes x (decode of a few sequences on a GPU; the quant
+    method's gemv_takes) and GEMV_FUSION names "act"; else (other activations, and always with tensor
+    parallelism) in a launch of its own."""
+    if isinstance(act, SiluAndMul) and gemv_fusion_takes(layer, x, "act"):
         return layer.quant_method.gemv(layer, x, layer.bias, GemvFusion(silu_mul=True))
     y = layer(x)
     return y if act is None else act(y)

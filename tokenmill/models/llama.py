@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import Kernels, get_kernels
-from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.activation import check_hidden_act, gated_activation
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.fused_linear import fused_linear
 from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
@@ -47,6 +47,8 @@ class ArchFlags:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.hidden_act = getattr(config, "hidden_act", None) or "silu"
+        check_hidden_act(self.hidden_act)
         # Mixture of experts: Mixtral's in every layer, Qwen3-MoE's where its config puts them.
         self.mixtral = arch == "MixtralForCausalLM"
         self.num_experts = (
@@ -54,6 +56,10 @@ class ArchFlags:
             else getattr(config, "num_experts", 0) if arch == "Qwen3MoeForCausalLM" else 0
         )  # fmt: skip
         if self.num_experts:
+            if self.hidden_act not in ("silu", "swish"):
+                raise ValueError(
+                    f"hidden_act {self.hidden_act!r}: the experts run SiLU only (supported: silu)."
+                )
             self.top_k = config.num_experts_per_tok
             self.moe_intermediate_size = (
                 getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -106,7 +112,7 @@ class LlamaMLP(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=flags.mlp_bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
-        self.act = SiluAndMul(kernels)
+        self.act = gated_activation(flags.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The activation goes into the gate/up projection's store where fused_linear can fold it."""
