@@ -424,3 +424,23 @@ def test_every_method_on_the_gpu(hf_model_dirs) -> None:
         assert replays, config["method"]  # the verify steps ran as whole-step graphs
         del spec
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("method", ["layer_skip", "draft_model"])
+def test_drafting_up_to_the_context_length(method, hf_model_dirs) -> None:
+    """A request a few positions short of max_model_len drafts fewer tokens than the one beside it; the
+    drafter's one-token steps run for the longest budget, and the short request's steps past its own
+    (which would be past the context: the rotary table's end) compute at a harmless position. Greedy
+    tokens are the plain engine's, up to the context length."""
+    path = hf_model_dirs["llama"][0]
+    config = {"method": method, "num_speculative_tokens": 4}
+    config.update({"draft_layers": 1} if method == "layer_skip" else {"model": path})
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    prompts = [random_prompts([58], seed=6)[0], [5, 6, 7]]
+    plain = make_llm(path, max_model_len=64).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+    )
+    spec = make_llm(path, max_model_len=64, speculative_config=config)
+    got = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert [len(o.outputs[0].token_ids) for o in got] == [64 - 58, 64 - 3]

@@ -330,6 +330,9 @@ def _one_token_steps(
     blocks = batch.block_table[table_rows[None, :], np.minimum(pos // bs, batch.block_table.shape[1] - 1)]
     slots = np.where(active, blocks.astype(np.int64) * bs + pos % bs, -1)
     seq_lens = np.where(active, pos + 1, 1).astype(np.int32)
+    # A request past its budget (cut short by max_model_len too) computes at position 0: past the
+    # context, its position would index past the rotary table.
+    pos = np.where(active, pos, 0)
     max_blocks = int(batch.num_blocks_in_row[table_rows].max())
     pos_t, slot_t = runner._staged([pos, slots], np.int64)
     seq_t, tables_t, qsl_t = runner._staged(
