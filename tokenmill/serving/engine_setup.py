@@ -62,17 +62,38 @@ def resolve_pooling(config: EngineConfig, source: ModelSource) -> str | None:
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window and getattr(hf_config, "use_sliding_window", True):
+    window = sliding_window(hf_config)
+    if window is not None and window < model_max:
         # Attention here is full-context: only contexts inside the window give the model's own answer.
-        model_max = min(model_max, sliding_window)
+        model_max = window
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
+        why = " (its sliding_window: attention here is full-context)" if model_max == window else ""
         raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's context length of {model_max} tokens."
+            f"max_model_len={config.max_model_len} exceeds the model's context length of {model_max} "
+            f"tokens{why}."
         )
     return config.max_model_len
+
+
+def sliding_window(hf_config) -> int | None:
+    """The window of the config's sliding-window layers, None where no layer slides: Mistral's
+    sliding_window; Qwen2/Qwen3's only with use_sliding_window, and then only in the layers from
+    max_window_layers on (transformers' layer_types says which, where the config has it)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    first_sliding = getattr(hf_config, "max_window_layers", None)
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if first_sliding is not None and layers is not None and first_sliding >= layers:
+        return None
+    return window
 
 
 def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, batched_tokens: int) -> int:
