@@ -26,6 +26,7 @@ def render_prompt(
     add_special_tokens: bool = True,
     tools: list[dict] | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    template_kwargs: dict | None = None,
 ) -> RenderedPrompt:
     """Render and tokenize exactly one of `prompt` (text or token ids) or `messages` (a chat conversation).
 
@@ -38,7 +39,8 @@ def render_prompt(
     results written in the hermes form (`<tool_call>`, `<tool_response>`).
 
     encode: how a rendered chat becomes token ids (a ChatEncoder's, serving/chat_encoder.py, which keeps
-    the pieces of earlier turns); by default the tokenizer's encode without special tokens."""
+    the pieces of earlier turns); by default the tokenizer's encode without special tokens.
+    template_kwargs: more variables for the chat template (Qwen3's enable_thinking, ...)."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt or messages.")
     if messages is not None:
@@ -49,7 +51,7 @@ def render_prompt(
         if uses_tools and not template_knows_tools(tokenizer, chat_template):
             messages, tools = messages_without_tool_support(messages, tools), None
         try:
-            extra = {"tools": tools} if tools else {}
+            extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             text = tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,

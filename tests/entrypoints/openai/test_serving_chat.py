@@ -216,3 +216,38 @@ def test_the_eos_token_that_ends_a_reply_has_no_logprob(client):
                 assert c.delta.content  # no chunk carries only the EOS's score
                 streamed += c.logprobs.content
     assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_chat_template_extras(server, client, default_llm):
+    """vLLM's chat extras: continue_final_message leaves the assistant's last message open (the offline
+    LLM.chat's tokens), a request's own chat_template with chat_template_kwargs renders the prompt (its
+    token count), and each is checked (continue_final_message needs add_generation_prompt false)."""
+    from tests.entrypoints.openai.test_api_server import assert_error
+    from tokenmill import SamplingParams
+
+    prefill = [
+        {"role": "user", "content": "What color is the sky?"},
+        {"role": "assistant", "content": "The sky is"},
+    ]
+    reply = client.chat.completions.create(
+        model="default", messages=prefill, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    ).choices[0]  # fmt: skip
+    (offline,) = default_llm.chat(
+        [prefill], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
+        continue_final_message=True, add_generation_prompt=False,
+    )  # fmt: skip
+    assert reply.message.content == offline.outputs[0].text and reply.message.content
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
+    plain = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "The sky is"}], max_tokens=1,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"suffix": " blue and"}},
+    )  # fmt: skip
+    count = len(
+        server.post("/tokenize", json={"prompt": "The sky is blue and", "add_special_tokens": False}).json()[
+            "tokens"
+        ]
+    )
+    assert plain.usage.prompt_tokens == count
+    body = {"model": "default", "messages": prefill, "max_tokens": 2, "continue_final_message": True}
+    assert_error(server.post("/v1/chat/completions", json=body), 400, "continue_final_message")

@@ -217,7 +217,7 @@ class ChatMessage(OpenAIModel):
     def template_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM joins them
         # Templates written before the "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
         message = {"role": role, "content": content or ""}
@@ -235,6 +235,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's chat template extras: the last (assistant) message continued rather than closed, a template
+    # of the request's own, more variables for the template (Qwen3's enable_thinking, ...).
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
@@ -243,6 +248,13 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError(
+                "continue_final_message",
+                "continue_final_message continues the last message: set add_generation_prompt to false",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ParamError("continue_final_message", "the last message must be the assistant's to continue")
         check_tools(self.tools, self.tool_choice)
         if self.tool_mode in ("required", "named") and self.constraints():
             raise ParamError(

@@ -46,15 +46,21 @@ def render_chat(
     add_generation_prompt: bool,
     tools: list | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> RenderedPrompt:
-    """The conversation through the model's chat template; tools (and earlier calls and results) go where
-    the template puts them, or into the system message when it has no place for them. encode: the
-    server's ChatEncoder (earlier turns tokenized once), else the tokenizer's own."""
+    """The conversation through the model's chat template (or the request's own); tools (and earlier calls
+    and results) go where the template puts them, or into the system message when it has no place for
+    them. encode: the server's ChatEncoder (earlier turns tokenized once), else the tokenizer's own.
+    continue_final_message: the last (assistant) message left open for the model to continue."""
     dicts = [m.template_dict() for m in messages]
     try:
         return render_prompt(
-            tokenizer, messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools, encode=encode
-        )
+            tokenizer, messages=dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+            encode=encode, continue_final_message=continue_final_message, chat_template=chat_template,
+            template_kwargs=template_kwargs,
+        )  # fmt: skip
     except ValueError as exc:
         raise bad_request(str(exc), param="messages" if tokenizer is not None else None) from exc
 
@@ -142,7 +148,10 @@ class ChatServing:
             request.messages,
             request.add_generation_prompt,
             request.tools,
-            state.encode_chat,
+            state.encode_chat if request.chat_template is None else None,
+            request.continue_final_message,
+            request.chat_template,
+            request.chat_template_kwargs,
         )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"
