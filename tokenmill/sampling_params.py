@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+class KnobError(ValueError):
+    """A bad value of one knob, named in `param` (the server's 400 names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of a JSON
@@ -95,7 +103,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(knob: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"{knob} must be {rule}, got {value!r}.")
+            return KnobError(knob, f"{knob} must be {rule}, got {value!r}.")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")

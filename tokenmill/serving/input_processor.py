@@ -3,7 +3,7 @@ with an error that names the knob."""
 
 from __future__ import annotations
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import KnobError, SamplingParams
 from tokenmill.serving.prompt import render_prompt
 from tokenmill.structured_outputs import StructuredOutputs
 
@@ -35,21 +35,28 @@ class InputProcessor:
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
-            raise ValueError("prompt must not be empty.")
+            raise KnobError("prompt", "prompt must not be empty.")
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}.")
+            raise KnobError(
+                "prompt", f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}."
+            )
         if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len={self.max_model_len}."
+            raise KnobError(
+                "prompt",
+                f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len={self.max_model_len}.",
             )
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size]
             if bad:
-                raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
+                raise KnobError(
+                    "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
+                )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}.")
+            raise KnobError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}."
+            )
         self.check_structured(params)
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

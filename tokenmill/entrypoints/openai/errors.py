@@ -66,8 +66,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return unavailable(f"the prompt's KV never came from the prefill peer ({exc})", "kv_transfer_failed")
     if isinstance(exc, ParamError):
         return bad_request(str(exc), param=exc.param)
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+    if isinstance(exc, ValueError):  # a check's ValueError names its knob where it knows it
+        return bad_request(str(exc), param=getattr(exc, "param", None))
     logger.error("internal error", exc_info=exc)
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
