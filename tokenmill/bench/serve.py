@@ -170,6 +170,11 @@ def _first_served_model(base_url: str, headers: dict[str, str]) -> str:
 
     try:
         return asyncio.run(fetch())
+    except aiohttp.ClientResponseError as exc:
+        hint = "pass the server's key with --api-key" if exc.status in (401, 403) else "pass --model"
+        raise ValueError(
+            f"could not list models at {base_url}/v1/models ({exc.status} {exc.message}); {hint}"
+        ) from None
     except (TimeoutError, aiohttp.ClientError, OSError, KeyError, IndexError) as exc:
         raise ValueError(f"could not list models at {base_url}/v1/models ({exc}); pass --model") from None
 
