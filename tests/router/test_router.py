@@ -261,3 +261,61 @@ def test_a_killed_replica_fails_only_the_streams_it_had_started(replica_urls, tm
     finally:
         router.stop()
         doomed.stop()
+
+
+def test_a_replicas_own_503s_pass_through_and_keep_it_in_rotation(tmp_path) -> None:
+    """A replica's 503 about one request (a decode instance whose prefill peer failed: prefill_failed)
+    reaches the client as the replica wrote it, and the replica stays in rotation; only a draining or dead
+    engine's 503 takes it out. A body nested past Python's recursion limit goes to the replica (its 400),
+    not a router 500."""
+    import json
+    import socket
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def completions(request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            return JSONResponse(
+                {"error": {"message": "bad body", "type": "x", "param": None, "code": None}}, 400
+            )
+        if body.get("prompt") == "long":
+            error = {"message": "the prefill peer failed", "type": "service_unavailable", "param": None}
+            return JSONResponse({"error": {**error, "code": "prefill_failed"}}, 503)
+        return JSONResponse({"choices": [{"text": "ok"}]})
+
+    app = Starlette(
+        routes=[
+            Route("/health", lambda request: JSONResponse({"status": "ok"})),
+            Route("/metrics", lambda request: PlainTextResponse("")),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    replica = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=replica.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: replica.started, timeout=30)
+        router = start_router(tmp_path, [f"http://127.0.0.1:{port}"], "cache_aware")
+        try:
+            failed = httpx.post(f"{router.url}/v1/completions", json={"prompt": "long"}, timeout=30)
+            assert failed.status_code == 503 and failed.json()["error"]["code"] == "prefill_failed"
+            assert len(healthy_replicas(router)) == 1
+            ok = httpx.post(f"{router.url}/v1/completions", json={"prompt": "short"}, timeout=30)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "ok"
+            nested = b"[" * 100_000
+            answer = httpx.post(f"{router.url}/v1/completions", content=nested, timeout=60)
+            assert answer.status_code == 400 and answer.json()["error"]["message"] == "bad body"
+        finally:
+            router.stop()
+    finally:
+        replica.should_exit = True
+        thread.join(timeout=10)

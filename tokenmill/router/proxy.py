@@ -34,6 +34,9 @@ _HOP_HEADERS = frozenset(
 )  # fmt: skip
 # Prompts longer than this (bytes of body) are hashed off the event loop.
 _INLINE_HASH_BYTES = 16 << 10
+# Bodies larger than a replica takes by default (serve's --max-request-body-bytes) are not hashed: routed
+# by load, they get the replica's own 413 at once, not seconds of the router's CPU first.
+_MAX_HASHED_BYTES = 8 << 20
 
 
 def error_body(message: str, error_type: str, code: str) -> dict:
@@ -48,6 +51,7 @@ class Router:
         self.policy = policy
         self.hasher = hasher
         self.index = index
+        self.max_hashed_bytes = _MAX_HASHED_BYTES
         self.metrics = RouterMetrics(lambda: self.replicas.replicas.values(), policy.name)
         self.session: aiohttp.ClientSession | None = None
         replicas.on_change = self._replica_changed
@@ -92,9 +96,11 @@ class Router:
     async def prompt_hashes(self, path: str, body: bytes) -> list[int]:
         if path not in ROUTED_PATHS:
             return []
+        if len(body) > self.max_hashed_bytes:
+            return []  # routed by load alone: the replica answers a body this large itself (a 413)
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []  # the replica answers the malformed body with its own 400
         if len(body) <= _INLINE_HASH_BYTES:
             return self.hasher.hashes(path, parsed)
@@ -146,14 +152,14 @@ class Router:
             self.replicas.mark_down(replica, f"{type(exc).__name__}: {exc}")
             raise _Retry(str(exc)) from exc
         try:
-            if upstream.status == 503:
+            data = await upstream.read() if upstream.status == 503 else b""
+            if upstream.status == 503 and _replica_unavailable(data):
                 # A draining or dead engine: it started nothing, another replica can take the request.
-                await upstream.read()
                 self.replicas.mark_down(replica, "answered 503")
                 raise _Retry("503")
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
             if upstream.content_type != "text/event-stream":
-                data = await upstream.read()
+                data = data or await upstream.read()
                 upstream.release()
                 replica.in_flight -= 1
                 return Response(data, status_code=upstream.status, headers=out_headers)
@@ -170,6 +176,21 @@ class Router:
 
 class _Retry(Exception):
     pass
+
+
+# The 503 codes of a replica that takes no requests at all (not of one request it could not serve, such
+# as a decode instance's prefill_failed, which passes through to the client).
+_REPLICA_DOWN_CODES = ("draining", "engine_dead")
+
+
+def _replica_unavailable(body: bytes) -> bool:
+    """Whether a replica's 503 says the replica is down: its OpenAI error code says so, or the body is not
+    a tokenmill error at all (a proxy's or a server's own 503 in front of it)."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return True
+    return code in _REPLICA_DOWN_CODES
 
 
 class _UpstreamStream(StreamingResponse):
