@@ -319,3 +319,38 @@ def test_a_replicas_own_503s_pass_through_and_keep_it_in_rotation(tmp_path) -> N
     finally:
         replica.should_exit = True
         thread.join(timeout=10)
+
+
+def test_sigterm_drains_the_replicas_before_the_router_stops(tmp_path) -> None:
+    """`serve --data-parallel-size 2` on SIGTERM: the replicas drain (their open streams run to their end
+    through the router) and the router stops after them; the process exits 0."""
+    import signal
+
+    server = ServerProcess(
+        [*MAIN_SERVER_ARGS, "--data-parallel-size", "2", "--shutdown-timeout", "60"], tmp_path / "dp2.log"
+    )
+    try:
+        server.wait_ready()
+        assert wait_for(lambda: len(healthy_replicas(server)) == 2, timeout=300), server.log_text()[-3000:]
+        results: dict[int, list[str]] = {}
+
+        def stream(i: int) -> None:
+            body = {"model": "default", "prompt": f"Story {i}:", "max_tokens": 48, "temperature": 0,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+                results[i] = [line for line in response.iter_lines() if line]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(2.0)
+        server.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+        for lines in results.values():
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            assert '"finish_reason":"length"' in lines[-2].replace(" ", ""), lines[-3:]
+        assert len(results) == 2
+        assert server.proc.wait(90) == 0, server.log_text()[-3000:]
+    finally:
+        server.stop()

@@ -82,11 +82,41 @@ def run_data_parallel(args: argparse.Namespace) -> int:
 
 
 async def _serve(router, args: argparse.Namespace, sock: socket.socket, replicas: list) -> int:
+    import uvicorn
+
     from tokenmill.router.cli import serve_router
+
+    class DrainingServer(uvicorn.Server):
+        """The router's server: the first SIGTERM or SIGINT drains the replicas (each finishes its running
+        requests within --shutdown-timeout, answering new ones 503 draining) while the router keeps
+        passing their streams through, and stops the router once every replica is gone; a second signal
+        stops it at once."""
+
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining:
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
+            logger.info("draining %d replicas before the router stops", len(replicas))
+            for process in replicas:
+                if process.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process.pid, signal.SIGTERM)
+            threading.Thread(target=self._stop_when_drained, name="tokenmill-drain", daemon=True).start()
+
+        def _stop_when_drained(self) -> None:
+            deadline = time.monotonic() + args.shutdown_timeout + 10
+            while time.monotonic() < deadline and any(p.exitcode is None for p in replicas):
+                time.sleep(0.1)
+            self.should_exit = True
 
     watch = asyncio.create_task(_watch_replicas(replicas))
     try:
-        await serve_router(router, args.host, args.port, args.log_level, sock=sock)
+        await serve_router(
+            router, args.host, args.port, args.log_level, sock=sock, server_class=DrainingServer
+        )
     finally:
         watch.cancel()
     return 0 if all(p.exitcode in (None, 0) for p in replicas) else 1

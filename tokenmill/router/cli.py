@@ -100,8 +100,11 @@ def _run(args: argparse.Namespace) -> int:
     return uvloop.run(serve_router(router, args.host, args.port, args.log_level))
 
 
-async def serve_router(router, host: str, port: int, log_level: str = "info", sock=None) -> int:
-    """Serve until SIGINT/SIGTERM (uvicorn's handlers)."""
+async def serve_router(
+    router, host: str, port: int, log_level: str = "info", sock=None, server_class=None
+) -> int:
+    """Serve until SIGINT/SIGTERM (uvicorn's handlers; server_class, a uvicorn.Server of the caller's, may
+    handle them its own way)."""
     import uvicorn
 
     from tokenmill.router.proxy import build_app
@@ -117,7 +120,7 @@ async def serve_router(router, host: str, port: int, log_level: str = "info", so
             build_app(router), host=host, port=port, log_level=log_level, access_log=False,
             lifespan="off", timeout_keep_alive=5, timeout_graceful_shutdown=5,
         )  # fmt: skip
-        server = uvicorn.Server(config)
+        server = (server_class or uvicorn.Server)(config)
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         await router.stop()
