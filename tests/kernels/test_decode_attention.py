@@ -269,9 +269,10 @@ def test_the_attention_layer_decodes_with_the_rotary_in_its_launch(monkeypatch, 
     layers, launches = {}, []
     for backend in ("triton", "torch"):
         kernels = _kernels_for(DEVICE, backend)
-        layer = Attention(
-            heads, kv_heads, dim, dim**-0.5, kernels, RotaryEmbedding(config, dim, 512, kernels)
-        ).to(DEVICE)
+        with torch.device(DEVICE):  # the rotary's cos/sin table too
+            layer = Attention(
+                heads, kv_heads, dim, dim**-0.5, kernels, RotaryEmbedding(config, dim, 512, kernels)
+            )
         if backend == "triton":  # count the separate rotary launches
             separate = kernels.rotary_and_write_kv_cache
             layer.kernels = kernels._replace(
