@@ -323,3 +323,21 @@ def test_speculative_section_in_json_and_table(capsys):
     assert main(["plan", *argv, "--speculative", "4", "--acceptance", "0.7"]) == 0
     table = capsys.readouterr().out
     assert "tokens per verify step (tau)      2.77" in table and "predicted speed-up at batch 1" in table
+
+
+@pytest.mark.parametrize(
+    "command", [["plan", "--model", "llama-3.1-8b", "--gpu", "H200"], ["bench", "serve", "--help"]]
+)
+def test_the_tokenmill_command_plans_without_torch(command) -> None:
+    """`tokenmill plan` and `tokenmill bench serve` import neither torch nor the engine (docs/plan.md,
+    docs/bench.md): the command builds only the chosen subcommand's parser."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom tokenmill.entrypoints.cli import main\n"
+        f"try:\n    main({command!r})\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -17,12 +17,15 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; with `command`, that one's module alone is imported (the others are
+    listed by name): `plan`, `bench serve` and `router` start without importing torch."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and tools.")
     subparsers = parser.add_subparsers(dest="command", required=True)
+    wanted = SUBCOMMANDS.get(command) if command is not None else None
     seen = set()
     for module_name in SUBCOMMANDS.values():
-        if module_name in seen:
+        if module_name in seen or (wanted is not None and module_name != wanted):
             continue
         seen.add(module_name)
         try:
@@ -32,11 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(subparsers)
+    for name in SUBCOMMANDS:
+        if name not in subparsers.choices:
+            subparsers.add_parser(name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    command = arguments[0] if arguments and arguments[0] in SUBCOMMANDS else None
+    args = build_parser(command).parse_args(arguments)
     try:
         result = args.func(args)
     except ValueError as exc:
