@@ -170,6 +170,33 @@ def test_bad_prompts_fail_alone_and_engine_keeps_serving(llm):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="one key, 'prompt'"):
+        llm.generate([{"text": "Hello"}], use_tqdm=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_asked_for_without_cuda_is_named():
+    with pytest.raises(ValueError, match="device='cuda' but this machine has no CUDA"):
+        LLM(model="default", device="cuda")
+
+
+def test_vllm_prompt_dicts(llm):
+    """vLLM's prompt forms: {"prompt": text} and {"prompt_token_ids": [...]}, alone or in a list."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    text = llm.generate("Hello there", params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = llm.get_tokenizer().encode("Hello there")
+    dicts = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [text, text]
+    assert llm.generate({"prompt": "Hello there"}, params, use_tqdm=False)[0].outputs[0].token_ids == text
+
+
+def test_stop_strings_need_a_tokenizer(tmp_path):
+    from tests.conftest import make_hf_model
+
+    make_hf_model("llama").save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=64)
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(stop=["x"]), use_tqdm=False)
 
 
 def test_bad_models_and_engine_knobs(tmp_path):

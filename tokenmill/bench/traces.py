@@ -30,7 +30,11 @@ def file_requests(
     block as in Mooncake traces); `output_length`/`max_tokens` (else `default_output_len`);
     `timestamp` in milliseconds to replay the trace's pacing.
     """
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {path}: cannot read it ({exc.strerror or exc})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"--dataset-path {path} holds no requests")
     records = [_parse_line(line, path, number) for number, line in enumerate(lines, start=1)]

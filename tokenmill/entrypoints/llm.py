@@ -57,7 +57,7 @@ class LLM:
             raise ValueError("pass exactly one of prompts or prompt_token_ids.")
         inputs: list[str | list[int]]
         if prompts is not None:
-            inputs = [prompts] if isinstance(prompts, str) else list(prompts)
+            inputs = [_prompt_input(p) for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)]
         else:
             inputs = [list(ids) for ids in prompt_token_ids]
         params_list = self._per_prompt(sampling_params, len(inputs), "sampling_params")
@@ -132,3 +132,25 @@ class LLM:
                 if pending and not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished.")
         return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_input(prompt) -> str | list[int]:
+    """A prompt as generate takes it: text (or token ids), or vLLM's dict forms {"prompt": text} and
+    {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"}:
+            return list(prompt["prompt_token_ids"])
+        raise ValueError(
+            "a prompt given as a dict takes one key, 'prompt' (text) or 'prompt_token_ids', "
+            f"got {sorted(prompt)}."
+        )
+    if isinstance(prompt, (list, tuple)):  # token ids
+        return list(prompt)
+    if not isinstance(prompt, str):
+        raise ValueError(
+            "prompts are text, token ids or vLLM's dicts ({'prompt': ...}, {'prompt_token_ids': ...}), "
+            f"got {type(prompt).__name__}."
+        )
+    return prompt

@@ -52,6 +52,8 @@ class InputProcessor:
                 raise KnobError(
                     "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
                 )
+        if params.stop and self.tokenizer is None:
+            raise KnobError("stop", "stop strings need the model's tokenizer (skip_tokenizer_init is set).")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise KnobError(
