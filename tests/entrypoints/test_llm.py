@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.loader import resolve_model
 from tokenmill.loader.default_model import default_model_path
 
 CHATS = [
@@ -236,3 +237,9 @@ def test_max_model_len_that_cannot_fit(tmp_path):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=4)
     with pytest.raises(ValueError, match="exceeds the model's context length"):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=4096)
+
+
+def test_the_embedded_tokenizer_by_name():
+    """tokenizer='default' is the embedded model's, as `bench --tokenizer default` reads it (not a hub id)."""
+    llm = LLM(model="default", tokenizer="default", load_format="dummy", max_model_len=64, num_kv_blocks=8)
+    assert llm.get_tokenizer().encode("Hello") == resolve_model("default").load_tokenizer().encode("Hello")

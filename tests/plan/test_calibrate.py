@@ -97,3 +97,10 @@ def test_unreadable_result_files(tmp_path):
     listed.write_text(json.dumps([RESULT]))
     with pytest.raises(ValueError, match="expected a JSON object"):
         read_bench_json(listed)
+
+
+def test_a_rate_sweeps_file_says_to_pick_one_result(tmp_path):
+    path = tmp_path / "sweep.json"
+    path.write_text("[{}, {}]")
+    with pytest.raises(ValueError, match="holds 2 results .a rate sweep's.: calibrate from one of them"):
+        read_bench_json(path)

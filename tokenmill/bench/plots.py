@@ -31,7 +31,10 @@ def write_plots(
     percentile: float,
 ) -> list[Path]:
     """Write latency_cdf.png, and for several rates also throughput_vs_rate.png and latency_vs_rate.png."""
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--plot {directory}: cannot make the directory ({exc.strerror or exc})") from None
     paths = [plot_latency_cdfs(summaries, directory / "latency_cdf.png", slos_ms=slos_ms)]
     if len(summaries) > 1:
         paths.append(plot_throughput_vs_rate(summaries, directory / "throughput_vs_rate.png"))

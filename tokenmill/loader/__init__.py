@@ -66,6 +66,8 @@ def resolve_model(model: str | None, load_format: str = "auto", tokenizer: str |
 
     if model in (None, "", DEFAULT_MODEL):
         model = default_model_path()
+    if tokenizer == DEFAULT_MODEL:  # the embedded model's tokenizer, as `bench --tokenizer default` reads it
+        tokenizer = default_model_path()
     if not os.path.exists(model):
         raise ValueError(
             f"model {model!r} not found: pass 'default', a Hugging Face model directory (with config.json) "

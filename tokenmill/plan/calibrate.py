@@ -40,6 +40,11 @@ def read_bench_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot read benchmark result {path}: {exc.strerror or exc}") from exc
     except json.JSONDecodeError as exc:
         raise ValueError(f"cannot read benchmark result {path}: not valid JSON ({exc})") from exc
+    if isinstance(data, list):
+        raise ValueError(
+            f"{path} holds {len(data)} results (a rate sweep's): calibrate from one of them, e.g. "
+            f"jq '.[-1]' {path} > one.json"
+        )
     if not isinstance(data, dict):
         raise ValueError(f"cannot read benchmark result {path}: expected a JSON object")
     return data
