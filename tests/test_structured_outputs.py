@@ -223,29 +223,6 @@ def test_async_scheduling_with_grammars_writes_what_the_synchronous_loop_writes(
     assert sum(straight) == overlaps
 
 
-def test_the_engine_fills_in_lanes_what_it_fills_with_the_shared_pool(llm, monkeypatch) -> None:
-    """MASK_LANES through the engine (the helper thread hands each lane its families, async scheduling):
-    constrained and unconstrained requests write what the shared pool's engine writes."""
-    from tokenmill import structured_outputs
-
-    monkeypatch.setattr(structured_outputs, "MASK_LANES", "lanes")
-    laned = LLM(
-        "default", max_model_len=2048, max_num_batched_tokens=256, dtype="float32", async_scheduling=True
-    )
-    structured = laned.engine.core.scheduler.structured
-    assert structured is not None and structured.lanes == "lanes"
-    params = [
-        SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": PERSON}),
-        SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured_outputs={"json": PERSON}),
-        SamplingParams(max_tokens=20, temperature=0.8, seed=5, structured_outputs={"regex": "[a-z ]{3,12}"}),
-        SamplingParams(max_tokens=12, temperature=0),
-    ]
-    prompt = "Describe a user of our website."
-    llm.engine.scheduler.kv.reset_prefix_cache()
-    assert chat(laned, prompt, params, n=len(params)) == chat(llm, prompt, params, n=len(params))
-    assert structured._lanes is not None
-
-
 def test_masks_the_device_waits_for_give_the_tokens_of_masks_given_before_sampling(monkeypatch) -> None:
     """On a GPU a grammar step's sampling is queued before its masks are filled, behind a wait on the
     device (AwaitingGrammar.host_masks; kernels/host_wait.py). The same engine path on the CPU (forced
@@ -333,55 +310,6 @@ def test_a_constraint_in_use_by_many_requests_is_dealt_over_its_families() -> No
     with pytest.raises(ValueError, match="max_families"):
         StructuredOutputs(source.load_tokenizer, 49152, max_families=0)
     assert np.unique(grouped[[0, 3]], axis=0).shape[0] == 2  # two states, two masks
-
-
-@pytest.mark.parametrize("lanes", ["lanes", "pin"])
-def test_mask_lanes_fill_what_the_shared_pool_fills(monkeypatch, lanes: str) -> None:
-    """MASK_LANES: each family's rows go to the same lane (a one-worker llguidance pool of a thread of
-    its own) every step; the rows are the shared pool's, bit for bit, whatever lanes get no work; an
-    error in a lane reaches the caller and the lanes keep filling; a bad setting is refused by name."""
-    from tokenmill import structured_outputs
-    from tokenmill.loader import resolve_model
-    from tokenmill.mask_lanes import MaskLanes
-    from tokenmill.structured_outputs import StructuredOutputs
-
-    source = resolve_model("default")
-    tokenizer = source.load_tokenizer()
-    laned = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=3, max_families=2, lanes=lanes)
-    shared = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=3, max_families=2, lanes="")
-    ids = tokenizer.encode('{"name": "Ada Lovelace", "age": 36', add_special_tokens=False)
-    rows, families, twins = [], [], []
-    for i in range(5):  # different states of one schema, dealt over two families
-        for structured, out in ((laned, rows), (shared, twins)):
-            matcher, family = structured.matcher(StructuredOutputsParams(json=PERSON))
-            assert matcher.consume_tokens(ids[: 2 * i + 1])
-            out.append(matcher)
-            if structured is laned:
-                families.append(family)
-    assert len(set(families)) == 2
-    for step in range(2):  # the same lanes again, one token further
-        filled = laned.fill_bitmask([None, *rows], [-1, *families])
-        assert (filled[0] == -1).all()
-        assert (filled[1:] == shared.fill_bitmask(twins)).all()
-        for row, matcher in enumerate(rows, start=1):
-            assert filled[row].tobytes() == matcher.compute_bitmask()[: laned.words * 4]
-        for i, (matcher, twin) in enumerate(zip(rows, twins)):
-            token = ids[2 * i + 1 + step]
-            assert matcher.consume_token(token) and twin.consume_token(token)
-    one = laned.fill_bitmask(rows[:1])  # two of the three lanes idle
-    assert one[0].tobytes() == rows[0].compute_bitmask()[: laned.words * 4]
-    pool = laned._lanes
-    assert isinstance(pool, MaskLanes) and pool.threads == 3
-    mask = np.zeros((1, laned.words), np.int32)
-    with pytest.raises(ValueError):
-        pool.fill([[(rows[0], 0)], [], []], mask.ctypes.data, 4, 1)  # not a row's size
-    pool.fill([[], [(rows[0], 0)], []], mask.ctypes.data, laned.words * 4, 1)
-    assert (mask == one).all()
-    with pytest.raises(ValueError, match="lanes must be"):
-        StructuredOutputs(source.load_tokenizer, 49152, lanes="rayon")
-    monkeypatch.setattr(structured_outputs, "MASK_LANES", "1")
-    with pytest.raises(ValueError, match="TOKENMILL_MASK_LANES"):
-        StructuredOutputs(source.load_tokenizer, 49152)
 
 
 def test_the_fill_hands_each_matcher_its_tokens_in_order() -> None:

@@ -13,11 +13,9 @@ H200's host, against ~2 ms for the forward pass of the 0.6B model). So a constra
 is compiled again, up to once per mask thread (a "family" of copies each), and a step's matchers go to
 the pool grouped by family: the threads then work on different lexers.
 
-The pool's workers take whichever matchers they steal, anew each step. With MASK_LANES each thread is
-instead a lane with a one-worker pool of its own that fills the same families every step (their
-lexers stay in its core's caches), its worker optionally on a CPU of its own ("pin"): on the 2-core
-VM, with the walk's own work between the fills, 2.1-2.5 ms a step against 2.8-3.4 for the shared pool
-(benchmarks/grammar_masks.py --fills). Off until timed on the GPU's host."""
+The pool's workers take whichever matchers they steal, anew each step. Threads that each kept the same
+families every step (their lexers in one core's caches) filled 1.7-1.9x slower on the H200's host, where
+the stealing's balance counts for more (docs/performance.md, twenty-ninth session): not kept."""
 
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.mask_lanes import MaskLanes
 from tokenmill.sampling_params import StructuredOutputsParams
 
 # Compiled constraints kept, by their text, and compiled matchers ("families") kept over all of them.
@@ -41,9 +38,6 @@ _MAX_COMPILED = 1024
 # llguidance's own default: 80% of the CPUs this process may run on, up to 32.
 MASK_THREADS = max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 MAX_FAMILIES = 64
-# How a step's masks are spread over the mask threads: "" llguidance's shared pool, "lanes" a pool of
-# one worker per thread with fixed families, "pin" lanes whose workers each keep a CPU of their own.
-MASK_LANES = os.environ.get("TOKENMILL_MASK_LANES", "")
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
 # small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
 # (format, title...) are ignored rather than refused. A schema's own "x-guidance" overrides these.
@@ -247,15 +241,13 @@ class StructuredOutputs:
         mask_threads: int = MASK_THREADS,
         max_families: int = MAX_FAMILIES,
         slices: list[str] | None = None,
-        lanes: str | None = None,
     ) -> None:
         """load_tokenizer: returns the model's Hugging Face fast tokenizer, called on first use.
         mask_threads: llguidance threads filling a step's masks. max_families: the most compilations
         ("families") of one constraint that requests are dealt over; copies of one compiled matcher share
         its lexer and its caches, so the threads' work on requests of one family contends. slices: the
         regexes of llguidance's slicer (token sets it precomputes for the masks; [] none), None its
-        defaults. lanes: how the masks are spread over the threads ("", "lanes" or "pin": MASK_LANES),
-        None MASK_LANES."""
+        defaults."""
         for name, value in (("mask_threads", mask_threads), ("max_families", max_families)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -265,14 +257,9 @@ class StructuredOutputs:
         self.mask_threads = mask_threads
         self.max_families = max_families
         self.slices = slices
-        self.lanes = MASK_LANES if lanes is None else lanes
-        if self.lanes not in ("", "lanes", "pin"):
-            source = "TOKENMILL_MASK_LANES" if lanes is None else "lanes"
-            raise ValueError(f"{source} must be '', 'lanes' or 'pin', got {self.lanes!r}.")
         self._ll_tokenizer = None
         self._thinking_tags: tuple[int, ...] | None = None
         self._executor = None
-        self._lanes: MaskLanes | None = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
         self.num_compiled = 0  # families over every constraint in the cache
         self._family_of: dict[int, tuple[_Families, int]] = {}  # family id -> (its constraint's, index)
@@ -293,8 +280,6 @@ class StructuredOutputs:
                     slices=self.slices,
                 )
                 self._executor = llguidance.LLExecutor(self.mask_threads)
-                if self.lanes:
-                    self._lanes = MaskLanes(self.mask_threads, pin=self.lanes == "pin")
             return self._ll_tokenizer
 
     def _compile(self, params: StructuredOutputsParams):
@@ -411,12 +396,6 @@ class StructuredOutputs:
                 gated.append((matcher, row))
             else:
                 work.append((matcher, row))
-        lanes, by_lane = self._lanes, None
-        if lanes is not None and work:
-            # a family always to the same lane (by its id), rows alone without families
-            by_lane = [[] for _ in range(lanes.threads)]
-            for matcher, row in work:
-                by_lane[(row if families is None else families[row]) % lanes.threads].append((matcher, row))
         executor = self._executor
         consume_gated: list[tuple[Any, int]] = []
         claimed_gated: list[tuple[Any, int]] = []
@@ -449,9 +428,7 @@ class StructuredOutputs:
                 for gate, row in claimed_gated:
                     gate.consume_token(tokens[row])
             consumed()
-            if by_lane is not None:
-                lanes.fill(by_lane, mask.ctypes.data, self.words * 4, len(matchers))
-            elif work:  # matchers exist only once ll_tokenizer (and the executor) were built
+            if work:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
             if gated:
                 self._fill_gated(gated, mask)

@@ -188,8 +188,7 @@ def main() -> None:
         "either samples by the sampler's torch form instead of the one-launch kernel (kernels/sample.py); "
         ":unbounded takes the schema without its strings' maxLength; :unstaged reads the masks over the bus "
         "a block at a time (host_wait.STAGED_MASKS off); :pin runs the loop on CPU 0 and the mask threads "
-        "off the CPUs in $PIN_EXCLUDE (default 0); :lanes fills the masks in lanes of fixed families "
-        "(structured_outputs.MASK_LANES), :pinlanes in lanes whose workers keep a CPU each",
+        "off the CPUs in $PIN_EXCLUDE (default 0)",
     )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -220,15 +219,13 @@ def main() -> None:
         label += " unbounded" if schema is not SCHEMA else ""
         label += " unstaged" if "unstaged" in options else ""
         label += " pinned" if "pin" in options else ""
-        lanes = "lanes" if "lanes" in options else "pin" if "pinlanes" in options else ""
-        label += {"": "", "lanes": " lanes", "pin": " pinned-lanes"}[lanes]
         label += f" #{sum(r[0].rsplit(' #', 1)[0] == label for r in runs) + 1}"
         threads, families = threads and int(threads), families and int(families)
         unstaged, pin = "unstaged" in options, "pin" in options
-        runs.append((label, threads, families, interval, torch_form, schema, unstaged, pin, lanes))
+        runs.append((label, threads, families, interval, torch_form, schema, unstaged, pin))
     all_cpus = os.sched_getaffinity(0)
     exclude = {int(c) for c in os.environ.get("PIN_EXCLUDE", "0").split(",") if c}
-    for label, threads, families, interval, torch_form, schema, unstaged, pin, lanes in runs:
+    for label, threads, families, interval, torch_form, schema, unstaged, pin in runs:
         sampler_module.ONE_LAUNCH_SAMPLING = not torch_form
         host_wait.STAGED_MASKS = not unstaged
         constraint = None
@@ -237,9 +234,7 @@ def main() -> None:
         if threads is not None:
             constraint = StructuredOutputsParams(json=schema)
             # A fresh compilation cache and llguidance executor for this many threads and families.
-            structured.__init__(
-                structured.load_tokenizer, structured.vocab_size, threads, families, lanes=lanes
-            )
+            structured.__init__(structured.load_tokenizer, structured.vocab_size, threads, families)
             if pin:  # llguidance's threads start with the executor, on the CPUs its creator may use
                 os.sched_setaffinity(0, all_cpus - exclude)
                 structured.ll_tokenizer  # noqa: B018 (builds the executor now)

@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches pdl-probes grammar-lanes structured-lanes fp8-pairs fp8-pairs-step server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches pdl-probes fp8-pairs fp8-pairs-step server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -79,38 +79,6 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                cp .gpu_assets/tokenizer/* "$model/"
                timeout 200 $py benchmarks/grammar_masks.py --model "$model" --threads 1,8,12,16 --families 1,12,64 \
                  --gaps-ms 0 --out "$out/grammar_masks_matrix.json" 2>&1 >/dev/null ;;
-    # The masks filled in lanes of fixed families (structured_outputs.MASK_LANES) against llguidance's
-    # shared pool (issue 13): the fill alone (the walk's own work between fills), the loop's phases, and
-    # the goal's throughput pair with the lanes (STRUCTURED_PROMPTS as in `structured`).
-    grammar-lanes) model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
-print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
-               cp .gpu_assets/tokenizer/* "$model/"
-               timeout 150 $py benchmarks/grammar_masks.py --model "$model" --threads 12 --families 64 --gaps-ms 0 \
-                 --steps 96 --fills shared,lanes,pinned,shared,lanes,pinned --out "$out/grammar_lanes.json" 2>&1 >/dev/null
-               timeout 200 $py benchmarks/gpu/profile_host_loop.py --tokenizer .gpu_assets/tokenizer \
-                 --runs none,12x64,12x64:lanes,12x64:pinlanes,none,12x64,12x64:lanes,12x64:pinlanes \
-                 --out "$out/host_loop_lanes.json" 2>&1 | grep -E "^(none|json)" | cut -c1-200
-               schema='{"json": {"type": "array", "minItems": 8, "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}, "role": {"enum": ["admin", "user", "guest"]}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}, "required": ["name", "age", "role", "tags"]}}}'
-               for run in "" _2; do for lanes in "" pin none; do
-                 extra=(--structured-outputs "$schema"); [ "$lanes" = none ] && extra=()
-                 TOKENMILL_MASK_LANES=${lanes/none/} timeout 200 $py -m tokenmill.entrypoints.cli bench throughput \
-                   --model "$model" --load-format dummy --dataset-name random --random-input-len 256 \
-                   --random-output-len 128 --num-prompts "${STRUCTURED_PROMPTS:-1536}" --num-warmups 64 \
-                   --max-num-seqs 64 "${extra[@]}" --output-json "$out/lanes_${lanes:-shared}$run.json" 2>&1 | tail -2
-               done; done ;;
-    # The goal's throughput pair alone with the mask lanes (grammar-lanes' last part): the shared pool,
-    # pinned lanes, plain lanes and no schema, alternating, two rounds.
-    structured-lanes) model=$($py -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from shapes import shape_dir; \
-print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))")
-               cp .gpu_assets/tokenizer/* "$model/"
-               schema='{"json": {"type": "array", "minItems": 8, "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}, "role": {"enum": ["admin", "user", "guest"]}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}, "required": ["name", "age", "role", "tags"]}}}'
-               for run in "" _2; do for lanes in "" pin none lanes; do
-                 extra=(--structured-outputs "$schema"); [ "$lanes" = none ] && extra=()
-                 TOKENMILL_MASK_LANES=${lanes/none/} timeout 120 $py -m tokenmill.entrypoints.cli bench throughput \
-                   --model "$model" --load-format dummy --dataset-name random --random-input-len 256 \
-                   --random-output-len 128 --num-prompts "${STRUCTURED_PROMPTS:-1536}" --num-warmups 64 \
-                   --max-num-seqs 64 "${extra[@]}" --output-json "$out/lanes_${lanes:-shared}$run.json" 2>&1 | tail -1
-               done; done ;;
     # The one-launch sampling kernel (kernels/sample.py) against the sampler's torch form, unconstrained
     # and under the schema, alternating in one process (profile_host_loop's phases per step).
     sampling-ab) timeout 420 $py benchmarks/gpu/profile_host_loop.py --tokenizer .gpu_assets/tokenizer --requests 1024 \
