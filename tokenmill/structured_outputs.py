@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.grammars import grammar_text
 from tokenmill.sampling_params import StructuredOutputsParams
 
 # Compiled constraints kept, by their text, and compiled matchers ("families") kept over all of them.
@@ -38,127 +39,6 @@ _MAX_COMPILED = 1024
 # llguidance's own default: 80% of the CPUs this process may run on, up to 32.
 MASK_THREADS = max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 MAX_FAMILIES = 64
-# JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
-# small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
-# (format, title...) are ignored rather than refused. A schema's own "x-guidance" overrides these.
-_JSON_DEFAULTS = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "lenient": True,
-}
-
-
-def closed(schema: object) -> object:
-    """The schema with every object that lists its properties closed to others (additionalProperties
-    false) unless it says otherwise: what OpenAI's strict mode requires and xgrammar, vLLM's default
-    backend, assumes. Open, a model fills the object with keys of its own (pydantic's schemas, as
-    LangChain and the openai client send them, leave it unsaid). An object made of parts (allOf, or
-    properties beside anyOf / oneOf alternatives that list their own) is closed as a whole, to the
-    names of all its parts: each part closed alone would forbid the others' keys. What sits under not,
-    if, then and else is left as it is (closed, it would mean something else)."""
-    if not isinstance(schema, dict):
-        return schema
-    return _Closer(schema).close(schema)
-
-
-class _Closer:
-    def __init__(self, root: dict) -> None:
-        self.root = root
-        # Local references used as parts of a larger object: the definitions they name are left open.
-        self.parts: set[str] = set()
-        self._find_parts(root)
-
-    def _find_parts(self, node: object) -> None:
-        if isinstance(node, list):
-            for value in node:
-                self._find_parts(value)
-        if not isinstance(node, dict):
-            return
-        keys = ["allOf"] + (["anyOf", "oneOf"] if isinstance(node.get("properties"), dict) else [])
-        for key in keys:
-            for branch in node.get(key) if isinstance(node.get(key), list) else []:
-                if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
-                    self.parts.add(branch["$ref"])
-        for value in node.values():
-            self._find_parts(value)
-
-    def _resolve(self, ref: str) -> object:
-        node: object = self.root
-        for part in ref[2:].split("/") if ref.startswith("#/") else [None]:
-            if not isinstance(node, dict) or part is None:
-                return None
-            node = node.get(part.replace("~1", "/").replace("~0", "~"))
-        return node
-
-    def names(self, branch: object) -> set[str]:
-        """The property names a part lists (through one local reference)."""
-        if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
-            branch = self._resolve(branch["$ref"])
-        properties = branch.get("properties") if isinstance(branch, dict) else None
-        return set(properties) if isinstance(properties, dict) else set()
-
-    def close(self, schema: object, part: bool = False, beside: frozenset[str] = frozenset()) -> object:
-        """part: an allOf part (left open itself); beside: the names of the properties next to this
-        anyOf / oneOf alternative, which it holds too."""
-        if not isinstance(schema, dict):
-            return schema
-        out = dict(schema)
-        for key in ("properties", "patternProperties", "dependentSchemas"):
-            if isinstance(out.get(key), dict):
-                out[key] = {name: self.close(sub) for name, sub in out[key].items()}
-        for key in ("$defs", "definitions"):
-            if isinstance(out.get(key), dict):
-                out[key] = {
-                    name: self.close(sub, part=f"#/{key}/{name}" in self.parts)
-                    for name, sub in out[key].items()
-                }
-        own = self.names(out) if "$ref" not in out else set()
-        names = set(own)
-        if isinstance(out.get("allOf"), list):
-            out["allOf"] = [self.close(sub, part=True) for sub in out["allOf"]]
-            names.update(*map(self.names, out["allOf"]))
-        for key in ("anyOf", "oneOf"):
-            if isinstance(out.get(key), list):
-                out[key] = [self.close(sub, beside=frozenset(own)) for sub in out[key]]
-                if own:
-                    names.update(*map(self.names, out[key]))
-        if isinstance(out.get("prefixItems"), list):
-            out["prefixItems"] = [self.close(sub) for sub in out["prefixItems"]]
-        for key in ("items", "additionalProperties", "contains"):
-            if isinstance(out.get(key), dict):
-                out[key] = self.close(out[key])
-        if own and beside:
-            names |= beside
-        if names and not part and "additionalProperties" not in out:
-            properties = dict(out.get("properties") or {})
-            out["properties"] = {**properties, **{name: {} for name in sorted(names - set(properties))}}
-            out["additionalProperties"] = False
-        return out
-
-
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """The constraint as llguidance's grammar text; ValueError naming the field when it is malformed."""
-    import llguidance
-
-    kind = params.kind
-    try:
-        if kind == "json":
-            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(closed(schema)), defaults=_JSON_DEFAULTS
-            )
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                '{"type": "object"}', defaults=_JSON_DEFAULTS
-            )
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(params.choice))
-        return llguidance.LLMatcher.grammar_from_lark(params.grammar)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"structured_outputs {kind}: {exc}") from None
 
 
 def _tokenizer_json(hf_tokenizer) -> str:
