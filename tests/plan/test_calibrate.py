@@ -93,10 +93,10 @@ def test_unreadable_result_files(tmp_path):
     broken.write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         read_bench_json(broken)
-    listed = tmp_path / "list.json"
-    listed.write_text(json.dumps([RESULT]))
+    number = tmp_path / "number.json"
+    number.write_text("42")
     with pytest.raises(ValueError, match="expected a JSON object"):
-        read_bench_json(listed)
+        read_bench_json(number)
 
 
 def test_a_rate_sweeps_file_says_to_pick_one_result(tmp_path):
