@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tokenmill.plan.calibrate import calibration_rows, parse_bench_result, read_bench_json
