@@ -159,6 +159,7 @@ COMPLETION_BAD = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, None),
     ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": [True, False]}, "prompt"),
     ({"logprobs": 21}, "logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"best_of": 2}, "best_of"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -282,7 +282,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # true/false are not token ids
     max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
