@@ -49,3 +49,30 @@ def test_unsupported_architecture_is_one_clean_line(tmp_path):
     assert done.returncode != 0
     assert "FooForCausalLM" in output and "is not supported" in output
     assert "Traceback" not in output
+
+
+def test_an_engine_that_fails_to_start_is_one_line(monkeypatch, capsys):
+    """A start-up failure that is not a bad configuration (out of device memory, a driver error) is one
+    error line and exit code 1 (the core's log has the traceback); any other RuntimeError is a bug and
+    keeps its traceback."""
+    import argparse
+
+    import pytest
+
+    from tokenmill.entrypoints import cli
+    from tokenmill.serving.core_link import EngineStartError
+
+    def parser_raising(error):
+        def build(command=None):
+            parser = argparse.ArgumentParser()
+            parser.set_defaults(func=lambda args: (_ for _ in ()).throw(error))
+            return parser
+
+        return build
+
+    monkeypatch.setattr(cli, "build_parser", parser_raising(EngineStartError("CUDA out of memory")))
+    assert cli.main([]) == 1
+    assert "error: the engine failed to start: CUDA out of memory" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "build_parser", parser_raising(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main([])

@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from tokenmill.serving.core_link import EngineStartError
+
+        if not isinstance(exc, EngineStartError):
+            raise
+        print(f"error: the engine failed to start: {exc}", file=sys.stderr)
+        return 1
     return int(result or 0)
 
 

@@ -29,6 +29,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core process has died; no request can complete."""
 
 
+class EngineStartError(RuntimeError):
+    """The engine core failed to start for a reason other than a bad configuration (out of device memory,
+    a driver error); the core's own log has its traceback."""
+
+
 class KVTransferError(RuntimeError):
     """Disaggregation: the request's KV never came from its prefill peer (the core ended it)."""
 
@@ -91,7 +96,7 @@ async def wait_ready(
     sockets: CoreSockets, process: multiprocessing.process.BaseProcess | CoreWatch
 ) -> EngineReady:
     """The core's EngineReady, once its model is loaded and both sockets are connected; its start-up
-    error as a ValueError (a bad configuration) or a RuntimeError."""
+    error as a ValueError (a bad configuration) or an EngineStartError."""
     decoder = message_decoder()
     while True:
         if await sockets.output.poll(_READY_POLL_MS):
@@ -99,10 +104,10 @@ async def wait_ready(
             if isinstance(message, EngineReady):
                 break
             if isinstance(message, EngineDead):
-                error_class = ValueError if message.error_type == "ValueError" else RuntimeError
+                error_class = ValueError if message.error_type == "ValueError" else EngineStartError
                 raise error_class(message.error)
         elif not process.is_alive():
-            raise RuntimeError(
+            raise EngineStartError(
                 f"engine core process exited with code {process.exitcode} before it was ready."
             )
     # The core connected to these sockets when it started, and retries every 100 ms where one was not
