@@ -321,6 +321,7 @@ def test_a_replicas_own_503s_pass_through_and_keep_it_in_rotation(tmp_path) -> N
         thread.join(timeout=10)
 
 
+@pytest.mark.slow  # two replicas of the embedded model: about a minute on a 2-core CPU
 def test_sigterm_drains_the_replicas_before_the_router_stops(tmp_path) -> None:
     """`serve --data-parallel-size 2` on SIGTERM: the replicas drain (their open streams run to their end
     through the router) and the router stops after them; the process exits 0."""
