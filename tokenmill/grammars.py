@@ -53,9 +53,12 @@ class _Closer:
             self._find_parts(value)
 
     def _resolve(self, ref: str) -> object:
+        """What a local JSON pointer ("#/$defs/Name") names in the root schema, else None."""
+        if not ref.startswith("#/"):
+            return None
         node: object = self.root
-        for part in ref[2:].split("/") if ref.startswith("#/") else [None]:
-            if not isinstance(node, dict) or part is None:
+        for part in ref[2:].split("/"):
+            if not isinstance(node, dict):
                 return None
             node = node.get(part.replace("~1", "/").replace("~0", "~"))
         return node

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+# The reasoning parsers (`<think>...</think>`) the server and the constraints know.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
 class KnobError(ValueError):
     """A bad value of one knob, named in `param` (the server's 400 names it)."""
 
@@ -53,9 +57,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs {name} must be a non-empty string, got {value!r}.")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs json must be a JSON schema (an object), got {self.json!r}.")
-        if self.reasoning not in (None, "deepseek_r1", "qwen3"):
+        if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
             raise ValueError(
-                "structured_outputs reasoning must be 'deepseek_r1' or 'qwen3' (or None), "
+                f"structured_outputs reasoning must be one of {REASONING_PARSERS} (or None), "
                 f"got {self.reasoning!r}."
             )
 

@@ -308,26 +308,26 @@ class StructuredOutputs:
                 for gate, row in claimed_gated:
                     gate.consume_token(tokens[row])
             consumed()
-            if work:  # matchers exist only once ll_tokenizer (and the executor) were built
-                executor.unsafe_compute_mask_ptr(work, mask.ctypes.data, self.words * 4, len(matchers))
+            # AfterThinking rows, now that their tokens are in: the grammar's once the model answers.
+            rows = work + [(gate.matcher, row) for gate, row in gated if not gate.thinking] if gated else work
+            if rows:  # matchers exist only once ll_tokenizer (and the executor) were built
+                executor.unsafe_compute_mask_ptr(rows, mask.ctypes.data, self.words * 4, len(matchers))
             if gated:
-                self._fill_gated(gated, mask)
+                _finish_gated(gated, mask)
             return mask
 
         return fill
 
-    def _fill_gated(self, gated: list[tuple[AfterThinking, int]], mask: np.ndarray) -> None:
-        """AfterThinking rows: everything while the model thinks, else the grammar's (and `<think>` too
-        where the first token may open the thinking)."""
-        answering = [(gate.matcher, row) for gate, row in gated if not gate.thinking]
-        if answering:
-            self._executor.unsafe_compute_mask_ptr(answering, mask.ctypes.data, self.words * 4, len(mask))
-        words = mask.view(np.uint32)
-        for gate, row in gated:
-            if gate.thinking:
-                mask[row] = -1
-            elif gate.first:
-                words[row, gate.start >> 5] |= np.uint32(1 << (gate.start & 31))
+
+def _finish_gated(gated: list[tuple[AfterThinking, int]], mask: np.ndarray) -> None:
+    """AfterThinking rows: everything while the model thinks; `<think>` allowed beside the grammar's
+    tokens where the first token may open the thinking."""
+    words = mask.view(np.uint32)
+    for gate, row in gated:
+        if gate.thinking:
+            mask[row] = -1
+        elif gate.first:
+            words[row, gate.start >> 5] |= np.uint32(1 << (gate.start & 31))
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:

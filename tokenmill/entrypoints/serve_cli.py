@@ -6,6 +6,7 @@ import argparse
 import os
 
 from tokenmill.entrypoints.engine_args import add_engine_args
+from tokenmill.sampling_params import REASONING_PARSERS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -97,7 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     server.add_argument(
         "--reasoning-parser",
-        choices=("deepseek_r1", "qwen3"),
+        choices=REASONING_PARSERS,
         help="put a model's <think>...</think> into message.reasoning_content (vLLM's names)",
     )
     server.add_argument(

@@ -152,14 +152,13 @@ class Router:
             self.replicas.mark_down(replica, f"{type(exc).__name__}: {exc}")
             raise _Retry(str(exc)) from exc
         try:
-            data = await upstream.read() if upstream.status == 503 else b""
-            if upstream.status == 503 and _replica_unavailable(data):
-                # A draining or dead engine: it started nothing, another replica can take the request.
-                self.replicas.mark_down(replica, "answered 503")
-                raise _Retry("503")
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-            if upstream.content_type != "text/event-stream":
-                data = data or await upstream.read()
+            if upstream.status == 503 or upstream.content_type != "text/event-stream":
+                data = await upstream.read()
+                if upstream.status == 503 and _replica_unavailable(data):
+                    # A draining or dead engine: it started nothing, another replica can take the request.
+                    self.replicas.mark_down(replica, "answered 503")
+                    raise _Retry("503")
                 upstream.release()
                 replica.in_flight -= 1
                 return Response(data, status_code=upstream.status, headers=out_headers)

@@ -94,7 +94,7 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif "scale" in name.rsplit(".", 1)[-1] or name.endswith(".scales"):
+            elif "scale" in name.rsplit(".", 1)[-1]:  # weight_scale, scales, weight_scale_inv, input_scale
                 param.fill_(0.004 if _packs_int4(model, name) else 0.02)
             elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 values = torch.empty(param.shape, dtype=torch.float32, device=param.device)

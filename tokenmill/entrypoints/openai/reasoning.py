@@ -9,6 +9,8 @@ answer alone in `content`, as vLLM's parsers of the same names do.
 
 from __future__ import annotations
 
+from tokenmill.sampling_params import REASONING_PARSERS
+
 from .tool_calls import partial_suffix
 
 START, END = "<think>", "</think>"
@@ -16,8 +18,10 @@ START, END = "<think>", "</think>"
 
 class ReasoningParser:
     def __init__(self, name: str) -> None:
-        if name not in ("deepseek_r1", "qwen3"):
-            raise ValueError(f"unknown reasoning parser {name!r}; choose deepseek_r1 or qwen3")
+        if name not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}"
+            )
         self.starts_inside = name == "deepseek_r1"
 
     def split(self, text: str, final: bool = True) -> tuple[str | None, str]:

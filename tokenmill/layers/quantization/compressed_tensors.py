@@ -144,6 +144,13 @@ def ignored_layer(prefix: str, listed: Callable[[str], bool], field: str) -> boo
     return False
 
 
+def not_converted(prefix: str, modules: list[str]) -> bool:
+    """modules_to_not_convert (fine-grained FP8, GPTQ, AWQ) as transformers reads it, an entry naming
+    every module whose name holds it, against the checkpoint's names of a fused layer's parts."""
+    listed = lambda name: any(entry in name for entry in modules)  # noqa: E731
+    return ignored_layer(prefix, listed, "quantization_config.modules_to_not_convert")
+
+
 def _checkpoint_names(prefix: str) -> list[str]:
     for fused, parts in (
         (".qkv_proj", (".q_proj", ".k_proj", ".v_proj")),

@@ -25,7 +25,7 @@ from tokenmill.layers.linear import (
     ShardId,
     WeightLoader,
 )
-from tokenmill.layers.quantization.compressed_tensors import ignored_layer
+from tokenmill.layers.quantization.compressed_tensors import not_converted
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, quantize_per_row
 
 
@@ -55,10 +55,7 @@ class Fp8BlockConfig:
         return Fp8BlockLinearMethod(self.block_n, self.block_k)
 
     def is_ignored(self, prefix: str) -> bool:
-        """modules_to_not_convert as transformers reads it (an entry names every module whose name
-        holds it), against the checkpoint's names of a fused layer's parts."""
-        listed = lambda name: any(entry in name for entry in self.ignore)  # noqa: E731
-        return ignored_layer(prefix, listed, "quantization_config.modules_to_not_convert")
+        return not_converted(prefix, self.ignore)
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from torch import nn
 from tokenmill.kernels import GemvFusion
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
-from tokenmill.layers.quantization.compressed_tensors import ignored_layer
+from tokenmill.layers.quantization.compressed_tensors import not_converted
 from tokenmill.layers.quantization.int4 import (
     add_group_index,
     checkpoint_rows,
@@ -68,10 +68,7 @@ class GptqAwqConfig:
         return GptqAwqLinearMethod(self.method, self.group_size)
 
     def is_ignored(self, prefix: str) -> bool:
-        """modules_to_not_convert as transformers reads it (an entry names every module whose name
-        holds it), against the checkpoint's names of a fused layer's parts."""
-        listed = lambda name: any(entry in name for entry in self.ignore)  # noqa: E731
-        return ignored_layer(prefix, listed, "quantization_config.modules_to_not_convert")
+        return not_converted(prefix, self.ignore)
 
 
 def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:

@@ -187,14 +187,14 @@ def order_input_columns(layer: nn.Module, packed_name: str, field: str) -> None:
         return
     del layer.group_index
     group = layer.int4_group_size
-    columns = group_index.numel()
-    if torch.equal(group_index, torch.arange(columns) // group):
-        return  # in order already
+    in_order = torch.arange(group_index.numel()) // group
+    if torch.equal(group_index, in_order):
+        return
     order = torch.sort(group_index, stable=True).indices
-    if not torch.equal(group_index[order], torch.arange(columns) // group):
+    if not torch.equal(group_index[order], in_order):
         raise ValueError(f"{field}: g_idx does not put {group} input columns in each group")
     packed = getattr(layer, packed_name)
-    values = unpack_int4(packed.data, columns)[:, order.to(packed.device)]
+    values = unpack_int4(packed.data, group_index.numel())[:, order.to(packed.device)]
     packed.data = pack_int4(values)
     layer.input_order = order.to(packed.device)
 
