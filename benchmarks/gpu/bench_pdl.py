@@ -33,8 +33,8 @@ from shapes import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
 
 import tokenmill.kernels.attention as attention_kernels  # noqa: E402
 import tokenmill.layers.attention as attention_layer  # noqa: E402
+import tokenmill.layers.dense as dense  # noqa: E402
 import tokenmill.layers.fused_linear as fused_linear  # noqa: E402
-import tokenmill.layers.linear as linear  # noqa: E402
 from tokenmill.kernels import pdl, skinny_gemm  # noqa: E402
 from tokenmill.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 
@@ -177,7 +177,7 @@ def patched(model, variant: dict):
 
 def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     pdl.enabled = (lambda x: x.is_cuda) if variant["pdl"] else (lambda x: False)
-    linear.DENSE_GEMV = variant.get("gemv", True)
+    dense.DENSE_GEMV = variant.get("gemv", True)
     # No fusion unless the variant names parts (the engine's default, "act", is the fuse-act variants).
     fusion, fused_linear.GEMV_FUSION = fused_linear.GEMV_FUSION, variant.get("fusion", frozenset())
     early_reads, pdl.EARLY_READS = pdl.EARLY_READS, variant.get("early_reads", True)

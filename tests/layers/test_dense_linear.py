@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import sm_count
-from tokenmill.layers import linear
+from tokenmill.layers import dense
 
 
 def test_off_the_gpu_it_is_f_linear() -> None:
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 64, generator=gen), torch.randn(4096, 64, generator=gen)
     bias = torch.randn(4096, generator=gen)
-    assert torch.equal(linear.dense_linear(x, w, bias), F.linear(x, w, bias))
-    assert torch.equal(linear.dense_linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    assert torch.equal(dense.dense_linear(x, w, bias), F.linear(x, w, bias))
+    assert torch.equal(dense.dense_linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
 
 
 @pytest.mark.gpu
@@ -31,9 +31,9 @@ def test_one_row_takes_the_gemv_and_matches_cublas(monkeypatch) -> None:
         calls.append(args)
         return skinny_gemm.dense_gemv(*args, **kwargs)
 
-    real = linear.triton_kernel
+    real = dense.triton_kernel
     monkeypatch.setattr(
-        linear, "triton_kernel", lambda module, name: gemv if name == "dense_gemv" else real(module, name)
+        dense, "triton_kernel", lambda module, name: gemv if name == "dense_gemv" else real(module, name)
     )
     device = torch.device("cuda")
     n = 16 * sm_count(device) + 40  # past a whole number of tiles
@@ -41,12 +41,12 @@ def test_one_row_takes_the_gemv_and_matches_cublas(monkeypatch) -> None:
     w = torch.randn(n, 4104, device=device, dtype=torch.bfloat16, generator=gen) * 0.05
     bias = torch.randn(n, device=device, dtype=torch.bfloat16, generator=gen)
     x = torch.randn(1, 1, 4104, device=device, dtype=torch.bfloat16, generator=gen)
-    got = linear.dense_linear(x, w, bias)
+    got = dense.dense_linear(x, w, bias)
     assert len(calls) == 1 and got.shape == (1, 1, n)
     want = x.double() @ w.double().t() + bias.double()
     torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
     # Two rows (skinny_gemm.DENSE_ROWS is 1), fp32, or a narrow weight stay on cuBLAS.
-    linear.dense_linear(x.expand(2, 1, 4104), w)
-    linear.dense_linear(x.float(), w.float())
-    linear.dense_linear(x, w[: 8 * sm_count(device)])
+    dense.dense_linear(x.expand(2, 1, 4104), w)
+    dense.dense_linear(x.float(), w.float())
+    dense.dense_linear(x, w[: 8 * sm_count(device)])
     assert len(calls) == 1

@@ -9,7 +9,8 @@ from torch import nn
 
 from tokenmill import distributed
 from tokenmill.layers.cpu_packed import packed_linear
-from tokenmill.layers.linear import ShardId, dense_linear, divide
+from tokenmill.layers.dense import dense_linear
+from tokenmill.layers.linear import ShardId, divide
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
