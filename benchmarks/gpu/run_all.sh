@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches pdl-probes fp8-pairs fp8-pairs-step server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
 #         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -152,6 +152,17 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                     timeout 150 $py benchmarks/gpu/bench_pdl.py $([ $q = none ] || echo --quantization $q) \
                       --rounds 7 --variants $base,$base-rotary-in-attention,$base-late-reads --out "$out/pdl_launches_$q.json" \
                       2>&1 | grep -v "Warn\|variant met" | tail -3; done ;;
+    # The decode attention's own rotary and KV store (TOKENMILL_DECODE_ROTARY=1) end to end: the
+    # greedy-token GPU tests with it on (rotary-tests), then batch-1 decode through the public API, bf16 /
+    # FP8 / INT4, with it on and off in turn (decode-rotary).
+    rotary-tests) TOKENMILL_DECODE_ROTARY=1 timeout 300 $py -m pytest -q -m gpu tests/models/test_gpu_equivalence.py \
+                    tests/layers/test_attention.py tests/spec_decode -p no:cacheprovider \
+                    --junitxml="$out/rotary_gpu_tests.xml" 2>&1 | tail -3 ;;
+    decode-rotary) for q in none fp8 int4; do for on in 1 0; do
+                     TOKENMILL_DECODE_ROTARY=$on timeout 100 $bench decode --shape llama-3.1-8b --max-num-seqs 4 \
+                       $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_${q}_rotary$on.json" \
+                       2>&1 | grep -E '"decode_step_ms"' | tail -1
+                   done; done ;;
     # What each small launch costs the FP8 step (bench_pdl --probes: variants that leave one out), and the
     # decode attention tile's pipeline stages, warps and keys.
     pdl-probes) timeout 300 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \

@@ -3,6 +3,7 @@ The backend (Triton on CUDA, torch reference elsewhere) is chosen once, when the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,9 +16,10 @@ from tokenmill.kernels import Kernels, StepRotary, get_kernels
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Whether a decode step's attention rotates q and k and stores K/V in its own launch (paged_attention's
-# `rotary`) instead of after the rotary-and-store launch. Off until timed and tested on a GPU (it has run
-# in the interpreter and the sm_90 compiler only): bench_pdl's rotary-in-attention variants.
-DECODE_ROTARY = False
+# `rotary`) instead of after the rotary-and-store launch. Off until timed on a GPU (its kernel and layer
+# tests passed on the H200 on 2026-12-05): bench_pdl's rotary-in-attention variants, and run_all.sh's
+# decode-rotary; TOKENMILL_DECODE_ROTARY=1 turns it on for a whole process.
+DECODE_ROTARY = os.environ.get("TOKENMILL_DECODE_ROTARY", "0") == "1"
 
 # Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
 _DENSE_BACKENDS = [
