@@ -257,3 +257,27 @@ def test_a_stop_token_or_eos_is_not_in_the_text(server, client, greedy):
         extra_body={"skip_special_tokens": False},
     ).choices[0]  # fmt: skip
     assert answer.finish_reason == "stop" and "<|im_end|>" not in answer.message.content
+
+
+def test_continuous_usage_stats_count_each_choice_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats: beside include_usage, every chunk carries its choice's
+    usage so far (the chat's role chunks none yet), and the last chunk the whole request's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    ask = dict(model="default", max_tokens=3, n=2, temperature=1, stream=True, stream_options=options)
+    chunks = list(client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **ask))
+    *choice_chunks, last = chunks
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in choice_chunks:
+        (choice,) = chunk.choices
+        counts[choice.index].append(chunk.usage.completion_tokens)
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    for running in counts.values():
+        assert running == sorted(set(running)) and running[-1] == 3  # growing, to the choice's 3 tokens
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = list(client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True}, **ask))
+    assert [c.usage.completion_tokens for c in chat[:2]] == [0, 0]  # the role chunks
+    assert [c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason] == [3, 3]
+    assert (
+        chat[-1].usage.completion_tokens == 6 and chat[-1].usage.prompt_tokens == chat[0].usage.prompt_tokens
+    )

@@ -153,13 +153,17 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
     return requested
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    """A usage object; cached_tokens None (a stream's running count, as vLLM sends it) leaves out the
+    prompt's details."""
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is None:
+        return counts
+    return {**counts, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 _json_encoder = msgspec.json.Encoder()

@@ -39,6 +39,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class SamplingFields(OpenAIModel):
@@ -142,6 +143,11 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """As vLLM reads stream_options: continuous_usage_stats counts only beside include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None

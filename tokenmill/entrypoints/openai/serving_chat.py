@@ -175,7 +175,7 @@ class ChatServing:
         head = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
             return StreamingResponse(
-                self._stream(head, request, request_id, stream, raw_request, tools),
+                self._stream(head, request, request_id, stream, raw_request, tools, len(prompt_ids)),
                 media_type="text/event-stream",
             )
         (final,) = await final_outputs(engine, {request_id: stream}, raw_request)
@@ -203,15 +203,18 @@ class ChatServing:
         stream: AsyncIterator[RequestOutput],
         raw_request: Request,
         tools: ToolAnswer,
+        num_prompt_tokens: int,
     ) -> AsyncIterator[str]:
         engine = self.state.engine
         watcher = DisconnectWatcher(raw_request, lambda: engine.abort(request_id))
         k = request.num_logprobs
 
-        def chunk(choices: list[dict], **extra: object) -> str:
-            # With include_usage every chunk carries "usage": null until the last, as OpenAI sends it.
-            usage = {"usage": None} if request.include_usage else {}
-            return sse({**head, "object": "chat.completion.chunk", "choices": choices, **usage, **extra})
+        def chunk(choices: list[dict], completion_tokens: int = 0, **extra: object) -> str:
+            # With include_usage every chunk carries "usage": null until the last, as OpenAI sends it;
+            # with vLLM's continuous_usage_stats, its choice's counts so far.
+            running = usage(num_prompt_tokens, completion_tokens, None) if request.continuous_usage else None
+            head_usage = {"usage": running} if request.include_usage else {}
+            return sse({**head, "object": "chat.completion.chunk", "choices": choices, **head_usage, **extra})
 
         def choice(
             index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None
@@ -250,7 +253,7 @@ class ChatServing:
                     if logprobs and not deltas:
                         deltas = [{"content": ""}]
                     for n, delta in enumerate(deltas):
-                        yield chunk([choice(c.index, delta, logprobs if n == 0 else None)])
+                        yield chunk([choice(c.index, delta, logprobs if n == 0 else None)], len(c.token_ids))
                     if done:
                         finished.add(c.index)
                         finish_reason = c.finish_reason
@@ -258,7 +261,8 @@ class ChatServing:
                         if calls and finish_reason == "stop":
                             finish_reason = "tool_calls"
                         yield chunk(
-                            [{**choice(c.index, {}, None, finish_reason), "stop_reason": c.stop_reason}]
+                            [{**choice(c.index, {}, None, finish_reason), "stop_reason": c.stop_reason}],
+                            len(c.token_ids),
                         )
             if final is None or not final.finished:
                 if not watcher.disconnected:

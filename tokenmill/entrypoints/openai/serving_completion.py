@@ -191,10 +191,14 @@ class CompletionServing:
         engine = self.state.engine
         watcher = DisconnectWatcher(raw_request, lambda: [engine.abort(request_id) for request_id in streams])
 
-        def chunk(choices: list[dict], **extra: object) -> str:
-            # With include_usage every chunk carries "usage": null until the last, as OpenAI sends it.
-            usage = {"usage": None} if request.include_usage else {}
-            return sse({**head, "object": "text_completion", "choices": choices, **usage, **extra})
+        def chunk(
+            choices: list[dict], prompt_tokens: int = 0, completion_tokens: int = 0, **extra: object
+        ) -> str:
+            # With include_usage every chunk carries "usage": null until the last, as OpenAI sends it;
+            # with vLLM's continuous_usage_stats, its choice's counts so far.
+            running = usage(prompt_tokens, completion_tokens, None) if request.continuous_usage else None
+            head_usage = {"usage": running} if request.include_usage else {}
+            return sse({**head, "object": "text_completion", "choices": choices, **head_usage, **extra})
 
         finals: dict[int, RequestOutput] = {}
         # Characters already streamed per choice, so logprobs' text_offset continues across chunks.
@@ -218,7 +222,8 @@ class CompletionServing:
                         }
                         for p, prompt in enumerate(prompts)
                         for i in range(request.n)
-                    ]
+                    ],
+                    sum(len(prompt.token_ids) for prompt in prompts),
                 )
             done: set[tuple[int, int]] = set()
             async for prompt_index, output in merge_streams(list(streams.values())):
@@ -245,7 +250,7 @@ class CompletionServing:
                         prompt = prompts[prompt_index]
                         choice["text"] = (prompt.text or "") + choice["text"]
                         choice["logprobs"] = join_logprobs(self._echoed(prompt, output), choice["logprobs"])
-                    yield chunk([choice])
+                    yield chunk([choice], len(prompts[prompt_index].token_ids), len(c.token_ids))
                     offsets[key] += len(c.delta_text)
                     if c.finished:
                         done.add(key)
