@@ -36,6 +36,21 @@ from tokenmill.serving.engine_setup import resolve_max_model_len
             ),
             32,
         ),
+        # Mistral, Mixtral and Qwen3-MoE slide every layer whatever else the config.json carries.
+        (
+            transformers.MistralConfig(
+                max_position_embeddings=512, sliding_window=32, use_sliding_window=False
+            ),
+            32,
+        ),
+        (transformers.MixtralConfig(max_position_embeddings=512, sliding_window=32), 32),
+        (
+            transformers.Qwen3MoeConfig(
+                max_position_embeddings=512, sliding_window=32, use_sliding_window=True,
+                num_hidden_layers=2, max_window_layers=2,
+            ),
+            32,
+        ),
     ],
 )  # fmt: skip
 def test_a_sliding_window_caps_the_context_where_a_layer_slides(config, expected) -> None:
