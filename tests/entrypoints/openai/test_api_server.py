@@ -61,6 +61,31 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert_error(server.post("/tokenize", json={"prompt": "a", "messages": MESSAGES}), 400)
 
 
+def test_tokenize_takes_the_chat_template_knobs_and_returns_token_strs(server, client):
+    """vLLM's /tokenize of chat messages: continue_final_message, tools (and chat_template, its kwargs)
+    render as the chat completion renders them, so the count is its prompt_tokens; return_token_strs
+    adds the tokens' strings (null otherwise)."""
+    prefill = [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "The sky is"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    asks = [
+        {"messages": prefill, "continue_final_message": True, "add_generation_prompt": False},
+        {"messages": prefill[:1], "tools": tools, "tool_choice": "none"},
+        {"messages": prefill[:1], "chat_template": "{{ messages[0]['content'] }}{{ x }}",
+         "chat_template_kwargs": {"x": " Blue?"}},
+    ]  # fmt: skip
+    for ask in asks:
+        tokenized = server.post("/tokenize", json={**ask, "return_token_strs": True}).json()
+        extra = {key: value for key, value in ask.items() if key != "messages"}
+        chat = client.chat.completions.create(
+            model="default", messages=ask["messages"], max_tokens=1, extra_body=extra
+        )
+        assert tokenized["count"] == chat.usage.prompt_tokens, ask
+        assert len(tokenized["token_strs"]) == tokenized["count"]
+    assert server.post("/tokenize", json={"prompt": "Hi"}).json()["token_strs"] is None
+    wrong = {"messages": prefill, "continue_final_message": True}  # add_generation_prompt is true
+    assert_error(server.post("/tokenize", json=wrong), 400, "continue_final_message")
+
+
 def test_a_growing_conversation_tokenizes_as_its_whole_rendering(server):
     """The server tokenizes chats through its ChatEncoder (earlier turns from cached pieces): every turn's
     ids equal the whole rendering tokenized, the first time and again."""

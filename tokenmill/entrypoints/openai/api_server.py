@@ -178,16 +178,21 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
         if tokenizer is None:
             raise bad_request("this server runs with --skip-tokenizer-init and has no tokenizer.")
         if request.messages is not None:
-            messages, add_generation_prompt = request.messages, request.add_generation_prompt
             render = functools.partial(
-                render_chat, tokenizer, messages, add_generation_prompt, encode=state.encode_chat
-            )
+                render_chat, tokenizer, request.messages, request.add_generation_prompt, request.tools,
+                state.encode_chat if request.chat_template is None else None, request.continue_final_message,
+                request.chat_template, request.chat_template_kwargs,
+            )  # fmt: skip
         else:
             render = functools.partial(
                 render_prompt, tokenizer, request.prompt, add_special_tokens=request.add_special_tokens
             )
         _, token_ids = await state.off_loop(render)
-        return {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
+        token_strs = tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
+        return {
+            "count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids,
+            "token_strs": token_strs,
+        }  # fmt: skip
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict:

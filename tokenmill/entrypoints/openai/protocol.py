@@ -324,16 +324,30 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages with the chat completion's template knobs, so a chat's
+    count here is its prompt_tokens there."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("pass exactly one of prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError(
+                "continue_final_message",
+                "continue_final_message continues the last message: set add_generation_prompt to false",
+            )
+        check_tools(self.tools, None)
         return self
 
 
