@@ -130,6 +130,14 @@ def test_malformed_json_is_400(server):
             server.post(path, content=b'{"prompt": "a",', headers={"content-type": "application/json"}), 400
         )
         assert "JSON" in error["message"]
+        for body, headers in ((b"[1]", {"content-type": "application/json"}), (b'{"prompt": "a"}', None)):
+            # Not an object, or JSON sent without its content type: the body is named, not pydantic's.
+            error = assert_error(server.post(path, content=body, headers=headers), 400)
+            assert error["message"].startswith("the request body must be"), error
+    # A check across fields names its field; it does not echo the whole request back as what it got.
+    body = {"messages": MESSAGES, "top_logprobs": 2, "stream": False}
+    error = assert_error(server.post("/v1/chat/completions", json=body), 400, "top_logprobs")
+    assert error["message"] == "top_logprobs: top_logprobs needs logprobs=true"
 
 
 CHAT_BAD = [

@@ -92,13 +92,19 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     cause = first.get("ctx", {}).get("error")
+    if not location and cause is None:  # the body itself: absent, not JSON, or JSON but not an object
+        if isinstance(first.get("input"), bytes):
+            return bad_request("the request body must be JSON, sent with Content-Type: application/json")
+        return bad_request("the request body must be a JSON object")
+    # A check across fields names its field, but its input is the whole request: not echoed back.
+    echo_input = bool(location) and "input" in first and first["type"] != "missing"
     if not location and isinstance(cause, ParamError):
         location = [cause.param]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
-        if "input" in first and first["type"] != "missing":
+        if echo_input:
             message += f" (got {json.dumps(first['input'], default=str)[:200]})"
     return bad_request(message, param=param)
 
