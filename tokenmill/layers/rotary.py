@@ -7,7 +7,9 @@ from torch import nn
 
 from tokenmill.kernels import Kernels, get_kernels
 
-_UNSUPPORTED_ROPE = ("dynamic", "longrope")
+# longrope switches its factors by the whole sequence's length, past what the KV cache already holds.
+# (dynamic NTK runs: inside max_position_embeddings, which bounds max_model_len, it is the default rope.)
+_UNSUPPORTED_ROPE = ("longrope",)
 
 
 def rope_parameters(config) -> dict:
@@ -25,7 +27,8 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     rope_type = params["rope_type"]
     if rope_type in _UNSUPPORTED_ROPE:
         raise ValueError(
-            f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)."
+            f"rope_scaling type {rope_type!r} is not supported (supported: default, dynamic, linear, "
+            "llama3, yarn)."
         )
     if rope_type == "default":
         base = float(params["rope_theta"])
@@ -38,6 +41,12 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_scaling type {rope_type!r} is unknown.")
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if 2 * inv_freq.numel() != head_dim:
+        raise ValueError(
+            f"partial_rotary_factor {params.get('partial_rotary_factor')}: rotary over "
+            f"{2 * inv_freq.numel()} of head_dim {head_dim} dimensions is not supported (the Llama "
+            "family rotates the whole head)."
+        )
     return inv_freq.float(), float(attention_scaling)
 
 
