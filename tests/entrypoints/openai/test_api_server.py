@@ -33,6 +33,11 @@ def test_health_version_models(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["object"] == "list"
     assert models["data"][0]["id"] == "default" and models["data"][0]["max_model_len"] == 1024
+    # vLLM's model card, field for field.
+    card_fields = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    assert set(models["data"][0]) == card_fields and models["data"][0]["parent"] is None
+    (permission,) = models["data"][0]["permission"]
+    assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
 
 
 def test_metrics_use_vllm_names_under_the_tokenmill_prefix(server, client):

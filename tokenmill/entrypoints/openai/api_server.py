@@ -147,8 +147,18 @@ def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> Fast
             "created": created,
             "owned_by": "tokenmill",
             "root": engine.config.model,
+            "parent": None,
             "max_model_len": engine.max_model_len,
-        }
+            # vLLM's card lists one permission, everything a client may do with the model.
+            "permission": [
+                {
+                    "id": f"modelperm-{name}", "object": "model_permission", "created": created,
+                    "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                    "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                    "organization": "*", "group": None, "is_blocking": False,
+                }
+            ],
+        }  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> dict:
