@@ -167,6 +167,8 @@ CHAT_BAD = [
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 3}, "min_tokens"),  # over max_tokens
+    ({"min_tokens": 4, "max_completion_tokens": 3}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"messages": []}, "messages"),
@@ -203,6 +205,7 @@ COMPLETION_BAD = [
     ({"best_of": 2}, "best_of"),
     ({"suffix": "x"}, "suffix"),
     ({"n": 0}, "n"),
+    ({"min_tokens": 3}, "min_tokens"),  # over max_tokens
 ]
 
 

@@ -140,6 +140,14 @@ class SamplingFields(OpenAIModel):
         self.constraint  # noqa: B018 (raises ParamError for a bad or second output constraint)
         return self
 
+    def _check_min_tokens(self, max_tokens: int | None, max_field: str) -> None:
+        """min_tokens over the max_tokens a request gives is a 400, as vLLM's; over the room a prompt
+        leaves (no max_tokens given), it is capped there."""
+        if max_tokens and self.min_tokens > max_tokens:
+            raise ParamError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) is over {max_field} ({max_tokens})"
+            )
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -261,6 +269,8 @@ class ChatCompletionRequest(SamplingFields):
             )
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ParamError("continue_final_message", "the last message must be the assistant's to continue")
+        max_field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        self._check_min_tokens(self.requested_max_tokens, max_field)
         check_tools(self.tools, self.tool_choice)
         if self.tool_mode in ("required", "named") and self.constraints():
             raise ParamError(
@@ -309,6 +319,7 @@ class CompletionRequest(SamplingFields):
             raise ParamError(
                 "best_of", "best_of must equal n (beam search and best-of ranking are not supported)"
             )
+        self._check_min_tokens(self.max_tokens, "max_tokens")
         if isinstance(self.prompt, list) and (
             not self.prompt or any(p == [] or p == "" for p in self.prompt)
         ):
