@@ -251,3 +251,15 @@ def test_chat_template_extras(server, client, default_llm):
     assert plain.usage.prompt_tokens == count
     body = {"model": "default", "messages": prefill, "max_tokens": 2, "continue_final_message": True}
     assert_error(server.post("/v1/chat/completions", json=body), 400, "continue_final_message")
+
+
+def test_a_message_name_reaches_the_chat_template(server, client):
+    """A message's name goes to the chat template, as vLLM passes it (the embedded template ignores it;
+    one that writes it shows it in the prompt)."""
+    template = "{% for m in messages %}{{ m['name'] }}: {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "Hi", "name": "Alice"}]
+    reply = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=1, extra_body={"chat_template": template}
+    )
+    tokens = server.post("/tokenize", json={"prompt": "Alice: Hi\n", "add_special_tokens": False}).json()
+    assert reply.usage.prompt_tokens == tokens["count"]

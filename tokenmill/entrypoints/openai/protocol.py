@@ -235,6 +235,8 @@ class ChatMessage(OpenAIModel):
         # Templates written before the "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
         message = {"role": role, "content": content or ""}
+        if self.name is not None:  # a participant's name, for the templates that write it
+            message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
