@@ -4,6 +4,9 @@ transformers runs it (the same greedy tokens), or is refused at load by the fiel
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
 
 from tests.conftest import make_hf_model
 from tests.models.test_llama_equivalence import generate_ids, hf_greedy, make_llm, random_prompts
@@ -54,3 +57,20 @@ def test_a_rope_it_cannot_run_is_refused_by_name(overrides, message, tmp_path):
     make_hf_model("llama", **{**TINY, **overrides}).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         make_llm(str(tmp_path))
+
+
+@pytest.mark.parametrize("stored_head", ["embedding", "its-own"])
+def test_a_tied_checkpoint_that_stores_a_head_runs_as_transformers_runs_it(stored_head, tmp_path):
+    """transformers v5 unties a tied pair whose checkpoint stores an lm_head.weight unlike the embedding."""
+    make_hf_model("qwen2", **TINY).save_pretrained(tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding.clone() if stored_head == "embedding" else embedding.flip(0)
+    save_file(tensors, path, metadata={"format": "pt"})
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    llm = make_llm(str(tmp_path))
+    model = llm.engine.runner.model
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (stored_head == "embedding")
+    prompts = random_prompts([9, 4])
+    assert generate_ids(llm, prompts) == [hf_greedy(hf_model.eval(), p) for p in prompts]

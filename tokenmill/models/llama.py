@@ -231,9 +231,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into our parameters, fusing q/k/v and gate/up."""
         without_head = self.lm_head is None or self.flags.tie_word_embeddings
         # With the head tied to the embedding, every lm_head tensor is left out: a quantized head's too
-        # (its scales, packed words), said once below.
+        # (its scales, packed words), said once below; an lm_head.weight unlike the embedding unties it.
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if without_head else [])
-        head_tensors: list[str] = []
+        head_tensors: dict[str, torch.Tensor] = {}
         # A bare model's checkpoint (Qwen3Model, ...) names its tensors without the "model." prefix.
         named = ((_with_model_prefix(name), tensor) for name, tensor in weights)
         if self.lm_head is not None and self.flags.tie_word_embeddings:
@@ -254,6 +254,23 @@ class LlamaForCausalLM(nn.Module):
                 "embedding (tie_word_embeddings): the head runs as the embedding, unquantized",
                 ", ".join(quantized_head[:4]),
             )
+        elif "lm_head.weight" in head_tensors:
+            self._untie_if_different(head_tensors["lm_head.weight"])
+
+    def _untie_if_different(self, head: torch.Tensor) -> None:
+        """A tied checkpoint that stores an lm_head.weight unlike its embedding runs that head, as
+        transformers does (it leaves such a pair untied)."""
+        embed = self.model.embed_tokens
+        weight = nn.Parameter(torch.empty_like(embed.weight), requires_grad=False)
+        embed.weight_loader(weight, head)
+        if torch.equal(weight, embed.weight):
+            return
+        weight.output_dim, weight.weight_loader = 0, self.lm_head.weight_loader
+        self.lm_head.weight = weight
+        logger.warning(
+            "config.json ties the LM head to the embedding (tie_word_embeddings) but the checkpoint's "
+            "lm_head.weight differs from it: the head runs as stored, untied, as transformers runs it"
+        )
 
 
 def _refusing_quantized_head(named: Iterable[tuple[str, torch.Tensor]]):
@@ -267,10 +284,10 @@ def _refusing_quantized_head(named: Iterable[tuple[str, torch.Tensor]]):
         yield name, tensor
 
 
-def _noting_head(named: Iterable[tuple[str, torch.Tensor]], seen: list[str]):
+def _noting_head(named: Iterable[tuple[str, torch.Tensor]], seen: dict[str, torch.Tensor]):
     for name, tensor in named:
         if name.startswith("lm_head."):
-            seen.append(name)
+            seen[name] = tensor
         yield name, tensor
 
 
