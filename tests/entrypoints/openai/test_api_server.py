@@ -169,6 +169,9 @@ CHAT_BAD = [
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 3}, "min_tokens"),  # over max_tokens
     ({"min_tokens": 4, "max_completion_tokens": 3}, "min_tokens"),
+    ({"echo": True}, "echo"),  # vLLM's extras this server does not implement
+    ({"cache_salt": "secret"}, "cache_salt"),
+    ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"messages": []}, "messages"),
@@ -206,6 +209,9 @@ COMPLETION_BAD = [
     ({"suffix": "x"}, "suffix"),
     ({"n": 0}, "n"),
     ({"min_tokens": 3}, "min_tokens"),  # over max_tokens
+    ({"use_beam_search": True}, "use_beam_search"),  # vLLM's extras this server does not implement
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"bad_words": ["a"]}, "bad_words"),
 ]
 
 
@@ -251,7 +257,16 @@ def test_null_for_an_optional_field_means_its_default(server):
     response = server.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1  # n: null is n = 1
-    completion = {"model": "default", "prompt": "Hi", "max_tokens": 2, "echo": None, **NULLABLE}
+    # vLLM's extras this server does not implement pass when they ask for nothing.
+    idle_extras = {"use_beam_search": False, "priority": 0, "bad_words": [], "prompt_logprobs": None}
+    completion = {
+        "model": "default",
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "echo": None,
+        **NULLABLE,
+        **idle_extras,
+    }
     response = server.post("/v1/completions", json=completion)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] is not None

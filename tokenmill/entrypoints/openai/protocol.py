@@ -4,7 +4,7 @@ into a 400 naming the parameter, plus the conversion to SamplingParams. Response
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -16,6 +16,13 @@ from .tool_calls import check_tools
 _MAX_LOGPROBS = 20
 _MAX_EMBEDDING_INPUTS = 2048  # OpenAI's cap on the items of one embeddings request
 _SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
+# vLLM's request extras this server does not implement, each with the values that ask for nothing: any
+# other value is a 400 naming the field, not an answer that differs from vLLM's without a word.
+_UNSUPPORTED_EXTRAS = {
+    "use_beam_search": (False,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "cache_salt": (None,),
+    "priority": (None, 0), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+}  # fmt: skip
 
 
 class OpenAIModel(BaseModel):
@@ -47,6 +54,7 @@ class SamplingFields(OpenAIModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
+    unsupported_extras: ClassVar[dict[str, tuple]] = _UNSUPPORTED_EXTRAS
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None (or null): 1.0
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -120,6 +128,14 @@ class SamplingFields(OpenAIModel):
             return field_name, StructuredOutputsParams(**fields)
         except ValueError as exc:
             raise ParamError(field_name, str(exc)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported_extras(cls, data: object) -> object:
+        for name, idle_values in cls.unsupported_extras.items():
+            if isinstance(data, dict) and data.get(name, idle_values[0]) not in idle_values:
+                raise ParamError(name, f"{name} is not supported by this server")
+        return data
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
@@ -245,6 +261,7 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    unsupported_extras: ClassVar[dict[str, tuple]] = {**_UNSUPPORTED_EXTRAS, "echo": (None, False)}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
