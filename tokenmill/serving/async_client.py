@@ -358,7 +358,10 @@ class AsyncEngineClient:
                 if self.metrics is not None:
                     for completion in output.outputs:
                         reason = completion.finish_reason or "abort"
-                        self.metrics.record_finished(reason, now - state.arrival_time)
+                        self.metrics.record_finished(
+                            reason, now - state.arrival_time, state.num_prompt_tokens,
+                            len(completion.token_ids), now - state.first_output_time,
+                        )  # fmt: skip
             failure = output.error if output.finished else None  # so far only a KV transfer's
             if state.queued_since is None:
                 state.queued_since = now

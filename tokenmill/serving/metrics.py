@@ -31,6 +31,8 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # vLLM's 1-2-5 series of counts
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 # The `_created` companion series only double the scrape size; vLLM turns them off too.
@@ -184,6 +186,16 @@ class ServerMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Time from arrival to first being scheduled.", _REQUEST_BUCKETS
         )
+        # Per finished request, as vLLM's dashboard reads them (prompt and output length heatmaps).
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of each finished request.", _TOKEN_BUCKETS
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Time from a request's first token to its last.", _REQUEST_BUCKETS
+        )
         self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, [])
         self._cache_config = Gauge(
             "tokenmill:cache_config_info",
@@ -245,10 +257,21 @@ class ServerMetrics:
             self.inter_token_latency.observe(seconds, count)
         self.generation_tokens.inc(num_generated_tokens)
 
-    def record_finished(self, finish_reason: str, e2e_seconds: float | None) -> None:
+    def record_finished(
+        self,
+        finish_reason: str,
+        e2e_seconds: float | None,
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        decode_seconds: float = 0.0,
+    ) -> None:
+        """One finished sample; an aborted one (e2e_seconds None) counts only as finished."""
         self.request_success[finish_reason].inc()
         if e2e_seconds is not None:
             self.e2e_request_latency.observe(e2e_seconds)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_generation_tokens)
+            self.request_decode_time.observe(decode_seconds)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

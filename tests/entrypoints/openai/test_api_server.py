@@ -15,6 +15,7 @@ VLLM_METRICS = [
     "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
     "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
     "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+    "request_prompt_tokens_bucket", "request_generation_tokens_bucket", "request_decode_time_seconds_bucket",
 ]  # fmt: skip
 
 
@@ -49,6 +50,11 @@ def test_metrics_use_vllm_names_under_the_tokenmill_prefix(server, client):
         assert f"tokenmill:{name}" in metrics, name
     assert metrics["tokenmill:generation_tokens_total"] >= 2
     assert metrics["tokenmill:time_to_first_token_seconds_count"] >= 1
+    # Every finished request's lengths, as vLLM's dashboard draws them.
+    finished = metrics["tokenmill:e2e_request_latency_seconds_count"]
+    assert metrics["tokenmill:request_generation_tokens_count"] == finished
+    assert metrics["tokenmill:request_generation_tokens_sum"] >= 2
+    assert metrics["tokenmill:request_prompt_tokens_sum"] >= finished  # a token at least each
     # What a client's TTFT holds before the engine's clock starts: template, tokenization, checks.
     assert metrics["tokenmill:request_intake_seconds_count"] >= 1
     assert 0 < metrics["tokenmill:request_intake_seconds_sum"] < 10
