@@ -22,6 +22,7 @@ KNOBS = {
     "linear-rope": ("qwen2", dict(rope_scaling={"rope_type": "linear", "factor": 3.0}, rope_theta=12345.0)),
     "yarn-rope": ("qwen3", dict(rope_scaling=YARN)),  # the prompts run past its original 32 positions
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True, rope_scaling=None)),
+    "stray-biases": ("mistral", dict(attention_bias=True, mlp_bias=True)),  # Mistral's classes read neither
     "moe-sparse-step": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=True)),
     "mixtral-top1": ("mixtral", dict(num_experts_per_tok=1, head_dim=16)),
 }

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# transformers' classes of these read no attention_bias / mlp_bias: a config.json's stray field is
+# none of the model's (Qwen2 always biases q/k/v, never o).
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
+_NO_MLP_BIAS = _NO_ATTENTION_BIAS + ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
 class ArchFlags:
     """What differs between the family's members, read off the config once."""
 
@@ -38,10 +44,10 @@ class ArchFlags:
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch.endswith("Model"):  # a bare model (an embedding checkpoint) is its family's member
             arch = arch[: -len("Model")] + "ForCausalLM"
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        attention_bias = arch not in _NO_ATTENTION_BIAS and bool(getattr(config, "attention_bias", False))
         self.qkv_bias = attention_bias or arch == "Qwen2ForCausalLM"
-        self.o_bias = attention_bias and arch != "Qwen2ForCausalLM"
-        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.o_bias = attention_bias
+        self.mlp_bias = arch not in _NO_MLP_BIAS and bool(getattr(config, "mlp_bias", False))
         self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
