@@ -281,3 +281,22 @@ def test_continuous_usage_stats_count_each_choice_so_far(client):
     assert (
         chat[-1].usage.completion_tokens == 6 and chat[-1].usage.prompt_tokens == chat[0].usage.prompt_tokens
     )
+
+
+def test_add_special_tokens_decides_a_text_prompts_bos():
+    """vLLM's add_special_tokens for completions (true by default): false leaves out the BOS a tokenizer
+    adds to a text prompt. The embedded SmolLM2 adds none, so a stand-in tokenizer that does."""
+    from types import SimpleNamespace
+
+    from tokenmill.entrypoints.openai.protocol import CompletionRequest
+    from tokenmill.entrypoints.openai.serving_completion import CompletionServing
+
+    class BosTokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    serving = CompletionServing(SimpleNamespace(engine=SimpleNamespace(tokenizer=BosTokenizer())))
+    prepared = serving._prepare(CompletionRequest(prompt="ab"))
+    assert prepared[0].token_ids == [1, 97, 98]
+    prepared = serving._prepare(CompletionRequest(prompt="ab", add_special_tokens=False))
+    assert prepared[0].token_ids == [97, 98]

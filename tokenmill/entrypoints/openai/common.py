@@ -105,11 +105,13 @@ class ServerState:
             raise unavailable("the server is shutting down and accepts no new requests.", "draining")
 
 
-def render_input(tokenizer, prompt: str | list[int], index: int, param: str) -> RenderedPrompt:
+def render_input(
+    tokenizer, prompt: str | list[int], index: int, param: str, add_special_tokens: bool = True
+) -> RenderedPrompt:
     """One prompt (text or token ids) of a request's list, tokenized; a bad or empty one is a 400 naming
     `param` and its position."""
     try:
-        rendered = render_prompt(tokenizer, prompt)
+        rendered = render_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from exc
     if not rendered.token_ids:

@@ -323,6 +323,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS (where the tokenizer adds one)
     # Disaggregation: {"do_remote_decode": true} from a decode peer (served with --kv-role prefill).
     kv_transfer_params: dict | None = None
 

@@ -69,7 +69,9 @@ class CompletionServing:
         engine = self.state.engine
         prompts = []
         for index, prompt in enumerate(request.prompts()):
-            text, token_ids = render_input(engine.tokenizer, prompt, index, "prompt")
+            text, token_ids = render_input(
+                engine.tokenizer, prompt, index, "prompt", request.add_special_tokens
+            )
             if text is None and request.echo and engine.tokenizer is not None:
                 text = engine.tokenizer.decode(token_ids)
             prompts.append(_Prompt(token_ids, text))
