@@ -9,6 +9,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
 _POOLING_TYPES = ("last", "mean")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATION_METHODS = ("fp8", "int4", "compressed-tensors", "gptq", "awq")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -38,6 +39,9 @@ class EngineConfig:
     # leaves no idle device to hide host work behind), where it still works and is tested.
     async_scheduling: bool | None = None
     max_waiting_requests: int | None = None  # cap on the waiting queue (the server answers 429 past it)
+    # vLLM's: "priority" lets a request set its priority (lower runs earlier; the scheduler orders its
+    # waiting queue and picks preemption victims by it); "fcfs" refuses any but 0, so arrival order rules.
+    scheduling_policy: str = "fcfs"
     # "pooling" serves embeddings (/v1/embeddings) instead of text; "auto" picks it for checkpoints of
     # a bare model (architectures such as Qwen3Model or LlamaModel), else "generate".
     runner: str = "auto"
@@ -158,6 +162,10 @@ class EngineConfig:
             )
         if self.max_waiting_requests is not None:
             _positive("max_waiting_requests", self.max_waiting_requests)
+        if self.scheduling_policy not in _SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {_SCHEDULING_POLICIES}, got {self.scheduling_policy!r}."
+            )
         if self.quantization is not None:
             self.quantization = self.quantization.lower()
             if self.quantization not in QUANTIZATION_METHODS:

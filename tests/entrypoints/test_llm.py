@@ -191,6 +191,34 @@ def test_vllm_prompt_dicts(llm):
     assert llm.generate({"prompt": "Hello there"}, params, use_tqdm=False)[0].outputs[0].token_ids == text
 
 
+def test_cache_salt_keeps_prefixes_apart(llm):
+    """vLLM's {"prompt", "cache_salt"}: a prompt shares prefix-cache blocks only with prompts of the same
+    salt (both unsalted included)."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prefix = "Salted prefix, long enough to fill a few blocks of the cache. " * 4
+
+    def cached(suffix: str, salt: str | None = None) -> int:
+        prompt = {"prompt": prefix + suffix} | ({"cache_salt": salt} if salt else {})
+        return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("One", "tenant-a") == 0
+    assert cached("Two", "tenant-b") == 0
+    assert cached("Three") == 0
+    assert cached("Four", "tenant-a") >= 48 and cached("Five", "tenant-b") >= 48 and cached("Six") >= 48
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": "x", "cache_salt": ""}, params, use_tqdm=False)
+
+
+def test_priority_needs_the_priority_policy(llm):
+    """As vLLM's: a priority other than 0 is refused under the default fcfs policy, before anything is
+    submitted."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled") as caught:
+        llm.generate(["a", "b"], params, priority=[0, 1], use_tqdm=False)
+    assert caught.value.param == "priority" and not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["a", "b"], params, priority=[0, 0], use_tqdm=False)) == 2
+
+
 def test_stop_strings_need_a_tokenizer(tmp_path):
     from tests.conftest import make_hf_model
 

@@ -14,10 +14,10 @@ from tokenmill.router.prefix import PromptHasher, chain
 from tokenmill.sampling_params import SamplingParams
 
 
-def engine_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def engine_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[int]:
     """The block hashes the engine's KV cache manager keys this prompt by."""
     kv = KVCacheManager(num_blocks=128, block_size=block_size)
-    request = Request("r", token_ids, SamplingParams(max_tokens=1))
+    request = Request("r", token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt)
     kv.get_computed_blocks(request)
     kv.allocate_slots(request, len(token_ids))
     request.num_computed_tokens = len(token_ids)  # prefilled: every full block is published
@@ -37,6 +37,11 @@ def test_chain_is_the_engines_block_hash_chain() -> None:
     for block_size in (1, 16, 32):
         assert chain(ids, block_size) == engine_hashes(ids, block_size)
     assert len(chain(ids, 16)) == 5  # full blocks only: the partial one is never cached
+    # vLLM's cache_salt seeds the chain: the router guesses a salted prompt's blocks as the engine keys them.
+    assert chain(ids, 16, "tenant") == engine_hashes(ids, 16, "tenant") != chain(ids, 16)
+    hasher = PromptHasher(block_size=16)
+    salted = hasher.hashes("/v1/completions", {"prompt": "x" * 200, "cache_salt": "tenant"})
+    assert salted == chain("x" * 192, 64, "tenant") != hasher.hashes("/v1/completions", {"prompt": "x" * 200})
 
 
 def test_chat_and_completion_prompts_hash_as_the_server_tokenizes_them(tokenizer) -> None:

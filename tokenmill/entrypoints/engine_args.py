@@ -43,6 +43,8 @@ _HELP = {
     "enforce_eager": "run the model eagerly on GPU (no CUDA graphs)",
     "async_scheduling": "schedule the next step while the current one runs (default: on for CUDA only)",
     "max_waiting_requests": "cap on requests waiting for their first token; the server answers 429 past it",
+    "scheduling_policy": "fcfs (requests run in arrival order; a request's priority other than 0 is refused) "
+    "| priority (a request's priority orders the waiting queue, lower first, and picks preemption victims)",
     "runner": "auto | generate | pooling (embeddings at /v1/embeddings; auto: pooling for bare-model "
     "checkpoints such as Qwen3Model)",
     "warmup": "on a GPU, meet every kernel variant and cuDNN plan at start-up, before any request",

@@ -56,21 +56,28 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids.")
         inputs: list[str | list[int]]
+        salts: list[str | None]
         if prompts is not None:
-            inputs = [_prompt_input(p) for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)]
+            given = [_prompt_input(p) for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)]
+            inputs, salts = [g[0] for g in given], [g[1] for g in given]
         else:
-            inputs = [list(ids) for ids in prompt_token_ids]
+            inputs, salts = [list(ids) for ids in prompt_token_ids], [None] * len(prompt_token_ids)
         params_list = self._per_prompt(sampling_params, len(inputs), "sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(inputs)
         if len(priorities) != len(inputs):
             raise ValueError(f"priority has {len(priorities)} entries for {len(inputs)} prompts.")
         # Tokenize and check everything first, so a bad prompt leaves nothing half-submitted.
-        token_ids = [self.engine.input_processor.process(p, params) for p, params in zip(inputs, params_list)]
+        token_ids = [
+            self.engine.input_processor.process(p, params, prio)
+            for p, params, prio in zip(inputs, params_list, priorities)
+        ]
         request_ids = []
-        for prompt, ids, params, prio in zip(inputs, token_ids, params_list, priorities):
+        for prompt, ids, params, prio, salt in zip(inputs, token_ids, params_list, priorities, salts):
             request_id = str(next(self._request_counter))
             text = prompt if isinstance(prompt, str) else None
-            self.engine.add_request(request_id, ids, params, priority=prio, prompt_text=text, final_only=True)
+            self.engine.add_request(
+                request_id, ids, params, priority=prio, prompt_text=text, final_only=True, cache_salt=salt
+            )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -134,23 +141,28 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
 
-def _prompt_input(prompt) -> str | list[int]:
-    """A prompt as generate takes it: text (or token ids), or vLLM's dict forms {"prompt": text} and
-    {"prompt_token_ids": [...]}."""
+def _prompt_input(prompt) -> tuple[str | list[int], str | None]:
+    """A prompt as generate takes it, and its cache salt: text (or token ids), or vLLM's dict forms
+    {"prompt": text} and {"prompt_token_ids": [...]}, either with a "cache_salt" (its prompt then shares
+    prefix-cache blocks only with prompts of the same salt)."""
     if isinstance(prompt, dict):
-        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"]
-        if set(prompt) == {"prompt_token_ids"}:
-            return list(prompt["prompt_token_ids"])
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"a prompt's cache_salt must be a non-empty string, got {salt!r}.")
+        keys = set(prompt) - {"cache_salt"}
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], salt
+        if keys == {"prompt_token_ids"}:
+            return list(prompt["prompt_token_ids"]), salt
         raise ValueError(
-            "a prompt given as a dict takes one key, 'prompt' (text) or 'prompt_token_ids', "
-            f"got {sorted(prompt)}."
+            "a prompt given as a dict takes one key, 'prompt' (text) or 'prompt_token_ids', and optionally "
+            f"'cache_salt', got {sorted(prompt)}."
         )
     if isinstance(prompt, (list, tuple)):  # token ids
-        return list(prompt)
+        return list(prompt), None
     if not isinstance(prompt, str):
         raise ValueError(
             "prompts are text, token ids or vLLM's dicts ({'prompt': ...}, {'prompt_token_ids': ...}), "
             f"got {type(prompt).__name__}."
         )
-    return prompt
+    return prompt, None

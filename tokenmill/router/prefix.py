@@ -17,9 +17,10 @@ from tokenmill.serving.chat_encoder import ChatEncoder
 TEXT_BLOCK_CHARS = 64
 
 
-def chain(items: Sequence, block_size: int) -> list[int]:
-    """Hashes of the full blocks of `items`, each chained to the one before, as the engine's."""
-    parent = root_hash(None)
+def chain(items: Sequence, block_size: int, cache_salt: str | None = None) -> list[int]:
+    """Hashes of the full blocks of `items`, each chained to the one before, as the engine's (a request's
+    cache_salt seeds the chain there too)."""
+    parent = root_hash(cache_salt)
     hashes = []
     for start in range(0, len(items) - block_size + 1, block_size):
         parent = hash_block(parent, tuple(items[start : start + block_size]))
@@ -45,10 +46,12 @@ class PromptHasher:
         to answers it, with whatever error it deserves)."""
         if not isinstance(body, dict):
             return []
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
         try:
             if self.tokenizer is not None:
-                return chain(self._token_ids(path, body), self.block_size)
-            return chain(_text(path, body), TEXT_BLOCK_CHARS)
+                return chain(self._token_ids(path, body), self.block_size, salt)
+            return chain(_text(path, body), TEXT_BLOCK_CHARS, salt)
         except (ValueError, TypeError, KeyError, AttributeError):
             return []
 

@@ -93,7 +93,9 @@ class AsyncEngineClient:
         self.num_kv_blocks = ready.num_kv_blocks
         self.vocab_size = ready.vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.input_processor = InputProcessor(tokenizer, ready.max_model_len, ready.vocab_size)
+        self.input_processor = InputProcessor(
+            tokenizer, ready.max_model_len, ready.vocab_size, scheduling_policy=config.scheduling_policy
+        )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids)
         self.process = process
         # Only the API process that started the core stops it; one attached to a launcher's core does not.
@@ -199,18 +201,22 @@ class AsyncEngineClient:
         prompt_text: str | None = None,
         remote_decode: bool = False,
         remote_prefill: RemotePrefill | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Check and submit a request now (errors raise here, before any response starts); returns the
         stream of its outputs. Closing the stream before the request finishes aborts it.
 
         remote_decode: keep the finished request's KV for a decode peer (a prefill instance);
-        remote_prefill: a prefill peer computed the prompt (a decode instance)."""
+        remote_prefill: a prefill peer computed the prompt (a decode instance); cache_salt: its prompt
+        shares prefix-cache blocks only with requests of the same salt; priority: lower runs earlier
+        (under the priority scheduling policy only)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         cap = self.config.max_waiting_requests
         if cap is not None and self._num_not_started >= cap:
             raise EngineOverloadedError(f"the server's waiting queue is full ({cap} requests); retry later.")
-        self.input_processor.check(prompt_token_ids, params)
+        self.input_processor.check(prompt_token_ids, params, priority)
         children = self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
         state = _RequestState(time.monotonic(), len(prompt_token_ids))
         self._requests[request_id] = state
@@ -228,6 +234,8 @@ class AsyncEngineClient:
                     [remote_prefill.first_token_id, remote_prefill.kv_address, remote_prefill.transfer_id]
                     if remote_prefill is not None
                     else None,
+                    cache_salt,
+                    priority,
                 )
             )
         return self._stream(request_id, state)

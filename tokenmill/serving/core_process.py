@@ -168,6 +168,8 @@ class EngineCoreProc:
                 message.params,
                 tuple(message.eos_token_ids),
                 arrival_time=message.arrival_time,
+                priority=message.priority,
+                cache_salt=message.cache_salt,
             )
             request.remote_decode = message.remote_decode
             if message.remote_prefill is not None:

@@ -26,6 +26,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     # from a prefill peer: [its first token id, its KV address, its request id] (decode instance).
     remote_decode: bool = False
     remote_prefill: list | None = None
+    cache_salt: str | None = None  # mixed into its first block's hash: no prefix sharing across salts
+    priority: int = 0  # lower runs earlier (the priority scheduling policy; else always 0)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -10,13 +10,20 @@ from tokenmill.structured_outputs import StructuredOutputs
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, max_model_len: int, vocab_size: int, structured: StructuredOutputs | None = None
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        structured: StructuredOutputs | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """structured: the engine core's, when it runs in this process (its compiled constraints then
-        serve both); else one of this process's own."""
+        serve both); else one of this process's own. scheduling_policy: the engine's (a priority other
+        than 0 needs "priority")."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.scheduling_policy = scheduling_policy
         # Compiles each new output constraint once, so a bad one fails here, not in the engine core.
         if structured is None and tokenizer is not None:
             structured = StructuredOutputs(lambda: tokenizer, vocab_size)
@@ -33,7 +40,13 @@ class InputProcessor:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return render_prompt(self.tokenizer, prompt).token_ids
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        if priority != 0 and self.scheduling_policy != "priority":  # vLLM's rule and its 400
+            raise KnobError(
+                "priority",
+                f"Got priority {priority} but priority scheduling is not enabled: start the engine with "
+                "--scheduling-policy priority (LLM(scheduling_policy='priority')).",
+            )
         if not prompt_token_ids:
             raise KnobError("prompt", "prompt must not be empty.")
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -61,7 +74,7 @@ class InputProcessor:
             )
         self.check_structured(params)
 
-    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def process(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> list[int]:
         prompt_token_ids = self.tokenize(prompt)
-        self.check(prompt_token_ids, params)
+        self.check(prompt_token_ids, params, priority)
         return prompt_token_ids

@@ -26,8 +26,9 @@ class LLMEngine:
         if structured is not None:  # the tokenizer is loaded already
             structured.load_tokenizer = lambda: self.tokenizer
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size, structured
-        )
+            self.tokenizer, self.max_model_len, self.source.hf_config.vocab_size, structured,
+            config.scheduling_policy,
+        )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
 
     @property
@@ -42,16 +43,25 @@ class LLMEngine:
         priority: int = 0,
         prompt_text: str | None = None,
         final_only: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """final_only: step() returns the request's output once, when it has finished (the offline
-        LLM's generate reads no other)."""
-        prompt_token_ids = self.input_processor.process(prompt, params)
+        LLM's generate reads no other). cache_salt: the prompt shares prefix-cache blocks only with
+        requests of the same salt."""
+        prompt_token_ids = self.input_processor.process(prompt, params, priority)
         text = prompt if isinstance(prompt, str) else prompt_text
         for child_id, child_params in self.output_processor.add_request(
             request_id, text, prompt_token_ids, params, final_only
         ):
             self.core.add_request(
-                Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, priority=priority)
+                Request(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )  # fmt: skip
             )
 
     def abort_request(self, request_id: str) -> None:

@@ -176,7 +176,7 @@ CHAT_BAD = [
     ({"min_tokens": 3}, "min_tokens"),  # over max_tokens
     ({"min_tokens": 4, "max_completion_tokens": 3}, "min_tokens"),
     ({"echo": True}, "echo"),  # vLLM's extras this server does not implement
-    ({"cache_salt": "secret"}, "cache_salt"),
+    ({"cache_salt": ""}, "cache_salt"),
     ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
@@ -216,7 +216,7 @@ COMPLETION_BAD = [
     ({"n": 0}, "n"),
     ({"min_tokens": 3}, "min_tokens"),  # over max_tokens
     ({"use_beam_search": True}, "use_beam_search"),  # vLLM's extras this server does not implement
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ({"bad_words": ["a"]}, "bad_words"),
 ]
 

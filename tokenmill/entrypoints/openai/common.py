@@ -64,13 +64,13 @@ class ServerState:
         return self.chat_encoder.encode if self.chat_encoder is not None else None
 
     async def remote_prefill(
-        self, token_ids: list[int], params: SamplingParams, n: int
+        self, token_ids: list[int], params: SamplingParams, n: int, cache_salt: str | None
     ) -> RemotePrefill | None:
         """On a decode instance, a prompt long enough goes to a prefill peer first (disagg.py)."""
         peers = self.prefill_peers
         if peers is None or not peers.eligible(token_ids, params, n):
             return None
-        return await peers.prefill(token_ids, params)
+        return await peers.prefill(token_ids, params, cache_salt)
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.text_worker, fn, *args)
@@ -279,6 +279,27 @@ def echo_logprobs(prompt_logprobs: list[dict[int, Logprob] | None], first_token_
         "top_logprobs": [None] + scored["top_logprobs"],
         "text_offset": [0] + scored["text_offset"],
     }
+
+
+def top_of(entry: dict[int, Logprob], k: int) -> dict[int, Logprob]:
+    """A prompt position's entry cut to its own token (first) and the top k: the engine scored the most
+    any field of the request asked for (echo's logprobs, prompt_logprobs)."""
+    own = next(iter(entry))
+    return {tid: lp for tid, lp in entry.items() if tid == own or lp.rank <= k}
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first token, then per token {token_id: {"logprob", "rank",
+    "decoded_token"}} of the token itself and the top k alternatives."""
+    return [
+        None
+        if entry is None
+        else {
+            tid: {"logprob": _reported(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in top_of(entry, k).items()
+        }
+        for entry in prompt_logprobs
+    ]
 
 
 def join_logprobs(head: dict, tail: dict | None) -> dict:

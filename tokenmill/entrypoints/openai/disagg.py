@@ -58,7 +58,9 @@ class PrefillPeers:
             and (params.max_tokens or 0) > 1
         )
 
-    async def prefill(self, token_ids: list[int], params: SamplingParams) -> RemotePrefill:
+    async def prefill(
+        self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> RemotePrefill:
         """The prompt computed by a peer: its first token and where its KV waits. A peer that fails is a
         503 for this request only."""
         if self._session is None:
@@ -80,6 +82,7 @@ class PrefillPeers:
                 "ignore_eos": params.ignore_eos,
                 "logit_bias": params.logit_bias,
                 "kv_transfer_params": {"do_remote_decode": True},
+                "cache_salt": cache_salt,  # the peer's prefix cache keeps the tenants apart too
             }
             async with self._session.post(f"{url}/v1/completions", json=body) as response:
                 answer = await response.json(content_type=None)

@@ -20,8 +20,8 @@ _SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
 # other value is a 400 naming the field, not an answer that differs from vLLM's without a word.
 _UNSUPPORTED_EXTRAS = {
     "use_beam_search": (False,), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "cache_salt": (None,),
-    "priority": (None, 0), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
 }  # fmt: skip
 
 
@@ -72,6 +72,14 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt (one tenant's
+    # cached prompts cannot be probed by another's timing).
+    cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: lower runs earlier; anything but 0 needs a server started with --scheduling-policy priority.
+    priority: int = 0
+    # vLLM's: each prompt token's logprob, rank and top k alternatives (None for the first token);
+    # completions report them per choice, chat beside the choices, a stream never.
+    prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format; as vLLM takes them, one object or the older guided_*
     # fields.
     response_format: dict | None = None
@@ -153,8 +161,25 @@ class SamplingFields(OpenAIModel):
             raise ParamError("stop", f"at most 16 stop strings, got {len(stops)}")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        self._check_prompt_logprobs()
         self.constraint  # noqa: B018 (raises ParamError for a bad or second output constraint)
         return self
+
+    def _check_prompt_logprobs(self) -> None:
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if self.stream and k != 0:  # vLLM's rule and words; 0 asks for nothing a stream would carry
+            raise ParamError("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+        if k == -1:
+            raise ParamError(
+                "prompt_logprobs",
+                f"prompt_logprobs=-1 (the whole vocabulary) is not supported: at most {_MAX_LOGPROBS}",
+            )
+        if not 0 <= k <= _MAX_LOGPROBS:
+            raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {k}")
+        if self.stream:
+            self.prompt_logprobs = None
 
     def _check_min_tokens(self, max_tokens: int | None, max_field: str) -> None:
         """min_tokens over the max_tokens a request gives is a 400, as vLLM's; over the room a prompt

@@ -28,6 +28,7 @@ from .common import (
     resolve_max_tokens,
     sse,
     usage,
+    vllm_prompt_logprobs,
 )
 from .errors import bad_request, to_openai_error
 from .protocol import ChatCompletionRequest, ChatMessage
@@ -156,7 +157,7 @@ class ChatServing:
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"
         )
-        params = request.sampling_params(max_tokens, request.num_logprobs)
+        params = request.sampling_params(max_tokens, request.num_logprobs, request.prompt_logprobs)
         if mode in ("required", "named"):
             params.structured_outputs = tool_constraint(
                 request.tools, request.tool_choice, request.parallel_tool_calls
@@ -170,8 +171,11 @@ class ChatServing:
         tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         state.metrics.record_intake(time.monotonic() - start)
-        remote = await state.remote_prefill(prompt_ids, params, request.n)
-        stream = engine.add_request(request_id, prompt_ids, params, prompt_text, remote_prefill=remote)
+        remote = await state.remote_prefill(prompt_ids, params, request.n, request.cache_salt)
+        stream = engine.add_request(
+            request_id, prompt_ids, params, prompt_text, remote_prefill=remote,
+            cache_salt=request.cache_salt, priority=request.priority,
+        )  # fmt: skip
         head = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
             return StreamingResponse(
@@ -193,7 +197,10 @@ class ChatServing:
             }
             for c in final.outputs
         ]
-        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(final)})
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(final)}
+        if request.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs)
+        return JSONResponse(body)
 
     async def _stream(
         self,

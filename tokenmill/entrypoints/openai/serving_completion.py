@@ -31,7 +31,9 @@ from .common import (
     reported_logprobs,
     resolve_max_tokens,
     sse,
+    top_of,
     usage,
+    vllm_prompt_logprobs,
 )
 from .disagg import remote_decode_wanted
 from .errors import bad_request, to_openai_error
@@ -97,9 +99,11 @@ class CompletionServing:
             )
             if request.max_tokens == 0:
                 max_tokens = 1  # one step computes the prompt's scores; its token is dropped
-            prompt_logprobs = request.logprobs if request.echo else None
-            params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
-            engine.input_processor.check(prompt.token_ids, params)
+            # The engine scores the prompt for the echo's logprobs and for prompt_logprobs: the most of both.
+            echoed = request.logprobs if request.echo else None
+            wanted = [k for k in (echoed, request.prompt_logprobs) if k is not None]
+            params = request.sampling_params(max_tokens, request.logprobs, max(wanted, default=None))
+            engine.input_processor.check(prompt.token_ids, params, request.priority)
             all_params.append(params)
         remote_decode = remote_decode_wanted(request.kv_transfer_params)
         if remote_decode and (
@@ -112,7 +116,7 @@ class CompletionServing:
             )
         state.metrics.record_intake(time.monotonic() - start)
         remotes = [
-            await state.remote_prefill(p.token_ids, params, request.n)
+            await state.remote_prefill(p.token_ids, params, request.n, request.cache_salt)
             for p, params in zip(prompts, all_params)
         ]
         streams: dict[str, AsyncIterator[RequestOutput]] = {}
@@ -121,8 +125,9 @@ class CompletionServing:
                 request_ids, prompts, all_params, remotes, strict=True
             ):
                 streams[request_id] = engine.add_request(
-                    request_id, prompt.token_ids, params, prompt.text, remote_decode, remote
-                )
+                    request_id, prompt.token_ids, params, prompt.text, remote_decode, remote,
+                    cache_salt=request.cache_salt, priority=request.priority,
+                )  # fmt: skip
         except Exception:
             for request_id in streams:
                 engine.abort(request_id)
@@ -143,7 +148,13 @@ class CompletionServing:
                     request, prompt_index, c, prefix + c.text, c.token_ids, c.logprobs, True, len(prefix)
                 )
                 if request.echo and request.logprobs is not None:
-                    choice["logprobs"] = join_logprobs(self._echoed(prompt, final), choice["logprobs"])
+                    choice["logprobs"] = join_logprobs(
+                        self._echoed(prompt, final, request.logprobs), choice["logprobs"]
+                    )
+                if request.prompt_logprobs is not None and final.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                        final.prompt_logprobs, request.prompt_logprobs
+                    )
                 choices.append(choice)
         body = {**head, "object": "text_completion", "choices": choices, "usage": _usage(finals)}
         if remote_decode:  # where the decode peer fetches the prompt's KV, and the token it starts from
@@ -153,11 +164,12 @@ class CompletionServing:
             }  # fmt: skip
         return JSONResponse(body)
 
-    def _echoed(self, prompt: _Prompt, output: RequestOutput) -> dict:
+    def _echoed(self, prompt: _Prompt, output: RequestOutput, k: int) -> dict:
         tokenizer = self.state.engine.tokenizer
         first = prompt.token_ids[0]
         first_text = tokenizer.decode([first]) if tokenizer is not None else f"token_id:{first}"
-        return echo_logprobs(output.prompt_logprobs, first_text)
+        scored = [None if entry is None else top_of(entry, k) for entry in output.prompt_logprobs or []]
+        return echo_logprobs(scored, first_text)
 
     def _choice(
         self,
@@ -251,7 +263,8 @@ class CompletionServing:
                         echo_pending.discard(key)
                         prompt = prompts[prompt_index]
                         choice["text"] = (prompt.text or "") + choice["text"]
-                        choice["logprobs"] = join_logprobs(self._echoed(prompt, output), choice["logprobs"])
+                        echoed = self._echoed(prompt, output, request.logprobs)
+                        choice["logprobs"] = join_logprobs(echoed, choice["logprobs"])
                     yield chunk([choice], len(prompts[prompt_index].token_ids), len(c.token_ids))
                     offsets[key] += len(c.delta_text)
                     if c.finished:
