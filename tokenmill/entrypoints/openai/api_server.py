@@ -36,16 +36,11 @@ from tokenmill.serving.prompt import render_prompt
 from .common import ServerState
 from .disagg import PrefillPeers, kv_address
 from .errors import OpenAIError, bad_request, install_error_handlers, unavailable
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    TokenizeRequest,
-)
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving_chat import ChatServing, render_chat
 from .serving_completion import CompletionServing
 from .serving_embedding import EmbeddingServing
+from .tokenize_embed_protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 logger = logging.getLogger("tokenmill.server")
 

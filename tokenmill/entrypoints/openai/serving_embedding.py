@@ -18,7 +18,7 @@ from tokenmill.sampling_params import pooling_request_params
 
 from .common import ServerState, final_outputs, render_input
 from .errors import bad_request
-from .protocol import EmbeddingRequest
+from .tokenize_embed_protocol import EmbeddingRequest
 
 _json = msgspec.json.Encoder()
 
