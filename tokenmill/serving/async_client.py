@@ -12,7 +12,6 @@ import logging
 import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -43,32 +42,13 @@ from tokenmill.serving.core_protocol import (
 )
 from tokenmill.serving.input_processor import InputProcessor
 from tokenmill.serving.metrics import ServerMetrics
-from tokenmill.serving.output_processor import OutputProcessor, merge_outputs
+from tokenmill.serving.output_processor import OutputProcessor
+from tokenmill.serving.request_stream import ABORTED, RequestState, stream_outputs
 from tokenmill.serving.step_trace import StepTrace
 
 API_TRACE_COLUMNS = ("received_s", "outputs", "process_ms", "longest_wait_ms")
 
 logger = logging.getLogger("tokenmill.server")
-# A stream's chunks this far apart are logged with where the time went (a stream at 100 tokens/s has
-# missed ten tokens).
-STREAM_GAP_LOG_S = 0.1
-
-
-class _Aborted:
-    """Queue marker: the request was aborted (client gone, drain timeout), so its stream just ends."""
-
-
-_ABORTED = _Aborted()
-
-
-@dataclass
-class _RequestState:
-    arrival_time: float
-    num_prompt_tokens: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    first_output_time: float | None = None
-    last_output_time: float | None = None
-    queued_since: float | None = None  # when the oldest output not yet handed to the stream arrived
 
 
 class AsyncEngineClient:
@@ -104,7 +84,7 @@ class AsyncEngineClient:
         self.metrics = metrics
         self.dead_error: str | None = None
         self._sockets = sockets
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._num_not_started = 0  # admitted requests that have produced no output yet
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -218,7 +198,7 @@ class AsyncEngineClient:
             raise EngineOverloadedError(f"the server's waiting queue is full ({cap} requests); retry later.")
         self.input_processor.check(prompt_token_ids, params, priority)
         children = self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
-        state = _RequestState(time.monotonic(), len(prompt_token_ids))
+        state = RequestState(time.monotonic(), len(prompt_token_ids))
         self._requests[request_id] = state
         self._num_not_started += 1
         for child_id, child_params in children:
@@ -238,48 +218,7 @@ class AsyncEngineClient:
                     priority,
                 )
             )
-        return self._stream(request_id, state)
-
-    async def _stream(self, request_id: str, state: _RequestState) -> AsyncIterator[RequestOutput]:
-        finished = False
-        held = None  # a marker met while merging, handled on the next turn
-        handed = sent_s = None  # when the last chunk went to the HTTP layer, how long it took back
-        try:
-            while True:
-                item = held if held is not None else await state.queue.get()
-                held = None
-                if isinstance(item, BaseException):
-                    raise item
-                if item is _ABORTED:
-                    return
-                # Outputs that queued up while this stream's consumer was busy go out as one: a
-                # front end that falls behind sends fewer, larger chunks instead of falling further.
-                while not item.finished and not state.queue.empty():
-                    following = state.queue.get_nowait()
-                    if not isinstance(following, RequestOutput):
-                        held = following
-                        break
-                    item = merge_outputs(item, following)
-                finished = item.finished
-                now = time.monotonic()
-                if handed is not None and now - handed >= STREAM_GAP_LOG_S:
-                    gap, waited = now - handed, now - (state.queued_since or now)
-                    # At info when this process made most of the gap; a long engine step (a big prompt
-                    # chunk, a CPU engine) makes such gaps on every stream, and is only worth a debug line.
-                    level = logging.INFO if max(waited, sent_s or 0.0) >= gap / 2 else logging.DEBUG
-                    logger.log(
-                        level, "stream %s: %.0f ms between chunks: its outputs waited %.0f ms here, the "
-                        "chunk before took %.0f ms to send (if neither is long, the engine core sent late)",
-                        request_id, gap * 1e3, waited * 1e3, (sent_s or 0.0) * 1e3,
-                    )  # fmt: skip
-                state.queued_since = None
-                yield item
-                handed, sent_s = now, time.monotonic() - now
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_outputs(request_id, state, self.abort)
 
     def abort(self, request_id: str) -> None:
         """Abort a request in the core now (freeing its blocks) and end its stream; idempotent."""
@@ -294,7 +233,7 @@ class AsyncEngineClient:
         if self.metrics is not None:
             for _ in child_ids:
                 self.metrics.record_finished("abort", None)
-        state.queue.put_nowait(_ABORTED)
+        state.queue.put_nowait(ABORTED)
 
     def abort_all(self) -> None:
         for request_id in list(self._requests):
