@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench.cli import add_parser
+from tokenmill.bench.client import resolve_endpoint
 from tokenmill.bench.report import format_summary, format_sweep
 
 from .fake_openai_server import Script
@@ -32,16 +34,22 @@ VLLM_KEYS = [
     "output_lens",
     "ttfts",
     "itls",
+    "latencies",
+    "start_times",
+    "generated_texts",
     "errors",
+    "date",
+    "backend",
+    "endpoint_type",
+    "label",
+    "tokenizer_id",
     "request_rate",
     "burstiness",
     "max_concurrency",
     "model_id",
     "num_prompts",
-] + [
-    f"{stat}_{m}_ms"
-    for m in ("ttft", "tpot", "itl", "e2el")
-    for stat in ("mean", "median", "std", "p90", "p99")
+] + [  # vLLM's defaults: --percentile-metrics ttft,tpot,itl --metric-percentiles 99
+    f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl") for stat in ("mean", "median", "std", "p99")
 ]
 
 
@@ -86,7 +94,9 @@ def test_serve_sweep_writes_json_and_plots(
         assert result["request_goodput"] == pytest.approx(5 / result["duration"])
         # The fake server waits 20 ms before its first token and 5 ms between tokens; on a loaded
         # machine only the lower bound is firm, and the first token comes before the last.
-        assert 19.0 <= result["mean_ttft_ms"] < result["mean_e2el_ms"]
+        assert 19.0 <= result["mean_ttft_ms"] < 1e3 * max(result["latencies"])
+        assert "mean_e2el_ms" not in result and "p90_ttft_ms" not in result  # not asked for
+        assert result["backend"] == result["endpoint_type"] == "openai"
     assert server.headers[0]["Authorization"] == "Bearer sk-test"
     assert all(p["max_tokens"] == 3 and p["model"] == "fake-model" for p in server.payloads)
 
@@ -200,3 +210,73 @@ def test_report_formats() -> None:
     assert "Errors" not in text
     sweep = format_sweep([summary], percentile=99)
     assert sweep.splitlines()[2].split()[:3] == ["inf", "2.00", "1.00"]
+
+
+def test_vllm_command_line_runs_chat_and_saves_results_as_vllm_names_them(
+    fake_server, tiny_tokenizer_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`vllm bench serve`'s own flags: --backend openai-chat alone picks the chat endpoint, a random
+    workload ignores EOS, sampling flags and headers are sent, and --save-result writes vLLM's file."""
+    server = fake_server(lambda payload: Script(ttft_s=0.0, itl_s=0.0, num_tokens=3))
+    monkeypatch.chdir(tmp_path)
+    args = _parse(
+        f"serve --backend openai-chat --base-url {server.base_url} --model org/tiny-model --tokenizer "
+        f"{tiny_tokenizer_path} --dataset-name random --input-len 12 --output-len 3 --num-prompts 4 "
+        "--request-rate 50 --max-concurrency 2 --temperature 0 --top-p 0.9 --header x-trace=abc "
+        "--save-result --metadata tp=1 --disable-tqdm"
+    )
+    assert args.func(args) == 0
+    assert len(server.payloads) == 4
+    for payload in server.payloads:
+        assert payload["messages"][0]["role"] == "user" and payload["max_tokens"] == 3
+        assert payload["ignore_eos"] is True  # vLLM's default for the random dataset
+        assert (payload["temperature"], payload["top_p"]) == (0, 0.9) and "top_k" not in payload
+    assert server.headers[0]["x-trace"] == "abc"
+    [path] = list(tmp_path.glob("*.json"))
+    assert re.fullmatch(r"openai-chat-50\.0qps-concurrency2-tiny-model-\d{8}-\d{6}\.json", path.name)
+    result = json.loads(path.read_text())
+    assert result["backend"] == "openai-chat" and result["endpoint"] == "/v1/chat/completions"
+    assert result["completed"] == 4 and result["tp"] == "1" and result["request_rate"] == 50.0
+    assert "ttfts" not in result and "errors" not in result  # per-request lists need --save-detailed
+
+
+def test_save_detailed_append_and_result_file_names(fake_server, tmp_path: Path) -> None:
+    server = fake_server(lambda payload: Script(ttft_s=0.0, itl_s=0.0, num_tokens=2))
+    common = (
+        f"serve --base-url {server.base_url} --model m --dataset-name file --dataset-path "
+        f"{_prompts_file(tmp_path, 2)} --disable-tqdm --result-dir {tmp_path / 'out'} "
+        "--result-filename r.json --save-result --no-ignore-eos"
+    )
+    for extra in ("--save-detailed --label mine", "--append-result"):
+        args = _parse(f"{common} {extra}")
+        assert args.func(args) == 0
+    first, second = [json.loads(line) for line in (tmp_path / "out" / "r.json").read_text().splitlines()]
+    assert first["label"] == "mine" and first["errors"] == ["", ""] and len(first["ttfts"]) == 2
+    assert second["completed"] == 2 and "ttfts" not in second
+    assert all("ignore_eos" not in p for p in server.payloads)
+    sweep = _parse(f"{common} --request-rate 1,inf")
+    with pytest.raises(ValueError, match="--result-filename"):
+        sweep.func(sweep)
+
+
+@pytest.mark.parametrize(
+    ("backend", "endpoint", "expected"),
+    [
+        (None, None, ("/v1/completions", False, "openai")),
+        ("openai-chat", None, ("/v1/chat/completions", True, "openai-chat")),
+        ("vllm", None, ("/v1/completions", False, "vllm")),
+        (None, "/v1/chat/completions", ("/v1/chat/completions", True, "openai-chat")),
+        (None, "/openai/v1/completions", ("/openai/v1/completions", False, "openai")),
+    ],
+)
+def test_backend_and_endpoint_resolve_as_vllm_pairs_them(backend, endpoint, expected) -> None:
+    assert tuple(resolve_endpoint(backend, endpoint)) == expected
+
+
+def test_backend_and_endpoint_of_different_apis_are_refused() -> None:
+    with pytest.raises(ValueError, match="--backend openai-chat"):
+        resolve_endpoint("openai-chat", "/v1/completions")
+    with pytest.raises(ValueError, match="--backend openai "):
+        resolve_endpoint("openai", "/v1/chat/completions")
+    with pytest.raises(ValueError, match="--endpoint"):
+        resolve_endpoint(None, "/v1/embeddings")

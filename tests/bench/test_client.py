@@ -27,17 +27,27 @@ def _send(
 
 def test_completions_payload_asks_for_a_usage_chunk() -> None:
     request = RequestInput(
-        api_url="u", model="m", prompt=[5, 6, 7], prompt_len=3, max_tokens=9, ignore_eos=True, temperature=0.5
+        api_url="u",
+        model="m",
+        prompt=[5, 6, 7],
+        prompt_len=3,
+        max_tokens=9,
+        ignore_eos=True,
+        extra_body={"temperature": 0.5, "top_k": 4},
     )
     assert build_payload(request) == {
         "model": "m",
         "max_tokens": 9,
-        "temperature": 0.5,
         "stream": True,
         "stream_options": {"include_usage": True},
         "prompt": [5, 6, 7],
         "ignore_eos": True,
+        "temperature": 0.5,
+        "top_k": 4,
     }
+    # No sampling knob unless given: the server's defaults apply, as with vLLM's client.
+    plain = RequestInput(api_url="u", model="m", prompt="x", prompt_len=1, max_tokens=2)
+    assert "temperature" not in build_payload(plain)
 
 
 def test_chat_payload_wraps_the_prompt_as_a_user_message() -> None:

@@ -7,9 +7,9 @@ import os
 from typing import Any
 
 from tokenmill.bench.arrivals import ARRIVAL_PROCESSES
-from tokenmill.bench.client import ENDPOINTS
+from tokenmill.bench.client import BACKENDS, SAMPLING_PARAMS
 from tokenmill.bench.datasets import DATASET_NAMES
-from tokenmill.bench.metrics import METRICS
+from tokenmill.bench.metrics import DEFAULT_METRICS, METRICS
 from tokenmill.entrypoints.engine_args import parse_json_object
 
 
@@ -49,10 +49,18 @@ def _add_serve(commands: Any) -> None:
     target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=8000)
-    target.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    target.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="openai (or vllm): /v1/completions; openai-chat: /v1/chat/completions (default: by --endpoint)",
+    )
+    target.add_argument(
+        "--endpoint", help="default: /v1/completions, or /v1/chat/completions for --backend openai-chat"
+    )
     target.add_argument("--model", help="model name sent in requests (default: the server's first model)")
     target.add_argument("--served-model-name", help="name to send when --model is a local path")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token")
+    target.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra headers on every request")
     target.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     _add_tokenizer_arg(p)
     _add_dataset_args(p)
@@ -73,15 +81,24 @@ def _add_serve(commands: Any) -> None:
         "--trace-speedup", type=float, default=1.0, help="replay a trace this many times faster"
     )
     load.add_argument(
-        "--ignore-eos", action="store_true", help="ask the server to generate every requested token"
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        help="ask the server to generate every requested token (default: on for --dataset-name random, "
+        "as vLLM sets it)",
     )
-    load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument(
         "--num-client-processes",
         type=int,
         default=1,
         help="spread the requests over this many client processes (hundreds of streams need more "
         "than one event loop to time them); --max-concurrency and warm-ups are divided between them",
+    )
+
+    sampling = p.add_argument_group("sampling (sent only when given; otherwise the server's defaults)")
+    for name, kind in SAMPLING_PARAMS:
+        sampling.add_argument("--" + name.replace("_", "-"), type=kind)
+    sampling.add_argument(
+        "--extra-body", type=parse_json_object, help="a JSON object merged into every request's body"
     )
 
     out = p.add_argument_group("results")
@@ -92,10 +109,25 @@ def _add_serve(commands: Any) -> None:
         help="SLOs a request must meet to count, e.g. ttft:500 tpot:50",
     )
     out.add_argument(
-        "--percentile-metrics", default=",".join(METRICS), help="which latencies get percentiles"
+        "--percentile-metrics",
+        default=",".join(DEFAULT_METRICS),
+        help=f"which latencies are reported, from {','.join(METRICS)}",
     )
-    out.add_argument("--metric-percentiles", default="90,99", help="percentiles reported, e.g. 50,90,99.9")
+    out.add_argument("--metric-percentiles", default="99", help="percentiles reported, e.g. 50,90,99.9")
     out.add_argument("--output-json", help="write the results with vLLM's key names (a list for a sweep)")
+    out.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write each run's JSON as vLLM names it: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json",
+    )
+    out.add_argument("--save-detailed", action="store_true", help="--save-result keeps the per-request lists")
+    out.add_argument(
+        "--append-result", action="store_true", help="append to the result file, one JSON object a line"
+    )
+    out.add_argument("--result-dir", help="directory for --save-result files (default: the current one)")
+    out.add_argument("--result-filename", help="file name for --save-result instead of vLLM's pattern")
+    out.add_argument("--label", help="prefix of the result file name (default: the backend)")
+    out.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="extra keys for the result JSON")
     out.add_argument("--plot", metavar="DIR", help="write latency CDFs (and sweep curves) as PNGs")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_serve)
@@ -187,6 +219,12 @@ def _add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None
         "--file-output-len", type=int, default=128, help="for file lines without an output length"
     )
     if not offline:
+        data.add_argument("--input-len", type=int, help="sets --random-input-len, as in vLLM")
+        data.add_argument(
+            "--output-len",
+            type=int,
+            help="one output length for every dataset (sets each --*-output-len), as in vLLM",
+        )
         data.add_argument(
             "--prompts-as-token-ids",
             action="store_true",

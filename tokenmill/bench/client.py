@@ -5,12 +5,52 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import aiohttp
 
 from tokenmill.bench.tokenizer import BenchTokenizer
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's --backend names for the two OpenAI APIs ("vllm" is its older name for completions).
+BACKENDS = ("openai", "vllm", "openai-chat")
+# vLLM's sampling flags for `bench serve` (--top-p ...): each is sent under its own name when given.
+SAMPLING_PARAMS = (
+    ("temperature", float),
+    ("top_p", float),
+    ("top_k", int),
+    ("min_p", float),
+    ("frequency_penalty", float),
+    ("presence_penalty", float),
+    ("repetition_penalty", float),
+)
+COMPLETIONS_ENDPOINT = "/v1/completions"
+CHAT_ENDPOINT = "/v1/chat/completions"
+
+
+class Endpoint(NamedTuple):
+    path: str
+    chat: bool
+    backend: str  # the --backend name it answers to, as vLLM records it
+
+
+def resolve_endpoint(backend: str | None, endpoint: str | None) -> Endpoint:
+    """`--backend` and `--endpoint` -> the path to post to and which API it speaks.
+
+    Either one decides: openai-chat defaults to /v1/chat/completions, openai to /v1/completions, and
+    without --backend an endpoint ending in chat/completions is chat. Any path ending in completions
+    works (a proxy's /openai/v1/completions); a backend and endpoint of different APIs are refused.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if endpoint is None:
+        endpoint = CHAT_ENDPOINT if backend == "openai-chat" else COMPLETIONS_ENDPOINT
+    if not endpoint.rstrip("/").endswith("completions"):
+        raise ValueError(f"--endpoint must be a completions or chat/completions path, got {endpoint!r}")
+    chat = endpoint.rstrip("/").endswith("chat/completions")
+    if backend is not None and chat != (backend == "openai-chat"):
+        wanted = CHAT_ENDPOINT if backend == "openai-chat" else COMPLETIONS_ENDPOINT
+        raise ValueError(f"--backend {backend} speaks {wanted}, not --endpoint {endpoint}")
+    return Endpoint(endpoint, chat, backend or ("openai-chat" if chat else "openai"))
 
 
 @dataclass(frozen=True)
@@ -24,8 +64,8 @@ class RequestInput:
     max_tokens: int
     chat: bool = False
     ignore_eos: bool = False
-    temperature: float = 0.0
     messages: tuple[dict, ...] | None = None  # a chat's turns; without them the prompt is one user turn
+    extra_body: dict = field(default_factory=dict)  # sampling knobs and --extra-body, sent as given
 
 
 @dataclass
@@ -63,7 +103,6 @@ def build_payload(request: RequestInput) -> dict:
     payload: dict = {
         "model": request.model,
         "max_tokens": request.max_tokens,
-        "temperature": request.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -76,6 +115,7 @@ def build_payload(request: RequestInput) -> dict:
         payload["prompt"] = request.prompt
     if request.ignore_eos:
         payload["ignore_eos"] = True  # vLLM/SGLang/tokenmill extension to the OpenAI schema
+    payload.update(request.extra_body)
     return payload
 
 

@@ -200,6 +200,7 @@ def _conversation(rng: np.random.Generator, num_tokens: int) -> str:
 def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None) -> list[SampleRequest]:
     """Build the `--dataset-name` workload from the parsed command line."""
     name = args.dataset_name
+    _apply_general_lengths(args)
     if name not in DATASET_NAMES:
         raise ValueError(f"--dataset-name must be one of {', '.join(DATASET_NAMES)}, got {name!r}")
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -257,3 +258,13 @@ def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None
             **common,
         )
     return sharegpt_like_requests(tokenizer, output_len=args.sharegpt_output_len, **common)
+
+
+def _apply_general_lengths(args: argparse.Namespace) -> None:
+    """vLLM's --input-len and --output-len: one length for whichever dataset runs."""
+    if getattr(args, "input_len", None) is not None:
+        args.random_input_len = args.input_len
+    output_len = getattr(args, "output_len", None)
+    if output_len is not None:
+        for name in ("random", "prefix_repetition", "conversation", "sharegpt", "file"):
+            setattr(args, f"{name}_output_len", output_len)

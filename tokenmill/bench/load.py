@@ -30,7 +30,7 @@ class ServeTarget:
     chat: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = False
-    temperature: float = 0.0
+    extra_body: dict = field(default_factory=dict)  # sampling knobs sent with every request
     request_timeout_s: float = 6 * 3600.0
 
 
@@ -81,8 +81,8 @@ async def run_load(
                 max_tokens=sample.expected_output_len,
                 chat=target.chat,
                 ignore_eos=target.ignore_eos,
-                temperature=target.temperature,
                 messages=sample.messages,
+                extra_body=target.extra_body,
             )
             if limiter is None:
                 return await send_request(session, request, headers=target.headers, tokenizer=tokenizer)

@@ -11,7 +11,20 @@ from tokenmill.bench.client import RequestResult
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-DEFAULT_PERCENTILES = (90.0, 99.0)
+# `vllm bench serve`'s defaults: percentiles of TTFT, TPOT and ITL, p99 only.
+DEFAULT_METRICS = ("ttft", "tpot", "itl")
+DEFAULT_PERCENTILES = (99.0,)
+# The per-request lists, which vLLM writes only with --save-detailed.
+PER_REQUEST_KEYS = (
+    "input_lens",
+    "output_lens",
+    "start_times",
+    "ttfts",
+    "tpots",
+    "itls",
+    "generated_texts",
+    "errors",
+)
 
 
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
@@ -114,7 +127,9 @@ def summarize(
         ttfts=[r.ttft for r in results],
         tpots=[r.tpot for r in results],
         itls=[r.itl for r in results],
-        e2els=[r.latency for r in results],
+        latencies=[r.latency for r in results],
+        start_times=[r.start_time for r in results],
+        generated_texts=[r.generated_text for r in results],
         errors=[r.error for r in results],
     )
     return summary

@@ -52,7 +52,7 @@ def latency_samples_ms(summary: Mapping[str, Any], metric: str) -> np.ndarray:
     if metric == "itl":
         values = [gap for good, gaps in zip(ok, summary["itls"], strict=True) if good for gap in gaps]
     else:
-        column = {"ttft": "ttfts", "tpot": "tpots", "e2el": "e2els"}[metric]
+        column = {"ttft": "ttfts", "tpot": "tpots", "e2el": "latencies"}[metric]
         values = [v for good, v in zip(ok, summary[column], strict=True) if good and v is not None]
     return np.sort(np.asarray(values, dtype=np.float64) * 1e3)
 

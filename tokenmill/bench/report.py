@@ -32,6 +32,10 @@ def format_summary(
 
     row("Successful requests:", summary["completed"])
     row("Failed requests:", summary["failed"])
+    if summary.get("max_concurrency") is not None:
+        row("Maximum request concurrency:", summary["max_concurrency"])
+    if isinstance(summary.get("request_rate"), float | int) and math.isfinite(summary["request_rate"]):
+        row("Request rate configured (RPS):", float(summary["request_rate"]))
     row("Benchmark duration (s):", summary["duration"])
     row("Total input tokens:", summary["total_input_tokens"])
     row("Total generated tokens:", summary["total_output_tokens"])
@@ -71,9 +75,11 @@ def format_sweep(summaries: Sequence[Mapping[str, Any]], *, percentile: float) -
     lines = [" Request Rate Sweep (latencies in ms) ".center(len(header), "="), header]
     for s in summaries:
         goodput = "-" if s.get("request_goodput") is None else f"{s['request_goodput']:.2f}"
+        # A latency left out of --percentile-metrics shows as "-".
+        tails = [s.get(f"{label}_{m}_ms") for m in ("ttft", "tpot", "e2el")]
+        ttft, tpot, e2el = ("-" if v is None else f"{v:.1f}" for v in tails)
         lines.append(
             f"{format_rate(float(s['request_rate'])):>8} {s['request_throughput']:>8.2f} {goodput:>8} "
-            f"{s['output_throughput']:>10.1f} {s['failed']:>7} {s.get(f'{label}_ttft_ms', 0.0):>11.1f} "
-            f"{s.get(f'{label}_tpot_ms', 0.0):>11.1f} {s.get(f'{label}_e2el_ms', 0.0):>11.1f}"
+            f"{s['output_throughput']:>10.1f} {s['failed']:>7} {ttft:>11} {tpot:>11} {e2el:>11}"
         )
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from tokenmill.bench.arrivals import (
     resolve_arrival_process,
     trace_offsets,
 )
-from tokenmill.bench.client import ENDPOINTS
+from tokenmill.bench.client import SAMPLING_PARAMS, Endpoint, resolve_endpoint
 from tokenmill.bench.datasets import samples_from_args
 from tokenmill.bench.load import ServeTarget, run_load, run_load_processes
 from tokenmill.bench.metrics import (
@@ -31,15 +31,14 @@ from tokenmill.bench.metrics import (
     summarize,
 )
 from tokenmill.bench.report import format_rate, format_summary, format_sweep
+from tokenmill.bench.result_files import parse_key_values, result_path, save_result
 from tokenmill.bench.tokenizer import BenchTokenizer, load_tokenizer, resolve_tokenizer_source
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark at each requested rate; print, save and plot the results."""
-    if args.endpoint not in ENDPOINTS:
-        raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {args.endpoint!r}")
-    chat = args.endpoint == "/v1/chat/completions"
-    if chat and args.prompts_as_token_ids:
+    endpoint = resolve_endpoint(args.backend, args.endpoint)
+    if endpoint.chat and args.prompts_as_token_ids:
         raise ValueError("--prompts-as-token-ids needs --endpoint /v1/completions (chat takes text)")
     percentiles = parse_percentiles(args.metric_percentiles)
     metrics = parse_metric_names(args.percentile_metrics)
@@ -49,21 +48,32 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_client_processes < 1:
         raise ValueError(f"--num-client-processes must be >= 1, got {args.num_client_processes}")
+    metadata = parse_key_values(args.metadata, "--metadata")
+    extra_headers = parse_key_values(args.header, "--header")
+    sweep = "," in (args.request_rate or "")
+    if sweep and args.save_result and args.result_filename and not args.append_result:
+        raise ValueError(
+            "a --request-rate sweep writes one result per rate: drop --result-filename or add --append-result"
+        )
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers |= extra_headers
     model = args.served_model_name or args.model or _first_served_model(base_url, headers)
     # The served name finds the tokenizer too when it is a path or `default` (tokenmill's embedded model).
     source = resolve_tokenizer_source(args.tokenizer, args.model or model)
     tokenizer = load_tokenizer(source) if source else None
     samples = samples_from_args(args, tokenizer)
+    sampling = {name: getattr(args, name) for name, _ in SAMPLING_PARAMS if getattr(args, name) is not None}
+    # vLLM asks a random workload for every requested token unless told otherwise.
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
     target = ServeTarget(
-        api_url=base_url + args.endpoint,
+        api_url=base_url + endpoint.path,
         model=model,
-        chat=chat,
+        chat=endpoint.chat,
         headers=headers,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
+        ignore_eos=ignore_eos,
+        extra_body=sampling | (args.extra_body or {}),
         request_timeout_s=args.request_timeout,
     )
     replay = args.request_rate is None and all(s.timestamp_ms is not None for s in samples)
@@ -102,8 +112,16 @@ def main(args: argparse.Namespace) -> int:
             run.results, run.duration_s, percentiles=percentiles, metrics=metrics, goodput_slos_ms=slos
         )
         summary = _with_run_info(
-            summary, args, model=model, tokenizer=tokenizer, rate=rate, process=process, slos=slos
+            summary,
+            args,
+            endpoint=endpoint,
+            model=model,
+            tokenizer=tokenizer,
+            rate=rate,
+            process=process,
+            slos=slos,
         )
+        summary |= metadata
         # Where the long gaps were, and the client's own pauses: a gap a client process made itself
         # lines up with one of its pauses; the server logs its processes' long pauses with wall times.
         summary["long_gaps"] = long_gaps(run.results, run.clock_to_wall)
@@ -113,6 +131,18 @@ def main(args: argparse.Namespace) -> int:
             summary.update(request_rate="trace", trace_speedup=args.trace_speedup)
         print(format_summary(summary, percentiles=percentiles, metrics=metrics))
         summaries.append(summary)
+        if args.save_result or args.append_result:
+            path = result_path(
+                label=args.label or endpoint.backend,
+                rate="trace" if replay else rate,
+                max_concurrency=args.max_concurrency,
+                model_id=model,
+                date=summary["date"],
+                result_dir=args.result_dir,
+                result_filename=args.result_filename,
+            )
+            save_result(summary, path, detailed=args.save_detailed, append=args.append_result)
+            print(f"wrote {path}", file=sys.stderr)
 
     if len(summaries) > 1:
         print(format_sweep(summaries, percentile=max(percentiles)))
@@ -130,6 +160,7 @@ def _with_run_info(
     summary: dict[str, Any],
     args: argparse.Namespace,
     *,
+    endpoint: Endpoint,
     model: str,
     tokenizer: BenchTokenizer | None,
     rate: float,
@@ -138,10 +169,11 @@ def _with_run_info(
 ) -> dict[str, Any]:
     info = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "tokenmill-bench",
-        "endpoint_type": "openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
+        "endpoint_type": endpoint.backend,  # vLLM keeps both names for the backend
+        "backend": endpoint.backend,
+        "label": args.label,
         "base_url": args.base_url or f"http://{args.host}:{args.port}",
-        "endpoint": args.endpoint,
+        "endpoint": endpoint.path,
         "model_id": model,
         "tokenizer_id": tokenizer.name if tokenizer is not None else None,
         "dataset_name": args.dataset_name,
