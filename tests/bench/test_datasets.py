@@ -16,6 +16,7 @@ from tokenmill.bench.datasets import (
     random_requests,
     samples_from_args,
     sharegpt_like_requests,
+    sharegpt_requests,
 )
 from tokenmill.bench.prompts import PromptMaker
 from tokenmill.bench.traces import TRACE_BLOCK_TOKENS, file_requests
@@ -220,3 +221,67 @@ def test_samples_from_args_dispatch_and_errors(tiny_tokenizer) -> None:
         samples_from_args(_args(dataset_name="file"), None)
     with pytest.raises(ValueError, match="--num-prompts"):
         samples_from_args(_args(num_prompts=0), tiny_tokenizer)
+
+
+def _sharegpt_file(tmp_path: Path) -> Path:
+    """Ten usable conversations plus ones vLLM's loader drops or prunes."""
+    words = "the time people water number sound"
+
+    def turns(*values: str) -> dict:
+        return {"conversations": [{"from": f"s{i}", "value": v} for i, v in enumerate(values)]}
+
+    usable = [turns(f"q{i} {words} {i}", " ".join(["answer"] * (5 + i)), "later turn") for i in range(10)]
+    dropped = [
+        turns("only one turn of the conversation"),  # fewer than 2 turns
+        {"id": "no conversations key"},
+        turns("hi", "a long enough reply to count"),  # prompt under 4 tokens
+        turns(f"{words} {words}", "ok"),  # reply under 4 tokens
+        turns(" ".join(["water"] * 1100), "a long enough reply to count"),  # prompt over 1024 tokens
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(usable[:5] + dropped + usable[5:]))
+    return path
+
+
+def test_sharegpt_file_takes_first_two_turns_and_prunes_as_vllm(tmp_path: Path, tiny_tokenizer) -> None:
+    path = _sharegpt_file(tmp_path)
+    requests = sharegpt_requests(tiny_tokenizer, str(path), num_prompts=10, seed=3)
+    assert sorted(int(r.prompt.split()[0][1:]) for r in requests) == list(range(10))
+    for request in requests:
+        index = int(request.prompt.split()[0][1:])
+        assert request.prompt_len == len(tiny_tokenizer.encode(request.prompt))
+        assert request.expected_output_len == len(tiny_tokenizer.encode(" ".join(["answer"] * (5 + index))))
+    # The order is Python's random.shuffle under the seed, as vLLM shuffles: reproducible, seed-dependent.
+    again = sharegpt_requests(tiny_tokenizer, str(path), num_prompts=10, seed=3)
+    other = sharegpt_requests(tiny_tokenizer, str(path), num_prompts=10, seed=4)
+    assert again == requests and [r.prompt for r in other] != [r.prompt for r in requests]
+    # A fixed output length replaces the replies' (and skips their minimum, as vLLM does).
+    fixed = sharegpt_requests(tiny_tokenizer, str(path), num_prompts=20, output_len=2, seed=3)
+    assert {r.expected_output_len for r in fixed} == {2}
+    assert any(r.prompt.startswith("the time") for r in fixed)  # the pair with a 1-token reply is back
+
+
+def test_sharegpt_with_fewer_conversations_than_asked_draws_again(
+    tmp_path: Path, tiny_tokenizer, capsys: pytest.CaptureFixture
+) -> None:
+    path = _sharegpt_file(tmp_path)
+    requests = sharegpt_requests(tiny_tokenizer, str(path), num_prompts=25)
+    assert len(requests) == 25 and len({r.prompt for r in requests}) == 10
+    assert "10 usable conversations" in capsys.readouterr().err
+    as_ids = sharegpt_requests(tiny_tokenizer, str(path), num_prompts=2, as_token_ids=True)
+    assert all(len(r.prompt) == r.prompt_len for r in as_ids)
+
+
+def test_sharegpt_through_the_command_line_flags(tmp_path: Path, tiny_tokenizer) -> None:
+    path = _sharegpt_file(tmp_path)
+    args = _args(dataset_name="sharegpt", dataset_path=str(path), num_prompts=4, output_len=7)
+    assert [r.expected_output_len for r in samples_from_args(args, tiny_tokenizer)] == [7] * 4
+    with pytest.raises(ValueError, match="--dataset-path"):
+        samples_from_args(_args(dataset_name="sharegpt"), tiny_tokenizer)
+    (tmp_path / "bad.json").write_text('{"conversations": []}')
+    with pytest.raises(ValueError, match="JSON list"):
+        samples_from_args(
+            _args(dataset_name="sharegpt", dataset_path=str(tmp_path / "bad.json")), tiny_tokenizer
+        )
+    prefixed = samples_from_args(_args(dataset_name="prefix_repetition"), tiny_tokenizer)  # vLLM's spelling
+    assert [r.expected_output_len for r in prefixed] == [6, 6, 6]

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenmill.bench.arrivals import ARRIVAL_PROCESSES
 from tokenmill.bench.client import BACKENDS, SAMPLING_PARAMS
-from tokenmill.bench.datasets import DATASET_NAMES
+from tokenmill.bench.datasets import DATASET_ALIASES, DATASET_NAMES
 from tokenmill.bench.metrics import DEFAULT_METRICS, METRICS
 from tokenmill.entrypoints.engine_args import parse_json_object
 
@@ -191,9 +191,10 @@ def _add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
+    data.add_argument("--dataset-name", default="random", choices=(*DATASET_NAMES, *DATASET_ALIASES))
     data.add_argument(
-        "--dataset-path", help="JSONL for --dataset-name file (prompts, or a trace with timestamps)"
+        "--dataset-path",
+        help="a ShareGPT JSON file for sharegpt; JSONL for file (prompts, or a trace with timestamps)",
     )
     data.add_argument("--num-prompts", type=int, help="default: 1000 (file: every line)")
     data.add_argument("--seed", type=int, default=0)
@@ -214,7 +215,9 @@ def _add_dataset_args(p: argparse.ArgumentParser, offline: bool = False) -> None
     data.add_argument("--conversation-num-system-prompts", type=int, default=4, help="system prompts shared")
     data.add_argument("--conversation-turn-len", type=int, default=128, help="tokens of each user message")
     data.add_argument("--conversation-output-len", type=int, default=128, help="tokens of each answer")
-    data.add_argument("--sharegpt-output-len", type=int, help="override the sampled output lengths")
+    data.add_argument(
+        "--sharegpt-output-len", type=int, help="sharegpt(-like): one output length instead of the replies'"
+    )
     data.add_argument(
         "--file-output-len", type=int, default=128, help="for file lines without an output length"
     )

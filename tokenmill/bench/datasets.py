@@ -1,10 +1,14 @@
-"""Benchmark workloads: random, prefix-repetition, multi-turn conversations, ShareGPT-like synthetic chats,
-and JSONL files/traces."""
+"""Benchmark workloads: random, prefix-repetition, multi-turn conversations, ShareGPT files and ShareGPT-like
+synthetic chats, and JSONL files/traces."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import random
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -12,7 +16,9 @@ from tokenmill.bench.prompts import PromptMaker, SampleRequest
 from tokenmill.bench.tokenizer import BenchTokenizer
 from tokenmill.bench.traces import file_requests
 
-DATASET_NAMES = ("random", "prefix-repetition", "conversations", "sharegpt-like", "file")
+DATASET_NAMES = ("random", "prefix-repetition", "conversations", "sharegpt", "sharegpt-like", "file")
+# vLLM's spellings of the same workloads.
+DATASET_ALIASES = {"prefix_repetition": "prefix-repetition"}
 
 # ShareGPT means reported in the vLLM paper (Kwon et al., SOSP 2023, Fig. 11): 161.31 input and
 # 337.99 output tokens. Both distributions are long-tailed; lognormals with these means and the
@@ -24,6 +30,7 @@ SHAREGPT_INPUT_SIGMA = 1.0
 SHAREGPT_OUTPUT_SIGMA = 0.8
 SHAREGPT_MAX_INPUT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
+SHAREGPT_MIN_LEN = 4
 # Everyday English words for the synthetic conversations.
 _WORD_LIST = (
     "the of and to in is it you that he was for on are with as his they be at one have this from or had "
@@ -173,6 +180,64 @@ def sharegpt_like_requests(
     return requests
 
 
+def sharegpt_requests(
+    tokenizer: BenchTokenizer,
+    path: str,
+    *,
+    num_prompts: int,
+    output_len: int | None = None,
+    seed: int = 0,
+    as_token_ids: bool = False,
+) -> list[SampleRequest]:
+    """A ShareGPT JSON file, read as vLLM reads it: each conversation's first turn is the prompt and its
+    second turn's token count the output length (unless `output_len`).
+
+    Conversations of fewer than 2 turns are dropped and the rest shuffled by Python's `random` seeded
+    with `seed`, as vLLM does, so a seed picks the same conversations in both tools. Pairs are pruned
+    as vLLM prunes (prompt or reply under 4 tokens, the reply's check skipped for a fixed output_len;
+    prompt over 1024; both over 2048). When fewer remain than `num_prompts`, the rest are drawn again
+    at random, as vLLM oversamples.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {path}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset-path {path}: not a ShareGPT JSON file ({exc.msg})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations")
+    entries = [e for e in data if isinstance(e, dict) and len(e.get("conversations") or []) >= 2]
+    rng = random.Random(seed)
+    rng.shuffle(entries)
+    requests = []
+    for entry in entries:
+        if len(requests) >= num_prompts:
+            break
+        prompt, reply = (str(turn.get("value", "")) for turn in entry["conversations"][:2])
+        prompt_ids = tokenizer.encode(prompt)
+        num_output = len(tokenizer.encode(reply)) if output_len is None else output_len
+        too_short = len(prompt_ids) < SHAREGPT_MIN_LEN or (
+            output_len is None and num_output < SHAREGPT_MIN_LEN
+        )
+        too_long = len(prompt_ids) > SHAREGPT_MAX_INPUT_LEN or (
+            len(prompt_ids) + num_output > SHAREGPT_MAX_TOTAL_LEN
+        )
+        if too_short or too_long:
+            continue
+        requests.append(SampleRequest(prompt_ids if as_token_ids else prompt, len(prompt_ids), num_output))
+    if not requests:
+        raise ValueError(f"--dataset-path {path}: no conversation has two turns of usable length")
+    if len(requests) < num_prompts:
+        print(
+            f"ShareGPT: {len(requests)} usable conversations in {path}; drawing again to make "
+            f"{num_prompts} prompts",
+            file=sys.stderr,
+        )
+        rng = random.Random(seed)
+        requests += [rng.choice(requests) for _ in range(num_prompts - len(requests))]
+    return requests
+
+
 def _uniform_lengths(rng: np.random.Generator, length: int, range_ratio: float, count: int) -> list[int]:
     low = max(int(math.floor(length * (1 - range_ratio))), 1)
     high = max(int(math.ceil(length * (1 + range_ratio))), low)
@@ -199,7 +264,7 @@ def _conversation(rng: np.random.Generator, num_tokens: int) -> str:
 
 def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None) -> list[SampleRequest]:
     """Build the `--dataset-name` workload from the parsed command line."""
-    name = args.dataset_name
+    name = DATASET_ALIASES.get(args.dataset_name, args.dataset_name)
     _apply_general_lengths(args)
     if name not in DATASET_NAMES:
         raise ValueError(f"--dataset-name must be one of {', '.join(DATASET_NAMES)}, got {name!r}")
@@ -246,6 +311,10 @@ def samples_from_args(args: argparse.Namespace, tokenizer: BenchTokenizer | None
             output_len=args.prefix_repetition_output_len,
             **common,
         )
+    if name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json (a ShareGPT file)")
+        return sharegpt_requests(tokenizer, args.dataset_path, output_len=args.sharegpt_output_len, **common)
     if name == "conversations":
         return conversation_requests(
             tokenizer,

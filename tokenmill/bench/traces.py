@@ -4,6 +4,7 @@ block hashes, replayed at their timestamps."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,8 @@ def file_requests(
     if not lines:
         raise ValueError(f"--dataset-path {path} holds no requests")
     records = [_parse_line(line, path, number) for number, line in enumerate(lines, start=1)]
+    if num_prompts and num_prompts > len(records):
+        print(f"--dataset-path {path} holds {len(records)} requests; sending those", file=sys.stderr)
     records = records[:num_prompts] if num_prompts else records
     rng = np.random.default_rng(seed)
     maker = PromptMaker(tokenizer, rng) if tokenizer is not None else None
