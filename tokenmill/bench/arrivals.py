@@ -33,11 +33,14 @@ def arrival_offsets(
     burstiness: float = 1.0,
     seed: int = 0,
 ) -> list[float]:
-    """Send times in seconds after the start, non-decreasing, the first at 0.
+    """Send times in seconds after the start, non-decreasing: the process's `num_requests` arrivals, the
+    first also after one gap, as vLLM schedules them.
 
     Gaps are drawn from a gamma distribution with shape `burstiness` and mean 1/rate: shape 1 is a
-    Poisson process, below 1 burstier, above 1 more regular. `constant` spaces requests exactly 1/rate.
-    An infinite rate sends everything at once.
+    Poisson process, below 1 burstier, above 1 more regular. As vLLM does, the drawn times are rescaled
+    so that the last arrival is at exactly num_requests / rate: the offered load is the rate whatever
+    the seed, and a server that keeps up shows a request throughput of the rate. `constant` spaces
+    requests exactly 1/rate. An infinite rate sends everything at once.
     """
     if request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
@@ -46,12 +49,11 @@ def arrival_offsets(
     if math.isinf(request_rate):
         return [0.0] * num_requests
     if process == "constant":
-        gaps = np.full(num_requests - 1, 1.0 / request_rate)
-    else:
-        shape = burstiness if process == "gamma" else 1.0
-        rng = np.random.default_rng(seed)
-        gaps = rng.gamma(shape, 1.0 / (request_rate * shape), num_requests - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
+        return (np.arange(1, num_requests + 1) / request_rate).tolist()
+    shape = burstiness if process == "gamma" else 1.0
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.gamma(shape, 1.0 / (request_rate * shape), num_requests))
+    return (times * (num_requests / request_rate / times[-1])).tolist()
 
 
 def trace_offsets(timestamps_ms: Sequence[float], speedup: float = 1.0) -> list[float]:
