@@ -20,6 +20,9 @@ class Script:
     num_tokens: int = 4
     status: int = 200  # anything else: an OpenAI error object with this HTTP status, at once
     error_after: int | None = None  # stream this many tokens, then an error event
+    drop_after: int | None = None  # stream this many tokens, then close the connection mid-stream
+    usage_tokens: int | None = None  # completion_tokens in the usage chunk (default: one per chunk)
+    usage_delay_s: float = 0.0  # wait this long after the finish chunk before the usage chunk and [DONE]
     send_usage: bool = True
     message: str = "scripted failure"
 
@@ -94,15 +97,20 @@ class FakeOpenAIServer:
             if script.error_after == index:
                 await _send(response, {"error": {"message": script.message, "type": "InternalServerError"}})
                 return response
+            if script.drop_after == index:
+                request.transport.close()  # no terminating chunk: the client sees a broken stream
+                return response
             await _send(response, _chunk(chat, f" t{index}"))
         await _send(response, _chunk(chat, None, finish=True))
+        await asyncio.sleep(script.usage_delay_s)
         if script.send_usage and (payload.get("stream_options") or {}).get("include_usage"):
             prompt = payload.get("prompt") or payload["messages"][-1]["content"]
             prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+            completion_tokens = script.usage_tokens or script.num_tokens
             usage = {
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": script.num_tokens,
-                "total_tokens": prompt_tokens + script.num_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
             }
             await _send(response, {"id": "x", "choices": [], "usage": usage})
         await response.write(b"data: [DONE]\n\n")

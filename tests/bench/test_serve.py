@@ -183,3 +183,43 @@ def test_client_processes_check_their_count_and_count_failed_requests(fake_serve
     # Bad URLs are request failures (counted), not process failures.
     run = run_load_processes(target, _samples(4), [0.0] * 4, processes=2)
     assert [r.success for r in run.results] == [False] * 4 and all(r.error for r in run.results)
+
+
+def test_a_connection_dropped_mid_stream_is_a_failure_and_the_run_goes_on(fake_server) -> None:
+    def script(payload: dict) -> Script:
+        if _index(payload) == 1:
+            return Script(ttft_s=0.02, itl_s=0.01, num_tokens=6, drop_after=3)
+        return Script(ttft_s=0.02, itl_s=0.01, num_tokens=3)
+
+    server = fake_server(script)
+    run = _run(server, _samples(3))
+    summary = summarize(run.results, run.duration_s)
+    assert summary["completed"] == 2 and summary["failed"] == 1
+    assert summary["errors"][1].startswith("ClientPayloadError")
+    assert summary["output_lens"] == [3, 0, 3] and summary["total_output_tokens"] == 6
+    assert summary["mean_ttft_ms"] == pytest.approx(20.0, abs=TOLERANCE_MS)  # the broken one left out
+    assert run.duration_s < 1.0
+
+
+def test_a_chunk_of_several_tokens_is_one_gap_and_tpot_counts_every_token(fake_server) -> None:
+    """Speculative decoding or a server that batches deltas sends several tokens a chunk: vLLM's ITL
+    has one gap per chunk, and TPOT spreads the decode time over all tokens after the first."""
+    server = fake_server(lambda payload: Script(ttft_s=0.05, itl_s=0.04, num_tokens=3, usage_tokens=9))
+    run = _run(server, _samples(2), num_warmups=2)
+    summary = summarize(run.results, run.duration_s)
+    assert summary["output_lens"] == [9, 9] and [len(gaps) for gaps in summary["itls"]] == [2, 2]
+    assert summary["mean_itl_ms"] == pytest.approx(40.0, abs=TOLERANCE_MS)
+    assert summary["mean_tpot_ms"] == pytest.approx(80.0 / 8, abs=TOLERANCE_MS / 4)
+    assert summary["mean_e2el_ms"] == pytest.approx(130.0, abs=TOLERANCE_MS)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_e2el_ends_at_the_last_choice_chunk_not_at_the_usage_chunk(fake_server, endpoint: str) -> None:
+    """vLLM's E2EL (and so TPOT) ends at the last chunk that carries a choice: a usage chunk or [DONE]
+    the server sends late is not part of the answer (it had been: E2EL ran to [DONE])."""
+    server = fake_server(lambda payload: Script(ttft_s=0.05, itl_s=0.02, num_tokens=3, usage_delay_s=0.15))
+    run = _run(server, _samples(2), endpoint=endpoint, num_warmups=2)
+    summary = summarize(run.results, run.duration_s)
+    assert summary["total_output_tokens"] == 6  # the late usage chunk still counts the tokens
+    assert summary["mean_e2el_ms"] == pytest.approx(90.0, abs=TOLERANCE_MS)
+    assert summary["mean_tpot_ms"] == pytest.approx(20.0, abs=TOLERANCE_MS / 2)

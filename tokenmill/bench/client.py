@@ -131,13 +131,14 @@ async def send_request(
     usage_completion_tokens: int | None = None
     num_chunks = 0
     text_parts: list[str] = []
-    result.start_time = last_time = time.perf_counter()
+    result.start_time = last_time = last_choice_time = time.perf_counter()
     try:
         async with session.post(request.api_url, json=build_payload(request), headers=headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {_error_message(await response.text())}"
                 return result
             async for raw_line in response.content:
+                now = time.perf_counter()
                 line = raw_line.decode("utf-8").strip()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, `event:` names
@@ -152,10 +153,11 @@ async def send_request(
                 if usage:
                     usage_completion_tokens = usage.get("completion_tokens", usage_completion_tokens)
                     result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+                if chunk.get("choices"):
+                    last_choice_time = now  # the usage chunk and [DONE] after it do not end the answer
                 text = _chunk_text(chunk, request.chat)
                 if not text:
                     continue  # role-only deltas, finish_reason-only and usage chunks carry no token
-                now = time.perf_counter()
                 if num_chunks == 0:
                     result.ttft = now - result.start_time
                 else:
@@ -164,7 +166,7 @@ async def send_request(
                 num_chunks += 1
                 text_parts.append(text)
                 result.chunk_chars.append(len(text))
-        result.latency = time.perf_counter() - result.start_time
+        result.latency = last_choice_time - result.start_time
     except Exception as exc:  # a benchmark counts failures; it must not stop on one
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return result
