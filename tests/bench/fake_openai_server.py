@@ -35,9 +35,12 @@ class Script:
 class FakeOpenAIServer:
     """Serves /v1/completions, /v1/chat/completions and /v1/models from a background thread."""
 
-    def __init__(self, script_for: Callable[[dict], Script], model: str = "fake-model") -> None:
+    def __init__(
+        self, script_for: Callable[[dict], Script], model: str = "fake-model", root: str | None = None
+    ) -> None:
         self.script_for = script_for
         self.model = model
+        self.root = root
         self.payloads: list[dict] = []
         self.headers: list[dict[str, str]] = []
         self.port = 0
@@ -72,7 +75,8 @@ class FakeOpenAIServer:
         self.port = self._runner.addresses[0][1]
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        listed = {"id": self.model, "object": "model", **({"root": self.root} if self.root else {})}
+        return web.json_response({"object": "list", "data": [listed]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         payload = await request.json()

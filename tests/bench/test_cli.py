@@ -15,7 +15,7 @@ from tokenmill.bench.cli import add_parser
 from tokenmill.bench.client import resolve_endpoint
 from tokenmill.bench.report import format_summary, format_sweep
 
-from .fake_openai_server import Script
+from .fake_openai_server import FakeOpenAIServer, Script
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VLLM_KEYS = [
@@ -280,3 +280,21 @@ def test_backend_and_endpoint_of_different_apis_are_refused() -> None:
         resolve_endpoint("openai", "/v1/chat/completions")
     with pytest.raises(ValueError, match="--endpoint"):
         resolve_endpoint(None, "/v1/embeddings")
+
+
+def test_without_model_or_tokenizer_the_listed_models_root_gives_the_tokenizer(
+    tiny_tokenizer_path: Path, tmp_path: Path
+) -> None:
+    """vLLM loads the tokenizer from the first listed model's root (where the server loaded it from);
+    a random workload then runs with neither --model nor --tokenizer (it had stopped: no tokenizer)."""
+    with FakeOpenAIServer(
+        lambda payload: Script(ttft_s=0.0, itl_s=0.0, num_tokens=2), root=str(tiny_tokenizer_path)
+    ) as server:
+        args = _parse(
+            f"serve --base-url {server.base_url} --input-len 8 --output-len 2 --num-prompts 2 "
+            f"--disable-tqdm --output-json {tmp_path / 'r.json'}"
+        )
+        assert args.func(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["model_id"] == "fake-model" and result["tokenizer_id"] == str(tiny_tokenizer_path)
+    assert result["completed"] == 2

@@ -59,9 +59,15 @@ def main(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     headers |= extra_headers
-    model = args.served_model_name or args.model or _first_served_model(base_url, headers)
-    # The served name finds the tokenizer too when it is a path or `default` (tokenmill's embedded model).
-    source = resolve_tokenizer_source(args.tokenizer, args.model or model)
+    model = args.served_model_name or args.model
+    model_root = None
+    if model is None:
+        model, model_root = _first_served_model(base_url, headers)
+    # The served name finds the tokenizer too when it is a path or `default` (tokenmill's embedded model),
+    # or else the listed model's root (where the server loaded it from), as vLLM looks there.
+    source = resolve_tokenizer_source(args.tokenizer, args.model or model) or resolve_tokenizer_source(
+        None, model_root
+    )
     tokenizer = load_tokenizer(source) if source else None
     samples = samples_from_args(args, tokenizer)
     sampling = {name: getattr(args, name) for name, _ in SAMPLING_PARAMS if getattr(args, name) is not None}
@@ -188,17 +194,18 @@ def _with_run_info(
     return {**info, **summary}
 
 
-def _first_served_model(base_url: str, headers: dict[str, str]) -> str:
-    """Ask the server which model it serves when --model is not given."""
+def _first_served_model(base_url: str, headers: dict[str, str]) -> tuple[str, str | None]:
+    """Ask the server which model it serves when --model is not given: its name and its root."""
 
-    async def fetch() -> str:
+    async def fetch() -> tuple[str, str | None]:
         timeout = aiohttp.ClientTimeout(total=30)
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
             session.get(f"{base_url}/v1/models", headers=headers) as response,
         ):
             response.raise_for_status()
-            return (await response.json())["data"][0]["id"]
+            first = (await response.json())["data"][0]
+            return first["id"], first.get("root")
 
     try:
         return asyncio.run(fetch())
