@@ -90,6 +90,12 @@ class EngineConfig:
     # How the other tensor-parallel ranks are run: "mp", processes on this machine; "ray", actors on the
     # Ray cluster this process joins (RAY_ADDRESS, or a local one): several machines.
     distributed_executor_backend: str = "mp"
+    # Default sampling parameters of requests that leave them unset, as vLLM takes them: "auto", the
+    # model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens); "vllm", none of it (neutral defaults); or a directory whose generation_config.json
+    # to read instead. override_generation_config's values go on top, whichever it is.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -175,6 +181,20 @@ class EngineConfig:
         self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(self.generation_config, "generation_config.json")
+        ):
+            raise ValueError(
+                "generation_config must be auto (the model's generation_config.json), vllm (no model "
+                f"defaults) or a directory holding a generation_config.json, got {self.generation_config!r}."
+            )
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError(
+                'override_generation_config must be a dict such as {"temperature": 0.5}, got '
+                f"{self.override_generation_config!r}."
+            )
         if self.runner not in _RUNNERS:
             raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}.")
         if self.speculative_config is not None:

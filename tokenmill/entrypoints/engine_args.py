@@ -66,6 +66,11 @@ _HELP = {
     "on --kv-port) or decode (take over requests a prefill peer computed; see --kv-peer)",
     "kv_port": "with --kv-role prefill: the TCP port decode peers fetch KV from",
     "kv_transfer_timeout": "with --kv-role decode: seconds to wait for a request's KV before failing it",
+    "generation_config": "auto | vllm | DIR: default sampling parameters of requests that leave them unset "
+    "(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens): auto, the model's "
+    "generation_config.json; vllm, none of it; DIR, that directory's generation_config.json",
+    "override_generation_config": "a JSON object of generation-config values put over those, e.g. "
+    '\'{"temperature": 0.5, "max_new_tokens": 512}\'',
     "speculative_config": "speculative decoding as a JSON object, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (ngram: drafts from the request\'s own text, '
     "prompt_lookup_min/max tokens matched; greedy output is unchanged, sampled output keeps its "
@@ -96,6 +101,7 @@ def parse_json_object(text: str) -> dict:
 _PARSERS: dict[str, Callable[[str], object]] = {
     "kv_cache_memory": parse_bytes,
     "speculative_config": parse_json_object,
+    "override_generation_config": parse_json_object,
 }
 
 

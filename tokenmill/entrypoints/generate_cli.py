@@ -15,6 +15,8 @@ from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import render_prompt
 
 _request_ids = itertools.count()
+# These commands take their sampling from their own flags, not from a generation config: no such options.
+_OWN_SAMPLING_DEFAULTS = ("generation_config", "override_generation_config")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, default_temperature: float) -> None:
@@ -42,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     generate.add_argument("prompt", help="the text to complete")
     _add_sampling_args(generate, default_temperature=0.0)
-    add_engine_args(generate)
+    add_engine_args(generate, exclude=_OWN_SAMPLING_DEFAULTS)
     generate.set_defaults(func=_generate)
 
     chat = subparsers.add_parser(
@@ -53,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     chat.add_argument("--system", help="system prompt")
     _add_sampling_args(chat, default_temperature=0.7)
-    add_engine_args(chat)
+    add_engine_args(chat, exclude=_OWN_SAMPLING_DEFAULTS)
     chat.set_defaults(func=_chat)
 
 

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.entrypoints.generation_config import default_sampling_params, describe
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import Message, render_prompt
 
+logger = logging.getLogger("tokenmill.llm")
+
 
 class LLM:
     def __init__(self, model: str | None = "default", **engine_options) -> None:
         self.config = EngineConfig(model=model, **engine_options)
+        self._default_sampling = default_sampling_params(self.config)  # a bad value fails before loading
+        if self._default_sampling:
+            logger.info(describe(self._default_sampling))
         self.engine = LLMEngine(self.config)
         self._request_counter = itertools.count()
         # chat() tokenizes conversations from cached pieces: a shared system prompt once.
@@ -26,6 +33,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no sampling_params: SamplingParams' own defaults under
+        the generation config's (the model's generation_config.json unless generation_config='vllm')."""
+        return SamplingParams(**self._default_sampling)  # type: ignore[arg-type]
 
     def generate(
         self,
@@ -115,10 +127,9 @@ class LLM:
             output.prompt = prompt.text
         return outputs
 
-    @staticmethod
-    def _per_prompt(params, count: int, knob: str) -> list[SamplingParams]:
+    def _per_prompt(self, params, count: int, knob: str) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
         params = list(params)

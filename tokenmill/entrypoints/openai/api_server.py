@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
+from tokenmill.entrypoints.generation_config import default_sampling_params, describe
 from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
@@ -300,6 +301,7 @@ class AttachTo:
 
 async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo | None = None) -> int:
     config = engine_config_from_args(args)
+    default_sampling = default_sampling_params(config)  # a bad value fails before the model loads
     names = args.served_model_name or [args.model]
     metrics = ServerMetrics(names[0])
     if attach is None:
@@ -323,6 +325,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
             tool_call_parser=getattr(args, "tool_call_parser", None),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            default_sampling=default_sampling,
             **_disaggregation(args, config),
         )  # fmt: skip
         uvicorn_config = uvicorn.Config(
@@ -342,6 +345,8 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
                 names[0], host, port, engine.max_model_len, engine.num_kv_blocks,
                 "" if attach is None else f", {attach.count} API processes",
             )  # fmt: skip
+            if default_sampling:
+                logger.info(describe(default_sampling))
         await server.serve(sockets=[sock])
         return server.exit_code
     finally:

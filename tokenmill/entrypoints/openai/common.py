@@ -38,6 +38,8 @@ class ServerState:
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None  # --reasoning-parser
+    # Sampling defaults of requests that leave a knob unset (--generation-config; generation_config.py).
+    default_sampling: dict[str, float | int] = field(default_factory=dict)
     # Prefill/decode disaggregation (disagg.py): a decode instance's prefill peers; a prefill
     # instance's KV address, returned to decode peers.
     prefill_peers: PrefillPeers | None = None
@@ -132,11 +134,14 @@ async def check_constraint(state: ServerState, request, params) -> None:
         raise bad_request(str(exc), param=field) from None
 
 
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, what: str) -> int:
-    """max_tokens as given (or all the room left); a prompt plus completion over the context is a 400."""
+def resolve_max_tokens(
+    num_prompt_tokens: int, requested: int | None, max_model_len: int, what: str, default: int | None = None
+) -> int:
+    """max_tokens as given (or all the room left), at most `default` (the generation config's, as vLLM
+    caps it); a prompt plus the requested completion over the context is a 400."""
     if requested is None:
         if num_prompt_tokens < max_model_len:
-            return max_model_len - num_prompt_tokens
+            return min(max_model_len - num_prompt_tokens, default or max_model_len)
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
             f"{'is' if what == 'prompt' else 'are'} {num_prompt_tokens} tokens, which leaves no room for "
@@ -152,7 +157,7 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
             param=what,
             code="context_length_exceeded",
         )
-    return requested
+    return min(requested, default or requested)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:

@@ -55,7 +55,7 @@ class SamplingFields(OpenAIModel):
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     unsupported_extras: ClassVar[dict[str, tuple]] = _UNSUPPORTED_EXTRAS
-    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None (or null): 1.0
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None (or null): the default, else 1.0
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -64,9 +64,10 @@ class SamplingFields(OpenAIModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # None (unset or null): the server's default, the generation config's value where it has one.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
@@ -199,17 +200,28 @@ class SamplingFields(OpenAIModel):
         return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, float | int] | None = None,
     ) -> SamplingParams:
+        """defaults: the server's (generation_config.py), for the knobs this request leaves unset."""
+        defaults = defaults or {}
+
+        def knob(name: str, neutral: float) -> float:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=knob("temperature", 1.0),
+            top_p=knob("top_p", 1.0),
+            top_k=int(knob("top_k", 0)),
+            min_p=knob("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=knob("repetition_penalty", 1.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens),

@@ -154,10 +154,12 @@ class ChatServing:
             request.chat_template,
             request.chat_template_kwargs,
         )
+        defaults = state.default_sampling
         max_tokens = resolve_max_tokens(
-            len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages"
-        )
-        params = request.sampling_params(max_tokens, request.num_logprobs, request.prompt_logprobs)
+            len(prompt_ids), request.requested_max_tokens, engine.max_model_len, "messages",
+            defaults.get("max_tokens"),  # type: ignore[arg-type]
+        )  # fmt: skip
+        params = request.sampling_params(max_tokens, request.num_logprobs, request.prompt_logprobs, defaults)
         if mode in ("required", "named"):
             params.structured_outputs = tool_constraint(
                 request.tools, request.tool_choice, request.parallel_tool_calls

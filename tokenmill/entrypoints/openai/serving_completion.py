@@ -95,14 +95,17 @@ class CompletionServing:
             await check_constraint(state, request, request.sampling_params(1, None))
         for prompt in prompts:
             max_tokens = resolve_max_tokens(
-                len(prompt.token_ids), request.max_tokens or None, engine.max_model_len, "prompt"
-            )
+                len(prompt.token_ids), request.max_tokens or None, engine.max_model_len, "prompt",
+                state.default_sampling.get("max_tokens"),  # type: ignore[arg-type]
+            )  # fmt: skip
             if request.max_tokens == 0:
                 max_tokens = 1  # one step computes the prompt's scores; its token is dropped
             # The engine scores the prompt for the echo's logprobs and for prompt_logprobs: the most of both.
             echoed = request.logprobs if request.echo else None
             wanted = [k for k in (echoed, request.prompt_logprobs) if k is not None]
-            params = request.sampling_params(max_tokens, request.logprobs, max(wanted, default=None))
+            params = request.sampling_params(
+                max_tokens, request.logprobs, max(wanted, default=None), state.default_sampling
+            )
             engine.input_processor.check(prompt.token_ids, params, request.priority)
             all_params.append(params)
         remote_decode = remote_decode_wanted(request.kv_transfer_params)
