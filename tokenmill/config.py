@@ -100,9 +100,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = "default"
-        self.dtype = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(
-            self.dtype, self.dtype
-        )
+        self.dtype = {
+            "fp32": "float32",
+            "float": "float32",
+            "fp16": "float16",
+            "half": "float16",
+            "bf16": "bfloat16",
+        }.get(self.dtype, self.dtype)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.load_format not in _LOAD_FORMATS:

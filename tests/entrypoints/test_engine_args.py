@@ -8,7 +8,12 @@ import dataclasses
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from tokenmill.entrypoints.engine_args import (
+    add_engine_args,
+    engine_config_from_args,
+    parse_bytes,
+    parse_token_count,
+)
 
 
 def parse(*argv: str, exclude: tuple[str, ...] = ()) -> argparse.Namespace:
@@ -83,3 +88,23 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_garbage():
     with pytest.raises(argparse.ArgumentTypeError, match="4GiB"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize(
+    "text, expected", [("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 1 << 20)]
+)
+def test_token_counts_take_vllms_suffixes(text, expected):
+    assert parse_token_count(text) == expected
+    config = engine_config_from_args(parse("--max-model-len", text, "--max-num-batched-tokens", text))
+    assert config.max_model_len == config.max_num_batched_tokens == expected
+
+
+def test_token_counts_refuse_what_vllm_refuses():
+    with pytest.raises(argparse.ArgumentTypeError, match="did you mean 1.5k"):
+        parse_token_count("1.5K")
+    with pytest.raises(argparse.ArgumentTypeError, match="32k"):
+        parse_token_count("lots")
+
+
+def test_vllms_dtype_names():
+    assert EngineConfig(dtype="float").dtype == "float32" and EngineConfig(dtype="half").dtype == "float16"

@@ -17,10 +17,11 @@ _HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file",
     "tokenizer": "tokenizer directory or .gguf file, if not the model's own",
     "load_format": "auto | safetensors | gguf | dummy (random weights of the model's shape, for benchmarks)",
-    "dtype": "auto | float32 | float16 | bfloat16 (auto: the model's dtype on GPU; on a CPU bf16 where it "
-    "multiplies bf16 natively (AMX, AVX512-BF16), else float32)",
+    "dtype": "auto | float32 (float) | float16 (half) | bfloat16 (auto: the model's dtype on GPU; on a "
+    "CPU bf16 where it multiplies bf16 natively (AMX, AVX512-BF16), else float32)",
     "device": "auto | cpu | cuda | cuda:N",
-    "max_model_len": "context length in tokens (default: the model's own)",
+    "max_model_len": "context length in tokens, e.g. 4096, 32k (32,000) or 32K (32,768) (default: the "
+    "model's own)",
     "max_num_seqs": "most requests in one running batch",
     "max_num_batched_tokens": "token budget of one engine step (default: 8192 on a GPU, 512 on a CPU)",
     "max_prefill_tokens_with_decodes": "prompt tokens a step may carry while requests are decoding, which "
@@ -88,6 +89,31 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_token_count(text: str) -> int:
+    """A count of tokens as vLLM reads one: 32768, 32k (32,000) or 32K (32,768); decimals with the
+    decimal suffixes only (25.6k)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT])\s*", text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a count of tokens: {text!r} (try 4096, 32k or 32K)"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: no decimals with a binary suffix ({suffix}); did you mean {number}{suffix.lower()}?"
+        )
+    return int(number) * _BINARY[suffix]
+
+
 def parse_json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -100,6 +126,8 @@ def parse_json_object(text: str) -> dict:
 
 _PARSERS: dict[str, Callable[[str], object]] = {
     "kv_cache_memory": parse_bytes,
+    "max_model_len": parse_token_count,
+    "max_num_batched_tokens": parse_token_count,
     "speculative_config": parse_json_object,
     "override_generation_config": parse_json_object,
 }
