@@ -50,10 +50,12 @@ def write_gguf(
     arch: gguf.MODEL_ARCH,
     extra: GGUFExtra | None = None,
     skip_tensors: tuple[str, ...] = (),
+    split_max_tensors: int = 0,
 ) -> None:
-    """Write `model` as an F32 GGUF file; `extra` adds metadata or tensors before the model's own."""
+    """Write `model` as an F32 GGUF file; `extra` adds metadata or tensors before the model's own. With
+    `split_max_tensors`, the writer splits it into shards named as gguf-split names them."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
     writer.add_name("test model")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)

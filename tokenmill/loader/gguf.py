@@ -3,7 +3,6 @@ names and shapes, and the tokenizer, all rebuilt from one file's metadata and te
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import os
@@ -25,6 +24,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from tokenmill.loader.gguf_file import GGUFFile, first_shard, open_gguf
 
 
 class GGUFFamily(NamedTuple):
@@ -60,16 +61,20 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# What every block of the file must hold (Qwen3's adds its q/k norms).
+_REQUIRED_LAYER_TENSORS = (
+    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"
+)  # fmt: skip
 # Llama 3 rope frequency factors, precomputed by the converter: folded into config.rope_parameters.
 _ROPE_FREQS = "rope_freqs.weight"
-
-_MISSING = object()
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
     """The Hugging Face config of the model in the GGUF file at `path` (from the cache when this file was
-    converted before: parsing the metadata of a 49k-token vocabulary takes seconds)."""
-    return _converted(path, "config", AutoConfig.from_pretrained, lambda: _build_config(_open(path)))
+    converted before: parsing the metadata of a 49k-token vocabulary takes seconds). A split model is
+    named by any of its shards."""
+    path = first_shard(path)
+    return _converted(path, "config", AutoConfig.from_pretrained, lambda: _build_config(open_gguf(path)))
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -77,18 +82,19 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     The file is opened, and rejected if malformed, at call time rather than at the first `next()`.
     A tied lm_head is not yielded: the model ties it to model.embed_tokens.weight."""
-    file = _open(path)
+    file = open_gguf(path)
     return _iter_weights(file, _build_config(file))
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The fast tokenizer transformers builds from the file, with its special tokens and chat template,
     converted once and then loaded from the cache (about 8 s against a quarter of a second)."""
+    path = first_shard(path)
     return _converted(path, "tokenizer", AutoTokenizer.from_pretrained, lambda: _convert_tokenizer(path))
 
 
 def _convert_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    file = _open(path)
+    file = open_gguf(path)
     tokens = file.reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise file.error("it holds no tokenizer (no tokenizer.ggml.tokens); pass a tokenizer separately.")
@@ -144,50 +150,7 @@ def _converted(path: str, kind: str, load: Callable[[str], Any], convert: Callab
     return converted
 
 
-def _open(path: str) -> _GGUFFile:
-    if not os.path.isfile(path):
-        raise ValueError(f"GGUF file {path!r} does not exist.")
-    stat = os.stat(path)
-    return _open_unchanged(path, stat.st_mtime_ns, stat.st_size)
-
-
-# Parsing the metadata of a 49k-token vocabulary takes seconds, and an engine start reads the config,
-# the weights and the tokenizer of the same file in turn; a rewritten file has a new mtime and size.
-@functools.lru_cache(maxsize=2)
-def _open_unchanged(path: str, mtime_ns: int, size: int) -> _GGUFFile:
-    return _GGUFFile(path)
-
-
-class _GGUFFile:
-    """An opened GGUF file: its reader and tensors, and look-ups whose errors name the file."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            self.reader = gguf.GGUFReader(path)
-        # The reader reports a truncated or foreign file through whichever numpy error it hits first.
-        except Exception as exc:
-            raise ValueError(f"{path!r} is not a readable GGUF file ({exc}).") from exc
-        self.path = path
-        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
-        self.architecture: str = self.get("general.architecture")
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is _MISSING:
-                raise self.error(f"the metadata key {key!r} is missing.")
-            return default
-        return field.contents()
-
-    def arch_get(self, key: str, default: Any = _MISSING) -> Any:
-        """A model hyperparameter, stored under the architecture's own prefix."""
-        return self.get(f"{self.architecture}.{key}", default)
-
-    def error(self, message: str) -> ValueError:
-        return ValueError(f"GGUF file {self.path!r}: {message}")
-
-
-def _family(file: _GGUFFile) -> str:
+def _family(file: GGUFFile) -> str:
     if file.architecture == "llama":
         # llama.cpp writes Mistral checkpoints as "llama"; only the model's name tells them apart.
         names = (file.get(key, "") for key in ("general.name", "general.basename"))
@@ -198,19 +161,20 @@ def _family(file: _GGUFFile) -> str:
     return file.architecture
 
 
-def _build_config(file: _GGUFFile) -> PretrainedConfig:
+def _build_config(file: GGUFFile) -> PretrainedConfig:
     family = _FAMILIES[_family(file)]
     hidden_size = file.arch_get("embedding_length")
-    num_attention_heads = file.arch_get("attention.head_count")
+    num_attention_heads = file.layer_get("attention.head_count")
     head_dim = file.arch_get("attention.key_length", hidden_size // num_attention_heads)
     rotary_dim = file.arch_get("rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         raise file.error(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are unsupported.")
 
+    num_hidden_layers = file.arch_get("block_count")
+    _check_tensors_present(file, num_hidden_layers)
     tokens = file.reader.fields.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens.data) if tokens is not None else 0
-    embedding = file.tensors.get("token_embd.weight")
-    if embedding is None or int(embedding.shape[1]) != vocab_size:
+    if int(file.tensors["token_embd.weight"].shape[1]) != vocab_size:
         # llama.cpp refuses such a file too: its token list is the vocabulary.
         raise file.error(f"token_embd.weight does not match the {vocab_size}-token vocabulary.")
 
@@ -218,10 +182,10 @@ def _build_config(file: _GGUFFile) -> PretrainedConfig:
         "architectures": [family.architecture],
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": file.arch_get("feed_forward_length"),
-        "num_hidden_layers": file.arch_get("block_count"),
+        "intermediate_size": file.layer_get("feed_forward_length"),
+        "num_hidden_layers": num_hidden_layers,
         "num_attention_heads": num_attention_heads,
-        "num_key_value_heads": file.arch_get("attention.head_count_kv", num_attention_heads),
+        "num_key_value_heads": file.layer_get("attention.head_count_kv", num_attention_heads),
         "max_position_embeddings": file.arch_get("context_length"),
         "rms_norm_eps": file.arch_get("attention.layer_norm_rms_epsilon"),
         "rope_parameters": _rope_parameters(file, head_dim),
@@ -241,7 +205,21 @@ def _build_config(file: _GGUFFile) -> PretrainedConfig:
     return family.config_class(**fields)
 
 
-def _eos_token_ids(file: _GGUFFile) -> int | list[int] | None:
+def _check_tensors_present(file: GGUFFile, num_layers: int) -> None:
+    """A ValueError naming the first tensor of the dense Llama-family layout the file lacks (llama.cpp
+    refuses such a file too), before any weight is read."""
+    layer_kinds = _REQUIRED_LAYER_TENSORS + (
+        ("attn_q_norm", "attn_k_norm") if file.architecture == "qwen3" else ()
+    )
+    required = ["token_embd.weight", "output_norm.weight"]
+    required += [f"blk.{index}.{kind}.weight" for index in range(num_layers) for kind in layer_kinds]
+    missing = [name for name in required if name not in file.tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise file.error(f"tensor {missing[0]!r} is missing{more}.")
+
+
+def _eos_token_ids(file: GGUFFile) -> int | list[int] | None:
     """The eos id, widened to a list when the file names separate end-of-turn or end-of-message tokens
     (a Llama 3 instruct model ends its turn with <|eot_id|>, not with its eos token)."""
     ids: list[int] = []
@@ -254,7 +232,7 @@ def _eos_token_ids(file: _GGUFFile) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids
 
 
-def _rope_parameters(file: _GGUFFile, head_dim: int) -> dict[str, Any]:
+def _rope_parameters(file: GGUFFile, head_dim: int) -> dict[str, Any]:
     rope_theta = float(file.arch_get("rope.freq_base", 10000.0))
     rope_freqs = file.tensors.get(_ROPE_FREQS)
     if rope_freqs is not None:
@@ -290,7 +268,7 @@ def _rope_parameters(file: _GGUFFile, head_dim: int) -> dict[str, Any]:
 
 
 def _llama3_rope_parameters(
-    file: _GGUFFile, factors: np.ndarray, rope_theta: float, head_dim: int
+    file: GGUFFile, factors: np.ndarray, rope_theta: float, head_dim: int
 ) -> dict[str, Any]:
     """Recover Llama 3 rope scaling from the per-frequency factors llama.cpp stores in rope_freqs.
 
@@ -336,9 +314,9 @@ def _llama3_rope_factors(rope_parameters: dict[str, Any], head_dim: int) -> np.n
     )
 
 
-def _iter_weights(file: _GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     permuted = file.architecture in _PERMUTED_ARCHITECTURES
-    for tensor in file.reader.tensors:
+    for tensor in file.tensors.values():
         if tensor.name == _ROPE_FREQS:
             continue
         name = _hf_tensor_name(file, tensor.name)
@@ -354,7 +332,7 @@ def _iter_weights(file: _GGUFFile, config: PretrainedConfig) -> Iterator[tuple[s
         yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
 
 
-def _hf_tensor_name(file: _GGUFFile, gguf_name: str) -> str:
+def _hf_tensor_name(file: GGUFFile, gguf_name: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"

@@ -1,0 +1,101 @@
+"""GGUF models as outside users hand them over: split into shards, per-layer metadata arrays, tensors
+missing; each loads as the model it came from or fails with a ValueError naming the file and the fault."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tokenmill.loader.gguf import iter_gguf_weights, load_gguf_config
+
+WriteGGUF = Callable[..., None]  # conftest.write_gguf
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY |= dict(num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("shard", [1, 3])
+def test_split_model_loads_whole_from_any_shard(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module, shard: int
+) -> None:
+    write_gguf(tmp_path / "model.gguf", llama, gguf.MODEL_ARCH.LLAMA, split_max_tensors=8)
+    names = sorted(path.name for path in tmp_path.iterdir())
+    assert names == [f"model-0000{index}-of-00003.gguf" for index in (1, 2, 3)]
+    path = str(tmp_path / names[shard - 1])
+
+    assert load_gguf_config(path).num_hidden_layers == 2
+    weights = dict(iter_gguf_weights(path))
+    assert len(weights) == len(llama.state_dict()) == 21
+    assert torch.equal(
+        weights["model.layers.1.mlp.down_proj.weight"],
+        llama.state_dict()["model.layers.1.mlp.down_proj.weight"],
+    )
+
+
+def test_split_model_with_a_shard_missing(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module
+) -> None:
+    write_gguf(tmp_path / "model.gguf", llama, gguf.MODEL_ARCH.LLAMA, split_max_tensors=8)
+    (tmp_path / "model-00002-of-00003.gguf").unlink()
+    with pytest.raises(ValueError, match=r"model-00001-of-00003.gguf.*shard '.*model-00002-of-00003.gguf'"):
+        load_gguf_config(str(tmp_path / "model-00001-of-00003.gguf"))
+
+
+def test_split_shard_renamed_away_from_the_pattern(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module
+) -> None:
+    write_gguf(tmp_path / "model.gguf", llama, gguf.MODEL_ARCH.LLAMA, split_max_tensors=8)
+    renamed = tmp_path / "first.gguf"
+    (tmp_path / "model-00001-of-00003.gguf").rename(renamed)
+    with pytest.raises(ValueError, match=r"first.gguf.*first of 3 shards"):
+        load_gguf_config(str(renamed))
+
+
+def _head_count_kv_array(values: list[int]) -> Callable[[gguf.GGUFWriter], None]:
+    def extra(writer: gguf.GGUFWriter) -> None:
+        # The key write_gguf already wrote as a number, replaced by the per-layer array llama.cpp allows.
+        key = gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=writer.arch)
+        del writer.kv_data[0][key]
+        writer.add_array(key, values)
+
+    return extra
+
+
+def test_per_layer_head_counts(tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module) -> None:
+    uniform = tmp_path / "uniform.gguf"
+    write_gguf(uniform, llama, gguf.MODEL_ARCH.LLAMA, _head_count_kv_array([2, 2]))
+    assert load_gguf_config(str(uniform)).num_key_value_heads == 2
+
+    varying = tmp_path / "varying.gguf"
+    write_gguf(varying, llama, gguf.MODEL_ARCH.LLAMA, _head_count_kv_array([2, 1]))
+    with pytest.raises(ValueError, match=r"varying.gguf.*head_count_kv differs between layers \(\[2, 1\]\)"):
+        load_gguf_config(str(varying))
+
+
+@pytest.mark.parametrize(
+    ("skipped", "gguf_name"),
+    [
+        ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight"),
+        ("model.embed_tokens.weight", "token_embd.weight"),
+    ],
+)
+def test_missing_tensor_is_named(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module, skipped: str, gguf_name: str
+) -> None:
+    path = tmp_path / "incomplete.gguf"
+    write_gguf(path, llama, gguf.MODEL_ARCH.LLAMA, skip_tensors=(skipped,))
+    for load in (load_gguf_config, iter_gguf_weights):
+        with pytest.raises(ValueError, match=rf"incomplete.gguf.*tensor '{gguf_name}' is missing"):
+            load(str(path))
