@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tokenmill.loader import resolve_model
 from tokenmill.loader.gguf import iter_gguf_weights, load_gguf_config
 
 WriteGGUF = Callable[..., None]  # conftest.write_gguf
@@ -99,3 +100,36 @@ def test_missing_tensor_is_named(
     for load in (load_gguf_config, iter_gguf_weights):
         with pytest.raises(ValueError, match=rf"incomplete.gguf.*tensor '{gguf_name}' is missing"):
             load(str(path))
+
+
+def test_directory_holding_a_gguf_model(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module
+) -> None:
+    single = tmp_path / "single"
+    single.mkdir()
+    write_gguf(single / "model-Q8_0.gguf", llama, gguf.MODEL_ARCH.LLAMA)
+    source = resolve_model(str(single))
+    assert (source.format, source.path, source.tokenizer_path) == (
+        "gguf",
+        str(single / "model-Q8_0.gguf"),
+        None,
+    )
+    assert len(dict(source.iter_weights())) == 21
+
+    # A config.json and the original tokenizer beside the GGUF: the GGUF's config, the directory's tokenizer.
+    llama.config.save_pretrained(single)
+    (single / "tokenizer.json").write_text("{}")
+    source = resolve_model(str(single))
+    assert (source.format, source.tokenizer_path) == ("gguf", str(single))
+    assert resolve_model(str(single), tokenizer="other").tokenizer_path == "other"
+
+    split = tmp_path / "split"
+    split.mkdir()
+    write_gguf(split / "model.gguf", llama, gguf.MODEL_ARCH.LLAMA, split_max_tensors=8)
+    assert resolve_model(str(split)).path == str(split / "model-00001-of-00003.gguf")
+
+    write_gguf(split / "other.gguf", llama, gguf.MODEL_ARCH.LLAMA)
+    with pytest.raises(
+        ValueError, match=r"holds several GGUF models \(model-00001-of-00003.gguf, other.gguf\)"
+    ):
+        resolve_model(str(split))

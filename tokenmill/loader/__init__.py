@@ -80,11 +80,41 @@ def resolve_model(model: str | None, load_format: str = "auto", tokenizer: str |
 
         fmt = "dummy" if load_format == "dummy" else "gguf"
         return ModelSource(model, fmt, load_gguf_config(model), tokenizer)
+    gguf_file = _gguf_in_directory(model) if load_format != "safetensors" else None
+    if gguf_file is not None:
+        from tokenmill.loader.gguf import load_gguf_config
+
+        # The directory's own tokenizer (the original checkpoint's, when one sits beside the GGUF) before
+        # the one transformers rebuilds from the GGUF's vocabulary.
+        if tokenizer is None and any(os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES):
+            tokenizer = model
+        fmt = "dummy" if load_format == "dummy" else "gguf"
+        return ModelSource(gguf_file, fmt, load_gguf_config(gguf_file), tokenizer)
     if not os.path.exists(os.path.join(model, "config.json")):
-        raise ValueError(f"model directory {model!r} has no config.json.")
+        raise ValueError(f"model directory {model!r} has no config.json (nor a .gguf file).")
     if load_format == "gguf":
         raise ValueError(f"load_format='gguf' needs a .gguf file, got the directory {model!r}.")
     from tokenmill.loader.hf import load_hf_config
 
     fmt = "dummy" if load_format == "dummy" else "safetensors"
     return ModelSource(model, fmt, load_hf_config(model), tokenizer)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def _gguf_in_directory(directory: str) -> str | None:
+    """The GGUF model a directory without safetensors weights holds (one file, or the first shard of a
+    split one), None when it holds none; a ValueError when it holds several (several quantizations)."""
+    from tokenmill.loader.gguf_file import first_shard
+
+    names = os.listdir(directory)
+    if any(name.endswith(".safetensors") for name in names):
+        return None
+    models = sorted({first_shard(os.path.join(directory, name)) for name in names if name.endswith(".gguf")})
+    if len(models) > 1:
+        listed = ", ".join(os.path.basename(path) for path in models)
+        raise ValueError(
+            f"model directory {directory!r} holds several GGUF models ({listed}): pass one file."
+        )
+    return models[0] if models else None
