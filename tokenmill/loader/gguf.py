@@ -109,6 +109,13 @@ def _convert_tokenizer(path: str) -> PreTrainedTokenizerBase:
         token_id = file.get(f"tokenizer.ggml.{key}_token_id", None)
         if token_id is not None and 0 <= token_id < len(tokens.data):
             setattr(tokenizer, f"{role}_token", tokens.contents(token_id))
+    # transformers adds no BOS to an encoded text whatever the file says; llama.cpp follows the file, and
+    # without the key adds one for a SentencePiece ("llama") vocabulary, as Llama 2 and Mistral need.
+    spm = file.get("tokenizer.ggml.model", None) == "llama"
+    add_bos = bool(file.get("tokenizer.ggml.add_bos_token", spm))
+    add_eos = bool(file.get("tokenizer.ggml.add_eos_token", False))
+    if (add_bos, add_eos) != (tokenizer.add_bos_token, tokenizer.add_eos_token):
+        tokenizer.add_bos_token, tokenizer.add_eos_token = add_bos, add_eos
     chat_template = file.get("tokenizer.chat_template", None)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
