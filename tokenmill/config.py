@@ -96,6 +96,11 @@ class EngineConfig:
     # to read instead. override_generation_config's values go on top, whichever it is.
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # vLLM's knobs that hold here whatever their value says, taken so that vLLM's command lines run:
+    # no code from a checkpoint ever runs (an architecture tokenmill lacks is refused either way), and
+    # prompts longer than a step's token budget are always chunked (False, which vLLM can do, is refused).
+    trust_remote_code: bool = False
+    enable_chunked_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -198,6 +203,11 @@ class EngineConfig:
             raise ValueError(
                 'override_generation_config must be a dict such as {"temperature": 0.5}, got '
                 f"{self.override_generation_config!r}."
+            )
+        if self.enable_chunked_prefill is False:
+            raise ValueError(
+                "enable_chunked_prefill=False is not supported: prompts longer than max_num_batched_tokens "
+                "are always chunked; drop the option (or --no-enable-chunked-prefill)."
             )
         if self.runner not in _RUNNERS:
             raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}.")

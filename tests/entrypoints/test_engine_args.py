@@ -108,3 +108,10 @@ def test_token_counts_refuse_what_vllm_refuses():
 
 def test_vllms_dtype_names():
     assert EngineConfig(dtype="float").dtype == "float32" and EngineConfig(dtype="half").dtype == "float16"
+
+
+def test_vllm_knobs_that_hold_here_are_accepted():
+    config = engine_config_from_args(parse("--trust-remote-code", "--enable-chunked-prefill"))
+    assert config.trust_remote_code is True and config.enable_chunked_prefill is True
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False is not supported"):
+        EngineConfig(enable_chunked_prefill=False)

@@ -76,3 +76,18 @@ def test_an_engine_that_fails_to_start_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", parser_raising(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main([])
+
+
+def test_vllm_command_lines_fail_clearly_before_the_model_loads(capsys):
+    """The model as `vllm serve MODEL` gives it; values vLLM takes that tokenmill cannot honour are one
+    error line naming the option."""
+    import pytest
+
+    assert main(["serve", "/no/such/model", "--port", "0"]) == 2
+    assert "model '/no/such/model' not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="two models given"):
+        main(["serve", "/a", "--model", "/b", "--port", "0"])
+    assert main(["serve", "--port", "0", "--no-enable-chunked-prefill"]) == 2
+    assert "enable_chunked_prefill=False is not supported" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--chat-template", "/no/such/template.jinja"]) == 2
+    assert "--chat-template '/no/such/template.jinja' looks like a file path" in capsys.readouterr().err

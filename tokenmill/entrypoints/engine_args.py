@@ -72,6 +72,10 @@ _HELP = {
     "generation_config.json; vllm, none of it; DIR, that directory's generation_config.json",
     "override_generation_config": "a JSON object of generation-config values put over those, e.g. "
     '\'{"temperature": 0.5, "max_new_tokens": 512}\'',
+    "trust_remote_code": "accepted as vLLM takes it; no code from a checkpoint runs here either way (an "
+    "architecture tokenmill does not implement is refused)",
+    "enable_chunked_prefill": "accepted as vLLM takes it: prompts over the step budget are always chunked "
+    "(--no-enable-chunked-prefill is refused)",
     "speculative_config": "speculative decoding as a JSON object, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (ngram: drafts from the request\'s own text, '
     "prompt_lookup_min/max tokens matched; greedy output is unchanged, sampled output keeps its "

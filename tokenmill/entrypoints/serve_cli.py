@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from tokenmill.entrypoints.engine_args import add_engine_args
@@ -15,6 +16,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), "
         "with /health, /metrics (Prometheus), /tokenize and /detokenize.",
+    )
+    parser.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it (or --model)"
     )
     server = parser.add_argument_group("server options")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -102,7 +106,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="put a model's <think>...</think> into message.reasoning_content (vLLM's names)",
     )
     server.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template to use instead of the tokenizer's: a Jinja file, or the template itself",
+    )
+    server.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat replies when add_generation_prompt is on (default: assistant)",
+    )
+    server.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request's prompt and sampling parameters as it arrives (default: off)",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help="vLLM's older spelling of --no-enable-log-requests",
+    )
+    server.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
+    server.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        metavar="JSON_LIST",
+        help='CORS: origins browsers may call from (default: ["*"])',
+    )
+    server.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"], metavar="JSON_LIST", help='CORS (default: ["*"])'
+    )
+    server.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"], metavar="JSON_LIST", help='CORS (default: ["*"])'
+    )
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        choices=("debug", "info", "warning", "error", "critical", "trace"),
+        help="uvicorn's own log level (default: --log-level)",
     )
     server.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request"
@@ -118,9 +164,24 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r} (e.g. '[\"*\"]')")
+    return value
+
+
 def _run(args: argparse.Namespace) -> int:
     # Imported here so that `tokenmill --help` and the other subcommands start without FastAPI and torch.
     from tokenmill.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        if args.model not in ("default", args.model_tag):
+            raise SystemExit(f"two models given: {args.model_tag} and --model {args.model}; give one")
+        args.model = args.model_tag
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit(

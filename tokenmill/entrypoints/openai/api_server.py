@@ -20,6 +20,7 @@ import time
 import uvicorn
 import uvloop
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -110,12 +111,20 @@ class _BodySizeLimit:
         await self.app(scope, counted, send)
 
 
-def build_app(state: ServerState, max_request_body_bytes: int = 8 << 20) -> FastAPI:
-    app = FastAPI(title="tokenmill", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(
+    state: ServerState, max_request_body_bytes: int = 8 << 20, root_path: str = "", cors: dict | None = None
+) -> FastAPI:
+    """cors: CORSMiddleware's allow_* options (vLLM's --allowed-origins ...); None answers no CORS."""
+    app = FastAPI(
+        title="tokenmill", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+        root_path=root_path,
+    )  # fmt: skip
     install_error_handlers(app)
     if state.api_key:
         app.add_middleware(_ApiKeyCheck, api_key=state.api_key)
     app.add_middleware(_BodySizeLimit, max_bytes=max_request_body_bytes)
+    if cors is not None:  # outermost: a browser's preflight is answered before any other check
+        app.add_middleware(CORSMiddleware, **cors)
     chat, completion, embedding = ChatServing(state), CompletionServing(state), EmbeddingServing(state)
     engine = state.engine
     created = int(time.time())
@@ -301,7 +310,9 @@ class AttachTo:
 
 async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo | None = None) -> int:
     config = engine_config_from_args(args)
-    default_sampling = default_sampling_params(config)  # a bad value fails before the model loads
+    # Bad values fail here, before the model loads.
+    default_sampling = default_sampling_params(config)
+    chat_template = load_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
     names = args.served_model_name or [args.model]
     metrics = ServerMetrics(names[0])
     if attach is None:
@@ -314,6 +325,10 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
             config, metrics, attach.input_address, attach.output_address, attach.index, attach.core_pid
         )
     metrics.record_cache_config(config.block_size, engine.num_kv_blocks, config.enable_prefix_caching)
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer: drop --skip-tokenizer-init")
+        engine.tokenizer.chat_template = chat_template  # this process's tokenizer: chat and /tokenize
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     gc.collect()
@@ -326,11 +341,19 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
             reasoning_parser=getattr(args, "reasoning_parser", None),
             default_sampling=default_sampling,
+            response_role=getattr(args, "response_role", "assistant"),
+            log_requests=getattr(args, "enable_log_requests", False),
             **_disaggregation(args, config),
         )  # fmt: skip
+        cors = {
+            "allow_origins": getattr(args, "allowed_origins", ["*"]),
+            "allow_methods": getattr(args, "allowed_methods", ["*"]),
+            "allow_headers": getattr(args, "allowed_headers", ["*"]),
+            "allow_credentials": getattr(args, "allow_credentials", False),
+        }
         uvicorn_config = uvicorn.Config(
-            build_app(state, args.max_request_body_bytes),
-            log_level=args.log_level,
+            build_app(state, args.max_request_body_bytes, getattr(args, "root_path", ""), cors),
+            log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
             access_log=args.access_log,
             lifespan="off",
             timeout_keep_alive=5,
@@ -352,6 +375,19 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
     finally:
         pauses.uninstall()
         await engine.shutdown(timeout=_STOP_S)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: the template itself when it holds Jinja's characters, else a file."""
+    if any(char in value for char in "{}\n"):
+        return value
+    try:
+        with open(value) as file:
+            return file.read()
+    except OSError as exc:
+        raise ValueError(
+            f"--chat-template {value!r} looks like a file path, but it cannot be read ({exc.strerror})"
+        ) from None
 
 
 def _disaggregation(args: argparse.Namespace, config) -> dict:

@@ -4,6 +4,7 @@ check, usage and logprobs objects, SSE framing, and aborting a request the momen
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .disagg import PrefillPeers
 from .errors import OpenAIError, bad_request, unavailable
 
 T = TypeVar("T")
+logger = logging.getLogger("tokenmill.server")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -40,6 +42,8 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser
     # Sampling defaults of requests that leave a knob unset (--generation-config; generation_config.py).
     default_sampling: dict[str, float | int] = field(default_factory=dict)
+    response_role: str = "assistant"  # --response-role
+    log_requests: bool = False  # --enable-log-requests
     # Prefill/decode disaggregation (disagg.py): a decode instance's prefill peers; a prefill
     # instance's KV address, returned to decode peers.
     prefill_peers: PrefillPeers | None = None
@@ -73,6 +77,15 @@ class ServerState:
         if peers is None or not peers.eligible(token_ids, params, n):
             return None
         return await peers.prefill(token_ids, params, cache_salt)
+
+    def log_request(
+        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if self.log_requests:
+            logger.info(
+                "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                request_id, prompt, params, token_ids,
+            )  # fmt: skip
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.text_worker, fn, *args)

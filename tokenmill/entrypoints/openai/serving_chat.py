@@ -72,8 +72,13 @@ class ToolAnswer:
     tool_calls."""
 
     def __init__(
-        self, request: ChatCompletionRequest, parser_name: str | None, reasoning_parser: str | None = None
+        self,
+        request: ChatCompletionRequest,
+        parser_name: str | None,
+        reasoning_parser: str | None = None,
+        role: str = "assistant",
     ) -> None:
+        self.role = role
         self.mode = request.tool_mode
         self.tool_choice = request.tool_choice
         self.parallel = request.parallel_tool_calls
@@ -108,10 +113,10 @@ class ToolAnswer:
             thinking = {"reasoning_content": reasoning}
         content, calls = self.split(text)
         if not calls:
-            message = {"role": "assistant", "content": text, **thinking}
+            message = {"role": self.role, "content": text, **thinking}
             return {"message": message, "finish_reason": finish_reason}
         calls = calls if self.parallel else calls[:1]
-        message = {"role": "assistant", "content": content, **thinking}
+        message = {"role": self.role, "content": content, **thinking}
         message["tool_calls"] = [c.to_openai() for c in calls]
         return {
             "message": message,
@@ -170,8 +175,11 @@ class ChatServing:
                 params.structured_outputs, reasoning=state.reasoning_parser
             )
         await check_constraint(state, request, params)
-        tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser)
+        # vLLM's: the server's role for a reply; the last message's when that message is continued.
+        role = state.response_role if request.add_generation_prompt else request.messages[-1].role
+        tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser, role)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        state.log_request(request_id, prompt_text, prompt_ids, params)
         state.metrics.record_intake(time.monotonic() - start)
         remote = await state.remote_prefill(prompt_ids, params, request.n, request.cache_salt)
         stream = engine.add_request(
@@ -232,7 +240,7 @@ class ChatServing:
 
         try:
             for index in range(request.n):  # one choice per chunk, as clients reading choices[0] expect
-                yield chunk([choice(index, {"role": "assistant", "content": ""})])
+                yield chunk([choice(index, {"role": tools.role, "content": ""})])
             final, finished = None, set()
             texts: dict[int, str] = {}
             splitters: dict[int, StreamSplitter] = {}

@@ -108,6 +108,8 @@ class CompletionServing:
             )
             engine.input_processor.check(prompt.token_ids, params, request.priority)
             all_params.append(params)
+        for request_id, prompt, params in zip(request_ids, prompts, all_params):
+            state.log_request(request_id, prompt.text, prompt.token_ids, params)
         remote_decode = remote_decode_wanted(request.kv_transfer_params)
         if remote_decode and (
             state.kv_address is None or len(prompts) != 1 or request.n != 1 or request.stream
