@@ -12,6 +12,7 @@ def test_serve_options():
         ["serve", "--port", "9000", "--served-model-name", "a", "b", "--api-key", "k", "--max-num-seqs", "4"]
     )
     assert (args.port, args.served_model_name, args.api_key, args.max_num_seqs) == (9000, ["a", "b"], "k", 4)
+    assert build_parser().parse_args(["serve", "--disable-log-stats"]).disable_log_stats is True
     assert (args.host, args.model, args.shutdown_timeout, args.access_log) == (
         "127.0.0.1",
         "default",

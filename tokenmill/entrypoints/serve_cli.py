@@ -127,6 +127,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_false",
         help="vLLM's older spelling of --no-enable-log-requests",
     )
+    server.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted as vLLM takes it: this server logs no periodic statistics (they are on /metrics)",
+    )
     server.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
     server.add_argument(
         "--allowed-origins",
