@@ -70,6 +70,13 @@ def write_gguf(
         writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(
+            getattr(config, "moe_intermediate_size", config.intermediate_size)
+        )
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     writer.add_bos_token_id(config.bos_token_id)
@@ -84,6 +91,15 @@ def write_gguf(
             continue
         stem, suffix = name.rsplit(".", 1)
         data = tensor.numpy()
+        if stem.endswith(".experts"):  # transformers' fused experts: llama.cpp's per-projection stacks
+            layer = stem.split(".")[2]
+            if suffix == "gate_up_proj":
+                gate, up = np.split(data, 2, axis=1)
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            else:
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(data))
+            continue
         if arch == gguf.MODEL_ARCH.LLAMA and stem.endswith("q_proj"):
             data = llama_cpp_permute(data, config.num_attention_heads)
         elif arch == gguf.MODEL_ARCH.LLAMA and stem.endswith("k_proj"):

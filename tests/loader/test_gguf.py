@@ -325,12 +325,12 @@ def test_unsupported_architecture_and_tensor(tmp_path: Path, write_gguf: WriteGG
     with pytest.raises(ValueError, match=r"phi3.gguf.*'phi3' architecture is unsupported"):
         load_gguf_config(str(phi3))
 
-    def expert_tensor(writer: gguf.GGUFWriter) -> None:
-        writer.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 4), np.float32))
+    def shared_expert_tensor(writer: gguf.GGUFWriter) -> None:
+        writer.add_tensor("blk.0.ffn_gate_shexp.weight", np.ones((2, 4), np.float32))
 
     experts = tmp_path / "experts.gguf"
-    write_gguf(experts, model, arch, expert_tensor)
-    with pytest.raises(ValueError, match=r"experts.gguf.*'blk.0.ffn_gate_exps.weight'"):
+    write_gguf(experts, model, arch, shared_expert_tensor)
+    with pytest.raises(ValueError, match=r"experts.gguf.*'blk.0.ffn_gate_shexp.weight'"):
         list(iter_gguf_weights(str(experts)))
 
 

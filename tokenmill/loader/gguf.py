@@ -19,10 +19,12 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tokenmill.loader.gguf_file import GGUFFile, first_shard, open_gguf
@@ -41,6 +43,13 @@ _FAMILIES: dict[str, GGUFFamily] = {
     "mistral": GGUFFamily(MistralConfig, "MistralForCausalLM", frozenset({"head_dim", "sliding_window"})),
     "qwen2": GGUFFamily(Qwen2Config, "Qwen2ForCausalLM", frozenset()),
     "qwen3": GGUFFamily(Qwen3Config, "Qwen3ForCausalLM", frozenset({"head_dim", "attention_bias"})),
+    "qwen3moe": GGUFFamily(
+        Qwen3MoeConfig, "Qwen3MoeForCausalLM", frozenset({"head_dim", "attention_bias", "experts"})
+    ),
+    # llama.cpp writes Mixtral as "llama" with expert tensors.
+    "mixtral": GGUFFamily(
+        MixtralConfig, "MixtralForCausalLM", frozenset({"head_dim", "sliding_window", "experts"})
+    ),
 }
 
 # llama.cpp's converter permutes the q/k rows of "llama"-architecture files (Mistral included) to suit
@@ -60,11 +69,14 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
 # What every block of the file must hold (Qwen3's adds its q/k norms).
-_REQUIRED_LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"
-)  # fmt: skip
+_REQUIRED_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_DENSE_FFN_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")
+# A mixture-of-experts block: the router, then every expert's gate, up and down stacked in one tensor each.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MOE_FFN_TENSORS = ("ffn_gate_inp", *_EXPERT_TENSORS)
 # Llama 3 rope frequency factors, precomputed by the converter: folded into config.rope_parameters.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -161,15 +173,18 @@ def _family(file: GGUFFile) -> str:
     if file.architecture == "llama":
         # llama.cpp writes Mistral checkpoints as "llama"; only the model's name tells them apart.
         names = (file.get(key, "") for key in ("general.name", "general.basename"))
+        if "blk.0.ffn_gate_exps.weight" in file.tensors:
+            return "mixtral"
         return "mistral" if any("mistral" in name.lower() for name in names) else "llama"
     if file.architecture not in _FAMILIES:
-        supported = "llama (Mistral included), qwen2, qwen3"
+        supported = "llama (Mistral and Mixtral included), qwen2, qwen3, qwen3moe"
         raise file.error(f"the {file.architecture!r} architecture is unsupported; supported: {supported}.")
     return file.architecture
 
 
 def _build_config(file: GGUFFile) -> PretrainedConfig:
-    family = _FAMILIES[_family(file)]
+    family_name = _family(file)
+    family = _FAMILIES[family_name]
     hidden_size = file.arch_get("embedding_length")
     num_attention_heads = file.layer_get("attention.head_count")
     head_dim = file.arch_get("attention.key_length", hidden_size // num_attention_heads)
@@ -178,7 +193,7 @@ def _build_config(file: GGUFFile) -> PretrainedConfig:
         raise file.error(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are unsupported.")
 
     num_hidden_layers = file.arch_get("block_count")
-    _check_tensors_present(file, num_hidden_layers)
+    _check_tensors_present(file, num_hidden_layers, "experts" in family.config_keys)
     tokens = file.reader.fields.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens.data) if tokens is not None else 0
     if int(file.tensors["token_embd.weight"].shape[1]) != vocab_size:
@@ -209,15 +224,39 @@ def _build_config(file: GGUFFile) -> PretrainedConfig:
         "sliding_window": file.arch_get("attention.sliding_window", None),
     }
     fields.update({key: value for key, value in optional.items() if key in family.config_keys})
+    if "experts" in family.config_keys:
+        fields.update(_expert_fields(file, family_name))
     return family.config_class(**fields)
 
 
-def _check_tensors_present(file: GGUFFile, num_layers: int) -> None:
-    """A ValueError naming the first tensor of the dense Llama-family layout the file lacks (llama.cpp
-    refuses such a file too), before any weight is read."""
-    layer_kinds = _REQUIRED_LAYER_TENSORS + (
-        ("attn_q_norm", "attn_k_norm") if file.architecture == "qwen3" else ()
-    )
+def _expert_fields(file: GGUFFile, family_name: str) -> dict[str, Any]:
+    num_experts = file.arch_get("expert_count")
+    top_k = file.arch_get("expert_used_count")
+    expert_width = file.arch_get("expert_feed_forward_length", None) or file.layer_get("feed_forward_length")
+    if family_name == "mixtral":
+        return {
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "intermediate_size": expert_width,
+        }
+    # llama.cpp's Qwen3-MoE renormalises the chosen experts' weights; every layer is sparse.
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_width,
+        "intermediate_size": file.layer_get("feed_forward_length", expert_width),
+        "norm_topk_prob": bool(file.arch_get("expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _check_tensors_present(file: GGUFFile, num_layers: int, experts: bool) -> None:
+    """A ValueError naming the first tensor of the Llama-family layout the file lacks (llama.cpp refuses
+    such a file too), before any weight is read."""
+    layer_kinds = _REQUIRED_LAYER_TENSORS + (_MOE_FFN_TENSORS if experts else _DENSE_FFN_TENSORS)
+    if file.architecture in ("qwen3", "qwen3moe"):
+        layer_kinds += ("attn_q_norm", "attn_k_norm")
     required = ["token_embd.weight", "output_norm.weight"]
     required += [f"blk.{index}.{kind}.weight" for index in range(num_layers) for kind in layer_kinds]
     missing = [name for name in required if name not in file.tensors]
@@ -326,11 +365,18 @@ def _iter_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[st
     for tensor in file.tensors.values():
         if tensor.name == _ROPE_FREQS:
             continue
-        name = _hf_tensor_name(file, tensor.name)
+        stem, _, suffix = tensor.name.rpartition(".")
+        block, index, kind = (stem.split(".", 2) + ["", ""])[:3]
         try:
             weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
             raise file.error(f"tensor {tensor.name!r}: {exc}.") from exc
+        if block == "blk" and kind in _EXPERT_TENSORS:  # [experts, out, in]: one tensor per expert
+            for expert, expert_weights in enumerate(weights):
+                name = f"model.layers.{index}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
+                yield name, torch.from_numpy(np.array(expert_weights, dtype=np.float32))
+            continue
+        name = _hf_tensor_name(file, tensor.name)
         if permuted and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
