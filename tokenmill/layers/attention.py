@@ -16,10 +16,11 @@ from tokenmill.kernels import Kernels, StepRotary, get_kernels
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Whether a decode step's attention rotates q and k and stores K/V in its own launch (paged_attention's
-# `rotary`) instead of after the rotary-and-store launch. Off until timed on a GPU (its kernel and layer
-# tests passed on the H200 on 2026-12-05): bench_pdl's rotary-in-attention variants, and run_all.sh's
-# decode-rotary; TOKENMILL_DECODE_ROTARY=1 turns it on for a whole process.
-DECODE_ROTARY = os.environ.get("TOKENMILL_DECODE_ROTARY", "0") == "1"
+# `rotary`) instead of after the rotary-and-store launch: one launch a layer fewer. On by default since
+# 2026-12-05: on the H200 the 8B batch-1 step through the public API took 0.7-1.1% less time (bf16 3.951
+# -> 3.918 ms, FP8 2.418 -> 2.391, INT4 1.973 -> 1.959) and the greedy-token, attention-layer, speculative
+# and decode-kernel tests passed with it (docs/performance.md). TOKENMILL_DECODE_ROTARY=0 turns it off.
+DECODE_ROTARY = os.environ.get("TOKENMILL_DECODE_ROTARY", "1") != "0"
 
 # Preference order for dense prefill; SDPA falls through to the next when one cannot run the shape.
 _DENSE_BACKENDS = [
