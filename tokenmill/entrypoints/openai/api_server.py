@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server: the FastAPI app (routes, API-key check, errors) and its life under
-uvicorn: SIGTERM or Ctrl-C drains (health 503, new requests refused, running ones finish within a grace
-period, exit 0); if the engine-core process dies, open requests fail at once and the server exits 1."""
+"""The OpenAI-compatible HTTP server: the FastAPI app (routes, errors; its middlewares in middleware.py)
+and its life under uvicorn: SIGTERM or Ctrl-C drains (health 503, new requests refused, running ones
+finish within a grace period, exit 0); if the engine-core process dies, open requests fail at once and
+the server exits 1."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import hmac
 import logging
 import signal
 import socket
@@ -23,9 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
@@ -37,7 +35,8 @@ from tokenmill.serving.prompt import render_prompt
 
 from .common import ServerState
 from .disagg import PrefillPeers, kv_address
-from .errors import OpenAIError, bad_request, install_error_handlers, unavailable
+from .errors import bad_request, install_error_handlers, unavailable
+from .middleware import ApiKeyCheck, BodySizeLimit
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving_chat import ChatServing, render_chat
 from .serving_completion import CompletionServing
@@ -54,63 +53,6 @@ _DEATH_LINGER_S = 2.0
 _STOP_S = 1.5
 
 
-class _ApiKeyCheck:
-    """A plain ASGI middleware (it must not buffer streaming responses): every path but the probes and
-    /metrics needs `Authorization: Bearer <key>` (the scheme in any case, as RFC 7235 has it)."""
-
-    OPEN_PATHS = ("/health", "/version", "/metrics")
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS:
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                error = OpenAIError(
-                    401, "Invalid API key: send it as `Authorization: Bearer <key>`.", code="invalid_api_key"
-                )
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _BodySizeLimit:
-    """A plain ASGI middleware capping request bodies: a declared Content-Length over the cap is a 413
-    before anything is read; a chunked body is counted as it arrives and stopped at the cap."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _too_large(self) -> str:
-        return f"request body over {self.max_bytes} bytes (--max-request-body-bytes)"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            error = OpenAIError(413, self._too_large(), code="request_too_large")
-            await error.response()(scope, receive, send)
-            return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    # FastAPI re-raises HTTPExceptions met while reading a body; the handler answers it.
-                    raise HTTPException(413, self._too_large())
-            return message
-
-        await self.app(scope, counted, send)
-
-
 def build_app(
     state: ServerState, max_request_body_bytes: int = 8 << 20, root_path: str = "", cors: dict | None = None
 ) -> FastAPI:
@@ -121,8 +63,8 @@ def build_app(
     )  # fmt: skip
     install_error_handlers(app)
     if state.api_key:
-        app.add_middleware(_ApiKeyCheck, api_key=state.api_key)
-    app.add_middleware(_BodySizeLimit, max_bytes=max_request_body_bytes)
+        app.add_middleware(ApiKeyCheck, api_key=state.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     if cors is not None:  # outermost: a browser's preflight is answered before any other check
         app.add_middleware(CORSMiddleware, **cors)
     chat, completion, embedding = ChatServing(state), CompletionServing(state), EmbeddingServing(state)

@@ -20,17 +20,15 @@ from .common import (
     DisconnectWatcher,
     ServerState,
     aborted_error,
-    chat_logprobs,
     check_constraint,
     error_event,
     final_outputs,
-    reported_logprobs,
     resolve_max_tokens,
     sse,
     usage,
-    vllm_prompt_logprobs,
 )
 from .errors import bad_request, to_openai_error
+from .logprobs import chat_logprobs, reported_logprobs, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessage
 from .reasoning import ReasoningParser, StreamSplitter
 from .tool_calls import (

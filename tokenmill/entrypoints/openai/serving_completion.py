@@ -21,22 +21,24 @@ from .common import (
     ServerState,
     aborted_error,
     check_constraint,
-    completion_logprobs,
-    echo_logprobs,
     error_event,
     final_outputs,
-    join_logprobs,
     merge_streams,
     render_input,
-    reported_logprobs,
     resolve_max_tokens,
     sse,
-    top_of,
     usage,
-    vllm_prompt_logprobs,
 )
 from .disagg import remote_decode_wanted
 from .errors import bad_request, to_openai_error
+from .logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    reported_logprobs,
+    top_of,
+    vllm_prompt_logprobs,
+)
 from .protocol import CompletionRequest
 
 
