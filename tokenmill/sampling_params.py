@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+_DEFAULTED_WHEN_NONE = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+)
 
 
 # The reasoning parsers (`<think>...</think>`) the server and the constraints know.
@@ -71,6 +82,19 @@ class StructuredOutputsParams:
         return "json_object"
 
 
+# vLLM's older name for the same constraint (SamplingParams(guided_decoding=GuidedDecodingParams(...))).
+GuidedDecodingParams = StructuredOutputsParams
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a streaming request holds (vLLM's enum). The offline LLM returns only
+    the finished output, whatever a request says, as vLLM's LLM does."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -93,8 +117,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older spelling of structured_outputs; moved there when constructed.
+    guided_decoding: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    detokenize: bool = True  # False: no text (output.text stays ""), token ids only
+    # Changes nothing here: tokenmill's tokenizers are all fast ones, which vLLM's detokenizer does not
+    # give this knob to either.
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    best_of: int | None = None  # vLLM V1's rule: only None or n (no best-of ranking)
+    extra_args: dict[str, Any] | None = None  # kept for custom code; read by nothing here, as in vLLM
+    bad_words: list[str] | None = None  # refused unless empty: see _validate
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise KnobError(
+                    "guided_decoding", "give structured_outputs or guided_decoding (its old name), not both."
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
@@ -103,6 +145,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         self._validate()
 
     def _validate(self) -> None:
@@ -141,6 +185,37 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
+        if self.stop and not self.detokenize:
+            raise KnobError("stop", "stop strings need detokenize=True (the text is what they match).")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not isinstance(truncate, int) or truncate < -1 or truncate == 0):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 (max_model_len) or >= 1")
+        if self.best_of is not None and self.best_of != self.n:
+            raise KnobError(
+                "best_of",
+                f"best_of must be None or equal n={self.n} (no best-of ranking), got {self.best_of}.",
+            )
+        if self.bad_words:
+            raise KnobError(
+                "bad_words",
+                "bad_words is not supported; ban single tokens with logit_bias={token_id: -100} instead.",
+            )
+
+    @staticmethod
+    def from_optional(**knobs: Any) -> SamplingParams:
+        """vLLM's helper: n, the penalties, temperature and top_p given as None take their defaults; every
+        other knob is passed as given (max_tokens=None stays up to the context)."""
+        for name in _DEFAULTED_WHEN_NONE:
+            if knobs.get(name, 0) is None:
+                del knobs[name]
+        return SamplingParams(**knobs)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -158,7 +233,9 @@ class SamplingParams:
         return max(len(s) for s in self.stop) - 1
 
 
-def pooling_request_params() -> SamplingParams:
+def pooling_request_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:
     """What a request of the pooling runner asks of the scheduler: its whole prompt computed, then one
     step's token, which nobody reads (the step's product is the pooled vector)."""
-    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=truncate_prompt_tokens
+    )

@@ -65,6 +65,13 @@ class InputProcessor:
                 raise KnobError(
                     "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
                 )
+        if params.allowed_token_ids:
+            bad = [t for t in params.allowed_token_ids if t >= self.vocab_size]
+            if bad:
+                raise KnobError(
+                    "allowed_token_ids",
+                    f"allowed_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}.",
+                )
         if params.stop and self.tokenizer is None:
             raise KnobError("stop", "stop strings need the model's tokenizer (skip_tokenizer_init is set).")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
@@ -76,5 +83,10 @@ class InputProcessor:
 
     def process(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> list[int]:
         prompt_token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # the last k tokens, as vLLM keeps them
+            keep = (
+                self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            )
+            prompt_token_ids = prompt_token_ids[-keep:]
         self.check(prompt_token_ids, params, priority)
         return prompt_token_ids

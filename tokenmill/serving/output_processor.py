@@ -112,7 +112,7 @@ class OutputProcessor:
         for index in range(params.n):
             sample_params = child_params(params, index)
             detokenizer = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sample_params)
             samples.append(SampleState(index, sample_params, detokenizer))
             child_id = child_request_id(request_id, index, params.n)
@@ -137,9 +137,11 @@ class OutputProcessor:
         self.parents.pop(request_id, None)
         return children
 
-    def _decode_logprobs(self, logprobs: TokenLogprobs, token_id: int) -> dict[int, Logprob]:
+    def _decode_logprobs(
+        self, logprobs: TokenLogprobs, token_id: int, detokenize: bool = True
+    ) -> dict[int, Logprob]:
         def text(tid: int) -> str | None:
-            return None if self.tokenizer is None else self.tokenizer.decode([tid])
+            return None if self.tokenizer is None or not detokenize else self.tokenizer.decode([tid])
 
         entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, text(token_id))}
         for rank, (tid, lp) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1):
@@ -186,7 +188,10 @@ class OutputProcessor:
                 parent.num_cached_tokens = core_output.num_cached_tokens
             if core_output.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 scored = zip(parent.prompt_token_ids[1:], core_output.prompt_logprobs)
-                parent.prompt_logprobs = [None] + [self._decode_logprobs(lp, tid) for tid, lp in scored]
+                detokenize = sample.params.detokenize
+                parent.prompt_logprobs = [None] + [
+                    self._decode_logprobs(lp, tid, detokenize) for tid, lp in scored
+                ]
             if core_output.pooled is not None:
                 parent.pooled = core_output.pooled
             if core_output.error is not None:
@@ -196,7 +201,7 @@ class OutputProcessor:
             if core_output.new_logprobs is not None and sample.logprobs is not None:
                 delta_logprobs = []
                 for token_id, lp in zip(new_token_ids, core_output.new_logprobs):
-                    delta_logprobs.append(self._decode_logprobs(lp, token_id))
+                    delta_logprobs.append(self._decode_logprobs(lp, token_id, sample.params.detokenize))
                     sample.cumulative_logprob += lp.logprob
             finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
             delta_text = ""

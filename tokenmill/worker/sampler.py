@@ -1,7 +1,7 @@
-"""Sampling on the device: logit processors (bias, min_tokens, penalties), then greedy or random
-sampling with temperature, top-k, top-p and min-p (on a GPU, greedy and temperature alone in one launch:
-kernels/sample.py). Seeded requests draw from their own generator, so their output does not depend on
-what else is in the batch."""
+"""Sampling on the device: logit processors (bias, allowed tokens, min_tokens, penalties), then greedy
+or random sampling with temperature, top-k, top-p and min-p (on a GPU, greedy and temperature alone in one
+launch: kernels/sample.py). Seeded requests draw from their own generator, so their output does not depend
+on what else is in the batch."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> No
             ids = on_device(list(params.logit_bias.keys()), torch.int64, logits.device)
             bias = on_device(list(params.logit_bias.values()), logits.dtype, logits.device)
             logits[row].index_add_(0, ids, bias)
+        if params.allowed_token_ids:
+            allowed = on_device(params.allowed_token_ids, torch.int64, logits.device)
+            kept = logits[row].index_select(0, allowed)
+            logits[row].fill_(float("-inf")).index_copy_(0, allowed, kept)
         num_before = len(draft_prefixes[row]) if draft_prefixes else 0
         num_outputs = batch.output_counts.get(request.req_id, request.num_output_tokens)
         if num_outputs + num_before < params.min_tokens:

@@ -60,7 +60,7 @@ def _row_knobs(request: CachedRequestState, vocab_size: int) -> tuple[tuple, int
             | (_TOP_K_P if top_k < vocab_size or p.top_p < 1 else 0)
             | (_MIN_P if p.min_p > 0 else 0)
             | (_PENALTIES if p.uses_penalties else 0)
-            | (_BIAS if p.logit_bias else 0)
+            | (_BIAS if p.logit_bias or p.allowed_token_ids else 0)
             | (_MIN_TOKENS if p.min_tokens else 0)
             | (_SEEDED if p.seed is not None and not p.greedy else 0)
             | (_LOGPROBS if p.logprobs is not None else 0)

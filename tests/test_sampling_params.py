@@ -1,0 +1,92 @@
+"""SamplingParams as vLLM scripts build it: vLLM's knobs, spellings and helpers, and a clear error for
+the knobs this engine cannot honour (knob-by-knob range errors are in tests/entrypoints/test_llm.py)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tokenmill.sampling_params import (
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from tokenmill.serving.core_protocol import AddRequest
+
+
+def test_seed_minus_one_means_no_seed():
+    assert SamplingParams(seed=-1).seed is None
+
+
+def test_from_optional_defaults_only_what_vllm_defaults():
+    params = SamplingParams.from_optional(temperature=None, top_p=None, n=None, max_tokens=None, seed=None)
+    assert (params.temperature, params.top_p, params.n) == (1.0, 1.0, 1)
+    assert params.max_tokens is None  # up to the context, not the default 16
+    assert SamplingParams.from_optional(temperature=0.0, stop="x").stop == ["x"]
+
+
+def test_clone_is_deep():
+    params = SamplingParams(stop=["a"], logit_bias={5: 1.0})
+    clone = params.clone()
+    clone.stop.append("b")
+    clone.logit_bias[6] = 2.0
+    assert clone != params and params.stop == ["a"] and params.logit_bias == {5: 1.0}
+
+
+def test_guided_decoding_is_the_old_name_of_structured_outputs():
+    assert GuidedDecodingParams is StructuredOutputsParams
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert params.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    assert params.guided_decoding is None
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(
+            guided_decoding=GuidedDecodingParams(regex="a+"),
+            structured_outputs=StructuredOutputsParams(regex="b+"),
+        )
+
+
+def test_vllm_knobs_that_change_nothing_here_are_taken():
+    params = SamplingParams(
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        extra_args={"custom": 1},
+        spaces_between_special_tokens=False,
+        best_of=2,
+        n=2,
+    )
+    assert params.output_kind is RequestOutputKind.FINAL_ONLY and params.extra_args == {"custom": 1}
+
+
+@pytest.mark.parametrize(
+    "knobs, knob",
+    [
+        (dict(best_of=3), "best_of"),
+        (dict(bad_words=["darn"]), "bad_words"),
+        (dict(stop=["x"], detokenize=False), "stop"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    ],
+)
+def test_knobs_this_engine_cannot_honour_are_named(knobs, knob):
+    with pytest.raises(ValueError, match=knob) as caught:
+        SamplingParams(**knobs)
+    assert caught.value.param == knob
+
+
+def test_unknown_knob_is_a_type_error():
+    with pytest.raises(TypeError, match="use_beam_search"):
+        SamplingParams(use_beam_search=True)
+
+
+def test_vllm_knobs_cross_to_the_engine_core():
+    params = SamplingParams(
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"k": [1]},
+        allowed_token_ids=[3, 4],
+        truncate_prompt_tokens=5,
+        detokenize=False,
+    )
+    message = AddRequest("r", [1, 2], params, [0], 0.0)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=AddRequest).params == params
