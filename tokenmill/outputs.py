@@ -48,6 +48,12 @@ class RequestOutput:
     # Why the engine failed the request (its completions then end with finish_reason "abort"), e.g. a
     # disaggregated request whose KV never came from its prefill peer.
     error: str | None = None
+    # vLLM's attributes that are None here as they are under vLLM's offline LLM (no per-request stats
+    # logged, no LoRA, decoder-only models).
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
 
     @property
     def embedding(self) -> list[float] | None:
@@ -57,3 +63,33 @@ class RequestOutput:
         import numpy as np
 
         return np.frombuffer(self.pooled, dtype="<f4").tolist()
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, in vLLM's shape: the vector is output.outputs.embedding."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool = True
+
+    @staticmethod
+    def from_output(output: RequestOutput) -> EmbeddingRequestOutput:
+        assert output.embedding is not None, "a pooling request finished without its vector"
+        return EmbeddingRequestOutput(
+            output.request_id,
+            EmbeddingOutput(output.embedding),
+            output.prompt_token_ids,
+            output.num_cached_tokens,
+        )

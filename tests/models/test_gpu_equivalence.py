@@ -83,5 +83,5 @@ def test_pooled_embeddings_match_transformers_in_bf16(pooling, hf_model_dirs):
         with torch.no_grad():
             hidden = base(torch.tensor([prompt], device="cuda")).last_hidden_state[0].float()
         want = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=-1)
-        got = torch.tensor(output.embedding, device="cuda")
+        got = torch.tensor(output.outputs.embedding, device="cuda")
         assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999

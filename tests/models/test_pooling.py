@@ -37,7 +37,7 @@ def reference(base, prompt: list[int], pooling: str) -> torch.Tensor:
 
 def embeddings(llm: LLM, prompts=PROMPTS) -> list[torch.Tensor]:
     outputs = llm.embed(prompt_token_ids=prompts, use_tqdm=False)
-    return [torch.tensor(o.embedding) for o in outputs]
+    return [torch.tensor(o.outputs.embedding) for o in outputs]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -128,3 +128,19 @@ def test_runner_and_pooling_errors_name_the_knob(bare_models, hf_model_dirs):
         LLM(causal_path, skip_tokenizer_init=True, pooling_type="mean")
     with pytest.raises(ValueError, match="runner='pooling'"):
         LLM(causal_path, skip_tokenizer_init=True).embed(prompt_token_ids=PROMPTS[:1])
+
+
+def test_embed_as_vllm_scripts_call_it(bare_models):
+    """vLLM's shape (output.outputs.embedding) and keywords: truncate_prompt_tokens embeds the last k
+    tokens; a PoolingParams or a LoRA adapter is refused by name."""
+    path, base = bare_models["qwen3"]
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", pooling_type="last", num_kv_blocks=32)
+    (output,) = llm.embed(prompt_token_ids=PROMPTS[2], truncate_prompt_tokens=5, use_tqdm=False)
+    assert output.prompt_token_ids == PROMPTS[2][-5:] and output.finished
+    assert output.outputs.hidden_size == len(output.outputs.embedding)
+    want = reference(base, PROMPTS[2][-5:], "last")
+    assert torch.allclose(torch.tensor(output.outputs.embedding), want, atol=1e-5)
+    with pytest.raises(ValueError, match="pooling_params"):
+        llm.embed(prompt_token_ids=PROMPTS[:1], pooling_params=object())
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.embed(prompt_token_ids=PROMPTS[:1], lora_request=object())

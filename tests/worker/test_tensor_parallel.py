@@ -173,7 +173,8 @@ import json, sys
 from tokenmill import LLM
 # The pooling runner: the hidden states every rank holds after the last all-reduce.
 llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", runner="pooling", tensor_parallel_size=2)
-print(json.dumps([o.embedding for o in llm.embed(prompt_token_ids=json.loads(sys.argv[2]), use_tqdm=False)]))
+outputs = llm.embed(prompt_token_ids=json.loads(sys.argv[2]), use_tqdm=False)
+print(json.dumps([o.outputs.embedding for o in outputs]))
 llm.engine.core.executor.shutdown()
 """
 
@@ -184,7 +185,7 @@ def test_the_pooling_runner_under_tensor_parallelism(hf_model_dirs) -> None:
     path = hf_model_dirs["qwen3"][0]
     got = run_script(POOLING_RUN, path, json.dumps(PROMPTS))
     alone = LLM(path, skip_tokenizer_init=True, dtype="float32", runner="pooling")
-    want = [o.embedding for o in alone.embed(prompt_token_ids=PROMPTS, use_tqdm=False)]
+    want = [o.outputs.embedding for o in alone.embed(prompt_token_ids=PROMPTS, use_tqdm=False)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.generation_config import default_sampling_params, describe
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
@@ -31,6 +31,11 @@ class LLM:
         tokenizer = self.engine.tokenizer
         self._chat_encoder = ChatEncoder(tokenizer) if tokenizer is not None else None
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine under this LLM."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -43,26 +48,39 @@ class LLM:
         self,
         prompts: str | Sequence[str] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        use_tqdm: bool = True,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order. use_tqdm: a
+        progress bar, or a tqdm-like class to draw it with. lora_request: only None (no LoRA here)."""
         if self.engine.pooling_type is not None:
             raise ValueError("this engine runs the pooling runner (runner='pooling'): use LLM.embed.")
+        _refuse_lora(lora_request)
         return self._submit(prompts, prompt_token_ids, sampling_params, use_tqdm, priority)
 
     def embed(
         self,
         prompts: str | Sequence[str] | None = None,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """One L2-normalised embedding per prompt (output.embedding), in prompt order; needs an engine
-        with runner='pooling' (the default for bare-model checkpoints such as Qwen3Model)."""
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        truncate_prompt_tokens: int | None = None,
+        pooling_params: None = None,
+        lora_request: None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One L2-normalised embedding per prompt (output.outputs.embedding, as vLLM's), in prompt order;
+        needs an engine with runner='pooling' (the default for bare-model checkpoints such as
+        Qwen3Model). truncate_prompt_tokens: embed each prompt's last k tokens. pooling_params and
+        lora_request: only None (the engine's pooling, no LoRA)."""
         if self.engine.pooling_type is None:
             raise ValueError("embed needs runner='pooling'; this engine generates text.")
-        return self._submit(prompts, prompt_token_ids, pooling_request_params(), use_tqdm, None)
+        if pooling_params is not None:
+            raise ValueError("pooling_params is not supported: the engine pools as its pooling_type says.")
+        _refuse_lora(lora_request)
+        params = pooling_request_params(truncate_prompt_tokens)
+        outputs = self._submit(prompts, prompt_token_ids, params, use_tqdm, None)
+        return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
     def _submit(self, prompts, prompt_token_ids, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if (prompts is None) == (prompt_token_ids is None):
@@ -70,10 +88,12 @@ class LLM:
         inputs: list[str | list[int]]
         salts: list[str | None]
         if prompts is not None:
-            given = [_prompt_input(p) for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)]
+            one = isinstance(prompts, (str, dict)) or _is_token_ids(prompts)
+            given = [_prompt_input(p) for p in ([prompts] if one else prompts)]
             inputs, salts = [g[0] for g in given], [g[1] for g in given]
         else:
-            inputs, salts = [list(ids) for ids in prompt_token_ids], [None] * len(prompt_token_ids)
+            batch = [prompt_token_ids] if _is_token_ids(prompt_token_ids) else prompt_token_ids
+            inputs, salts = [list(ids) for ids in batch], [None] * len(batch)
         params_list = self._per_prompt(sampling_params, len(inputs), "sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(inputs)
         if len(priorities) != len(inputs):
@@ -97,15 +117,30 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate. tools:
-        OpenAI-style function tools the template renders (or a system message describes)."""
+        """Apply the model's chat template to one conversation or a list of them, then generate (vLLM's
+        arguments, in its order). tools: OpenAI-style function tools the template renders (or a system
+        message describes). chat_template_kwargs: more variables for the template (Qwen3's
+        enable_thinking, ...). chat_template_content_format: "auto" or "string" joins a message's
+        OpenAI-style text parts into one string, as vLLM does for a text-only model; "openai" passes the
+        parts to the template as they are."""
+        _refuse_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "chat_template_content_format must be 'auto', 'string' or 'openai', "
+                f"got {chat_template_content_format!r}."
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if chat_template_content_format != "openai":
+            conversations = [[_text_content(m) for m in conversation] for conversation in conversations]
         rendered = [
             render_prompt(
                 self.engine.tokenizer,
@@ -115,6 +150,7 @@ class LLM:
                 chat_template=chat_template,
                 tools=tools,
                 encode=self._chat_encoder.encode if self._chat_encoder is not None else None,
+                template_kwargs=chat_template_kwargs,
             )
             for conversation in conversations
         ]
@@ -137,10 +173,11 @@ class LLM:
             raise ValueError(f"{knob} has {len(params)} entries for {count} prompts.")
         return params
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         pending = set(request_ids)
-        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        with progress(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
             while pending:
                 for output in self.engine.step():
                     if output.finished and output.request_id in pending:
@@ -150,6 +187,30 @@ class LLM:
                 if pending and not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished.")
         return [finished[request_id] for request_id in request_ids]
+
+
+def _refuse_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: tokenmill serves no LoRA adapters.")
+
+
+def _is_token_ids(prompt) -> bool:
+    """A flat list of ints: one prompt's token ids (vLLM takes them as one prompt, not a batch)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
+def _text_content(message: Message) -> Message:
+    """A message whose content is OpenAI-style parts, with its text parts joined by newlines (vLLM's
+    "string" content format); other parts are refused (the model reads text only)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
+    if any(kind != "text" for kind in kinds):
+        raise ValueError(
+            f"message content parts must be of type 'text' (the model reads text only), got {kinds}."
+        )
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def _prompt_input(prompt) -> tuple[str | list[int], str | None]:

@@ -31,7 +31,7 @@ def pooling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 @pytest.fixture(scope="module")
 def offline_vectors() -> list[np.ndarray]:
     llm = LLM("default", runner="pooling", max_model_len=256, num_kv_blocks=64)
-    return [np.array(o.embedding) for o in llm.embed(TEXTS, use_tqdm=False)]
+    return [np.array(o.outputs.embedding) for o in llm.embed(TEXTS, use_tqdm=False)]
 
 
 def test_float_embeddings_match_the_offline_engine(pooling_server, offline_vectors):
