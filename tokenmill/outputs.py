@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -92,4 +93,29 @@ class EmbeddingRequestOutput:
             EmbeddingOutput(output.embedding),
             output.prompt_token_ids,
             output.num_cached_tokens,
+        )
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    data: Any  # torch.Tensor [hidden_size] float32, L2-normalised
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What LLM.encode returns per prompt, in vLLM's shape: the pooled tensor is output.outputs.data."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool = True
+
+    @staticmethod
+    def from_output(output: EmbeddingRequestOutput) -> PoolingRequestOutput:
+        import torch
+
+        data = torch.tensor(output.outputs.embedding, dtype=torch.float32)
+        return PoolingRequestOutput(
+            output.request_id, PoolingOutput(data), output.prompt_token_ids, output.num_cached_tokens
         )

@@ -144,3 +144,13 @@ def test_embed_as_vllm_scripts_call_it(bare_models):
         llm.embed(prompt_token_ids=PROMPTS[:1], pooling_params=object())
     with pytest.raises(ValueError, match="lora_request"):
         llm.embed(prompt_token_ids=PROMPTS[:1], lora_request=object())
+
+
+def test_encode_gives_vllms_pooling_outputs(bare_models):
+    path, base = bare_models["llama"]
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", pooling_type="mean", num_kv_blocks=32)
+    (output,) = llm.encode(prompt_token_ids=PROMPTS[1], pooling_task="embed", use_tqdm=False)
+    assert isinstance(output.outputs.data, torch.Tensor) and output.prompt_token_ids == PROMPTS[1]
+    assert torch.allclose(output.outputs.data, reference(base, PROMPTS[1], "mean"), atol=1e-5)
+    with pytest.raises(ValueError, match="pooling_task"):
+        llm.encode(prompt_token_ids=PROMPTS[1], pooling_task="classify")

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.generation_config import default_sampling_params, describe
-from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
@@ -81,6 +81,27 @@ class LLM:
         params = pooling_request_params(truncate_prompt_tokens)
         outputs = self._submit(prompts, prompt_token_ids, params, use_tqdm, None)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
+
+    def encode(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        pooling_params: None = None,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's pooling call: embed's vectors as tensors (output.outputs.data). pooling_task: "embed" or
+        None, the one task this engine pools for."""
+        if pooling_task not in (None, "embed"):
+            raise ValueError(
+                f"pooling_task must be 'embed' (the only task here) or None, got {pooling_task!r}."
+            )
+        embedded = self.embed(
+            prompts, prompt_token_ids, use_tqdm, truncate_prompt_tokens, pooling_params, lora_request
+        )
+        return [PoolingRequestOutput.from_output(output) for output in embedded]
 
     def _submit(self, prompts, prompt_token_ids, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if (prompts is None) == (prompt_token_ids is None):
