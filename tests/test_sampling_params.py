@@ -24,6 +24,9 @@ def test_from_optional_defaults_only_what_vllm_defaults():
     assert (params.temperature, params.top_p, params.n) == (1.0, 1.0, 1)
     assert params.max_tokens is None  # up to the context, not the default 16
     assert SamplingParams.from_optional(temperature=0.0, stop="x").stop == ["x"]
+    assert SamplingParams.from_optional(logit_bias={"7": 250, 8: -3.5}).logit_bias == {7: 100.0, 8: -3.5}
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        SamplingParams.from_optional(logit_bias={"the": 1})
 
 
 def test_clone_is_deep():

@@ -208,10 +208,18 @@ class SamplingParams:
     @staticmethod
     def from_optional(**knobs: Any) -> SamplingParams:
         """vLLM's helper: n, the penalties, temperature and top_p given as None take their defaults; every
-        other knob is passed as given (max_tokens=None stays up to the context)."""
+        other knob is passed as given (max_tokens=None stays up to the context); logit_bias keys may be
+        token ids as text (JSON's), and its values are clipped to [-100, 100]."""
         for name in _DEFAULTED_WHEN_NONE:
             if knobs.get(name, 0) is None:
                 del knobs[name]
+        if knobs.get("logit_bias"):
+            try:
+                knobs["logit_bias"] = {
+                    int(t): min(100.0, max(-100.0, b)) for t, b in knobs["logit_bias"].items()
+                }
+            except ValueError as exc:
+                raise KnobError("logit_bias", f"logit_bias keys must be token ids, got {exc}") from None
         return SamplingParams(**knobs)
 
     def clone(self) -> SamplingParams:
