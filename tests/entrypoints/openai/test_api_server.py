@@ -177,7 +177,8 @@ CHAT_BAD = [
     ({"min_tokens": 4, "max_completion_tokens": 3}, "min_tokens"),
     ({"echo": True}, "echo"),  # vLLM's extras this server does not implement
     ({"cache_salt": ""}, "cache_salt"),
-    ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"messages": []}, "messages"),

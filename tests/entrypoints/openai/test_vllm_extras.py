@@ -74,6 +74,30 @@ def test_bad_extras_are_400(server, path):
     assert server.post(path, json={**streamed, "prompt_logprobs": 0}).status_code == 200  # asks for nothing
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_allowed_token_ids_restrict_what_is_sampled(server, default_llm, path):
+    """vLLM's allowed_token_ids: every sampled token is one of them; the logprobs of the tokens they
+    forbid are reported at the floor, so the response stays JSON."""
+    words = (" red", " green", " blue")
+    allowed = [default_llm.get_tokenizer().encode(word, add_special_tokens=False)[0] for word in words]
+    body = {"model": "default", "max_tokens": 6, "temperature": 1.0, "seed": 3, "allowed_token_ids": allowed}
+    if path == "/v1/completions":
+        body |= {"prompt": "Hi", "logprobs": 5}
+    else:
+        body |= {"messages": MESSAGES, "logprobs": True, "top_logprobs": 5}
+    response = server.post(path, json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+    assert text.split() and set(text.split()) <= {word.strip() for word in words}
+    if path == "/v1/completions":
+        reported = [lp for entry in choice["logprobs"]["top_logprobs"] for lp in entry.values()]
+    else:
+        content = choice["logprobs"]["content"]
+        reported = [top["logprob"] for entry in content for top in entry["top_logprobs"]]
+    assert reported and all(lp >= -9999.0 for lp in reported)
+
+
 def offline_prompt_logprobs(default_llm, prompt_ids: list[int], k: int) -> list:
     with one_thread():  # as the server's core: same kernels, same rounding
         (offline,) = default_llm.generate(

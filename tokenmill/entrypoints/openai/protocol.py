@@ -19,7 +19,7 @@ _SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
 # vLLM's request extras this server does not implement, each with the values that ask for nothing: any
 # other value is a 400 naming the field, not an answer that differs from vLLM's without a word.
 _UNSUPPORTED_EXTRAS = {
-    "use_beam_search": (False,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (False,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
 }  # fmt: skip
@@ -71,6 +71,7 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these may be sampled
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt (one tenant's
@@ -231,6 +232,7 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=constraint[1] if (constraint := self.constraint) else None,
