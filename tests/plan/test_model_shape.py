@@ -183,16 +183,44 @@ def test_hf_dir_reads_config_json(tmp_path):
 
 def test_hf_config_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="config.json has no 'hidden_size'"):
-        from_hf_config({"num_attention_heads": 4}, "broken")
+        from_hf_config({"model_type": "llama", "num_attention_heads": 4}, "broken")
     with pytest.raises(ValueError, match="malformed value"):
         from_hf_config(
-            {"hidden_size": "wide", "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 10},
+            {
+                "model_type": "llama",
+                "hidden_size": "wide",
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 10,
+            },
             "broken",
         )
+    with pytest.raises(ValueError, match="config.json has no 'model_type'"):
+        from_hf_config({"hidden_size": 64, "num_attention_heads": 4}, "broken")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "published"),
+    [("gemma2", "Gemma-2-9B: tied table, four norms a layer"), ("gpt_oss", "GPT-OSS: sinks, expert biases")],
+)
+def test_layouts_the_planner_cannot_count_are_refused(model_type, published):
+    # Read as a Llama, Gemma-2-9B's published config.json gave 10.16B parameters, not its 9.24B.
+    config = {
+        "model_type": model_type,
+        "hidden_size": 3584,
+        "num_hidden_layers": 42,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "intermediate_size": 14336,
+        "vocab_size": 256000,
+    }
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is not one the planner can count"):
+        from_hf_config(config, published)
 
 
 def test_non_positive_shape_is_rejected():

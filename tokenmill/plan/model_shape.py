@@ -133,12 +133,26 @@ class ParamCounts(NamedTuple):
         )
 
 
+# The config.json model types whose layout param_counts knows. Others (Gemma's four norms a layer and
+# tied default, GPT-OSS's attention sinks and expert biases, ...) would be counted wrong, so are refused.
+HF_MODEL_TYPES = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+)  # fmt: skip
+
+
 def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
     """Build a shape from the keys of a Hugging Face config.json (Llama, Mistral, Qwen2/3, Qwen3-MoE,
     Mixtral, DeepSeek-V2/V3 families)."""
     if "text_config" in config:  # multimodal wrappers keep the language model's shape one level down
-        config = {**config["text_config"], "model_type": config.get("model_type", "")}
-    model_type = str(config.get("model_type", ""))
+        config = {"model_type": config.get("model_type", ""), **config["text_config"]}
+    if "model_type" not in config:
+        raise ValueError(f"model {name!r}: config.json has no 'model_type'")
+    model_type = str(config["model_type"])
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(
+            f"model {name!r}: config.json's model_type {model_type!r} is not one the planner can count; "
+            f"known: {', '.join(HF_MODEL_TYPES)}"
+        )
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
