@@ -214,9 +214,17 @@ class EngineConfig:
         if self.speculative_config is not None:
             from tokenmill.spec_decode import SpeculativeConfig
 
-            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[assignment]
+            spec = SpeculativeConfig.parse(self.speculative_config)
+            self.speculative_config = spec  # type: ignore[assignment]
             if self.runner == "pooling":
                 raise ValueError("speculative_config applies to generation, not to runner='pooling'.")
+            draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+            if draft_tp not in (None, self.tensor_parallel_size):
+                raise ValueError(
+                    f"speculative_config draft_tensor_parallel_size {draft_tp} is not supported: the "
+                    f"drafter runs on the target's ranks (tensor_parallel_size {self.tensor_parallel_size}); "
+                    "leave it out or set it to that."
+                )
         if self.pooling_type is not None:
             self.pooling_type = self.pooling_type.lower()
             if self.pooling_type not in _POOLING_TYPES:

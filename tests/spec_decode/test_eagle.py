@@ -340,3 +340,18 @@ def test_eagle_on_the_gpu(kind, target, tmp_path) -> None:
     got = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert replays and spec.engine.scheduler.spec.num_drafts > 0
+
+
+def test_method_is_inferred_from_the_heads_architectures(target, tmp_path) -> None:
+    """vLLM's {"model": DIR, "num_speculative_tokens": k} without a method: an EAGLE-3 head (its
+    config's architectures say so) drafts as one, and greedy tokens are the plain engine's."""
+    write_head(tmp_path, "eagle3")
+    path, _ = target
+    prompts = random_prompts([12, 7], seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    spec = make_llm(
+        path, max_model_len=64, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2}
+    )
+    assert type(spec.engine.runner.drafter.head).__name__ == "Eagle3Head"
+    assert run(spec, prompts, [params] * 2) == run(make_llm(path, max_model_len=64), prompts, [params] * 2)
+    assert spec.engine.scheduler.spec.num_drafts > 0

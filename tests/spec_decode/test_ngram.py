@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -40,12 +41,75 @@ def test_config_is_checked_and_named() -> None:
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, r"unknown key\(s\) \['k'\]"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "larger than"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+            "larger than",
+        ),
         ("ngram", "must be a JSON object"),
     ]
     for value, message in bad:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=value)
+
+
+def test_vllm_forms_are_taken_as_vllm_reads_them(tmp_path) -> None:
+    """vLLM's ngram defaults (one bound left out takes the other's value, both left out 5), its method
+    inferred from the model, draft_tensor_parallel_size and the draft's max_model_len."""
+
+    def parse(**keys) -> SpeculativeConfig:
+        return EngineConfig(speculative_config={"num_speculative_tokens": 3, **keys}).speculative_config
+
+    def bounds(config: SpeculativeConfig) -> tuple[int, int]:
+        return config.prompt_lookup_min, config.prompt_lookup_max
+
+    assert bounds(parse(method="ngram")) == (5, 5)
+    assert bounds(parse(method="ngram", prompt_lookup_max=3)) == (3, 3)
+    assert bounds(parse(method="ngram", prompt_lookup_min=6)) == (6, 6)
+    assert bounds(parse(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)) == (2, 4)
+    assert parse(model="ngram") == parse(method="[ngram]") == parse(method="ngram", model="[ngram]")
+    assert parse(model="ngram") == SpeculativeConfig("ngram", 3)
+
+    # The method from the model: its name, else its config.json's architectures, else a draft model.
+    for name, architectures, method in (
+        ("EAGLE-LLaMA3-Instruct-8B", ["LlamaForCausalLM"], "eagle"),
+        ("EAGLE3-LLaMA3.1-Instruct-8B", ["LlamaForCausalLM"], "eagle3"),
+        ("head-a", ["LlamaForCausalLMEagle3"], "eagle3"),
+        ("head-b", ["EagleLlamaForCausalLM"], "eagle"),
+        ("draft", ["LlamaForCausalLM"], "draft_model"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"architectures": architectures}))
+        config = parse(model=str(tmp_path / name))
+        assert (config.method, config.model) == (method, str(tmp_path / name)), name
+    assert parse(model="default").method == "draft_model"
+
+    assert parse(method="ngram", draft_tensor_parallel_size=1).draft_tensor_parallel_size == 1
+    tp2 = EngineConfig(
+        tensor_parallel_size=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+    )
+    assert tp2.speculative_config.draft_tensor_parallel_size == 2
+    assert parse(method="ngram", max_model_len=64).max_model_len == 64
+    bad = [
+        ({}, "needs 'method', or a 'model'"),
+        ({"method": "ngram", "draft_tensor_parallel_size": 0}, "draft_tensor_parallel_size must be"),
+        ({"method": "ngram", "max_model_len": 0}, "max_model_len must be a positive"),
+        ({"method": "ngram", "disable_by_batch_size": True}, "disable_by_batch_size must be"),
+        ({"method": "ngram", "min_acceptance": True}, "min_acceptance must be"),
+        ({"method": "ngram", "tensor_parallel_size": 1}, r"unknown key\(s\) \['tensor_parallel_size'\]"),
+    ]
+    for keys, message in bad:
+        with pytest.raises(ValueError, match=message):
+            parse(**keys)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 1 is not supported"):
+        EngineConfig(
+            tensor_parallel_size=2,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "draft_tensor_parallel_size": 1,
+            },
+        )
 
 
 def test_command_line_takes_json() -> None:

@@ -13,7 +13,7 @@ from tests.serving.test_async_scheduling import run
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec_decode import ReplayProposer
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def copying_prompts() -> list[list[int]]:
@@ -444,3 +444,31 @@ def test_drafting_up_to_the_context_length(method, hf_model_dirs) -> None:
     got = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert [len(o.outputs[0].token_ids) for o in got] == [64 - 58, 64 - 3]
+
+
+def test_the_drafts_max_model_len_stops_speculation_there(hf_model_dirs) -> None:
+    """vLLM's speculative max_model_len: no draft is verified at a position from it on, so a request
+    past it decodes a token a step; greedy tokens are the plain engine's. Larger than the target's
+    max_model_len is refused by name."""
+    path = hf_model_dirs["llama"][0]
+    prompt = random_prompts([10], seed=5)[0]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = (
+        make_llm(path, max_model_len=128)
+        .generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    spec = make_llm(path, max_model_len=128, speculative_config={**NGRAM, "max_model_len": 24})
+    spec.engine.runner.drafter.proposer = ReplayProposer([(prompt, want)], 4)  # every draft right
+    verified = []  # (tokens the request held, drafts verified after them)
+    drafts = spec.engine.scheduler.spec.drafts
+    spec.engine.scheduler.spec.drafts = lambda request, *args: verified.append(
+        (request.num_tokens, len(out := drafts(request, *args)))
+    ) or out  # fmt: skip
+    got = spec.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want
+    assert any(n for _, n in verified) and all(tokens + n < 24 for tokens, n in verified if n)
+    assert verified[-1] == (10 + 29, 0)  # the last step, past 24, verified none
+    with pytest.raises(ValueError, match=r"max_model_len \(200\) is larger than the target's"):
+        make_llm(path, max_model_len=128, speculative_config={**NGRAM, "max_model_len": 200})

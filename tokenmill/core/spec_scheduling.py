@@ -22,6 +22,14 @@ class SpecScheduling:
         config fixes disable_by_batch_size."""
         self.enabled = speculation is not None
         self.max_model_len = max_model_len
+        # Drafts are verified only at positions below the speculative config's own max_model_len.
+        draft_max_model_len = speculation.max_model_len if speculation else None
+        if draft_max_model_len is not None and draft_max_model_len > max_model_len:
+            raise ValueError(
+                f"speculative_config max_model_len ({draft_max_model_len}) is larger than the target's "
+                f"max_model_len ({max_model_len}); leave it out or make it at most that."
+            )
+        self.draft_max_model_len = draft_max_model_len or max_model_len
         # Dynamic speculation (SpeculativeConfig's disable_by_batch_size and min_acceptance), and the
         # slots allocated past a step's tokens for drafts the worker writes into the KV cache before the
         # next step (a model-based proposer; never past max_model_len).
@@ -69,8 +77,8 @@ class SpecScheduling:
 
     def drafts(self, request: Request, num_wanted: int, budget: int) -> list[int]:
         """The request's drafts this step verifies: only for a decode with nothing in flight, and only as
-        many as the step budget, max_model_len and max_tokens leave room for after the target's own
-        token."""
+        many as the step budget, max_model_len (the speculative config's, if smaller) and max_tokens
+        leave room for after the target's own token."""
         drafts = request.spec_token_ids
         if not drafts or num_wanted != 1 or request.num_output_placeholders or request.grammar is not None:
             return []
@@ -80,7 +88,7 @@ class SpecScheduling:
             request.spec_steps_off += 1
             if request.spec_steps_off % PROBE_INTERVAL:
                 return []
-        room = min(len(drafts), budget - 1, self.max_model_len - request.num_tokens - 1)
+        room = min(len(drafts), budget - 1, self.draft_max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
