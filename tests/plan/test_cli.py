@@ -90,6 +90,22 @@ def test_default_model_is_planned_from_its_gguf(capsys):
     assert out["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2 == 23_040
 
 
+def test_a_context_past_the_sliding_window_is_noted(tmp_path, capsys):
+    config = {  # mistralai/Mistral-7B-v0.1
+        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+        "max_position_embeddings": 32768, "sliding_window": 4096,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = plan(capsys, "--model", str(tmp_path), "--gpu", "H200")
+    assert (out["params"], out["kv_bytes_per_token"]) == (7_241_732_096, 131_072)
+    assert out["notes"] == [
+        "context 8,192 exceeds the model's 4,096-token sliding window, the most the engine serves it "
+        "(its attention is full-context)"
+    ]
+    assert plan(capsys, "--model", str(tmp_path), "--gpu", "H200", "--context", "4096")["notes"] == []
+
+
 def test_tp_and_replicas(capsys):
     out = plan(capsys, "--model", "llama-3.1-70b", "--gpu", "H200", "--num-gpus", "8")
     assert (out["tp"], out["min_tp"], out["data_parallel_replicas"]) == (2, 2, 4)

@@ -162,3 +162,46 @@ def test_tp_must_split_heads_evenly():
 def test_deployment_validates_its_knobs(knob, value, message):
     with pytest.raises(ValueError, match=message):
         Deployment(LLAMA_8B, H200, **{knob: value})
+
+
+def _tiny(model_type: str, architecture: str, **keys) -> dict:
+    return {
+        "architectures": [architecture], "model_type": model_type, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 1024, "torch_dtype": "bfloat16", **keys,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _tiny("mistral", "MistralForCausalLM", sliding_window=128),  # Mistral-7B-v0.1: every layer slides
+        _tiny("mistral", "MistralForCausalLM", max_position_embeddings=8192),  # no key: transformers' 4096
+        _tiny("mistral", "MistralForCausalLM", sliding_window=None, head_dim=24),  # Mistral-Small: head_dim
+        _tiny("mixtral", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+              sliding_window=None),
+        # Qwen2.5: qkv bias, tied, a window that slides nowhere without use_sliding_window
+        _tiny("qwen2", "Qwen2ForCausalLM", tie_word_embeddings=True, sliding_window=128,
+              use_sliding_window=False),
+        _tiny("qwen2", "Qwen2ForCausalLM", sliding_window=128, use_sliding_window=True, max_window_layers=1),
+        _tiny("qwen3", "Qwen3ForCausalLM", head_dim=40, sliding_window=None, max_window_layers=2),
+        _tiny("qwen3_moe", "Qwen3MoeForCausalLM", head_dim=24, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=40, sliding_window=128, use_sliding_window=False),
+    ],
+)  # fmt: skip
+def test_the_planner_and_the_engine_agree_on_parameters_kv_bytes_and_context(config, tmp_path):
+    import json
+
+    from tokenmill import LLM
+    from tokenmill.plan.model_shape import from_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(
+        str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", num_kv_blocks=256
+    )
+    shape = from_hf_config(config, "tiny")
+    runner = llm.engine.runner
+    assert sum(p.numel() for p in runner.model.parameters()) == shape.param_counts().total
+    assert runner.kv_bytes_per_block() == kv_bytes_per_token(shape, "bf16") * runner.block_size
+    # The engine caps the context at a sliding window (its attention is full-context), never the KV per token.
+    assert llm.engine.max_model_len == shape.context_limit

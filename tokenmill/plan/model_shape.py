@@ -37,6 +37,8 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     max_position_embeddings: int = 0
+    # Where some layer slides, the engine attends full-context and serves at most this many tokens.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for knob in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "vocab_size"):
@@ -63,6 +65,11 @@ class ModelShape:
     @property
     def num_dense_layers(self) -> int:
         return self.num_layers - self.num_moe_layers
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens the engine serves a sequence: the positions, cut to a sliding window (0: none)."""
+        return min((n for n in (self.max_position_embeddings, self.sliding_window) if n), default=0)
 
     @property
     def qk_head_dim(self) -> int:
@@ -184,6 +191,7 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
             qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
             v_head_dim=int(config.get("v_head_dim") or 0),
             max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+            sliding_window=_sliding_window(config, model_type),
         )
         if fields["kv_lora_rank"]:
             fields["head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
@@ -202,6 +210,28 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ValueError(f"model {name!r}: config.json has a malformed value ({exc})") from exc
     return ModelShape(name=name, **fields)
+
+
+def _sliding_window(config: dict[str, Any], model_type: str) -> int:
+    """The window serving/engine_setup.py's sliding_window finds in the config transformers builds from
+    this config.json (its defaults where a key is missing): 0 where no layer slides."""
+    qwen = model_type.startswith("qwen")
+    window = int(config.get("sliding_window", 4096 if model_type == "mistral" else 0) or 0)
+    if not window or (qwen and not config.get("use_sliding_window", False)):
+        return 0  # transformers' Qwen configs drop the window without use_sliding_window
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+        return window
+    num_layers = int(config["num_hidden_layers"])
+    first_sliding = config.get("max_window_layers", 28 if qwen else None)
+    layer_types = config.get("layer_types")
+    if not layer_types and qwen:  # transformers fills layer_types in from max_window_layers
+        slides = first_sliding > 0 if model_type == "qwen2_moe" else first_sliding < num_layers
+        return window if slides else 0
+    if layer_types:
+        return window if "sliding_attention" in layer_types else 0
+    if not config.get("use_sliding_window", True):
+        return 0
+    return 0 if first_sliding is not None and first_sliding >= num_layers else window
 
 
 def _moe_dense_layers(config: dict[str, Any], num_layers: int) -> int:

@@ -77,9 +77,14 @@ def build_plan(
             f"batch {batch:,} exceeds the {memory.max_concurrent_seqs:,} sequences of "
             f"{memory.context_len:,} tokens the KV cache holds"
         )
-    limit = deployment.shape.max_position_embeddings
+    limit = deployment.shape.context_limit
     if limit and deployment.context_len > limit:
-        notes.append(f"context {deployment.context_len:,} exceeds the model's {limit:,} positions")
+        what = (
+            f"{limit:,}-token sliding window, the most the engine serves it (its attention is full-context)"
+            if limit == deployment.shape.sliding_window
+            else f"{limit:,} positions"
+        )
+        notes.append(f"context {deployment.context_len:,} exceeds the model's {what}")
     return Plan(
         deployment=deployment,
         ceilings=ceilings,
