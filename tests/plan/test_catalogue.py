@@ -73,6 +73,10 @@ def test_bad_models_are_clear_errors(tmp_path):
         resolve_model(str(tmp_path))
     with pytest.raises(ValueError, match="no such file"):
         resolve_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="cannot read model .*Llama-3.1-8B: no such file or directory"):
+        resolve_model(str(tmp_path / "Llama-3.1-8B"))  # a catalogue name, but a path that is not there
+    with pytest.raises(ValueError, match="'Qwen/Qwen2.5-7B': a hub id the catalogue does not name"):
+        resolve_model("Qwen/Qwen2.5-7B")
     other = tmp_path / "weights.bin"
     other.write_bytes(b"\0")
     with pytest.raises(ValueError, match="expected a .gguf file or a config.json"):

@@ -160,11 +160,17 @@ def resolve_model(spec: str) -> ModelShape:
         if path.suffix == ".json":
             return load_hf_dir(path)
         raise ValueError(f"cannot read model file {path}: expected a .gguf file or a config.json")
+    # A path that is not there is an error even when it ends in a catalogue name (/models/Llama-3.1-8B).
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or path.suffix in (".gguf", ".json"):
+        raise ValueError(f"cannot read model {path}: no such file or directory")
     key = catalogue_key(spec)
     if key in MODELS:
         return MODELS[key]
-    if path.suffix in (".gguf", ".json"):
-        raise ValueError(f"cannot read model file {path}: no such file")
+    if "/" in spec:
+        raise ValueError(
+            f"unknown model {spec!r}: a hub id the catalogue does not name, and the planner does not "
+            "download; pass the directory or the config.json of a local copy"
+        )
     raise ValueError(
         f"unknown model {spec!r}: not a catalogue name ({', '.join(MODELS)}), 'default', "
         "a directory with config.json, or a .gguf file"
