@@ -141,11 +141,16 @@ def test_model_that_fits_no_number_of_gpus():
         smallest_fitting_plan(Deployment(MODELS["deepseek-v3"], GPUS["RTX 4090"]), num_gpus=8)
 
 
-def test_tp_must_split_heads_evenly():
-    smollm = MODELS["smollm2-135m"]  # 9 query heads, 3 KV heads
-    assert valid_tp_degrees(smollm, 9) == [1, 3, 9]
+def test_tp_must_split_heads_and_mlp_evenly():
+    smollm = MODELS["smollm2-135m"]  # 9 query heads, 3 KV heads; 9 ranks cannot split its 1,536-wide MLP
+    assert valid_tp_degrees(smollm, 9) == [1, 3]
     with pytest.raises(ValueError, match="--tp 2 does not divide smollm2-135m's 9 attention heads"):
         plan_at_tp(Deployment(smollm, H200), 2)
+    # Qwen2.5-1.5B: 12 heads and 2 KV heads split 6 ways, but the engine cannot split its 8,960-wide MLP so
+    qwen = dataclasses.replace(LLAMA_8B, num_attention_heads=12, num_kv_heads=2, intermediate_size=8960)
+    assert valid_tp_degrees(qwen, 12) == [1, 2, 4]
+    with pytest.raises(ValueError, match="--tp 6 does not divide llama-3.1-8b's intermediate_size 8960"):
+        plan_at_tp(Deployment(qwen, H200), 6)
 
 
 @pytest.mark.parametrize(

@@ -132,13 +132,22 @@ class MemoryPlan(NamedTuple):
 
 
 def valid_tp_degrees(shape: ModelShape, limit: int) -> list[int]:
-    """TP degrees the attention heads split evenly over (KV heads split or replicate evenly)."""
-    return [
-        tp
-        for tp in range(1, limit + 1)
-        if shape.num_attention_heads % tp == 0
-        and (shape.is_mla or shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
-    ]
+    """TP degrees the attention heads split evenly over (KV heads split or replicate evenly), and the
+    MLP widths too, as the engine's check_tensor_parallel asks."""
+    return [tp for tp in range(1, limit + 1) if not _unsplit_width(shape, tp)]
+
+
+def _unsplit_width(shape: ModelShape, tp: int) -> str:
+    """What tp does not split evenly, or '' when it splits everything."""
+    if shape.num_attention_heads % tp or not (
+        shape.is_mla or shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0
+    ):
+        return f"{shape.num_attention_heads} attention heads ({shape.num_kv_heads} KV heads)"
+    if shape.num_dense_layers and shape.intermediate_size % tp:
+        return f"intermediate_size {shape.intermediate_size}"
+    if shape.is_moe and shape.moe_intermediate_size % tp:
+        return f"moe_intermediate_size {shape.moe_intermediate_size}"
+    return ""
 
 
 def plan_memory(deployment: Deployment, tp: int) -> MemoryPlan:
@@ -168,11 +177,9 @@ def plan_memory(deployment: Deployment, tp: int) -> MemoryPlan:
 
 def plan_at_tp(deployment: Deployment, tp: int) -> MemoryPlan:
     """The plan at a TP degree the user chose, or a clear error if the model does not fit there."""
-    if tp not in valid_tp_degrees(deployment.shape, tp):
-        raise ValueError(
-            f"--tp {tp} does not divide {deployment.shape.name}'s {deployment.shape.num_attention_heads} "
-            f"attention heads ({deployment.shape.num_kv_heads} KV heads) evenly"
-        )
+    unsplit = _unsplit_width(deployment.shape, tp)
+    if unsplit:
+        raise ValueError(f"--tp {tp} does not divide {deployment.shape.name}'s {unsplit} evenly")
     plan = plan_memory(deployment, tp)
     if not plan.fits:
         raise ValueError(_does_not_fit(deployment, plan))
