@@ -43,7 +43,7 @@ def offline(model: str, prompts: list[list[int]], warmup: list[list[int]]) -> di
     start = time.perf_counter()
     outputs = llm.embed(prompt_token_ids=prompts, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    assert len(outputs[0].embedding) == 1024
+    assert len(outputs[0].outputs.embedding) == 1024
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
