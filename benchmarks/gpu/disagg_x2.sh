@@ -18,7 +18,7 @@ model=$(PYTHONPATH=$PWD:${PYTHONPATH:-} $py benchmarks/gpu/shapes.py llama-3.1-8
 common="--model $model --load-format dummy --max-model-len 8192 --no-access-log"
 wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return; sleep 0.5; done; }
 bench() {
-  $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$1" --tokenizer "$model" \
+  $py -m tokenmill.entrypoints.cli bench serve --temperature 0 --base-url "http://127.0.0.1:$1" --tokenizer "$model" \
     --dataset-name random --random-input-len 4096 --random-output-len 256 --num-prompts "$num_prompts" \
     --request-rate "$rate" --ignore-eos --seed 0 --goodput tpot:30 --percentile-metrics ttft,tpot,itl \
     --metric-percentiles 50,90,99 --disable-tqdm --output-json "$out/disagg_$2.json" | grep -iE "tpot|ttft|goodput"

@@ -42,7 +42,7 @@ for label in ${LABELS:-recompute offload}; do
     (sleep 10; "$spy" record -p "$server" --subprocesses --threads --nonblocking -d 30 -r 200 -f raw \
       -o "$out/pyspy_$label.txt" >/dev/null 2>&1) &
   fi
-  $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
+  $py -m tokenmill.entrypoints.cli bench serve --temperature 0 --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
     --dataset-name conversations $workload --endpoint "${ENDPOINT:-/v1/chat/completions}" \
     --request-rate "$rate" --ignore-eos --seed 0 \
     --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --disable-tqdm \

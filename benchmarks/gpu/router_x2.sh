@@ -59,7 +59,7 @@ $py -m tokenmill.entrypoints.cli router --port $((port + 1)) --policy round_robi
 robin=$!
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$((port + 1))/health" >/dev/null && break; sleep 0.5; done
 # Warm-up through the cache_aware router (kernels, first-request costs on both replicas).
-$py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
+$py -m tokenmill.entrypoints.cli bench serve --temperature 0 --base-url "http://127.0.0.1:$port" --tokenizer "$tokenizer" \
   --dataset-name random --random-input-len 2048 --random-output-len 16 --num-prompts 16 --max-concurrency 8 \
   --disable-tqdm >/dev/null
 for rate in $rates; do
@@ -67,7 +67,7 @@ for rate in $rates; do
     target=$port; [ $policy = round_robin ] && target=$((port + 1))
     for url in $urls; do curl -sf -X POST "$url/reset_prefix_cache" >/dev/null; done
     $py benchmarks/gpu/engine_hits.py $urls >"$out/hits_before.json"
-    $py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$target" --tokenizer "$tokenizer" \
+    $py -m tokenmill.entrypoints.cli bench serve --temperature 0 --base-url "http://127.0.0.1:$target" --tokenizer "$tokenizer" \
       --dataset-name conversations $workload --num-prompts "$num_prompts" --request-rate "$rate" --ignore-eos \
       --seed 0 --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 --disable-tqdm \
       --output-json "$out/router_${policy}_${rate}.json" | grep -iE "ttft|throughput" | head -4

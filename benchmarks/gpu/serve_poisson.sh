@@ -26,7 +26,7 @@ for _ in $(seq 300); do
 done
 echo "$label: ready after $(python3 -c "import sys, time; print(f\"{time.time() - float(sys.argv[1]):.1f}\")" "$start") s"
 grep -h "warm-up" "$out/server_poisson_$label.log"
-$py -m tokenmill.entrypoints.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$model" \
+$py -m tokenmill.entrypoints.cli bench serve --temperature 0 --base-url "http://127.0.0.1:$port" --tokenizer "$model" \
   --dataset-name sharegpt-like --num-prompts "$num_prompts" --request-rate "$rate" --seed 0 \
   --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 \
   --disable-tqdm --output-json "$out/poisson_$label.json" | grep -iE "ttft|tpot|itl|throughput|duration"

@@ -83,7 +83,7 @@ for second in range(600):
         break
 EOF
   fi
-  $py $([ "$count" = 1 ] && prof client) -m tokenmill.entrypoints.cli bench serve \
+  $py $([ "$count" = 1 ] && prof client) -m tokenmill.entrypoints.cli bench serve --temperature 0 \
     --base-url "http://127.0.0.1:$port" --tokenizer "$model" $dataset --ignore-eos \
     --max-concurrency "$concurrency" --num-warmups $((concurrency < 32 ? concurrency : 32)) --disable-tqdm \
     --num-client-processes "${CLIENT_PROCS:-4}" \
