@@ -48,8 +48,9 @@ def main() -> None:
     with local_server(flags, args.port, python_flags=profiler) as server:
         api = psutil.Process(server.pid)
         out = os.path.join(model, "serve.json")
-        client = [sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--temperature", "0", "--base-url", base,
-                  "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", "512",
+        client = [sys.executable, "-m", "tokenmill.entrypoints.cli", "bench", "serve", "--temperature", "0",
+                  "--base-url", base, "--tokenizer", tokenizer, "--dataset-name", "random",
+                  "--random-input-len", "512",
                   "--random-output-len", "256", "--ignore-eos", "--num-prompts", str(args.num_prompts),
                   "--max-concurrency", str(args.concurrency), "--seed", "0", "--disable-tqdm",
                   "--output-json", out]  # fmt: skip
