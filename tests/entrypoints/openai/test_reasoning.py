@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.entrypoints.openai.conftest import MAIN_SERVER_ARGS, ServerProcess
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter
+from tokenmill.entrypoints.openai.serving_chat import ToolAnswer
 
 THOUGHT = "<think>\nTwo and two.\n</think>\n\nIt is 4."
 
@@ -125,3 +127,34 @@ def test_constraints_apply_to_the_answer_after_the_thinking(tmp_path) -> None:
         assert free.choices[0].message.model_extra["reasoning_content"]
     finally:
         process.stop()
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "reasoning", "content", "calls"),
+    [
+        ("deepseek_r1", "Hmm, thinking", "Hmm, thinking", None, []),  # cut inside the thinking
+        ("qwen3", "<think>Plan.</think>", "Plan.", None, []),
+        ("qwen3", f"<think>Plan.</think>\n\n{CALL}", "Plan.", None, ['{"a": 1}']),
+        ("deepseek_r1", f"Plan.\n</think>\n\nOk.\n{CALL}", "Plan.\n", "Ok.\n", ['{"a": 1}']),
+    ],
+)
+def test_a_message_of_thinking_and_calls_streamed_or_not(name, text, reasoning, content, calls) -> None:
+    """No answer after the thinking is a null content (vLLM's), not ""; a stream's deltas add up to it."""
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    answer = ToolAnswer(request, "hermes", name)
+    message = answer.message(text, "stop")["message"]
+    assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+    assert [c["function"]["arguments"] for c in message.get("tool_calls", [])] == calls
+    splitter, stream, deltas = StreamSplitter(answer.reasoning), answer.stream(), []
+    for end in [*range(1, len(text), 3), len(text)]:
+        final = end == len(text)
+        # As serving_chat streams: the thinking from the splitter, the answer through the tool stream.
+        deltas.append({"reasoning_content": splitter.delta(text[:end], final).get("reasoning_content", "")})
+        deltas += stream.feed(splitter.content, final)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
+    assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == calls

@@ -7,6 +7,7 @@ requests are 400s naming the field."""
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -14,7 +15,14 @@ import pytest
 from tests.entrypoints.openai.conftest import MAIN_SERVER_ARGS, ServerProcess
 from tests.entrypoints.openai.test_api_server import assert_error
 from tests.schemas import TIME, WEATHER
-from tokenmill.entrypoints.openai.tool_calls import HermesParser, Llama3JsonParser, MistralParser, ToolStream
+from tokenmill.entrypoints.openai.tool_calls import (
+    PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCall,
+    ToolStream,
+)
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -166,7 +174,7 @@ def test_auto_tool_choice_with_the_hermes_parser(tmp_path) -> None:
 F1 = '{"name": "f", "arguments": {"a": 1}}'
 F0, G = '{"name": "f", "arguments": {}}', '{"name": "g", "arguments": {"b": "x"}}'
 PARSER_CASES = [
-    (HermesParser(), f"Sure.\n<tool_call>\n{F1}\n</tool_call>", "Sure.", [("f", {"a": 1})]),
+    (HermesParser(), f"Sure.\n<tool_call>\n{F1}\n</tool_call>", "Sure.\n", [("f", {"a": 1})]),
     (
         HermesParser(),
         f"<tool_call>{F0}</tool_call><tool_call>{G}</tool_call>",
@@ -183,6 +191,13 @@ PARSER_CASES = [
         [("f", {}), ("g", {"c": 2})],
     ),
     (Llama3JsonParser(), "The answer is 4.", "The answer is 4.", []),
+    # A call is the whole message (vLLM's rule, and the stream's): after text, the tag is content.
+    (
+        Llama3JsonParser(),
+        'Sure <|python_tag|>{"name": "f", "parameters": {}}',
+        'Sure <|python_tag|>{"name": "f", "parameters": {}}',
+        [],
+    ),
     (
         MistralParser(),
         '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, 2]}}]',
@@ -192,7 +207,7 @@ PARSER_CASES = [
     (
         MistralParser(),
         'Let me check. [TOOL_CALLS] [{"name": "f", "arguments": "{\\"a\\": 1}"}]',
-        "Let me check.",
+        "Let me check. ",
         [("f", {"a": 1})],
     ),
 ]
@@ -240,7 +255,7 @@ def test_streamed_deltas_add_up(mode, parser, text, content, calls) -> None:
 
 
 def test_a_required_list_cut_by_max_tokens_gives_its_complete_calls_streamed_or_not() -> None:
-    from tokenmill.entrypoints.openai.tool_calls import ToolCall, calls_from_constrained
+    from tokenmill.entrypoints.openai.tool_calls import calls_from_constrained
 
     cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}, {"name": "a", "param'
     expected = [ToolCall("a", '{"x": 1}'), ToolCall("b", "{}")]
@@ -248,3 +263,53 @@ def test_a_required_list_cut_by_max_tokens_gives_its_complete_calls_streamed_or_
     _, streamed = _replay(ToolStream("required", "required", None, True), cut)
     assert streamed == {i: (c.name, json.loads(c.arguments)) for i, c in enumerate(expected)}
     assert calls_from_constrained(cut[:20], "required") == []
+
+
+# Arguments with nested JSON, non-ASCII text and escaped quotes; text before and after the calls.
+ODD = '{"city": "東京", "note": "say \\"hi\\"", "filter": {"tags": ["a", {"b": null}], "n": 1.5}}'
+OUTPUTS = [
+    ("hermes", f'Let me look.\n<tool_call>\n{{"name": "f", "arguments": {ODD}}}\n</tool_call>\n'
+     f'<tool_call>{{"name": "g", "arguments": {{}}}}</tool_call> done'),
+    ("hermes", "<tool_call>{broken</tool_call>"),
+    ("llama3_json",
+     f'<|python_tag|>{{"name": "f", "parameters": {ODD}}}; {{"name": "g", "parameters": {{}}}}'),
+    ("mistral",
+     f'Checking. [TOOL_CALLS] [{{"name": "f", "arguments": {ODD}}}, '
+     '{"name": "g", "arguments": {}, "id": "a1B2c3D4e"}]'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text"), OUTPUTS)
+def test_streamed_in_any_chunks_is_the_whole_answer(parser, text) -> None:
+    """Split into chunks of 1 to 7 characters, the deltas add up to the non-streamed content and calls,
+    character for character; arguments keep non-ASCII text as written (vLLM's ensure_ascii=False)."""
+    content, calls = PARSERS[parser]().parse(text)
+    for seed in range(4):
+        stream, deltas, end = ToolStream("auto", "auto", parser, True), [], 0
+        chunk_sizes = random.Random(seed)
+        while end < len(text):
+            end = min(len(text), end + chunk_sizes.randint(1, 7))
+            deltas += stream.feed(text[:end], final=False)
+        deltas += stream.feed(text, final=True)
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == list(calls)
+        assert [c["index"] for c in streamed] == list(range(len(calls)))
+    if calls:
+        assert calls[0].arguments == json.dumps(json.loads(ODD), ensure_ascii=False)
+        assert "東京" in calls[0].arguments
+
+
+@pytest.mark.parametrize("parser", ["mistral", "hermes"])
+def test_mistral_call_ids_are_nine_alphanumerics(parser) -> None:
+    """Mistral's templates refuse other ids when the calls come back in the next request, whatever id the
+    model wrote; other parsers keep OpenAI's call_ ids."""
+    text = next(text for name, text in OUTPUTS if name == parser)
+    streamed = [
+        c for d in ToolStream("auto", "auto", parser, True).feed(text, True) for c in d.get("tool_calls", [])
+    ]
+    ids = [c["id"] for c in streamed] + [ToolCall("f", "{}").to_openai(parser)["id"]]
+    if parser == "mistral":
+        assert all(len(i) == 9 and i.isalnum() for i in ids) and "a1B2c3D4e" not in ids
+    else:
+        assert all(i.startswith("call_") for i in ids)

@@ -111,11 +111,13 @@ class ToolAnswer:
             thinking = {"reasoning_content": reasoning}
         content, calls = self.split(text)
         if not calls:
-            message = {"role": self.role, "content": text, **thinking}
+            # All of it thinking (no </think> under deepseek_r1): no answer, null as vLLM's, not "".
+            answer = text if text or self.reasoning is None else None
+            message = {"role": self.role, "content": answer, **thinking}
             return {"message": message, "finish_reason": finish_reason}
         calls = calls if self.parallel else calls[:1]
         message = {"role": self.role, "content": content, **thinking}
-        message["tool_calls"] = [c.to_openai() for c in calls]
+        message["tool_calls"] = [c.to_openai(self.parser_name) for c in calls]
         return {
             "message": message,
             "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason,

@@ -13,7 +13,9 @@ and the parsers that find tool calls in what a model wrote.
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from typing import NamedTuple
 
@@ -26,12 +28,21 @@ class ToolCall(NamedTuple):
     name: str
     arguments: str  # a JSON object's text
 
-    def to_openai(self) -> dict:
+    def to_openai(self, parser_name: str | None = None) -> dict:
         return {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "id": new_call_id(parser_name),
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
+
+
+def new_call_id(parser_name: str | None) -> str:
+    """A call's id. Mistral's chat templates (and mistral_common) refuse a conversation whose tool call ids
+    are not 9 alphanumerics, so a client that sends the calls back needs them in that shape, as vLLM's
+    mistral parser makes them."""
+    if parser_name == "mistral":
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def check_tools(tools: list | None, tool_choice: str | dict | None) -> None:
@@ -153,7 +164,7 @@ def complete_calls(text: str, position: int) -> tuple[list[ToolCall], int]:
         except json.JSONDecodeError:
             return calls, position  # not complete yet (or the list's end)
         if isinstance(item, dict) and isinstance(item.get("name"), str):
-            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}))))
+            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
         position = end
 
 
@@ -190,7 +201,7 @@ def _call_from_object(item: object, arguments_key: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(item["name"], json.dumps(arguments))
+    return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 class HermesParser(_MarkerParser):
@@ -210,8 +221,8 @@ class HermesParser(_MarkerParser):
                 calls.append(call)
         if not calls:
             return text, []
-        content = text[: text.index(self.marker)].strip()
-        return content or None, calls
+        # The text before the calls as written (as a stream sends it, and as vLLM returns it).
+        return text[: text.index(self.marker)] or None, calls
 
 
 class Llama3JsonParser:
@@ -233,7 +244,8 @@ class Llama3JsonParser:
         return 0
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.split("<|python_tag|>", 1)[-1].strip()
+        # As calls_start decides for a stream: a call is the whole message, text before it makes it content.
+        body = text.lstrip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
         calls = []
@@ -271,7 +283,7 @@ class MistralParser(_MarkerParser):
         calls = [c for c in (_call_from_object(i, "arguments") for i in items) if c is not None]
         if not calls:
             return text, []
-        return head.strip() or None, calls
+        return head or None, calls
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
@@ -290,6 +302,7 @@ class ToolStream:
         self.mode = mode
         self.name = named_choice(tool_choice)
         self.parser = PARSERS[parser_name]() if mode == "auto" and parser_name else None
+        self.parser_name = parser_name
         self.parallel = parallel
         self.sent = 0  # characters of the text already sent (content or named arguments)
         self.calls = 0
@@ -312,7 +325,7 @@ class ToolStream:
         return [{"content": delta}]
 
     def _call(self, name: str, arguments: str) -> dict:
-        call = {"index": self.calls, **ToolCall(name, arguments).to_openai()}
+        call = {"index": self.calls, **ToolCall(name, arguments).to_openai(self.parser_name)}
         self.calls += 1
         return {"tool_calls": [call]}
 
