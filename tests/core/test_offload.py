@@ -13,9 +13,11 @@ from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 
-def prefill(kv: KVCacheManager, request_id: str, token_ids: list[int]) -> tuple[Request, list[int]]:
+def prefill(
+    kv: KVCacheManager, request_id: str, token_ids: list[int], cache_salt: str | None = None
+) -> tuple[Request, list[int]]:
     """Admit and fully compute a prompt; returns the request and its host loads."""
-    request = Request(request_id, token_ids, SamplingParams(max_tokens=1))
+    request = Request(request_id, token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt)
     hit = kv.get_computed_blocks(request)
     allocated = kv.allocate_slots(request, len(token_ids) - hit.num_tokens, hit.block_ids, hit.host_block_ids)
     assert allocated is not None
@@ -100,3 +102,35 @@ def test_host_blocks_the_cpu_tier_evicts_spill_to_disk_and_come_back_through_it(
     assert not {slot for _, slot in spills} & {slot for slot, _ in reads}
     with pytest.raises(ValueError, match="kv_offload_disk_gib"):
         DiskBlockPool(0)
+
+
+def test_a_salted_prefix_in_the_host_and_disk_tiers_serves_only_its_own_salt() -> None:
+    """cache_salt seeds the block hashes both tiers key by: a salted prompt evicted to the host, and
+    then spilled to disk, is no hit for the same tokens unsalted or salted otherwise; its own salt loads
+    it."""
+    kv = KVCacheManager(num_blocks=6, block_size=4, num_host_blocks=4, num_disk_blocks=32)
+    host = kv.host
+    assert host is not None and host.disk is not None
+    prompt = list(range(17))
+    salted, _ = prefill(kv, "salted", prompt, "tenant-1")
+    salted_hashes = salted.block_hashes[:4]
+    kv.free(salted)
+    # To the host, then to disk; each time other salts look it up (unsalted once on disk, where its own
+    # blocks from an earlier lookup are not yet).
+    for step, (filler, others) in enumerate(
+        [(range(100, 121), ["tenant-2"]), (range(200, 221), [None, "tenant-3"])]
+    ):
+        kv.free(prefill(kv, f"filler{step}", list(filler))[0])
+        host.drain()
+        host.drain_disk()
+        tier = host if step == 0 else host.disk
+        assert all(tier.lookup(h) is not None for h in salted_hashes)
+        for other in others:
+            request, host_hits = prefill(kv, f"other{step}{other}", prompt, other)
+            assert host_hits == [] and kv.offload_hits == 0
+            kv.free(request)
+            host.drain()
+            host.drain_disk()
+    assert all(host.disk.lookup(h) is not None for h in salted_hashes)
+    _, host_hits = prefill(kv, "again", prompt, "tenant-1")
+    assert len(host_hits) == 4 and kv.offload_hits == 16
