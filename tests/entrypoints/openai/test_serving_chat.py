@@ -263,3 +263,25 @@ def test_a_message_name_reaches_the_chat_template(server, client):
     )
     tokens = server.post("/tokenize", json={"prompt": "Alice: Hi\n", "add_special_tokens": False}).json()
     assert reply.usage.prompt_tokens == tokens["count"]
+
+
+def test_add_special_tokens_adds_the_tokenizers_bos_to_a_chat():
+    """vLLM's add_special_tokens for chat (false by default): true adds the special tokens a tokenizer
+    puts on a text (its BOS) to what the template wrote. The embedded SmolLM2 adds none: a stand-in."""
+    from types import SimpleNamespace
+
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+    from tokenmill.entrypoints.openai.serving_chat import chat_encoder
+
+    class BosTokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    def own_encoder(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=BosTokenizer()), encode_chat=own_encoder)
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_encoder(state, ChatCompletionRequest(messages=messages)) is own_encoder
+    encode = chat_encoder(state, ChatCompletionRequest(messages=messages, add_special_tokens=True))
+    assert encode("ab") == [1, 97, 98]

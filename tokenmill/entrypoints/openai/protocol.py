@@ -312,6 +312,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+    # vLLM's: special tokens (a BOS) added on top of what the chat template writes; off by default.
+    add_special_tokens: bool = False
     tools: list | None = None
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True

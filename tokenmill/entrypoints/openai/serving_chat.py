@@ -64,6 +64,16 @@ def render_chat(
         raise bad_request(str(exc), param="messages" if tokenizer is not None else None) from exc
 
 
+def chat_encoder(state, request: ChatCompletionRequest) -> Callable[[str], list[int]] | None:
+    """How a request's rendered chat becomes token ids: the server's ChatEncoder (earlier turns tokenized
+    once) under the model's own template, the tokenizer's encode under the request's; with vLLM's
+    add_special_tokens, the tokenizer's encode adding its special tokens (a BOS) to the template's."""
+    if request.add_special_tokens:
+        tokenizer = state.engine.tokenizer
+        return lambda text: list(tokenizer.encode(text, add_special_tokens=True))
+    return state.encode_chat if request.chat_template is None else None
+
+
 class ToolAnswer:
     """A choice's text as the answer tool_choice asks for: plain content, or tool calls (a grammar's
     output under required or a named function, a parser's find under auto) with finish_reason
@@ -154,7 +164,7 @@ class ChatServing:
             request.messages,
             request.add_generation_prompt,
             request.tools,
-            state.encode_chat if request.chat_template is None else None,
+            chat_encoder(state, request),
             request.continue_final_message,
             request.chat_template,
             request.chat_template_kwargs,
