@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
+
+from tokenmill.attention_window import sliding_window
 
 
 @dataclass(frozen=True)
@@ -213,25 +216,19 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
 
 
 def _sliding_window(config: dict[str, Any], model_type: str) -> int:
-    """The window serving/engine_setup.py's sliding_window finds in the config transformers builds from
-    this config.json (its defaults where a key is missing): 0 where no layer slides."""
-    qwen = model_type.startswith("qwen")
-    window = int(config.get("sliding_window", 4096 if model_type == "mistral" else 0) or 0)
-    if not window or (qwen and not config.get("use_sliding_window", False)):
-        return 0  # transformers' Qwen configs drop the window without use_sliding_window
-    if model_type in ("mistral", "mixtral", "qwen3_moe"):
-        return window
-    num_layers = int(config["num_hidden_layers"])
-    first_sliding = config.get("max_window_layers", 28 if qwen else None)
-    layer_types = config.get("layer_types")
-    if not layer_types and qwen:  # transformers fills layer_types in from max_window_layers
-        slides = first_sliding > 0 if model_type == "qwen2_moe" else first_sliding < num_layers
-        return window if slides else 0
-    if layer_types:
-        return window if "sliding_attention" in layer_types else 0
-    if not config.get("use_sliding_window", True):
-        return 0
-    return 0 if first_sliding is not None and first_sliding >= num_layers else window
+    """The engine's window (attention_window.sliding_window) for the config transformers builds from this
+    config.json, its defaults filled in where a key is missing: 0 where no layer slides."""
+    view = {"model_type": model_type, **config}
+    if model_type == "mistral":
+        view.setdefault("sliding_window", 4096)
+    if model_type.startswith("qwen"):
+        if not view.get("use_sliding_window", False):
+            return 0  # transformers' Qwen configs drop the window without use_sliding_window
+        view.setdefault("max_window_layers", 28)
+        if model_type == "qwen2_moe" and not view.get("layer_types"):
+            # Qwen2-MoE slides the layers below max_window_layers (Qwen2/3 those from it on).
+            return int(view.get("sliding_window") or 0) if view["max_window_layers"] > 0 else 0
+    return sliding_window(SimpleNamespace(**view)) or 0
 
 
 def _moe_dense_layers(config: dict[str, Any], num_layers: int) -> int:
