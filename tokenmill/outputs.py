@@ -112,10 +112,12 @@ class PoolingRequestOutput:
     finished: bool = True
 
     @staticmethod
-    def from_output(output: EmbeddingRequestOutput) -> PoolingRequestOutput:
+    def from_output(output: RequestOutput) -> PoolingRequestOutput:
+        import numpy as np
         import torch
 
-        data = torch.tensor(output.outputs.embedding, dtype=torch.float32)
+        assert output.pooled is not None, "a pooling request finished without its vector"
+        data = torch.from_numpy(np.frombuffer(output.pooled, dtype="<f4").copy())  # no list in between
         return PoolingRequestOutput(
             output.request_id, PoolingOutput(data), output.prompt_token_ids, output.num_cached_tokens
         )

@@ -73,14 +73,10 @@ class LLM:
         needs an engine with runner='pooling' (the default for bare-model checkpoints such as
         Qwen3Model). truncate_prompt_tokens: embed each prompt's last k tokens. pooling_params and
         lora_request: only None (the engine's pooling, no LoRA)."""
-        if self.engine.pooling_type is None:
-            raise ValueError("embed needs runner='pooling'; this engine generates text.")
-        if pooling_params is not None:
-            raise ValueError("pooling_params is not supported: the engine pools as its pooling_type says.")
-        _refuse_lora(lora_request)
-        params = pooling_request_params(truncate_prompt_tokens)
-        outputs = self._submit(prompts, prompt_token_ids, params, use_tqdm, None)
-        return [EmbeddingRequestOutput.from_output(output) for output in outputs]
+        pooled = self._pool(
+            prompts, prompt_token_ids, use_tqdm, truncate_prompt_tokens, pooling_params, lora_request
+        )
+        return [EmbeddingRequestOutput.from_output(output) for output in pooled]
 
     def encode(
         self,
@@ -98,10 +94,22 @@ class LLM:
             raise ValueError(
                 f"pooling_task must be 'embed' (the only task here) or None, got {pooling_task!r}."
             )
-        embedded = self.embed(
+        pooled = self._pool(
             prompts, prompt_token_ids, use_tqdm, truncate_prompt_tokens, pooling_params, lora_request
         )
-        return [PoolingRequestOutput.from_output(output) for output in embedded]
+        return [PoolingRequestOutput.from_output(output) for output in pooled]
+
+    def _pool(
+        self, prompts, prompt_token_ids, use_tqdm, truncate_prompt_tokens, pooling_params, lora_request
+    ) -> list[RequestOutput]:
+        """embed's and encode's requests: every prompt pooled, outputs in prompt order."""
+        if self.engine.pooling_type is None:
+            raise ValueError("embed needs runner='pooling'; this engine generates text.")
+        if pooling_params is not None:
+            raise ValueError("pooling_params is not supported: the engine pools as its pooling_type says.")
+        _refuse_lora(lora_request)
+        params = pooling_request_params(truncate_prompt_tokens)
+        return self._submit(prompts, prompt_token_ids, params, use_tqdm, None)
 
     def _submit(self, prompts, prompt_token_ids, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if (prompts is None) == (prompt_token_ids is None):
