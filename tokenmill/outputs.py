@@ -28,8 +28,8 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, Logprob]] | None = None
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's CompletionOutput.finished() (RequestOutput.finished is a field)."""
         return self.finish_reason is not None
 
 

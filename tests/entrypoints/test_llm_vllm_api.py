@@ -120,3 +120,5 @@ def test_vllms_attribute_names(llm):
     assert llm.llm_engine is llm.engine
     out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
     assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids) == (None,) * 4
+    # vLLM's CompletionOutput.finished is a method (RequestOutput.finished a field).
+    assert out.finished is True and out.outputs[0].finished() is True

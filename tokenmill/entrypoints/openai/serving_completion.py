@@ -254,7 +254,7 @@ class CompletionServing:
                     finals[prompt_index] = output
                 for c in output.outputs:
                     key = (prompt_index, c.index)
-                    if key in done or (not c.delta_text and not c.delta_logprobs and not c.finished):
+                    if key in done or (not c.delta_text and not c.delta_logprobs and not c.finished()):
                         continue
                     choice = self._choice(
                         request,
@@ -263,7 +263,7 @@ class CompletionServing:
                         c.delta_text,
                         c.delta_token_ids,
                         c.delta_logprobs,
-                        c.finished,
+                        c.finished(),
                         offsets[key],
                     )
                     if key in echo_pending and output.prompt_logprobs is not None:
@@ -274,7 +274,7 @@ class CompletionServing:
                         choice["logprobs"] = join_logprobs(echoed, choice["logprobs"])
                     yield chunk([choice], len(prompts[prompt_index].token_ids), len(c.token_ids))
                     offsets[key] += len(c.delta_text)
-                    if c.finished:
+                    if c.finished():
                         done.add(key)
             if len(finals) < len(prompts):
                 if not watcher.disconnected:
