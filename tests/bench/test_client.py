@@ -55,6 +55,7 @@ def test_chat_payload_wraps_the_prompt_as_a_user_message() -> None:
     payload = build_payload(request)
     assert payload["messages"] == [{"role": "user", "content": "hi"}]
     assert "prompt" not in payload and "ignore_eos" not in payload
+    assert payload["max_completion_tokens"] == 2 and "max_tokens" not in payload
     turns = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
     chat = RequestInput(api_url="u", model="m", prompt="be brief\nhi", prompt_len=3, max_tokens=2, chat=True,
                         messages=turns)  # fmt: skip

@@ -100,19 +100,17 @@ class RequestResult:
 
 
 def build_payload(request: RequestInput) -> dict:
-    payload: dict = {
-        "model": request.model,
-        "max_tokens": request.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    payload: dict = {"model": request.model, "stream": True, "stream_options": {"include_usage": True}}
     if request.chat:
         if not isinstance(request.prompt, str):
             raise ValueError("/v1/chat/completions takes text prompts; drop --prompts-as-token-ids")
         turns = request.messages or ({"role": "user", "content": request.prompt},)
         payload["messages"] = list(turns)
+        # Chat's own name for it (OpenAI deprecated max_tokens there), as vLLM's openai-chat backend sends.
+        payload["max_completion_tokens"] = request.max_tokens
     else:
         payload["prompt"] = request.prompt
+        payload["max_tokens"] = request.max_tokens
     if request.ignore_eos:
         payload["ignore_eos"] = True  # vLLM/SGLang/tokenmill extension to the OpenAI schema
     payload.update(request.extra_body)
