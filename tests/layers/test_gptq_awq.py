@@ -145,3 +145,22 @@ def test_act_order_parts_of_a_fused_layer_must_agree(tmp_path) -> None:
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="g_idx differs between the parts of one fused layer"):
         load(tmp_path)
+
+
+def test_dequantized_weight_of_an_act_order_layer_is_in_the_checkpoints_column_order(tmp_path) -> None:
+    """What a quantized MoE expert is turned into as it loads (quantization/moe_experts.py): the layer's
+    weight with its sorted columns put back, w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]
+    read straight from the GPTQ tensors."""
+    from safetensors.torch import load_file
+
+    make_checkpoint("llama", "gptq", 32, tmp_path, act_order=True)
+    layer = load(tmp_path).engine.runner.model.model.layers[1].mlp.down_proj
+    assert layer.input_order is not None
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj"
+    shifts = torch.arange(8) * 4
+    q = ((stored[f"{name}.qweight"][:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, 64)  # [K, N]
+    zero = ((stored[f"{name}.qzeros"][:, :, None] >> shifts) & 15).reshape(-1, 64) + 1  # [groups, N]
+    g_idx = stored[f"{name}.g_idx"].long()
+    want = ((q - zero[g_idx]) * stored[f"{name}.scales"].float()[g_idx]).t()
+    torch.testing.assert_close(layer.quant_method.dequantize(layer), want, atol=0, rtol=0)

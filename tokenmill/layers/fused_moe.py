@@ -101,6 +101,7 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be between 1 and {num_experts}, got {top_k}.")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size  # before any TP split
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)

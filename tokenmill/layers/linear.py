@@ -82,6 +82,11 @@ class LinearMethodBase(ABC):
         """Once every checkpoint tensor is in (or dummy weights): what needs all of them at once."""
         return None
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight [N, K] in fp32, as its stored tensors mean it (once after_loading ran): what
+        a quantized checkpoint's MoE experts are turned into as they load (quantization/moe_experts.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no dequantized weight")
+
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether `gemv` takes activations like x (their rows, dtype and device): a method whose one-row
         GEMV does GemvFusion's work says so; none by default."""
@@ -114,6 +119,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return dense_linear(x, layer.weight, bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float()
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return dense_gemv_takes(x, layer.weight)

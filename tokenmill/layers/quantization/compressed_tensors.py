@@ -265,6 +265,9 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
         gemm = skinny_kernel(x, "w8a16_skinny") or w8a16_gemm
         return gemm(x, layer.weight, layer.weight_scale, bias)
 
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float() * layer.weight_scale
+
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return fp8_gemv_takes(x)  # every scheme takes the one-row kernel at these rows (fp8_linear's too)
 

@@ -154,3 +154,8 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         return fp8_block_linear(
             x, layer.weight, layer.weight_scale_inv, layer.fp8_block_n, self.block_k, bias
         )
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        n, k = layer.weight.shape
+        scale = layer.weight_scale_inv.repeat_interleave(layer.fp8_block_n, dim=0)[:n]
+        return layer.weight.float() * scale.repeat_interleave(self.block_k, dim=1)[:, :k]

@@ -28,6 +28,7 @@ from tokenmill.layers.quantization.compressed_tensors import not_converted
 from tokenmill.layers.quantization.int4 import (
     add_group_index,
     checkpoint_rows,
+    dequantize_in_order,
     int4_gemv_takes,
     int4_matmul,
     order_input_columns,
@@ -150,6 +151,7 @@ class GptqAwqLinearMethod(LinearMethodBase):
         if not awq:
             add_group_index(layer, "g_idx", columns, "quantization_config.desc_act")
         layer.int4_group_size = group
+        layer.int4_in_features = columns
 
     def after_loading(self, layer: nn.Module) -> None:
         if not self.awq:
@@ -158,6 +160,9 @@ class GptqAwqLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = ordered_input(layer, x)
         return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return dequantize_in_order(layer, layer.qweight, layer.scales, layer.qzeros)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return int4_gemv_takes(x, layer.int4_group_size)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import GemvFusion, triton_kernel
-from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4, w4a16_gemm
+from tokenmill.kernels.quant_reference import PACK, dequantize_int4, pack_int4, unpack_int4, w4a16_gemm
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
 
@@ -100,6 +100,10 @@ class Int4W4A16LinearMethod(LinearMethodBase):
         zero = getattr(layer, "weight_zero_point", None)
         x = ordered_input(layer, x)
         return int4_matmul(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size, bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        zero = getattr(layer, "weight_zero_point", None)
+        return dequantize_in_order(layer, layer.weight_packed, layer.weight_scale, zero)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return int4_gemv_takes(x, layer.int4_group_size)
@@ -197,6 +201,21 @@ def order_input_columns(layer: nn.Module, packed_name: str, field: str) -> None:
     values = unpack_int4(packed.data, group_index.numel())[:, order.to(packed.device)]
     packed.data = pack_int4(values)
     layer.input_order = order.to(packed.device)
+
+
+def dequantize_in_order(
+    layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> torch.Tensor:
+    """A 4-bit layer's weight [N, K] in fp32, its input columns back in the checkpoint's order where
+    order_input_columns sorted them."""
+    columns = layer.int4_in_features
+    weight = dequantize_int4(packed, scale, zero, layer.int4_group_size, columns, torch.float32)
+    order = getattr(layer, "input_order", None)
+    if order is None:
+        return weight
+    unsorted = torch.empty_like(weight)
+    unsorted[:, order] = weight
+    return unsorted
 
 
 def ordered_input(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
