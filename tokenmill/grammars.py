@@ -102,7 +102,12 @@ class _Closer:
                 out[key] = self.close(out[key])
         if own and beside:
             names |= beside
-        if names and not part and "additionalProperties" not in out:
+        # An empty `properties` lists no names but says the object has none (a tool without arguments,
+        # as LangChain and pydantic write one): closed, it is `{}`; open, a model fills it with anything.
+        no_properties = out.get("properties") == {} and not beside
+        no_properties = no_properties and not any(key in out for key in ("allOf", "anyOf", "oneOf"))
+        lists_properties = bool(names) or no_properties
+        if lists_properties and not part and "additionalProperties" not in out:
             properties = dict(out.get("properties") or {})
             out["properties"] = {**properties, **{name: {} for name in sorted(names - set(properties))}}
             out["additionalProperties"] = False
