@@ -1,6 +1,6 @@
-"""What the quantized-checkpoint tests share: two small random models (Llama with GQA, Qwen3 with q/k
-norms and a head_dim of its own), the prompt they score, and the comparison of tokenmill's prompt
-log-probabilities with a reference model's logits."""
+"""What the quantized-checkpoint tests share: three small random models (Llama with GQA, Qwen3 with q/k
+norms and a head_dim of its own, Qwen2 with q/k/v biases), the prompt they score, and the comparison of
+tokenmill's prompt log-probabilities with a reference model's logits."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ CONFIGS = {
         hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False,
     ),
+    # q, k and v with biases beside their quantized weights.
+    "qwen2": transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3-ragged": "Qwen3ForCausalLM", "llama-tied": "LlamaForCausalLM",
 }  # fmt: skip
 

@@ -17,6 +17,8 @@ from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 
 from .quant_models import ARCHITECTURES, CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
 
 def make_checkpoint(
     arch: str, method: str, group: int, path, skip: tuple[str, ...] = (), act_order: bool = False
@@ -59,8 +61,9 @@ def make_checkpoint(
             tensors[f"{name}.qweight"] = pack_columns(q, AWQ_ORDER)
             tensors[f"{name}.qzeros"] = pack_columns(zero, AWQ_ORDER)
         tensors[f"{name}.scales"] = scale
+    quantized = {n.rsplit(".", 1)[0] + ".weight" for n in tensors}
     for name, param in model.named_parameters():
-        if not any(name.startswith(prefix) for prefix in {n.rsplit(".", 1)[0] + "." for n in tensors}):
+        if name not in quantized:  # a quantized layer's bias (Qwen2's q/k/v) is stored as it is
             tensors[name] = param.data.contiguous()
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT])).logits[0]
@@ -164,3 +167,32 @@ def test_dequantized_weight_of_an_act_order_layer_is_in_the_checkpoints_column_o
     g_idx = stored[f"{name}.g_idx"].long()
     want = ((q - zero[g_idx]) * stored[f"{name}.scales"].float()[g_idx]).t()
     torch.testing.assert_close(layer.quant_method.dequantize(layer), want, atol=0, rtol=0)
+
+
+def test_gptq_dynamic_rules_leave_modules_unquantized(tmp_path) -> None:
+    """GPTQModel's `dynamic`: a "-:" rule's modules are stored unquantized (layer 0's MLP here, its
+    fused gate/up included); a rule quantizing some modules with another group size is refused by name.
+    Before, the rules were not read: the unquantized tensors matched no parameter."""
+    mlp = "model.layers.0.mlp."
+    logits = make_checkpoint("llama", "gptq", 32, tmp_path, skip=tuple(mlp + p for p in PROJECTIONS))
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["modules_to_not_convert"]
+    config["quantization_config"]["dynamic"] = {
+        r"+:.*self_attn.*": {"bits": 4, "group_size": 32},
+        r"-:model\.layers\.0\.mlp\..*": {},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = load(tmp_path)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert (
+        layer.mlp.gate_up_proj.weight.dtype == torch.float32
+        and layer.mlp.down_proj.weight.dtype == torch.float32
+    )
+    assert layer.self_attn.qkv_proj.qweight.dtype == torch.int32
+    prompt_logprobs_match(llm, logits)
+    config["quantization_config"]["dynamic"] = {r"+:.*down_proj": {"group_size": 64}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"dynamic\['\+:\.\*down_proj'\] quantizes model.layers.0.mlp.down_proj"
+    ):
+        load(tmp_path)

@@ -17,6 +17,7 @@ Triton W4A16 GEMM and reference as compressed-tensors' pack-quantized checkpoint
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from torch import nn
 from tokenmill.kernels import GemvFusion
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
-from tokenmill.layers.quantization.compressed_tensors import not_converted
+from tokenmill.layers.quantization.compressed_tensors import ignored_layer, not_converted
 from tokenmill.layers.quantization.int4 import (
     add_group_index,
     checkpoint_rows,
@@ -62,6 +63,11 @@ class GptqAwqConfig:
             if config.get("zero_point") is False:
                 raise ValueError(f"{where}.zero_point false is not supported (AWQ checkpoints have zeros).")
         self.ignore: list[str] = list(config.get("modules_to_not_convert") or [])
+        # GPTQModel's per-module rules, first match wins: "-:<regex>" leaves a module unquantized; a
+        # "+:<regex>" (or bare) rule overrides the fields it names for the modules it matches (sym and
+        # desc_act change nothing here: qzeros and g_idx are read either way).
+        self.dynamic: dict[str, dict] = dict(config.get("dynamic") or {})
+        self._base = {"bits": 4, "group_size": config.get("group_size")}
 
     uses_fp8 = False
 
@@ -69,7 +75,32 @@ class GptqAwqConfig:
         return GptqAwqLinearMethod(self.method, self.group_size)
 
     def is_ignored(self, prefix: str) -> bool:
-        return not_converted(prefix, self.ignore)
+        if not_converted(prefix, self.ignore):
+            return True
+        return bool(self.dynamic) and ignored_layer(
+            prefix, self._dynamic_skips, "quantization_config.dynamic"
+        )
+
+    def _dynamic_skips(self, name: str) -> bool:
+        """Whether `name`'s first matching dynamic rule leaves it unquantized; a rule that quantizes it
+        otherwise than the config's own fields is refused (one scheme for every quantized layer here)."""
+        for pattern, overrides in self.dynamic.items():
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], name):
+                    return True
+                continue
+            if not re.match(pattern.removeprefix("+:"), name):
+                continue
+            changed = {k: v for k, v in (overrides or {}).items() if k in self._base and v != self._base[k]}
+            if changed:
+                base = {k: self._base[k] for k in changed}
+                raise ValueError(
+                    f"quantization_config.dynamic[{pattern!r}] quantizes {name} with {changed}, unlike the "
+                    f"config's {base}: per-module bits or group_size "
+                    "are not supported (only '-:' rules, which leave modules unquantized)."
+                )
+            return False
+        return False
 
 
 def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
