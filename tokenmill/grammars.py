@@ -1,9 +1,11 @@
 """Output constraints as llguidance's grammar text: JSON schemas (closed to the keys they list, as
-OpenAI's strict mode reads them), any JSON object, a regex, a choice of strings, a Lark grammar."""
+OpenAI's strict mode reads them), any JSON object, a regex, a choice of strings, a grammar (Lark, or
+GBNF / EBNF as llama.cpp and xgrammar write it)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -114,6 +116,24 @@ class _Closer:
         return out
 
 
+# A GBNF rule definition, `root ::= ...` (Lark writes `start: ...`).
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=", re.MULTILINE)
+
+
+def lark(grammar: str) -> str:
+    """A grammar as Lark: GBNF (llama.cpp's, which xgrammar, vLLM's default backend, reads as EBNF, so
+    vLLM's users send `root ::= ...`) converted by llguidance, Lark as it is; ValueError for a GBNF
+    grammar that does not parse."""
+    if not _GBNF_RULE.search(grammar):
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as exc:  # the converter raises its own error classes
+        raise ValueError(f"GBNF grammar: {exc}") from None
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint as llguidance's grammar text; ValueError naming the field when it is malformed."""
     import llguidance
@@ -133,6 +153,6 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(params.choice))
-        return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+        return llguidance.LLMatcher.grammar_from_lark(lark(params.grammar))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"structured_outputs {kind}: {exc}") from None

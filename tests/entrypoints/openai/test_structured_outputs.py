@@ -122,3 +122,29 @@ def test_completions_take_response_format(client, server) -> None:
     jsonschema.validate(json.loads(completion.choices[0].text), BOOK)
     body = {"model": "default", "prompt": "x", "max_tokens": 2, "response_format": {"type": "bogus"}}
     assert_error(server.post("/v1/completions", json=body), 400, "response_format")
+
+
+def test_grammars_in_gbnf_as_vllm_users_send_them(client, server) -> None:
+    """vLLM's `grammar` (and `guided_grammar`) in the EBNF its users write for xgrammar, `root ::= ...`:
+    the output parses under it; a malformed one is a 400 naming the field, and the server serves on."""
+    from tests.test_grammars import SQL_GBNF
+
+    completion = client.completions.create(
+        model="default", prompt="Write a SQL query:", max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"grammar": SQL_GBNF}},
+    )  # fmt: skip
+    sql = r"SELECT col_[12]  from table_[12]  where col_[12] = [12] "
+    assert re.fullmatch(sql, completion.choices[0].text)
+    answer = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=5, temperature=0,
+        extra_body={"guided_grammar": 'root ::= ("yes" | "no")'},
+    )  # fmt: skip
+    assert answer.choices[0].message.content in ("yes", "no")
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 5}
+    for field, constraint in (
+        ("structured_outputs", {"structured_outputs": {"grammar": 'root ::= ( "a" '}}),
+        ("guided_grammar", {"guided_grammar": "root ::= missing-rule"}),
+    ):
+        error = assert_error(server.post("/v1/chat/completions", json={**body, **constraint}), 400, field)
+        assert "GBNF" in error["message"]
+    assert server.post("/v1/chat/completions", json=body).status_code == 200
