@@ -33,6 +33,9 @@ SCHEMES = {
     "fp8-channel-dynamic": ("float-quantized", dict(FP8, strategy="channel"), ("token", True)),
     "fp8-tensor-static": ("float-quantized", dict(FP8, strategy="tensor"), ("tensor", False)),
     "fp8-channel-weight-only": ("float-quantized", dict(FP8, strategy="channel"), None),
+    # llm-compressor's FP8_BLOCK (blocks of 32 here, 128 in released models): activations per token and
+    # per 32 input columns.
+    "fp8-block": ("float-quantized", dict(FP8, strategy="block", block_structure=[32, 32]), ("group", True)),
     "int4-group-symmetric": (
         "pack-quantized",
         dict(INT4, strategy="group", group_size=32, symmetric=True),
@@ -58,8 +61,9 @@ def make_checkpoint(
     input_args = None
     if activations is not None:
         strategy, dynamic = activations
+        group = dict(group_size=weight_args["block_structure"][1]) if strategy == "group" else {}
         input_args = QuantizationArgs(
-            num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic
+            num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic, **group
         )
     weights = QuantizationArgs(**weight_args, dynamic=False)
     config = QuantizationConfig(
@@ -93,6 +97,9 @@ def make_checkpoint(
         w = module.weight.data
         if weight_args["strategy"] == "group":  # one range per group of input columns
             w = w.reshape(w.shape[0], -1, weight_args["group_size"])
+        if weight_args["strategy"] == "block":  # one range per block: [row blocks, column blocks, values]
+            rows, columns = weight_args["block_structure"]
+            w = w.reshape(w.shape[0] // rows, rows, -1, columns).transpose(1, 2).flatten(2)
         dims = dict(dim=-1) if weight_args["strategy"] != "tensor" else {}
         scale, zero = calculate_qparams(
             w.amin(**dims).reshape(-1), w.amax(**dims).reshape(-1), scheme_of.weights
@@ -205,9 +212,10 @@ def test_unsupported_schemes_name_the_field(tmp_path) -> None:
     make_checkpoint("llama", "fp8-channel-dynamic", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for path, value, message in [
-        (("weights", "strategy"), "block", "weights.strategy 'block' is not supported"),
+        (("weights", "strategy"), "group", "weights.strategy 'group' is not supported"),
         (("weights", "num_bits"), 4, "weights.num_bits 4 is not supported"),
         (("input_activations", "dynamic"), False, "strategy 'token' with dynamic False"),
+        (("weights", "strategy"), "block", "block_structure None must be"),
     ]:
         broken = json.loads(json.dumps(config))
         broken["quantization_config"]["config_groups"]["group_0"][path[0]][path[1]] = value

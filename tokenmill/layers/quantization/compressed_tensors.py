@@ -1,6 +1,7 @@
 """Checkpoints quantized by llm-compressor (`quant_method: compressed-tensors` in config.json):
 `float-quantized` FP8 weights in e4m3 with a per-channel ([N, 1]) or per-tensor scale, activations dynamic
-per token, static per tensor (`input_scale`), or none (weight-only, W8A16); and `pack-quantized` W4A16,
+per token, static per tensor (`input_scale`), or none (weight-only, W8A16), or with one scale per block
+(FP8_BLOCK, run by fp8_block.py); and `pack-quantized` W4A16,
 4-bit integer weights in groups (or per channel), symmetric or with zero points (int4.py). A
 `kv_cache_scheme` (FP8, per tensor) says the checkpoint holds each layer's K and V scales, with or
 without quantized linears; an FP8 KV cache (kv_cache_dtype='fp8') then uses them.
@@ -85,9 +86,13 @@ class CompressedTensorsConfig:
             self._finish(config, group, where)
             return
         _expect(weights, f"{where}.weights", type="float", num_bits=8, symmetric=True, dynamic=False)
-        self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("channel", "tensor"))
+        strategies = ("channel", "tensor", "block")
+        self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", strategies)
         self.input_scheme = None  # None: weight-only; "token": dynamic; "tensor": static
-        if activations is not None:
+        if self.weight_strategy == "block":
+            self.block = _fp8_blocks(weights, activations, where)
+            self.input_scheme = "group"
+        elif activations is not None:
             _expect(activations, f"{where}.input_activations", type="float", num_bits=8, symmetric=True)
             strategy = _one_of(activations, f"{where}.input_activations", "strategy", ("token", "tensor"))
             dynamic = activations.get("dynamic")
@@ -106,14 +111,19 @@ class CompressedTensorsConfig:
 
     @property
     def uses_fp8(self) -> bool:
-        """Whether the matmuls need FP8 tensor cores (FP8 activations)."""
-        return self.format in FP8_FORMATS and self.input_scheme is not None
+        """Whether the matmuls need FP8 tensor cores (FP8 activations; fp8_block.py's blocks run
+        without them where the GPU has none)."""
+        return self.format in FP8_FORMATS and self.input_scheme in ("token", "tensor")
 
     def linear_method(self) -> LinearMethodBase:
         if self.format == "dense":
             return UnquantizedLinearMethod()
         if self.format == "pack-quantized":
             return Int4W4A16LinearMethod(self.group_size, self.symmetric, self.group_order)
+        if self.input_scheme == "group":
+            from tokenmill.layers.quantization.fp8_block import Fp8BlockLinearMethod  # it imports this
+
+            return Fp8BlockLinearMethod(*self.block, scale_name="weight_scale")
         return CompressedTensorsFp8LinearMethod(self.input_scheme)
 
     def is_ignored(self, prefix: str) -> bool:
@@ -186,6 +196,23 @@ def kv_scales_aside(
         if (layer, "k") not in found or (layer, "v") not in found:
             raise ValueError(f"checkpoint has only one of layer {layer}'s k_scale and v_scale.")
         into[layer] = (found[(layer, "k")], found[(layer, "v")])
+
+
+def _fp8_blocks(weights: dict, activations: dict | None, where: str) -> tuple[int, int]:
+    """llm-compressor's FP8_BLOCK: weight scales per block_structure [rows, columns] (`weight_scale`,
+    as fine-grained FP8's weight_scale_inv), activations quantized at run time per token and per group
+    of the blocks' columns."""
+    block = weights.get("block_structure")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{where}.weights.block_structure {block!r} must be [rows, columns] of a block.")
+    if activations is None:
+        raise ValueError(
+            f"{where}.input_activations: block FP8 weights are supported with dynamic FP8 activations in "
+            "groups of the blocks' columns (FP8_BLOCK), not weight-only."
+        )
+    _expect(activations, f"{where}.input_activations", type="float", num_bits=8, strategy="group")
+    _expect(activations, f"{where}.input_activations", dynamic=True, group_size=block[1])
+    return block[0], block[1]
 
 
 def _kv_cache_scheme(scheme: dict | None, where: str) -> bool:

@@ -91,8 +91,10 @@ def fp8_block_linear(
 
 
 class Fp8BlockLinearMethod(LinearMethodBase):
-    def __init__(self, block_n: int, block_k: int) -> None:
-        self.block_n, self.block_k = block_n, block_k
+    def __init__(self, block_n: int, block_k: int, scale_name: str = "weight_scale_inv") -> None:
+        """scale_name: the block scales' tensor name (compressed-tensors' FP8_BLOCK calls it
+        weight_scale; the same numbers, w = weight * scale)."""
+        self.block_n, self.block_k, self.scale_name = block_n, block_k, scale_name
 
     def create_weights(
         self,
@@ -146,16 +148,15 @@ class Fp8BlockLinearMethod(LinearMethodBase):
             dest.copy_(loaded.float())
 
         scale.weight_loader = load_scale
-        layer.register_parameter("weight_scale_inv", scale)
+        layer.register_parameter(self.scale_name, scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # Row r of a fused weight finds its scale block at r // block_n: every part but the last starts
         # on a block boundary (of the layer's own blocks, create_weights).
-        return fp8_block_linear(
-            x, layer.weight, layer.weight_scale_inv, layer.fp8_block_n, self.block_k, bias
-        )
+        scale = getattr(layer, self.scale_name)
+        return fp8_block_linear(x, layer.weight, scale, layer.fp8_block_n, self.block_k, bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, k = layer.weight.shape
-        scale = layer.weight_scale_inv.repeat_interleave(layer.fp8_block_n, dim=0)[:n]
+        scale = getattr(layer, self.scale_name).repeat_interleave(layer.fp8_block_n, dim=0)[:n]
         return layer.weight.float() * scale.repeat_interleave(self.block_k, dim=1)[:, :k]
