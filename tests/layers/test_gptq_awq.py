@@ -96,6 +96,8 @@ def test_logprobs_match_the_dequantized_model(arch: str, method: str, tmp_path) 
     [
         ({"bits": 8}, "bits 8 is not supported"),
         ({"checkpoint_format": "gptq_v2"}, "checkpoint_format 'gptq_v2'"),
+        # A group size unlike the tensors': the shape error names the field.
+        ({"group_size": 64}, r"layout of qzeros for this layer with quantization_config.group_size 64"),
     ],
 )
 def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tmp_path) -> None:

@@ -156,9 +156,12 @@ class GptqAwqLinearMethod(LinearMethodBase):
                 # Checked as stored: converted, a wrong shape would be reported transposed or unpacked.
                 expected = stored_shape(name, checkpoint_rows(layer, shard_id, output_size))
                 if tuple(loaded.shape) != expected:
+                    grouped = (
+                        "" if name == "qweight" else f" with quantization_config.group_size {self.group_size}"
+                    )
                     raise ValueError(
                         f"shape {tuple(loaded.shape)} does not match the expected {expected} (the "
-                        f"{'AWQ' if awq else 'GPTQ'} layout of {name} for this layer)"
+                        f"{'AWQ' if awq else 'GPTQ'} layout of {name} for this layer{grouped})"
                     )
                 weight_loader(param, convert(loaded), shard_id)
 
