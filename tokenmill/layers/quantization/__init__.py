@@ -4,7 +4,8 @@ layer's stored weights and its matmul.
 A checkpoint that says how it was quantized (`quantization_config` in config.json) is built with its
 scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
 list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py),
-GPTQ and AWQ 4-bit (gptq_awq.py), fine-grained FP8 with block scales (fp8_block.py).
+GPTQ and AWQ 4-bit (gptq_awq.py), fine-grained FP8 with block scales (fp8_block.py). A MoE checkpoint's
+quantized experts are dequantized as they load (moe_experts.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
 weights are in (per output channel, e4m3); activations are quantized per token at run time. Online INT4
