@@ -93,3 +93,12 @@ def test_vllm_knobs_cross_to_the_engine_core():
     )
     message = AddRequest("r", [1, 2], params, [0], 0.0)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=AddRequest).params == params
+
+
+def test_what_the_prompt_did_with_the_thinking_crosses_to_the_engine_core():
+    constraint = StructuredOutputsParams(choice=["yes"], reasoning="qwen3", prompt_thinking="open")
+    message = AddRequest("r", [1, 2], SamplingParams(structured_outputs=constraint), [0], 0.0)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=AddRequest)
+    assert decoded.params.structured_outputs.prompt_thinking == "open"
+    with pytest.raises(ValueError, match="prompt_thinking must be one of"):
+        StructuredOutputsParams(choice=["yes"], prompt_thinking="opened")

@@ -555,3 +555,34 @@ def test_a_grammar_after_thinking_leaves_the_thinking_free(monkeypatch) -> None:
     assert (row(answering, claimed=[one]) == after_one).all() and not allowed(after_one, start)
     monkeypatch.setattr(StructuredOutputs, "thinking_tags", lambda self: None)  # a model that does not think
     assert not isinstance(structured.matcher(replace(params, reasoning="qwen3"))[0], AfterThinking)
+
+
+def test_the_prompt_decides_whether_the_grammar_waits(monkeypatch) -> None:
+    """StructuredOutputsParams.prompt_thinking: a chat template that opened the thinking starts the output
+    inside it under qwen3 too (its rows allow everything until `</think>`, with no `<think>` to wait for);
+    one that closed it leaves no thinking under deepseek_r1 either: the grammar's from the first token."""
+    from dataclasses import replace
+
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import AfterThinking, StructuredOutputs
+
+    source = resolve_model("default")
+    tokenizer = source.load_tokenizer()
+    (start,), (end,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("<", ">"))  # stand-ins
+    (one,), (letter,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("1", "a"))
+    monkeypatch.setattr(StructuredOutputs, "thinking_tags", lambda self: (start, end))
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=2, max_families=1)
+    params = StructuredOutputsParams(regex="[0-9]{3}")
+    fresh = structured.fill_bitmask([structured.matcher(params)[0]])[0].copy()
+
+    opened = structured.matcher(replace(params, reasoning="qwen3", prompt_thinking="open"))[0]
+    assert isinstance(opened, AfterThinking)
+    assert (structured.fill_bitmask([opened])[0] == -1).all()
+    for token in (letter, one, end):  # thinking, then its end
+        assert opened.consume_token(token)
+    assert (structured.fill_bitmask([opened])[0] == fresh).all()
+
+    closed = structured.matcher(replace(params, reasoning="deepseek_r1", prompt_thinking="closed"))[0]
+    assert not isinstance(closed, AfterThinking)
+    assert (structured.fill_bitmask([closed])[0] == fresh).all()
+    assert not closed.consume_token(letter)  # the grammar's first token, not a thinking's

@@ -20,6 +20,8 @@ _DEFAULTED_WHEN_NONE = (
 
 # The reasoning parsers (`<think>...</think>`) the server and the constraints know.
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# What a rendered chat prompt did with the thinking (tokenmill.thinking.prompt_thinking).
+PROMPT_THINKING = ("open", "closed")
 
 
 class KnobError(ValueError):
@@ -37,7 +39,10 @@ class StructuredOutputsParams:
     one of a list of strings (`choice`) or a Lark grammar as llguidance reads it (`grammar`). `reasoning`
     (a reasoning parser's name, deepseek_r1 or qwen3; the OpenAI server sets it from --reasoning-parser):
     the model's thinking (`<think>...</think>`, as that parser reads it) goes free, the constraint applies
-    to the answer after it, as vLLM's structured outputs with a reasoning parser do."""
+    to the answer after it, as vLLM's structured outputs with a reasoning parser do. `prompt_thinking`
+    ("open", "closed" or None; the chat endpoint and LLM.chat set it from the rendered prompt): the chat
+    template opened the thinking (the output starts inside it) or closed it (no thinking: the constraint
+    applies from the first token); None leaves it to the parser's rule."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -45,6 +50,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     reasoning: str | None = None
+    prompt_thinking: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -72,6 +78,11 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs reasoning must be one of {REASONING_PARSERS} (or None), "
                 f"got {self.reasoning!r}."
+            )
+        if self.prompt_thinking is not None and self.prompt_thinking not in PROMPT_THINKING:
+            raise ValueError(
+                f"structured_outputs prompt_thinking must be one of {PROMPT_THINKING} (or None), "
+                f"got {self.prompt_thinking!r}."
             )
 
     @property

@@ -32,6 +32,7 @@ import numpy as np
 
 from tokenmill.grammars import grammar_text
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.thinking import CLOSED, END, START, starts_inside
 
 # Compiled constraints kept, by their text, and compiled matchers ("families") kept over all of them.
 _CACHE_SIZE = 512
@@ -74,10 +75,12 @@ def _key(params: StructuredOutputsParams) -> str:
 
 class AfterThinking:
     """A request's grammar held back while its model thinks (StructuredOutputsParams.reasoning): the
-    thinking's tokens go free and are not the grammar's; the answer after `</think>` is. Under deepseek_r1
-    the prompt opens the thinking, so the output starts inside it; under qwen3 the model opens it with its
-    first token or not at all (that token's mask: the grammar's, and `<think>`). Takes a matcher's place
-    for the engine (consume_token, is_stopped); bitmask_fill fills its row."""
+    thinking's tokens go free and are not the grammar's; the answer after `</think>` is. Where the chat
+    template opened the thinking (prompt_thinking "open"), and under deepseek_r1 where the prompt says
+    nothing, the output starts inside it; under qwen3 the model opens it with its first token or not at
+    all (that token's mask: the grammar's, and `<think>`). A prompt that closed the thinking gets no gate
+    (StructuredOutputs.matcher). Takes a matcher's place for the engine (consume_token, is_stopped);
+    bitmask_fill fills its row."""
 
     __slots__ = ("matcher", "start", "end", "thinking", "first")
 
@@ -216,9 +219,12 @@ class StructuredOutputs:
             self._evict()
         families.live[turn] += 1
         matcher = families.roots[turn].deep_copy()
-        tags = self.thinking_tags() if params.reasoning is not None else None
-        if tags is not None:
-            matcher = AfterThinking(matcher, *tags, inside=params.reasoning == "deepseek_r1")
+        # A prompt that closed the thinking leaves none to hold the grammar back for.
+        if params.reasoning is not None and params.prompt_thinking != CLOSED:
+            tags = self.thinking_tags()
+            if tags is not None:
+                inside = starts_inside(params.reasoning, params.prompt_thinking)
+                matcher = AfterThinking(matcher, *tags, inside=inside)
         return matcher, families.ids[turn]
 
     def thinking_tags(self) -> tuple[int, int] | None:
@@ -226,7 +232,7 @@ class StructuredOutputs:
         model that does not think: its constraint applies from the first token)."""
         if self._thinking_tags is None:
             tokenizer = self.load_tokenizer()
-            ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in ("<think>", "</think>")]
+            ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END)]
             self._thinking_tags = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else ()
         return self._thinking_tags or None
 

@@ -271,3 +271,29 @@ def test_the_embedded_tokenizer_by_name():
     """tokenizer='default' is the embedded model's, as `bench --tokenizer default` reads it (not a hub id)."""
     llm = LLM(model="default", tokenizer="default", load_format="dummy", max_model_len=64, num_kv_blocks=8)
     assert llm.get_tokenizer().encode("Hello") == resolve_model("default").load_tokenizer().encode("Hello")
+
+
+def test_chat_constraints_follow_what_the_template_did_with_the_thinking(tmp_path):
+    """LLM.chat under a reasoning parser (StructuredOutputsParams.reasoning): a template that opens
+    `<think>` leaves the output's thinking free under qwen3 too (the random model never closes it: no
+    "yes" in 6 tokens); one that closes it (enable_thinking false) constrains the first token under
+    deepseek_r1 too ("yes" at once)."""
+    from tests.entrypoints.openai.test_reasoning import THINKING_TEMPLATE, thinking_model
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    llm = LLM(thinking_model(tmp_path / "model"), dtype="float32", max_model_len=1024, num_kv_blocks=64)
+    messages = [{"role": "user", "content": "Ok?"}]
+
+    def answer(parser: str, **template_kwargs) -> tuple[str, str | None]:
+        constraint = StructuredOutputsParams(choice=["yes"], reasoning=parser)
+        params = SamplingParams(temperature=0, max_tokens=6, structured_outputs=constraint)
+        (output,) = llm.chat(
+            messages, params, use_tqdm=False, chat_template=THINKING_TEMPLATE,
+            chat_template_kwargs=template_kwargs,
+        )  # fmt: skip
+        assert params.structured_outputs.prompt_thinking is None  # the caller's params are left as given
+        return output.outputs[0].text, output.outputs[0].finish_reason
+
+    thought, finish_reason = answer("qwen3")
+    assert finish_reason == "length" and "yes" not in thought
+    assert answer("deepseek_r1", enable_thinking=False) == ("yes", "stop")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import Message, render_prompt
+from tokenmill.thinking import prompt_thinking
 
 logger = logging.getLogger("tokenmill.llm")
 
@@ -160,7 +162,9 @@ class LLM:
         message describes). chat_template_kwargs: more variables for the template (Qwen3's
         enable_thinking, ...). chat_template_content_format: "auto" or "string" joins a message's
         OpenAI-style text parts into one string, as vLLM does for a text-only model; "openai" passes the
-        parts to the template as they are."""
+        parts to the template as they are. A constraint under a reasoning parser
+        (StructuredOutputsParams.reasoning) follows what the rendered prompt did with the thinking: opened
+        it (held back until `</think>`) or closed it (applied from the first token)."""
         _refuse_lora(lora_request)
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(
@@ -183,9 +187,10 @@ class LLM:
             )
             for conversation in conversations
         ]
+        params_list = self._per_prompt(sampling_params, len(rendered), "sampling_params")
         outputs = self.generate(
             prompt_token_ids=[r.token_ids for r in rendered],
-            sampling_params=sampling_params,
+            sampling_params=[_thinking_as_prompted(p, r.text) for p, r in zip(params_list, rendered)],
             use_tqdm=use_tqdm,
         )
         for output, prompt in zip(outputs, rendered):
@@ -216,6 +221,18 @@ class LLM:
                 if pending and not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished.")
         return [finished[request_id] for request_id in request_ids]
+
+
+def _thinking_as_prompted(params: SamplingParams, prompt: str | None) -> SamplingParams:
+    """A constraint held back while the model thinks (StructuredOutputsParams.reasoning) follows what the
+    chat template did: opened the thinking, or closed it (prompt_thinking); else the parser's rule."""
+    constraint = params.structured_outputs
+    thinking = prompt_thinking(prompt)
+    if constraint is None or constraint.reasoning is None or thinking is None:
+        return params
+    params = params.clone()
+    params.structured_outputs = dataclasses.replace(constraint, prompt_thinking=thinking)
+    return params
 
 
 def _refuse_lora(lora_request) -> None:

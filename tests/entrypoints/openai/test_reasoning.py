@@ -9,6 +9,7 @@ from tests.entrypoints.openai.conftest import MAIN_SERVER_ARGS, ServerProcess
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter
 from tokenmill.entrypoints.openai.serving_chat import ToolAnswer
+from tokenmill.thinking import CLOSED, OPEN
 
 THOUGHT = "<think>\nTwo and two.\n</think>\n\nIt is 4."
 
@@ -28,6 +29,23 @@ def test_split(name, text, reasoning, content) -> None:
     assert ReasoningParser(name).split(text) == (reasoning, content)
 
 
+@pytest.mark.parametrize(
+    ("name", "thinking", "text", "reasoning", "content"),
+    [
+        # The template opened <think> (Qwen3-Thinking-2507, QwQ): the output starts inside it, qwen3 or not.
+        ("qwen3", OPEN, "Two and two.\n</think>\n\nIt is 4.", "Two and two.\n", "It is 4."),
+        ("qwen3", OPEN, "Still thinking", "Still thinking", ""),
+        ("qwen3", OPEN, THOUGHT, "Two and two.\n", "It is 4."),
+        # The template closed it (enable_thinking false): all answer, under deepseek_r1 too.
+        ("deepseek_r1", CLOSED, "It is 4.", None, "It is 4."),
+        ("qwen3", CLOSED, "It is 4.", None, "It is 4."),
+        ("deepseek_r1", CLOSED, "", None, ""),
+    ],
+)
+def test_the_prompt_decides_the_split(name, thinking, text, reasoning, content) -> None:
+    assert ReasoningParser(name, thinking).split(text) == (reasoning, content)
+
+
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
 def test_stream_deltas_add_up_and_never_show_half_a_tag(name) -> None:
     splitter, text, deltas = StreamSplitter(ReasoningParser(name)), "", []
@@ -38,6 +56,21 @@ def test_stream_deltas_add_up_and_never_show_half_a_tag(name) -> None:
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two.\n"
     assert "".join(d.get("content", "") for d in deltas) == "It is 4."
     assert not any("<" in d.get("content", "") + d.get("reasoning_content", "") for d in deltas)
+
+
+def test_a_stream_from_inside_an_opened_thinking_shows_no_content_before_the_answer() -> None:
+    """Under qwen3 with a template that opened <think>: reasoning deltas until </think>, then content."""
+    splitter, text, deltas = StreamSplitter(ReasoningParser("qwen3", OPEN)), "", []
+    for character in "Two and two.\n</think>\n\nIt is 4.":
+        text += character
+        deltas.append(splitter.delta(text, final=False))
+    deltas.append(splitter.delta(text, final=True))
+    kinds = [kind for d in deltas for kind in d]
+    assert kinds == ["reasoning_content"] * kinds.count("reasoning_content") + ["content"] * kinds.count(
+        "content"
+    )
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two.\n"
+    assert "".join(d.get("content", "") for d in deltas) == "It is 4."
 
 
 def test_server_routes_the_thinking(tmp_path) -> None:
@@ -129,23 +162,84 @@ def test_constraints_apply_to_the_answer_after_the_thinking(tmp_path) -> None:
         process.stop()
 
 
+# Qwen3-Thinking-2507's way (the generation prompt opens <think>), or Qwen3's with enable_thinking false
+# (an empty thinking, closed).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def test_the_chat_template_decides_where_the_thinking_is(tmp_path) -> None:
+    """Under qwen3, a template that opens <think> in the prompt makes the whole output thinking (the
+    random model never closes it), streamed or not, and leaves it free of the constraint, which waits
+    for `</think>`; one that closes it (enable_thinking false) makes it all answer, constrained from the
+    first token even where the model would open a thinking of its own (a logit bias on `<think>`)."""
+    model = thinking_model(tmp_path / "model")
+    args = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128"]
+    process = ServerProcess([*args, "--reasoning-parser", "qwen3"], tmp_path / "r.log")
+    opened = {"chat_template": THINKING_TEMPLATE}
+    closed = {**opened, "chat_template_kwargs": {"enable_thinking": False}}
+    think_first = {"49152": 100}
+    try:
+        client = process.wait_ready().client()
+        ask = dict(model=model, messages=[{"role": "user", "content": "Ok?"}], max_tokens=8, temperature=0)
+        thought = client.chat.completions.create(**ask, extra_body=opened).choices[0].message
+        assert thought.model_extra["reasoning_content"] and thought.content is None
+        stream = list(client.chat.completions.create(**ask, extra_body=opened, stream=True))
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        assert (
+            "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+            == (thought.model_extra["reasoning_content"])
+        )
+        assert not "".join(d.content or "" for d in deltas)
+        free = client.chat.completions.create(**ask, extra_body={**opened, "guided_choice": ["yes"]})
+        assert free.choices[0].finish_reason == "length" and free.choices[0].message.content is None
+        assert (
+            free.choices[0].message.model_extra["reasoning_content"]
+            == thought.model_extra["reasoning_content"]
+        )
+
+        answer = client.chat.completions.create(**ask, logit_bias=think_first, extra_body=closed).choices[0]
+        assert (
+            answer.message.content == "<think>" * 8
+            and answer.message.model_extra["reasoning_content"] is None
+        )
+        stream = client.chat.completions.create(**ask, logit_bias=think_first, extra_body=closed, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "<think>" * 8
+        constrained = client.chat.completions.create(
+            **ask, logit_bias=think_first, extra_body={**closed, "guided_choice": ["yes"]}
+        ).choices[0]
+        assert (constrained.finish_reason, constrained.message.content) == ("stop", "yes")
+    finally:
+        process.stop()
+
+
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
 
 
 @pytest.mark.parametrize(
-    ("name", "text", "reasoning", "content", "calls"),
+    ("name", "thinking", "text", "reasoning", "content", "calls"),
     [
-        ("deepseek_r1", "Hmm, thinking", "Hmm, thinking", None, []),  # cut inside the thinking
-        ("qwen3", "<think>Plan.</think>", "Plan.", None, []),
-        ("qwen3", f"<think>Plan.</think>\n\n{CALL}", "Plan.", None, ['{"a": 1}']),
-        ("deepseek_r1", f"Plan.\n</think>\n\nOk.\n{CALL}", "Plan.\n", "Ok.\n", ['{"a": 1}']),
+        ("deepseek_r1", None, "Hmm, thinking", "Hmm, thinking", None, []),  # cut inside the thinking
+        ("qwen3", None, "<think>Plan.</think>", "Plan.", None, []),
+        ("qwen3", None, f"<think>Plan.</think>\n\n{CALL}", "Plan.", None, ['{"a": 1}']),
+        ("deepseek_r1", None, f"Plan.\n</think>\n\nOk.\n{CALL}", "Plan.\n", "Ok.\n", ['{"a": 1}']),
+        # What the prompt did with the thinking decides (tokenmill.thinking.prompt_thinking).
+        ("qwen3", OPEN, f"Plan.\n</think>\n\n{CALL}", "Plan.\n", None, ['{"a": 1}']),
+        ("qwen3", OPEN, f"Plan, {CALL}", f"Plan, {CALL}", None, []),  # a call inside the thinking: none
+        ("deepseek_r1", CLOSED, f"Ok.\n{CALL}", None, "Ok.\n", ['{"a": 1}']),
     ],
 )
-def test_a_message_of_thinking_and_calls_streamed_or_not(name, text, reasoning, content, calls) -> None:
+def test_a_message_of_thinking_and_calls_streamed_or_not(
+    name, thinking, text, reasoning, content, calls
+) -> None:
     """No answer after the thinking is a null content (vLLM's), not ""; a stream's deltas add up to it."""
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
-    answer = ToolAnswer(request, "hermes", name)
+    answer = ToolAnswer(request, "hermes", name, thinking=thinking)
     message = answer.message(text, "stop")["message"]
     assert (message["reasoning_content"], message["content"]) == (reasoning, content)
     assert [c["function"]["arguments"] for c in message.get("tool_calls", [])] == calls
@@ -155,6 +249,6 @@ def test_a_message_of_thinking_and_calls_streamed_or_not(name, text, reasoning, 
         # As serving_chat streams: the thinking from the splitter, the answer through the tool stream.
         deltas.append({"reasoning_content": splitter.delta(text[:end], final).get("reasoning_content", "")})
         deltas += stream.feed(splitter.content, final)
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
     assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == calls

@@ -2,31 +2,40 @@
 gets the thinking in `message.reasoning_content` (`delta.reasoning_content` when streaming) and the
 answer alone in `content`, as vLLM's parsers of the same names do.
 
+The rendered chat prompt decides first (tokenmill.thinking.prompt_thinking), as vLLM reads its prompt:
+- it opened `<think>` (Qwen3-Thinking-2507, QwQ, DeepSeek-R1-0528): the output starts inside the
+  thinking, so everything up to `</think>` is reasoning (all of it while `</think>` has not come);
+- it closed the thinking (Qwen3 with enable_thinking false): the output is all content.
+A prompt that says neither (no tags, or a thinking closed in an earlier turn) leaves it to the parser:
 - `deepseek_r1`: the chat template opens `<think>` in the prompt, so the output starts inside it;
-  everything up to `</think>` is reasoning (all of it while `</think>` has not come).
 - `qwen3`: the model writes `<think>` itself (or not, with thinking off); without `</think>` the whole
   output is content."""
 
 from __future__ import annotations
 
 from tokenmill.sampling_params import REASONING_PARSERS
+from tokenmill.thinking import CLOSED, END, START, starts_inside
 
 from .tool_calls import partial_suffix
 
-START, END = "<think>", "</think>"
-
 
 class ReasoningParser:
-    def __init__(self, name: str) -> None:
+    """One request's parser: `prompt_thinking` is what its rendered prompt did (OPEN, CLOSED, or None to
+    follow the parser's name)."""
+
+    def __init__(self, name: str, prompt_thinking: str | None = None) -> None:
         if name not in REASONING_PARSERS:
             raise ValueError(
                 f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}"
             )
-        self.starts_inside = name == "deepseek_r1"
+        self.answer_only = prompt_thinking == CLOSED
+        self.starts_inside = starts_inside(name, prompt_thinking)
 
     def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, content) of the text so far. Not final, a tag's first characters at the end are held
         back from both, so a stream never shows half a tag."""
+        if self.answer_only:  # the prompt closed the thinking: no tag after it is the thinking's
+            return None, text
         if not final:
             held = max(partial_suffix(text, END), partial_suffix(text, START))
             text = text[: len(text) - held]

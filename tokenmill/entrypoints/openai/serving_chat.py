@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.serving.prompt import RenderedPrompt, render_prompt
+from tokenmill.thinking import prompt_thinking
 
 from .common import (
     SSE_DONE,
@@ -85,6 +86,7 @@ class ToolAnswer:
         parser_name: str | None,
         reasoning_parser: str | None = None,
         role: str = "assistant",
+        thinking: str | None = None,
     ) -> None:
         self.role = role
         self.mode = request.tool_mode
@@ -92,8 +94,9 @@ class ToolAnswer:
         self.parallel = request.parallel_tool_calls
         self.parser_name = parser_name
         self.parser = PARSERS[parser_name]() if self.mode == "auto" and parser_name else None
-        # A model's thinking goes to reasoning_content, only its answer on to the tool parser.
-        self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
+        # A model's thinking goes to reasoning_content, only its answer on to the tool parser; thinking:
+        # what the rendered prompt did with it (tokenmill.thinking.prompt_thinking).
+        self.reasoning = ReasoningParser(reasoning_parser, thinking) if reasoning_parser else None
 
     @property
     def plain(self) -> bool:
@@ -179,15 +182,17 @@ class ChatServing:
             params.structured_outputs = tool_constraint(
                 request.tools, request.tool_choice, request.parallel_tool_calls
             )
+        # Whether the chat template opened the thinking or closed it: the split and the constraint follow.
+        thinking = prompt_thinking(prompt_text) if state.reasoning_parser else None
         if state.reasoning_parser and params.structured_outputs is not None:
             # The constraint is the answer's: the thinking before it goes free.
             params.structured_outputs = dataclasses.replace(
-                params.structured_outputs, reasoning=state.reasoning_parser
+                params.structured_outputs, reasoning=state.reasoning_parser, prompt_thinking=thinking
             )
         await check_constraint(state, request, params)
         # vLLM's: the server's role for a reply; the last message's when that message is continued.
         role = state.response_role if request.add_generation_prompt else request.messages[-1].role
-        tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser, role)
+        tools = ToolAnswer(request, state.tool_call_parser, state.reasoning_parser, role, thinking)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         state.log_request(request_id, prompt_text, prompt_ids, params)
         state.metrics.record_intake(time.monotonic() - start)
