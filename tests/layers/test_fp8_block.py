@@ -1,7 +1,8 @@
 """Fine-grained FP8 checkpoints (`quant_method: fp8` with weight_block_size, as DeepSeek-V3 and Qwen3-FP8
 ship), written from the published layout (e4m3 `weight`, fp32 `weight_scale_inv` per block) and compared
 with the same model computing the scheme itself: dequantized weights, activations quantized per token
-and per block of input columns at every linear's input."""
+and per block of input columns at every linear's input. Also `quant_method: fp8` without blocks, as AutoFP8
+wrote it: one scale per tensor, activations dynamic or static."""
 
 from __future__ import annotations
 
@@ -91,8 +92,8 @@ def test_fused_parts_that_are_not_whole_blocks(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"activation_scheme": "static"}, "activation_scheme 'static'"),
-        ({"weight_block_size": None}, "weight_block_size None"),
+        ({"activation_scheme": "static"}, "activation_scheme 'static' is not supported with weight_block"),
+        ({"weight_block_size": [128]}, r"weight_block_size \[128\] is not supported"),
         ({"fmt": "e5m2"}, "fmt 'e5m2'"),
     ],
 )
@@ -110,3 +111,73 @@ def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_pat
 def test_on_gpu_in_bf16(tmp_path) -> None:
     logits = make_checkpoint("qwen3", tmp_path)
     prompt_logprobs_match(load(tmp_path, dtype="bfloat16"), logits, atol=5e-2)
+
+
+def make_per_tensor_checkpoint(arch: str, path, static: bool) -> torch.Tensor:
+    """AutoFP8's layout (`quant_method: fp8`, no weight_block_size): e4m3 weights with one scale per
+    tensor; activations per token (dynamic) or through a calibrated per-tensor `input_scale` (static, the
+    same for layers that read the same input, as calibration gives them). Returns the logits of the model
+    computing that scheme itself."""
+    model = random_model(arch)
+    tensors, amax = {}, {}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+    def site(name: str) -> str:  # the layers reading one input (q/k/v; gate/up) share its range
+        parent, leaf = name.rsplit(".", 1)
+        return parent if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") else name
+
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, args, s=site(n): amax.__setitem__(
+                s, max(amax.get(s, 0.0), args[0].abs().max().item())
+            )
+        )
+        for n, m in linears.items()
+    ]
+    with torch.no_grad():
+        model(torch.tensor([PROMPT]))
+    for hook in hooks:
+        hook.remove()
+    for name, module in linears.items():
+        w = module.weight.data
+        scale = w.abs().max() / 448
+        q = (w / scale).to(torch.float8_e4m3fn)
+        module.weight.data = q.float() * scale
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = q, scale.reshape(())
+        if static:
+            input_scale = torch.tensor(amax[site(name)] / 448)
+            tensors[f"{name}.input_scale"] = input_scale
+            hook = lambda mod, args, s=input_scale: ((args[0] / s).to(torch.float8_e4m3fn).float() * s,)  # noqa: E731
+        else:
+            hook = lambda mod, args: (fake_quantize_rows(args[0]),)  # noqa: E731
+        module.register_forward_pre_hook(hook)
+    for name, param in model.named_parameters():
+        tensors.setdefault(name, param.data.contiguous())
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+    save_file(tensors, str(path / "model.safetensors"))
+    config = model_config(arch).to_dict()
+    config["architectures"] = [ARCHITECTURES[arch]]
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+        "ignored_layers": ["lm_head"],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return logits
+
+
+def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_per_tensor_fp8_checkpoints_as_autofp8_wrote_them(arch: str, static: bool, tmp_path) -> None:
+    """No weight_block_size: one weight scale per tensor (q, k and v each their own, spread over their
+    rows), activations per token or per tensor. It had been refused as 'weight_block_size None'."""
+    logits = make_per_tensor_checkpoint(arch, tmp_path, static)
+    llm = load(tmp_path)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    prompt_logprobs_match(llm, logits)

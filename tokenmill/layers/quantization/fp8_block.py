@@ -25,33 +25,54 @@ from tokenmill.layers.linear import (
     ShardId,
     WeightLoader,
 )
-from tokenmill.layers.quantization.compressed_tensors import not_converted
+from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod, not_converted
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, quantize_per_row
 
 
 class Fp8BlockConfig:
+    """`quant_method: fp8` as transformers writes it (weight_block_size), or without weight_block_size as
+    AutoFP8 wrote it: e4m3 weights with one `weight_scale` per tensor, activations per token (dynamic)
+    or per tensor (static, `input_scale`), run by compressed-tensors' FP8 method (vLLM's Fp8Config reads
+    both)."""
+
     def __init__(self, config: dict) -> None:
         where = "quantization_config"
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"{where}.fmt {fmt!r} is not supported (supported: e4m3).")
         scheme = config.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            raise ValueError(f"{where}.activation_scheme {scheme!r} is not supported (supported: dynamic).")
         block = config.get("weight_block_size")
+        # AutoFP8 names its unquantized layers ignored_layers; transformers, modules_to_not_convert.
+        self.ignore: list[str] = list(
+            config.get("ignored_layers") or config.get("modules_to_not_convert") or []
+        )
+        if block is None:
+            if scheme not in ("dynamic", "static"):
+                raise ValueError(
+                    f"{where}.activation_scheme {scheme!r} is not supported (supported: dynamic, static)."
+                )
+            self.input_scheme: str | None = "token" if scheme == "dynamic" else "tensor"
+            self.uses_fp8 = True  # FP8 activations, as compressed-tensors' FP8 checkpoints
+            return
+        if scheme != "dynamic":
+            raise ValueError(
+                f"{where}.activation_scheme {scheme!r} is not supported with weight_block_size "
+                "(supported: dynamic)."
+            )
         if not (
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
         ):
             raise ValueError(
                 f"{where}.weight_block_size {block!r} is not supported (supported: [rows, columns], e.g. "
-                "[128, 128]; per-tensor FP8 checkpoints come as compressed-tensors)."
+                "[128, 128], or none for one scale per tensor)."
             )
         self.block_n, self.block_k = block
-        self.ignore: list[str] = list(config.get("modules_to_not_convert") or [])
-
-    uses_fp8 = False  # the reference dequantizes: no FP8 tensor cores needed
+        self.input_scheme = None
+        self.uses_fp8 = False  # the reference dequantizes: no FP8 tensor cores needed
 
     def linear_method(self) -> LinearMethodBase:
+        if self.input_scheme is not None:
+            return CompressedTensorsFp8LinearMethod(self.input_scheme)
         return Fp8BlockLinearMethod(self.block_n, self.block_k)
 
     def is_ignored(self, prefix: str) -> bool:
