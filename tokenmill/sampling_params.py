@@ -32,6 +32,10 @@ class KnobError(ValueError):
         self.param = param
 
 
+# The constraints a StructuredOutputsParams gives one of (beside json_object, a flag).
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of a JSON
@@ -49,16 +53,25 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # vLLM's structural tag: free text in which each trigger ("<function=") opens a structure, `begin`,
+    # JSON under its `schema`, `end`; {"structures": [...], "triggers": [...]} or its JSON text.
+    structural_tag: dict | str | None = None
+    # vLLM's options of the JSON written under json, json_object and structural_tag: a regex for the
+    # whitespace JSON may hold (else compact, `{"a": 1, "b": [2, 3]}`); compact JSON and closed objects,
+    # which this server writes anyway, asked for by name.
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
     reasoning: str | None = None
     prompt_thinking: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must give exactly one of json, json_object, regex, choice or grammar, "
-                f"got {given or 'none'}."
+                "structured_outputs must give exactly one of json, json_object, regex, choice, grammar or "
+                f"structural_tag, got {given or 'none'}."
             )
         if self.choice is not None and (
             not isinstance(self.choice, list)
@@ -74,6 +87,12 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs {name} must be a non-empty string, got {value!r}.")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs json must be a JSON schema (an object), got {self.json!r}.")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise ValueError(
+                "structured_outputs structural_tag must be an object or its JSON text, "
+                f"got {self.structural_tag!r}."
+            )
+        self._check_json_options()
         if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
             raise ValueError(
                 f"structured_outputs reasoning must be one of {REASONING_PARSERS} (or None), "
@@ -85,9 +104,27 @@ class StructuredOutputsParams:
                 f"got {self.prompt_thinking!r}."
             )
 
+    def _check_json_options(self) -> None:
+        pattern = self.whitespace_pattern
+        if pattern is None:
+            return
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"structured_outputs whitespace_pattern must be a non-empty regex, got {pattern!r}."
+            )
+        if self.kind not in ("json", "json_object", "structural_tag"):
+            raise ValueError(
+                "structured_outputs whitespace_pattern shapes JSON (json, json_object, structural_tag), not "
+                f"a {self.kind}."
+            )
+        if self.disable_any_whitespace:
+            raise ValueError(
+                "structured_outputs: give whitespace_pattern or disable_any_whitespace, not both."
+            )
+
     @property
     def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
+        for name in _CONSTRAINTS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"

@@ -70,7 +70,8 @@ def _tokenizer_json(hf_tokenizer) -> str:
 def _key(params: StructuredOutputsParams) -> str:
     value = True if params.kind == "json_object" else getattr(params, params.kind)
     # Not sorted: a schema's property order is the order its output writes them in.
-    return params.kind + "\0" + (value if isinstance(value, str) else json.dumps(value))
+    text = value if isinstance(value, str) else json.dumps(value)
+    return "\0".join((params.kind, params.whitespace_pattern or "", text))
 
 
 class AfterThinking:
@@ -168,8 +169,9 @@ class StructuredOutputs:
     def _compile(self, params: StructuredOutputsParams):
         import llguidance
 
+        text = grammar_text(params)  # its ValueError names the field already
         try:
-            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params), log_level=0)
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"structured_outputs {params.kind}: {exc}") from None
         if matcher.is_error():

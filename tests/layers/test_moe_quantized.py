@@ -49,15 +49,15 @@ ROUTER = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 
 
 def quantized_names(tensors: dict[str, torch.Tensor], scheme: str) -> list[str]:
-    """The linears `scheme` quantizes: every one but the router's; the experts' only
-    (fp8-block-experts); none of the experts' (gptq-dense-experts: a checkpoint that leaves them out
-    without listing them)."""
+    """The linears `scheme` quantizes: every one but the router's (ct-w4a16-router: the router's too); the
+    experts' only (fp8-block-experts); none of the experts' (gptq-dense-experts: a checkpoint that leaves
+    them out without listing them)."""
     return [
         name for name, t in tensors.items()
         if t.dim() == 2 and name.startswith("model.layers.") and not name.endswith(ROUTER)
         and (".experts." in name or scheme != "fp8-block-experts")
         and (".experts." not in name or scheme != "gptq-dense-experts")
-    ]  # fmt: skip
+    ] + [name for name in tensors if name.endswith(ROUTER) and scheme == "ct-w4a16-router"]  # fmt: skip
 
 
 def gptq_awq(tensors: dict, names: list[str], method: str) -> dict[str, torch.Tensor]:
@@ -103,10 +103,13 @@ def fp8_block(tensors: dict, names: list[str]) -> dict[str, torch.Tensor]:
     return stored
 
 
-def compressed(tensors: dict, names: list[str], weights: QuantizationArgs, fmt: str) -> tuple[dict, dict]:
+def compressed(
+    tensors: dict, names: list[str], weights: QuantizationArgs, fmt: str, router: bool = False
+) -> tuple[dict, dict]:
     """The library's compressed tensors of `names`, from nn.Linear modules named as the checkpoint names
-    them (its qparams from each row's or group's range); the dequantized weights go back into
-    `tensors`. Returns (compressed tensors, quantization_config)."""
+    them (its qparams from each row's or group's range; router: the routers too, not in the ignore
+    list); the dequantized weights go back into `tensors`. Returns (compressed tensors,
+    quantization_config)."""
     root = torch.nn.Module()
     for name in names:
         *path, leaf = name[: -len(".weight")].split(".")
@@ -120,7 +123,7 @@ def compressed(tensors: dict, names: list[str], weights: QuantizationArgs, fmt: 
         getattr(parent, leaf).weight.data = tensors[name].float().clone()
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-        ignore=["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"],
+        ignore=["lm_head"] + ([] if router else ["re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]),
         quantization_status=QuantizationStatus.INITIALIZED,
         format=fmt,
     )
@@ -146,6 +149,7 @@ SCHEMES = (
     "ct-fp8-weight-only",
     "fp8-block-experts",
     "gptq-dense-experts",
+    "ct-w4a16-router",
 )
 
 
@@ -172,11 +176,11 @@ def make_checkpoint(arch: str, scheme: str, path) -> torch.Tensor:
     else:
         weights = (
             QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=GROUP, symmetric=False)
-            if scheme == "ct-w4a16-zero-points"
+            if scheme in ("ct-w4a16-zero-points", "ct-w4a16-router")
             else QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
         )
-        fmt = "pack-quantized" if scheme == "ct-w4a16-zero-points" else "float-quantized"
-        quantized, quantization = compressed(tensors, names, weights, fmt)
+        fmt = "float-quantized" if scheme == "ct-fp8-weight-only" else "pack-quantized"
+        quantized, quantization = compressed(tensors, names, weights, fmt, scheme == "ct-w4a16-router")
         quantization["quant_method"] = "compressed-tensors"
     save_file(
         {n: t for n, t in tensors.items() if n not in names} | quantized, str(path / "model.safetensors")

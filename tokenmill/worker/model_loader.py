@@ -15,7 +15,7 @@ from tokenmill.layers.cpu_packed import pack_cpu_linears
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
 from tokenmill.layers.quantization import check_fp8_support, checkpoint_quantization, quantize_model
-from tokenmill.layers.quantization.moe_experts import dequantized_experts
+from tokenmill.layers.quantization.moe_experts import MoeShape, dequantized_experts
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.models.utils import building_on
@@ -46,7 +46,8 @@ def build_model(
         weights = source.iter_weights()
         moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
         if stored is not None and moe is not None:  # quantized experts: dense as they load
-            weights = dequantized_experts(weights, stored, moe.hidden_size, moe.intermediate_size)
+            shape = MoeShape(moe.hidden_size, moe.intermediate_size, moe.num_experts)
+            weights = dequantized_experts(weights, stored, shape)
         model.load_weights(weights)
     for module in model.modules():
         if isinstance(module, LinearBase):
