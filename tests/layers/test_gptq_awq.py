@@ -9,25 +9,42 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from tokenmill.bench.quant_checkpoints import pack_columns, pack_gptq_rows
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 
-from .quant_models import ARCHITECTURES, CONFIGS, PROMPT, load, prompt_logprobs_match, random_model
+from .quant_models import (
+    ARCHITECTURES,
+    AWKWARD_CONFIGS,
+    CONFIGS,
+    PROMPT,
+    load,
+    prompt_logprobs_match,
+    random_model,
+)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def make_checkpoint(
-    arch: str, method: str, group: int, path, skip: tuple[str, ...] = (), act_order: bool = False
+    arch: str,
+    method: str,
+    group: int,
+    path,
+    skip: tuple[str, ...] = (),
+    act_order: bool = False,
+    sym: bool = False,
 ) -> torch.Tensor:
-    """Quantize a random model's linears (round-to-nearest, asymmetric groups; not those named in
-    `skip`, listed in modules_to_not_convert), save the GPTQ or AWQ tensors; returns the logits of the
-    model with the dequantized weights. act_order (GPTQ's desc_act): each layer's input rows grouped in
-    an order of their own (one order for the layers that read the same input: q/k/v, gate/up), its
-    g_idx saying which group each row is in."""
+    """Quantize a random model's linears (round-to-nearest, asymmetric groups, or symmetric ones with
+    zero 8 as GPTQ's sym stores them; not those named in `skip`, listed in modules_to_not_convert), save
+    the GPTQ or AWQ tensors; returns the logits of the model with the dequantized weights. group -1 is
+    one group per column; where group does not divide a layer's input rows the last group is short, as
+    AutoGPTQ stores it. act_order (GPTQ's desc_act): each layer's input rows grouped in an order of their
+    own (one order for the layers that read the same input: q/k/v, gate/up), its g_idx saying which
+    group each row is in."""
     model = random_model(arch)
     tensors = {}
     for name, module in model.named_modules():
@@ -40,20 +57,29 @@ def make_checkpoint(
         order = (
             torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
         )
-        groups = w.t()[order].reshape(k // group, group, n)  # [G, group, N], rows in quantization order
+        rows = group if group > 0 else k
+        num_groups = -(-k // rows)
+        # [G, rows, N] in quantization order; a short last group repeats its last row (same range).
+        groups = w.t()[order][torch.arange(num_groups * rows).clamp(max=k - 1)].reshape(num_groups, rows, n)
         lo, hi = groups.amin(1), groups.amax(1)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).half()
-        zero = torch.round(-lo / scale.float()).clamp(1, 15)  # GPTQ stores zero - 1: keep zero >= 1
-        q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, 15)  # [G, group, N]
+        if sym:
+            scale = (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-8).half()
+            zero = torch.full_like(lo, 8.0)
+        else:
+            scale = ((hi - lo) / 15).clamp(min=1e-8).half()
+            zero = torch.round(-lo / scale.float()).clamp(1, 15)  # GPTQ stores zero - 1: keep zero >= 1
+        q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, 15)  # [G, rows, N]
+        q = q.reshape(-1, n)[:k]
+        in_group = torch.arange(k) // rows
         dequantized = torch.empty(k, n)
-        dequantized[order] = ((q - zero[:, None]) * scale.float()[:, None]).reshape(k, n)
+        dequantized[order] = (q - zero[in_group]) * scale.float()[in_group]
         module.weight.data = dequantized.t().contiguous()
         q_rows = torch.empty(k, n)
-        q_rows[order] = q.reshape(k, n)
+        q_rows[order] = q
         q = q_rows
         if method == "gptq":
             g_idx = torch.empty(k, dtype=torch.int32)
-            g_idx[order] = torch.arange(k, dtype=torch.int32) // group
+            g_idx[order] = in_group.to(torch.int32)
             tensors[f"{name}.qweight"] = pack_gptq_rows(q)
             tensors[f"{name}.qzeros"] = pack_columns(zero - 1)
             tensors[f"{name}.g_idx"] = g_idx
@@ -71,7 +97,7 @@ def make_checkpoint(
     config = CONFIGS[arch].to_dict()
     quantization = {"quant_method": method, "bits": 4, "group_size": group}
     quantization.update(
-        {"desc_act": act_order, "sym": False} if method == "gptq" else {"zero_point": True, "version": "gemm"}
+        {"desc_act": act_order, "sym": sym} if method == "gptq" else {"zero_point": True, "version": "gemm"}
     )
     if skip:
         quantization["modules_to_not_convert"] = list(skip)
@@ -107,6 +133,37 @@ def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tm
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load(tmp_path)
+
+
+# Shapes whose input rows the groups do not divide (hidden 96 against 64: a short last group of 32; an
+# MLP 200 wide: 8 rows over three groups of 64); per-channel groups (-1); GPTQ's symmetric zero points.
+AWKWARD_SHAPES = transformers.LlamaConfig(
+    hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "group", "options"),
+    [
+        ("gptq", 64, {}),
+        ("awq", 64, {}),
+        ("gptq", 64, {"act_order": True}),
+        ("gptq", -1, {}),
+        ("awq", -1, {}),
+        ("gptq", -1, {"act_order": True}),
+        ("gptq", 32, {"sym": True}),
+        ("gptq", 64, {"sym": True, "act_order": True}),
+    ],
+)
+def test_groups_that_do_not_divide_the_rows_per_channel_and_symmetric(
+    method: str, group: int, options: dict, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setitem(CONFIGS, "awkward", AWKWARD_SHAPES)
+    monkeypatch.setitem(ARCHITECTURES, "awkward", "LlamaForCausalLM")
+    monkeypatch.setitem(AWKWARD_CONFIGS, "awkward", AWKWARD_SHAPES)
+    logits = make_checkpoint("awkward", method, group, tmp_path, **options)
+    prompt_logprobs_match(load(tmp_path), logits)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
