@@ -3,6 +3,8 @@ which texts each one accepts whole and which it refuses."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tokenmill.sampling_params import StructuredOutputsParams
@@ -90,4 +92,85 @@ def test_a_malformed_grammar_is_a_value_error_naming_the_field(grammar, words) -
 
     with pytest.raises(ValueError, match="structured_outputs grammar") as error:
         grammar_text(StructuredOutputsParams(grammar=grammar))
+    assert words in str(error.value)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_whitespace_pattern_is_the_whitespace_json_may_hold(accepts) -> None:
+    """vLLM's whitespace_pattern: JSON (json and json_object) may hold that whitespace, where it is
+    otherwise compact; the compiled grammars are cached apart (the same schema, compact, first)."""
+    compact, spaced = '{"a": 1}', '{ "a" : 1 }'
+    assert accepts(StructuredOutputsParams(json=SCHEMA), compact)
+    assert not accepts(StructuredOutputsParams(json=SCHEMA), spaced)
+    for params in (
+        StructuredOutputsParams(json=SCHEMA, whitespace_pattern="[ ]?"),
+        StructuredOutputsParams(json_object=True, whitespace_pattern="[ ]?"),
+    ):
+        assert accepts(params, spaced) and accepts(params, '{"a":1}')
+        assert not accepts(params, '{\n"a": 1}')
+    # Compact JSON and closed objects are this server's anyway: asked for by name, nothing changes.
+    params = StructuredOutputsParams(
+        json=SCHEMA, disable_any_whitespace=True, disable_additional_properties=True
+    )
+    assert accepts(params, compact) and not accepts(params, spaced)
+    assert not accepts(params, '{"a": 1, "b": 2}')
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"regex": "[0-9]+", "whitespace_pattern": " ?"}, "shapes JSON"),
+        ({"json": SCHEMA, "whitespace_pattern": " ?", "disable_any_whitespace": True}, "not both"),
+        ({"json": SCHEMA, "whitespace_pattern": ""}, "non-empty regex"),
+        ({"json": SCHEMA, "structural_tag": "{}"}, "exactly one of"),
+    ],
+)
+def test_json_options_that_cannot_apply_are_value_errors(fields, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        StructuredOutputsParams(**fields)
+
+
+TAG = {
+    "triggers": ["<function="],
+    "structures": [
+        {
+            "begin": "<function=add>",
+            "schema": {"type": "object", "properties": {"x": {"enum": [7]}}, "required": ["x"]},
+            "end": "</function>",
+        },
+        {"begin": "<function=ping>", "schema": {"type": "object", "properties": {}}, "end": "</function>"},
+    ],
+}
+
+
+@pytest.mark.parametrize("spec", [TAG, json.dumps(TAG), {"type": "structural_tag", **TAG}])
+def test_a_structural_tag_constrains_what_follows_its_triggers(accepts, spec) -> None:
+    """vLLM's structural tag (the form its llguidance backend reads, as a dict, its JSON text, or
+    response_format's object): text is free; after a trigger, a structure: begin, JSON under its schema
+    (closed, compact), end."""
+    params = StructuredOutputsParams(structural_tag=spec)
+    assert accepts(params, "No call needed.")
+    assert accepts(params, 'Adding: <function=add>{"x": 7}</function> and <function=ping>{}</function> done')
+    assert not accepts(params, 'Adding: <function=add>{"x": 8}</function>')
+    assert not accepts(params, 'Adding: <function=add>{"x": 7, "y": 1}</function>')
+    assert not accepts(params, "<function=sub>{}</function>")
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "'format'"),
+        ({**TAG, "triggers": ["<tool>"]}, "starts with none of the triggers"),
+        ({**TAG, "structures": []}, "'structures' must be"),
+        ({"structures": TAG["structures"]}, "'triggers' must be"),
+        ("{not json", "structural_tag"),
+    ],
+)
+def test_a_malformed_structural_tag_is_a_value_error(spec, words) -> None:
+    from tokenmill.grammars import grammar_text
+
+    with pytest.raises(ValueError, match="structured_outputs structural_tag") as error:
+        grammar_text(StructuredOutputsParams(structural_tag=spec))
     assert words in str(error.value)

@@ -1,6 +1,6 @@
 """Output constraints as llguidance's grammar text: JSON schemas (closed to the keys they list, as
 OpenAI's strict mode reads them), any JSON object, a regex, a choice of strings, a grammar (Lark, or
-GBNF / EBNF as llama.cpp and xgrammar write it)."""
+GBNF / EBNF as llama.cpp and xgrammar write it), a structural tag (free text with JSON inside tags)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ _JSON_DEFAULTS = {
     "key_separator": ": ",
     "lenient": True,
 }
+
+
+def json_options(params: StructuredOutputsParams) -> dict:
+    """llguidance's options of the JSON a constraint writes: compact, or where it may hold whitespace,
+    vLLM's whitespace_pattern (in place of the separators, which would fix it)."""
+    if params.whitespace_pattern is None:
+        return _JSON_DEFAULTS
+    return {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern, "lenient": True}
 
 
 def closed(schema: object) -> object:
@@ -143,12 +151,14 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "json":
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(closed(schema)), defaults=_JSON_DEFAULTS
+                json.dumps(closed(schema)), defaults=json_options(params)
             )
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                '{"type": "object"}', defaults=_JSON_DEFAULTS
+                '{"type": "object"}', defaults=json_options(params)
             )
+        if kind == "structural_tag":
+            return structural_tag_grammar(params.structural_tag, json_options(params))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
@@ -156,3 +166,46 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(lark(params.grammar))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"structured_outputs {kind}: {exc}") from None
+
+
+def structural_tag_grammar(spec: dict | str, options: dict) -> str:
+    """vLLM's structural tag, in the form its llguidance backend reads: `{"structures": [{"begin",
+    "schema", "end"}, ...], "triggers": [...]}` (a `"type": "structural_tag"` beside them is
+    response_format's). The text is free until a trigger; a structure whose `begin` starts with it then
+    follows, its JSON under `schema` (closed, written with `options`), then `end`. Triggers are matched as
+    text (llguidance's lazy lexemes), not as special tokens: `<tool_call>` is no token of its own in
+    most tokenizers. xgrammar's newer form (`"format": {...}`) is refused."""
+    import llguidance
+
+    tag = json.loads(spec) if isinstance(spec, str) else spec
+    if not isinstance(tag, dict):
+        raise ValueError(f"a structural tag is an object, got {tag!r}")
+    if "format" in tag:
+        raise ValueError(
+            "the structural tag form with 'format' (xgrammar's) is not supported: give 'structures' (each "
+            "{'begin', 'schema', 'end'}) and 'triggers'"
+        )
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("a structural tag's 'triggers' must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(
+            "a structural tag's 'structures' must be a non-empty list of {'begin', 'schema', 'end'}"
+        )
+    tags = []
+    for index, structure in enumerate(structures):
+        begin = structure.get("begin") if isinstance(structure, dict) else None
+        end = structure.get("end") if isinstance(structure, dict) else None
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise ValueError(f"structures[{index}] needs 'begin' and 'end', strings")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(
+                f"structures[{index}].begin {begin!r} starts with none of the triggers {triggers}"
+            )
+        schema = closed(structure.get("schema") or {})
+        if not isinstance(schema, dict):
+            raise ValueError(f"structures[{index}].schema must be a JSON schema (an object)")
+        schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)

@@ -148,3 +148,69 @@ def test_grammars_in_gbnf_as_vllm_users_send_them(client, server) -> None:
         error = assert_error(server.post("/v1/chat/completions", json={**body, **constraint}), 400, field)
         assert "GBNF" in error["message"]
     assert server.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_vllms_json_options(client, server) -> None:
+    """structured_outputs' whitespace_pattern (and the older guided_whitespace_pattern beside guided_json)
+    lets the JSON hold that whitespace; disable_any_whitespace and disable_additional_properties ask for
+    what the server writes anyway; an option that cannot apply is a 400 naming its field."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}
+    chat = dict(model="default", messages=[{"role": "user", "content": "JSON, please."}], temperature=0)
+    for extra in (
+        {"structured_outputs": {"json": schema, "whitespace_pattern": "[ ]?"}},
+        {"guided_json": schema, "guided_whitespace_pattern": "[ ]?"},
+        {"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+        {"structured_outputs": {"json": schema, "disable_additional_properties": True}},
+    ):
+        answer = client.chat.completions.create(**chat, max_tokens=20, extra_body=extra).choices[0]
+        assert answer.finish_reason == "stop" and json.loads(answer.message.content)["a"] <= 9
+        spaced = re.fullmatch(r"\{ ?\"a\": ?[0-9] ?\}", answer.message.content)
+        assert spaced if "whitespace_pattern" in json.dumps(extra) else answer.message.content[:3] == '{"a'
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 5}
+    for field, extra in (
+        ("structured_outputs", {"structured_outputs": {"regex": "[0-9]", "whitespace_pattern": " ?"}}),
+        ("structured_outputs", {"structured_outputs": {"json": schema, "whitespace_pattern": "(("}}),
+        ("guided_whitespace_pattern", {"guided_whitespace_pattern": " ?"}),
+    ):
+        assert_error(server.post("/v1/chat/completions", json={**body, **extra}), 400, field)
+    assert server.post("/v1/chat/completions", json=body).status_code == 200
+
+
+TAG = {
+    "triggers": ["<function="],
+    "structures": [
+        {
+            "begin": "<function=add>",
+            "schema": {"type": "object", "properties": {"x": {"enum": [7]}}, "required": ["x"]},
+            "end": "</function>",
+        }
+    ],
+}
+
+
+def test_structural_tags(client, server) -> None:
+    """vLLM's structural tag as response_format ({"type": "structural_tag", ...}) and as structured_outputs'
+    structural_tag (JSON text): the model writes freely, a call it opens follows the schema (x is 7, which
+    the model itself would not write there); xgrammar's newer form is a 400 naming the field."""
+    prompt = 'Calls:\n<function=add>{"x": 1}</function>\n<function=add>{"x": 3}</function>\n'
+    free = client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0)
+    assert free.choices[0].text.startswith('<function=add>{"x": 5}')
+    for extra in (
+        {"response_format": {"type": "structural_tag", **TAG}},
+        {"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+    ):
+        tagged = client.completions.create(
+            model="default", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra
+        )
+        assert tagged.choices[0].text.startswith('<function=add>{"x": 7}</function>')
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 5}
+    newer = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [], "tags": []}}
+    error = assert_error(server.post("/v1/chat/completions", json={**body, "response_format": newer}), 400)
+    assert error["param"] == "response_format" and "'format'" in error["message"]
+    bad = {"structural_tag": json.dumps({**TAG, "triggers": ["<tool>"]})}
+    assert_error(
+        server.post("/v1/chat/completions", json={**body, "structured_outputs": bad}),
+        400,
+        "structured_outputs",
+    )
+    assert server.post("/v1/chat/completions", json=body).status_code == 200

@@ -23,6 +23,11 @@ _UNSUPPORTED_EXTRAS = {
     "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
 }  # fmt: skip
+# What vLLM's structured_outputs object may hold: one constraint and the options of its JSON.
+_STRUCTURED_OUTPUTS_KEYS = {
+    "json", "json_object", "regex", "choice", "grammar", "structural_tag",
+    "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
+}  # fmt: skip
 
 
 class OpenAIModel(BaseModel):
@@ -90,6 +95,7 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # vLLM's: the whitespace_pattern of the guided_* JSON
 
     def constraints(self) -> list[tuple[str, dict]]:
         """(request field, StructuredOutputsParams fields) for every constraint the request gives: OpenAI's
@@ -108,10 +114,13 @@ class SamplingFields(OpenAIModel):
                     "response_format", "response_format json_schema needs json_schema.schema, an object"
                 )
             found.append(("response_format", {"json": schema}))
+        elif kind == "structural_tag":  # vLLM's: the tag itself, beside its type
+            found.append(("response_format", {"structural_tag": response_format}))
         elif kind != "text":
             raise ParamError(
                 "response_format",
-                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                "response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                f"got {kind!r}",
             )
         if self.structured_outputs is not None:
             found.append(("structured_outputs", dict(self.structured_outputs)))
@@ -126,14 +135,21 @@ class SamplingFields(OpenAIModel):
         """The request's one constraint and the field it came from; ParamError for two or a bad one."""
         found = self.constraints()
         if not found:
+            if self.guided_whitespace_pattern is not None:
+                raise ParamError(
+                    "guided_whitespace_pattern", "guided_whitespace_pattern shapes the JSON of guided_json"
+                )
             return None
         if len(found) > 1:
             raise ParamError(found[1][0], f"give one output constraint, got {', '.join(f for f, _ in found)}")
         field_name, fields = found[0]
-        known = {"json", "json_object", "regex", "choice", "grammar"}
-        unknown = sorted(set(fields) - known)
+        unknown = sorted(set(fields) - _STRUCTURED_OUTPUTS_KEYS)
         if unknown:
-            raise ParamError(field_name, f"{field_name}: unknown key(s) {unknown}; known: {sorted(known)}")
+            raise ParamError(
+                field_name, f"unknown key(s) {unknown}; known: {sorted(_STRUCTURED_OUTPUTS_KEYS)}"
+            )
+        if self.guided_whitespace_pattern is not None:
+            fields = {**fields, "whitespace_pattern": self.guided_whitespace_pattern}
         try:
             return field_name, StructuredOutputsParams(**fields)
         except ValueError as exc:
