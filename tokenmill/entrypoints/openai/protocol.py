@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
+from .constraints import GUIDED_KINDS, given_constraints, one_constraint
 from .errors import ParamError
 from .tool_calls import check_tools
 
@@ -22,11 +23,6 @@ _UNSUPPORTED_EXTRAS = {
     "use_beam_search": (False,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
-}  # fmt: skip
-# What vLLM's structured_outputs object may hold: one constraint and the options of its JSON.
-_STRUCTURED_OUTPUTS_KEYS = {
-    "json", "json_object", "regex", "choice", "grammar", "structural_tag",
-    "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
 }  # fmt: skip
 
 
@@ -98,62 +94,14 @@ class SamplingFields(OpenAIModel):
     guided_whitespace_pattern: str | None = None  # vLLM's: the whitespace_pattern of the guided_* JSON
 
     def constraints(self) -> list[tuple[str, dict]]:
-        """(request field, StructuredOutputsParams fields) for every constraint the request gives: OpenAI's
-        response_format (json_object, or json_schema with its schema; completions take it too, as vLLM's
-        do) beside vLLM's fields."""
-        found = []
-        response_format = self.response_format
-        kind = response_format.get("type", "text") if response_format is not None else "text"
-        if kind == "json_object":
-            found.append(("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise ParamError(
-                    "response_format", "response_format json_schema needs json_schema.schema, an object"
-                )
-            found.append(("response_format", {"json": schema}))
-        elif kind == "structural_tag":  # vLLM's: the tag itself, beside its type
-            found.append(("response_format", {"structural_tag": response_format}))
-        elif kind != "text":
-            raise ParamError(
-                "response_format",
-                "response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
-                f"got {kind!r}",
-            )
-        if self.structured_outputs is not None:
-            found.append(("structured_outputs", dict(self.structured_outputs)))
-        for kind in ("json", "regex", "choice", "grammar"):
-            value = getattr(self, f"guided_{kind}")
-            if value is not None:
-                found.append((f"guided_{kind}", {kind: value}))
-        return found
+        """(request field, StructuredOutputsParams fields) for every constraint the request gives."""
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in GUIDED_KINDS}
+        return given_constraints(self.response_format, self.structured_outputs, guided)
 
     @cached_property
     def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
         """The request's one constraint and the field it came from; ParamError for two or a bad one."""
-        found = self.constraints()
-        if not found:
-            if self.guided_whitespace_pattern is not None:
-                raise ParamError(
-                    "guided_whitespace_pattern", "guided_whitespace_pattern shapes the JSON of guided_json"
-                )
-            return None
-        if len(found) > 1:
-            raise ParamError(found[1][0], f"give one output constraint, got {', '.join(f for f, _ in found)}")
-        field_name, fields = found[0]
-        unknown = sorted(set(fields) - _STRUCTURED_OUTPUTS_KEYS)
-        if unknown:
-            raise ParamError(
-                field_name, f"unknown key(s) {unknown}; known: {sorted(_STRUCTURED_OUTPUTS_KEYS)}"
-            )
-        if self.guided_whitespace_pattern is not None:
-            fields = {**fields, "whitespace_pattern": self.guided_whitespace_pattern}
-        try:
-            return field_name, StructuredOutputsParams(**fields)
-        except ValueError as exc:
-            raise ParamError(field_name, str(exc)) from None
+        return one_constraint(self.constraints(), self.guided_whitespace_pattern)
 
     @model_validator(mode="before")
     @classmethod
