@@ -313,3 +313,16 @@ def test_mistral_call_ids_are_nine_alphanumerics(parser) -> None:
         assert all(len(i) == 9 and i.isalnum() for i in ids) and "a1B2c3D4e" not in ids
     else:
         assert all(i.startswith("call_") for i in ids)
+
+
+def test_a_tool_whose_parameters_are_null(client) -> None:
+    """OpenAI's function takes no `parameters` for no arguments; clients that serialize every field send
+    `"parameters": null` (and a null description), which vLLM takes too: the call's arguments are {}."""
+    ping = {"type": "function", "function": {"name": "ping", "description": None, "parameters": None}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+        answer = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Is the service up?"}], tools=[ping],
+            tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=30, temperature=0,
+        )  # fmt: skip
+        (call,) = answer.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("ping", {})

@@ -57,8 +57,8 @@ def check_tools(tools: list | None, tool_choice: str | dict | None) -> None:
         if function["name"] in names:
             raise ParamError(f"tools.{index}.function.name", f"two tools are named {function['name']!r}")
         names.add(function["name"])
-        parameters = function.get("parameters", {})
-        if not isinstance(parameters, dict):
+        parameters = function.get("parameters")  # absent or null (as vLLM takes it): no arguments
+        if parameters is not None and not isinstance(parameters, dict):
             raise ParamError(
                 f"tools.{index}.function.parameters", "a function's parameters are a JSON schema"
             )
