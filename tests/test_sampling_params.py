@@ -102,3 +102,21 @@ def test_what_the_prompt_did_with_the_thinking_crosses_to_the_engine_core():
     assert decoded.params.structured_outputs.prompt_thinking == "open"
     with pytest.raises(ValueError, match="prompt_thinking must be one of"):
         StructuredOutputsParams(choice=["yes"], prompt_thinking="opened")
+
+
+def test_structured_outputs_flags_and_json_options_cross_to_the_engine_core():
+    """What crosses to the core must decode there: json_object null (vLLM's default) is false, a flag
+    that is no bool is refused here (it had failed the core's decoding, and with it the server)."""
+    constraint = StructuredOutputsParams(choice=["yes"], json_object=None)
+    assert constraint.json_object is False
+    tagged = StructuredOutputsParams(
+        structural_tag={"triggers": ["<f="], "structures": []}, whitespace_pattern=" ?",
+        disable_additional_properties=True,
+    )  # fmt: skip
+    for sent in (constraint, tagged):
+        message = AddRequest("r", [1, 2], SamplingParams(structured_outputs=sent), [0], 0.0)
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=AddRequest)
+        assert decoded.params.structured_outputs == sent
+    for flag in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        with pytest.raises(ValueError, match=f"{flag} must be true or false"):
+            StructuredOutputsParams(choice=["yes"], **{flag: "yes"})

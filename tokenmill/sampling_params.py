@@ -66,6 +66,14 @@ class StructuredOutputsParams:
     prompt_thinking: str | None = None
 
     def __post_init__(self) -> None:
+        # The flags travel to the engine core as bools: anything else (a JSON null, "yes") would fail
+        # there, for every request of the step, not here for this one.
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if value is None:  # vLLM's default for json_object, and a client's null
+                setattr(self, name, False)
+            elif not isinstance(value, bool):
+                raise ValueError(f"structured_outputs {name} must be true or false, got {value!r}.")
         given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:

@@ -214,3 +214,24 @@ def test_structural_tags(client, server) -> None:
         "structured_outputs",
     )
     assert server.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_vllms_structured_outputs_object_sent_whole(client, server) -> None:
+    """A client that sends vLLM's StructuredOutputsParams whole (dataclasses.asdict: every field, nulls
+    for those unset): nulls are defaults. A flag that is no bool is a 400 naming the field; both had
+    failed the engine core's decoding, which took the server down."""
+    whole = {
+        "json": None, "regex": None, "choice": ["yes", "no"], "grammar": None, "json_object": None,
+        "disable_any_whitespace": False, "disable_additional_properties": False,
+        "whitespace_pattern": None, "structural_tag": None,
+    }  # fmt: skip
+    answer = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=5, temperature=0,
+        extra_body={"structured_outputs": whole},
+    )  # fmt: skip
+    assert answer.choices[0].message.content in ("yes", "no")
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 5}
+    for flag in ("json_object", "disable_any_whitespace"):
+        bad = {"structured_outputs": {"choice": ["yes"], flag: "yes"}}
+        assert_error(server.post("/v1/chat/completions", json={**body, **bad}), 400, "structured_outputs")
+    assert server.post("/v1/chat/completions", json=body).status_code == 200

@@ -62,6 +62,8 @@ def one_constraint(
     if len(found) > 1:
         raise ParamError(found[1][0], f"give one output constraint, got {', '.join(f for f, _ in found)}")
     field_name, fields = found[0]
+    # A null is the default, as for the request's own fields (a client sending vLLM's dataclass whole).
+    fields = {key: value for key, value in fields.items() if value is not None}
     unknown = sorted(set(fields) - STRUCTURED_OUTPUTS_KEYS)
     if unknown:
         raise ParamError(field_name, f"unknown key(s) {unknown}; known: {sorted(STRUCTURED_OUTPUTS_KEYS)}")
