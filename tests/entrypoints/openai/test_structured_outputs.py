@@ -235,3 +235,20 @@ def test_vllms_structured_outputs_object_sent_whole(client, server) -> None:
         bad = {"structured_outputs": {"choice": ["yes"], flag: "yes"}}
         assert_error(server.post("/v1/chat/completions", json={**body, **bad}), 400, "structured_outputs")
     assert server.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_a_schema_with_integers_past_64_bits(client) -> None:
+    """A schema may hold integers msgpack cannot carry (a maximum of 10**30, a const): response_format,
+    structured_outputs and a tool's parameters each reach the engine core (they had been 500s, 'can't
+    serialize ints > 2**64 - 1')."""
+    big = 10**30
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": big}}}
+    schema["required"] = ["n"]
+    chat = dict(model="default", messages=[{"role": "user", "content": "A number as JSON."}], temperature=0)
+    for extra in ({"response_format": response_format(schema)}, {"structured_outputs": {"json": schema}}):
+        answer = client.chat.completions.create(**chat, max_tokens=40, extra_body=extra).choices[0]
+        if answer.finish_reason == "stop":
+            assert 0 <= json.loads(answer.message.content)["n"] <= big
+    tool = {"type": "function", "function": {"name": "count", "parameters": schema}}
+    call = client.chat.completions.create(**chat, max_tokens=40, tools=[tool], tool_choice="required")
+    assert call.choices[0].message.tool_calls or call.choices[0].finish_reason == "length"

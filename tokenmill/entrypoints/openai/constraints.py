@@ -4,6 +4,8 @@ naming its field when malformed."""
 
 from __future__ import annotations
 
+import json
+
 from tokenmill.sampling_params import StructuredOutputsParams
 
 from .errors import ParamError
@@ -69,7 +71,17 @@ def one_constraint(
         raise ParamError(field_name, f"unknown key(s) {unknown}; known: {sorted(STRUCTURED_OUTPUTS_KEYS)}")
     if guided_whitespace_pattern is not None:
         fields = {**fields, "whitespace_pattern": guided_whitespace_pattern}
+    fields = {
+        key: as_text(value) if key in ("json", "structural_tag") else value for key, value in fields.items()
+    }
     try:
         return field_name, StructuredOutputsParams(**fields)
     except ValueError as exc:
         raise ParamError(field_name, str(exc)) from None
+
+
+def as_text(value: object) -> object:
+    """A schema (or structural tag) as its JSON text, the form it crosses to the engine core in: msgpack
+    carries no integer past 64 bits, which a schema may hold (`"maximum": 10**30`), and the text is what
+    llguidance compiles anyway (property order kept)."""
+    return json.dumps(value) if isinstance(value, dict) else value

@@ -97,7 +97,7 @@ def tool_constraint(
     name = named_choice(tool_choice)
     if name is not None:
         tool = next(t for t in tools if t["function"]["name"] == name)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=json.dumps(_parameters(tool)))  # as text: see constraints.as_text
     if tool_choice != "required":
         return None
     # Each tool's parameters as a definition of the list's schema, its own references ("#/$defs/...",
@@ -121,7 +121,7 @@ def tool_constraint(
     calls_list = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": definitions}
     if not parallel:
         calls_list["maxItems"] = 1
-    return StructuredOutputsParams(json=calls_list)
+    return StructuredOutputsParams(json=json.dumps(calls_list))
 
 
 def _moved_under(schema: object, pointer: str) -> object:
