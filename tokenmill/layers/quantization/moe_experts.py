@@ -4,8 +4,8 @@ projection's stored tensors (GPTQ's qweight/qzeros/scales/g_idx, compressed-tens
 weight_scale, ...) are gathered into a one-off linear layer of the checkpoint's scheme, which loads and
 checks them as any quantized linear does, and its weight in fp32 goes on to the model under the
 projection's `.weight` name. The experts then run in the model dtype: correct, but holding 2-4x the
-bytes the checkpoint's experts do (said once, as a warning). Experts the ignore list names pass as
-they are; so does a router, which is dequantized the same way where the ignore list left it quantized.
+bytes the checkpoint's experts do (said once, as a warning). Experts and routers the ignore list names
+pass as they are; a router it left quantized is dequantized the same way.
 """
 
 from __future__ import annotations
