@@ -181,3 +181,14 @@ def test_per_tensor_fp8_checkpoints_as_autofp8_wrote_them(arch: str, static: boo
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
     prompt_logprobs_match(llm, logits)
+
+
+def test_ignored_layers_naming_some_parts_of_a_fused_layer_names_that_field(tmp_path) -> None:
+    make_per_tensor_checkpoint("llama", tmp_path, static=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["lm_head", "model.layers.0.self_attn.q_proj"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"quantization_config.ignored_layers leaves .*q_proj.* not .*k_proj"
+    ):
+        load(tmp_path)

@@ -154,11 +154,12 @@ def ignored_layer(prefix: str, listed: Callable[[str], bool], field: str) -> boo
     return False
 
 
-def not_converted(prefix: str, modules: list[str]) -> bool:
-    """modules_to_not_convert (fine-grained FP8, GPTQ, AWQ) as transformers reads it, an entry naming
-    every module whose name holds it, against the checkpoint's names of a fused layer's parts."""
+def not_converted(prefix: str, modules: list[str], key: str = "modules_to_not_convert") -> bool:
+    """modules_to_not_convert (fine-grained FP8, GPTQ, AWQ; AutoFP8's ignored_layers: `key`) as
+    transformers reads it, an entry naming every module whose name holds it, against the checkpoint's
+    names of a fused layer's parts."""
     listed = lambda name: any(entry in name for entry in modules)  # noqa: E731
-    return ignored_layer(prefix, listed, "quantization_config.modules_to_not_convert")
+    return ignored_layer(prefix, listed, f"quantization_config.{key}")
 
 
 def _checkpoint_names(prefix: str) -> list[str]:

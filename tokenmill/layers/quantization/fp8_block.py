@@ -43,9 +43,8 @@ class Fp8BlockConfig:
         scheme = config.get("activation_scheme", "dynamic")
         block = config.get("weight_block_size")
         # AutoFP8 names its unquantized layers ignored_layers; transformers, modules_to_not_convert.
-        self.ignore: list[str] = list(
-            config.get("ignored_layers") or config.get("modules_to_not_convert") or []
-        )
+        self.ignore_key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
+        self.ignore: list[str] = list(config.get(self.ignore_key) or [])
         if block is None:
             if scheme not in ("dynamic", "static"):
                 raise ValueError(
@@ -76,7 +75,7 @@ class Fp8BlockConfig:
         return Fp8BlockLinearMethod(self.block_n, self.block_k)
 
     def is_ignored(self, prefix: str) -> bool:
-        return not_converted(prefix, self.ignore)
+        return not_converted(prefix, self.ignore, self.ignore_key)
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
