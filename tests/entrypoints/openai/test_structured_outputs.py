@@ -252,3 +252,103 @@ def test_a_schema_with_integers_past_64_bits(client) -> None:
     tool = {"type": "function", "function": {"name": "count", "parameters": schema}}
     call = client.chat.completions.create(**chat, max_tokens=40, tools=[tool], tool_choice="required")
     assert call.choices[0].message.tool_calls or call.choices[0].finish_reason == "length"
+
+
+def _pydantic_models() -> list:
+    """Models as users write them for parse(): $defs and a recursive reference, Optional (anyOf with
+    null), a discriminated union (oneOf), enums and Literal, const, pattern, formats, bounds on strings,
+    numbers and lists, nested lists of objects."""
+    import datetime
+    import enum
+    import uuid
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Color(enum.StrEnum):
+        red = "red"
+        green = "green"
+
+    class Address(BaseModel):
+        street: str = Field(max_length=30, description="The street")
+        zip: str | None = Field(default=None, pattern=r"^[0-9]{5}$")
+
+    class Person(BaseModel):
+        """A person."""
+
+        name: str = Field(max_length=20, title="Name")
+        age: int = Field(ge=0, le=120)
+        height: float = Field(gt=0.5, lt=2.5)
+        kind: Literal["human", "robot"]
+        color: Color
+        address: Address | None = None
+        tags: list[str] = Field(min_length=1, max_length=3)
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        lives: int = Field(ge=0, le=9)
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: bool
+
+    class Owner(BaseModel):
+        pet: Cat | Dog = Field(discriminator="pet_type")
+        since: datetime.date
+        id: uuid.UUID
+
+    class Node(BaseModel):
+        label: str = Field(max_length=8)
+        children: list[Node] = Field(default_factory=list, max_length=1)
+
+    Node.model_rebuild()
+    return [Person, Owner, Node]
+
+
+@pytest.mark.parametrize("model", _pydantic_models(), ids=lambda m: m.__name__)
+def test_parse_with_pydantic_models_as_users_write_them(client, model) -> None:
+    """openai's parse() (the client turns the model into a strict json_schema): what comes back is the
+    model filled in, and it validates against the model's own schema. (A recursive model can nest until
+    max_tokens: a small model's; then there is nothing to parse, which the client reports.)"""
+    import openai
+
+    try:
+        completion = client.chat.completions.parse(
+            model="default", messages=[{"role": "user", "content": f"An example {model.__name__} as JSON."}],
+            max_tokens=200, temperature=0, response_format=model,
+        )  # fmt: skip
+    except openai.LengthFinishReasonError:
+        assert model.__name__ == "Node"
+        return
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, model)
+    jsonschema.validate(json.loads(message.content), model.model_json_schema())
+
+
+def test_bad_constraints_are_400s_naming_their_field(server) -> None:
+    """An invalid schema, regex or choice: a 400 with an OpenAI error object naming the request field the
+    constraint came from; the server serves on."""
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 5}
+    cases = [
+        ({"response_format": response_format({"type": "objectx"})}, "response_format"),
+        (
+            {"response_format": response_format({"type": "integer", "minimum": 5, "maximum": 1})},
+            "response_format",
+        ),
+        ({"response_format": response_format({"$ref": "#/$defs/Missing"})}, "response_format"),
+        ({"response_format": response_format({"type": "string", "pattern": "[a-"})}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"guided_regex": "[z-a]"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        (
+            {"guided_choice": ["a"], "guided_regex": "a"},
+            "guided_choice",
+        ),  # the later one of json, regex, choice, grammar
+    ]
+    for extra, field in cases:
+        error = assert_error(server.post("/v1/chat/completions", json={**body, **extra}), 400, field)
+        assert error["type"] == "invalid_request_error"
+    assert server.post("/v1/chat/completions", json=body).status_code == 200
