@@ -174,3 +174,15 @@ def test_a_malformed_structural_tag_is_a_value_error(spec, words) -> None:
     with pytest.raises(ValueError, match="structured_outputs structural_tag") as error:
         grammar_text(StructuredOutputsParams(structural_tag=spec))
     assert words in str(error.value)
+
+
+def test_a_regex_reads_digits_and_word_characters_as_ascii(accepts) -> None:
+    r"""\d and \w as vLLM's xgrammar and outlines read them, and as JSON schema patterns do: ASCII. (Under
+    Unicode's \d the embedded model wrote "🯸🯸", U+1FBF8, for \d{3}.) \s and the rest as written."""
+    params = StructuredOutputsParams(regex=r"\d{3}-\w+\s[^\d]")
+    assert accepts(params, "123-ab_C9 x")
+    for text in ("🯸🯸🯸-ab x", "١٢٣-ab x", "123-é x", "123-ab 7"):
+        assert not accepts(params, text)
+    assert accepts(StructuredOutputsParams(regex="a/b|[é]"), "a/b") and accepts(
+        StructuredOutputsParams(regex="é"), "é"
+    )

@@ -160,7 +160,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "structural_tag":
             return structural_tag_grammar(params.structural_tag, json_options(params))
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+            # \d and \w as ASCII, as vLLM's other backends (xgrammar, outlines) and JSON schema patterns
+            # read them: under Unicode's, the embedded model wrote "🯸🯸" (U+1FBF8, a digit) for \d{3}.
+            return llguidance.LLMatcher.grammar_from_lark(
+                f"start: /{llguidance.regex_to_lark(params.regex, 'dw')}/"
+            )
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(params.choice))
         return llguidance.LLMatcher.grammar_from_lark(lark(params.grammar))
