@@ -186,3 +186,23 @@ def test_a_regex_reads_digits_and_word_characters_as_ascii(accepts) -> None:
     assert accepts(StructuredOutputsParams(regex="a/b|[é]"), "a/b") and accepts(
         StructuredOutputsParams(regex="é"), "é"
     )
+
+
+def test_a_structural_tag_whose_triggers_are_special_tokens(accepts) -> None:
+    """Triggers in <|...|> are special tokens, as Llama 3.1's <|python_tag|> (the embedded tokenizer has
+    few: its <|endoftext|> stands in); one the tokenizer lacks is a ValueError naming it. Others are
+    text: <tool_call>, no token of the embedded tokenizer, opens a structure all the same."""
+    structure = {
+        "schema": {"type": "object", "properties": {"x": {"enum": [7]}}, "required": ["x"]},
+        "end": "}",
+    }
+    special = {"triggers": ["<|endoftext|>"], "structures": [{**structure, "begin": '<|endoftext|>{"f": '}]}
+    params = StructuredOutputsParams(structural_tag=special)
+    assert accepts(params, 'call: <|endoftext|>{"f": {"x": 7}}')
+    assert not accepts(params, 'call: <|endoftext|>{"f": {"x": 8}}')
+    missing = {"triggers": ["<|python_tag|>"], "structures": [{**structure, "begin": "<|python_tag|>"}]}
+    with pytest.raises(ValueError, match="unknown special token"):
+        accepts(StructuredOutputsParams(structural_tag=missing), "x")
+    text = {"triggers": ["<tool_call>"], "structures": [{**structure, "begin": '<tool_call>{"f": '}]}
+    assert accepts(StructuredOutputsParams(structural_tag=text), 'call: <tool_call>{"f": {"x": 7}}')
+    assert not accepts(StructuredOutputsParams(structural_tag=text), 'call: <tool_call>{"f": {"x": 8}}')

@@ -176,9 +176,8 @@ def structural_tag_grammar(spec: dict | str, options: dict) -> str:
     """vLLM's structural tag, in the form its llguidance backend reads: `{"structures": [{"begin",
     "schema", "end"}, ...], "triggers": [...]}` (a `"type": "structural_tag"` beside them is
     response_format's). The text is free until a trigger; a structure whose `begin` starts with it then
-    follows, its JSON under `schema` (closed, written with `options`), then `end`. Triggers are matched as
-    text (llguidance's lazy lexemes), not as special tokens: `<tool_call>` is no token of its own in
-    most tokenizers. xgrammar's newer form (`"format": {...}`) is refused."""
+    follows, its JSON under `schema` (closed, written with `options`), then `end`. xgrammar's newer form
+    (`"format": {...}`) is refused."""
     import llguidance
 
     tag = json.loads(spec) if isinstance(spec, str) else spec
@@ -212,4 +211,7 @@ def structural_tag_grammar(spec: dict | str, options: dict) -> str:
             raise ValueError(f"structures[{index}].schema must be a JSON schema (an object)")
         schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
-    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+    # Triggers written as special tokens (`<|python_tag|>`, Llama 3.1's) are read as those tokens, as vLLM
+    # reads every trigger in <...>; any other as text (`<tool_call>` is a token of its own in few tokenizers).
+    special = all(t.startswith("<|") and t.endswith("|>") for t in triggers)
+    return llguidance.StructTag.to_grammar(tags, assume_special=special)
