@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import fused_moe_quant
 from tokenmill.kernels.activation import silu_and_mul
 
 # (pairs per expert, at most) -> BLOCK_M, then (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate/up GEMM
@@ -292,7 +293,9 @@ def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; experts and weights [T, k] (weights
-    in x's dtype; an expert id of E: no expert here) -> [T, H]."""
+    in x's dtype; an expert id of E: no expert here) -> [T, H]. w13 and w2 may be quantized
+    (quant_reference.QuantExperts, run by kernels/fused_moe_quant.py)."""
+    gemm = _gemm if isinstance(w13, torch.Tensor) else fused_moe_quant.quant_gemm
     num_tokens, top_k = experts.shape
     _, block_m, gate_up_config, down_config = pick_config(num_tokens * top_k, w13.shape[0])
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
@@ -303,10 +306,10 @@ def fused_moe(
         block_m,
     )
     gate_up = x.new_empty(num_tokens * top_k, w13.shape[1])  # (rows of no expert here: never read)
-    _gemm(x, w13, gate_up, layout, True, False, gate_up_config)
+    gemm(x, w13, gate_up, layout, True, False, gate_up_config)
     hidden = silu_and_mul(gate_up)
     down = x.new_empty(num_tokens * top_k, w2.shape[1])  # (rows of no expert here: never read)
-    _gemm(hidden, w2, down, layout, False, True, down_config)
+    gemm(hidden, w2, down, layout, False, True, down_config)
     out = torch.empty_like(x)
     hidden_size = w2.shape[1]
     block_h = min(1024, triton.next_power_of_2(hidden_size))

@@ -4,6 +4,8 @@ ground truth of the Triton kernels, each of the same signature as its kernel).""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -102,3 +104,54 @@ def fp8_block_gemm(
     a = a_q.to(dtype) * a_scale.to(dtype).repeat_interleave(block_k, dim=1)[:, :k]
     scale = w_scale.to(dtype).repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
     return F.linear(a, w_q.to(dtype) * scale).to(out_dtype)
+
+
+# ---- Quantized MoE experts (kernels/fused_moe_quant.py's layout) ----------------------------------------
+
+
+class QuantExperts(NamedTuple):
+    """Stacked expert weights [E, N, K] kept quantized: `data` e4m3 [E, N, K] (FP8) or int32
+    [E, N, ceil(K/8)] (INT4, int4.py's packing along K); `scale` [E, N, ceil(K/group_size)], one per
+    row and group of group_size input columns (FP8 per channel: one group, group_size = K; FP8 blocks:
+    each row holds its block's scale); `zero` int8 like scale (INT4 with zero points, in [-8, 7] as
+    int4.py keeps them) or None. w[e, n, k] = (q - zero) * scale at [e, n, k // group_size]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data.shape[0], self.data.shape[1], self.in_features)
+
+    @property
+    def int4(self) -> bool:
+        return self.data.dtype == torch.int32
+
+    def contiguous(self) -> QuantExperts:
+        zero = self.zero.contiguous() if self.zero is not None else None
+        return self._replace(data=self.data.contiguous(), scale=self.scale.contiguous(), zero=zero)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense [E, N, K] weights in `dtype` (computed in fp32)."""
+        experts, rows, columns = self.shape
+        if self.int4:
+            shifts = _SHIFTS.to(self.data.device)
+            q = ((self.data[..., None] >> shifts) & 0xF).reshape(experts, rows, -1)[..., :columns] - 8
+            q = q.to(torch.float32)
+        else:
+            q = self.data.to(torch.float32)
+        groups = torch.arange(columns, device=q.device) // self.group_size
+        if self.zero is not None:
+            q = q - self.zero.to(torch.float32)[..., groups]
+        return (q * self.scale.to(torch.float32)[..., groups]).to(dtype)
+
+
+def quantize_experts_fp8(weight: torch.Tensor) -> QuantExperts:
+    """Dense experts [E, N, K] -> e4m3 with one fp32 scale per row (each row's amax at 448): online
+    `--quantization fp8` of a MoE model's experts."""
+    experts, rows, columns = weight.shape
+    q, scale = quantize_fp8_per_row(weight.reshape(experts * rows, columns))
+    return QuantExperts(q.reshape(weight.shape), scale.reshape(experts, rows, 1), None, columns, columns)

@@ -329,7 +329,10 @@ def fused_moe(
     experts and routing weights [T, k] (weights in x's dtype) -> [T, H], the sum over its k experts of
     weight * w2 @ silu_and_mul(w13 @ x). An expert id of E means no expert here (another rank's, under
     expert parallelism): that pair adds nothing. Per expert that received tokens: gather, MLP, scale,
-    add back (shapes follow the routing: a host sync, no CUDA graph)."""
+    add back (shapes follow the routing: a host sync, no CUDA graph). w13 and w2 may be quantized
+    (quant_reference.QuantExperts): dequantized into x's dtype first."""
+    if not isinstance(w13, torch.Tensor):
+        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
     top_k = experts.shape[1]
     out = torch.zeros_like(x)
     flat = experts.reshape(-1)

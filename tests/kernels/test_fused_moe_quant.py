@@ -1,0 +1,126 @@
+"""The fused MoE over quantized experts (kernels/fused_moe_quant.py) against the torch reference, which
+dequantizes them first: FP8 per channel, per tensor and in blocks, INT4 groups with and without zero
+points, on awkward expert counts, widths (not multiples of the tiles), top-k and token counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.kernels import fused_moe, fused_moe_quant, reference  # noqa: E402
+from tokenmill.kernels.quant_reference import (  # noqa: E402
+    QuantExperts,
+    pack_int4,
+    quantize_experts_fp8,
+)
+
+from .test_fused_moe import DEVICE, routing  # noqa: E402
+
+SHAPES = [(1, 3, 1, 40, 24), (7, 6, 2, 72, 40), (37, 5, 3, 48, 100), (130, 12, 2, 64, 48)]
+
+
+def fp8_blocks(weight: torch.Tensor, block_n: int, block_k: int) -> QuantExperts:
+    """e4m3 with one scale per block_n x block_k block, held per row (QuantExperts' layout)."""
+    experts, n, k = weight.shape
+    rows, cols = math.ceil(n / block_n), math.ceil(k / block_k)
+    padded = torch.nn.functional.pad(weight.float(), (0, cols * block_k - k, 0, rows * block_n - n))
+    blocks = padded.reshape(experts, rows, block_n, cols, block_k)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(experts, rows * block_n, -1)
+    per_row = scale.repeat_interleave(block_n, dim=1)[:, :n]
+    return QuantExperts(q[:, :n, :k].contiguous(), per_row.contiguous(), None, block_k, k)
+
+
+def fp8_per_tensor(weight: torch.Tensor) -> QuantExperts:
+    """One scale per expert, broadcast to its rows (AutoFP8's per-tensor scales, as loaded)."""
+    experts, n, k = weight.shape
+    scale = weight.abs().amax(dim=(1, 2)).float().clamp(min=1e-12) / 448
+    q = (weight.float() / scale[:, None, None]).to(torch.float8_e4m3fn)
+    return QuantExperts(q, scale[:, None, None].expand(experts, n, 1).contiguous(), None, k, k)
+
+
+def int4_groups(weight: torch.Tensor, group: int, zero_points: bool) -> QuantExperts:
+    """Round-to-nearest 4-bit groups of `group` input columns (the last one shorter where it does not
+    divide K); asymmetric with zero points, else symmetric."""
+    experts, n, k = weight.shape
+    num_groups = math.ceil(k / group)
+    padded = torch.nn.functional.pad(weight.float(), (0, num_groups * group - k))
+    groups = padded.reshape(experts, n, num_groups, group)
+    if zero_points:
+        lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        zero = (torch.round(-lo / scale) - 8).clamp(-8, 7)
+    else:
+        scale, zero = (groups.abs().amax(-1) / 7).clamp(min=1e-8), torch.zeros(experts, n, num_groups)
+    q = (
+        (torch.round(groups / scale[..., None]) + zero[..., None])
+        .clamp(-8, 7)
+        .reshape(experts, n, -1)[..., :k]
+    )
+    packed = torch.stack([pack_int4(q[e].to(torch.int8)) for e in range(experts)])
+    zeros = zero.to(torch.int8) if zero_points else None
+    return QuantExperts(packed, scale.to(torch.bfloat16), zeros, group, k)
+
+
+FORMATS = {
+    "fp8-channel": quantize_experts_fp8,
+    "fp8-tensor": fp8_per_tensor,
+    "fp8-block-128": lambda w: fp8_blocks(w, 128, 128),
+    "fp8-block-16x32": lambda w: fp8_blocks(w, 16, 32),
+    "int4-g16-zero": lambda w: int4_groups(w, 16, True),
+    "int4-g32-sym": lambda w: int4_groups(w, 32, False),
+    "int4-g128-zero": lambda w: int4_groups(w, 128, True),
+    "int4-channel-sym": lambda w: int4_groups(w, w.shape[2], False),
+}
+
+
+def experts_for(fmt: str, num_experts: int, hidden: int, inter: int, gen) -> tuple[QuantExperts, ...]:
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return tuple(
+        QuantExperts(*(t.to(DEVICE) if t is not None else None for t in q[:3]), *q[3:])
+        for q in (FORMATS[fmt](w13), FORMATS[fmt](w2))
+    )
+
+
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"), SHAPES)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_experts_match_reference(tokens, num_experts, top_k, hidden, inter, fmt, dtype) -> None:
+    gen = torch.Generator().manual_seed(tokens + num_experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w13, w2 = experts_for(fmt, num_experts, hidden, inter, gen)
+    experts, weights = routing(tokens, num_experts, top_k, dtype, gen, starve=1 if num_experts > top_k else 0)
+    got = fused_moe.fused_moe(x, w13, w2, experts, weights)
+    want = reference.fused_moe(x, w13, w2, experts, weights)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+    dense = reference.fused_moe(x, w13.dequantize(dtype), w2.dequantize(dtype), experts, weights)
+    torch.testing.assert_close(want, dense)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_pairs_of_no_expert_here_add_nothing() -> None:
+    gen = torch.Generator().manual_seed(3)
+    tokens, num_experts, top_k, hidden, inter = 19, 5, 2, 48, 40
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    w13, w2 = experts_for("int4-g16-zero", num_experts, hidden, inter, gen)
+    experts, weights = routing(tokens, num_experts, top_k, torch.bfloat16, gen)
+    elsewhere = torch.rand(tokens, top_k, generator=gen).to(DEVICE) < 0.4
+    zeroed = weights.masked_fill(elsewhere, 0)
+    want = reference.fused_moe(x, w13, w2, experts, zeroed)
+    got = fused_moe.fused_moe(x, w13, w2, experts.masked_fill(elsewhere, num_experts), zeroed)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(("group", "block_k", "tile"), [(128, 256, 128), (48, 128, 16), (64, 32, 32)])
+def test_the_k_tile_divides_the_group(group, block_k, tile) -> None:
+    weight = QuantExperts(torch.empty(1, 8, 64, dtype=torch.int32), torch.empty(1, 8, 4), None, group, 512)
+    assert fused_moe_quant.tile_k(weight, block_k) == tile
+    with pytest.raises(ValueError, match="group size 40 is not a multiple of 16"):
+        fused_moe_quant.tile_k(weight._replace(group_size=40), block_k)

@@ -1,0 +1,149 @@
+"""The fused MoE's grouped GEMM over experts kept quantized (kernels/quant_reference.py's QuantExperts):
+FP8 (e4m3) weights with per-channel or [128, 128]-block scales, and INT4 W4A16 weights in groups, with
+or without zero points. kernels/fused_moe.py's fused_moe calls it for such weights; its reference is
+kernels/reference.py's fused_moe, which dequantizes first.
+
+Each program loads its expert's weight tile quantized (a byte or half a byte a value), widens it in
+registers to the activations' dtype (e4m3 and the 4-bit integers are exact in bf16 and fp16) and
+accumulates in fp32. A scale applies to a whole K tile: after the K loop where one group spans K (FP8
+per channel), else to each K tile's partial product (FP8 blocks, INT4 groups), BLOCK_K dividing the
+group. INT4 zero points are subtracted before the widening (q - zero is in [-15, 15]: still exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.quant_reference import PACK, QuantExperts
+
+
+@triton.jit
+def _quant_grouped_gemm(
+    a,
+    w,
+    scale,
+    zero,
+    out,
+    pairs,
+    block_experts,
+    num_padded,
+    pair_weights,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """kernels/fused_moe.py's _grouped_gemm with w[expert] = (q - zero) * scale, q read quantized; the
+    zero points share the scales' strides."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    expert = tl.load(block_experts + pid_m).to(tl.int64)
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs + offs)
+    valid = pair < num_pairs
+    row = pair // TOP_K if A_BY_TOKEN else pair
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_expert = w + expert * stride_we
+    s_rows = scale + expert * stride_se + rn * stride_sn
+    z_rows = zero + expert * stride_se + rn * stride_sn
+    words = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        at = tl.load(
+            a + row[:, None].to(tl.int64) * stride_am + rk[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if INT4:
+            # One load per word, eight 4-bit values out of each: [BLOCK_N, BLOCK_K / 8] -> [BLOCK_N, BLOCK_K].
+            wk = k0 // 8 + words
+            packed = tl.load(
+                w_expert + rn[:, None] * stride_wn + wk[None, :],
+                mask=n_ok[:, None] & (wk * 8 < K)[None, :],
+                other=0,
+            )
+            q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+            q = tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8
+            if HAS_ZERO:
+                q = q - tl.load(z_rows + k0 // GROUP_K, mask=n_ok, other=0).to(tl.int32)[:, None]
+            wt = q.to(tl.float32).to(
+                at.dtype
+            )  # (int -> bf16 through fp32: the interpreter has no direct path)
+        else:
+            wt = tl.load(
+                w_expert + rn[:, None] * stride_wn + rk[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(at.dtype)
+        partial = tl.dot(at, tl.trans(wt), input_precision=PRECISION)
+        if ONE_GROUP:
+            acc += partial
+        else:
+            acc += partial * tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ONE_GROUP:
+        acc = acc * tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if WEIGHTED:
+        acc = acc * tl.load(pair_weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    o_mask = valid[:, None] & n_ok[None, :]
+    tl.store(
+        out + pair[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=o_mask
+    )
+
+
+def tile_k(weight: QuantExperts, block_k: int) -> int:
+    """The K tile for `weight`: at most block_k, and a divisor of its group unless one group spans K (a
+    scale covers each whole tile). A group that is no multiple of 16 (tl.dot's least K) has no tile: a
+    ValueError (layers/fused_moe.py keeps such experts dense)."""
+    columns = weight.in_features
+    tile = min(block_k, max(16, triton.next_power_of_2(columns)))
+    if weight.group_size >= columns:
+        return tile
+    if weight.group_size % 16:
+        raise ValueError(f"group size {weight.group_size} is not a multiple of 16, as the MoE kernel needs")
+    while weight.group_size % tile:
+        tile //= 2
+    return tile
+
+
+def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, config) -> None:
+    """kernels/fused_moe.py's _gemm for quantized experts."""
+    pairs, block_experts, num_padded, weights, top_k, block_m = layout
+    _, n, k = w.shape
+    block_n, block_k, num_warps, num_stages = config
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_k = tile_k(w, block_k)
+    assert w.data.shape[2] == (triton.cdiv(k, PACK) if w.int4 else k) and a.shape[1] == k
+    zero = w.zero if w.zero is not None else w.scale  # (never read without zero points)
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _quant_grouped_gemm[grid](
+        a, w.data, w.scale, zero, out, pairs, block_experts, num_padded, weights, n, k, out.shape[0],
+        a.stride(0), w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), out.stride(0),
+        TOP_K=top_k, A_BY_TOKEN=by_token, WEIGHTED=weighted, INT4=w.int4, HAS_ZERO=w.zero is not None,
+        GROUP_K=w.group_size, ONE_GROUP=w.group_size >= k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
