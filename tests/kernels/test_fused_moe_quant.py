@@ -124,3 +124,21 @@ def test_the_k_tile_divides_the_group(group, block_k, tile) -> None:
     assert fused_moe_quant.tile_k(weight, block_k) == tile
     with pytest.raises(ValueError, match="group size 40 is not a multiple of 16"):
         fused_moe_quant.tile_k(weight._replace(group_size=40), block_k)
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3-moe", "gptq"), ("mixtral", "fp8-block-experts")])
+def test_quantized_moe_models_on_the_triton_kernels(arch, scheme, tmp_path, monkeypatch) -> None:
+    """A checkpoint's quantized experts, kept quantized, through the Triton kernels end to end: the
+    dequantized model's log-probabilities (tests/layers/test_moe_quantized.py's checkpoints)."""
+    pytest.importorskip("compressed_tensors")
+    from tests.layers.quant_models import load, prompt_logprobs_match
+    from tests.layers.test_moe_quantized import make_checkpoint
+    from tokenmill.kernels import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    logits = make_checkpoint(arch, scheme, tmp_path)
+    llm = load(tmp_path)
+    assert llm.engine.runner.model.kernels.backend == "triton"
+    moe = next(m for m in llm.engine.runner.model.modules() if hasattr(m, "experts"))
+    assert moe.experts.fmt is not None
+    prompt_logprobs_match(llm, logits)

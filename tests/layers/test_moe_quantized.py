@@ -1,8 +1,9 @@
 """Quantized checkpoints of mixture-of-experts models (Qwen3-MoE, Mixtral) whose experts are quantized
 too, the router left out as llm-compressor and GPTQModel leave it: compressed-tensors tensors made by the
 compressed-tensors library on modules named as the checkpoint names them, GPTQ, AWQ and fine-grained FP8
-written from their published layouts. The experts load dequantized (quantization/moe_experts.py); the
-reference is transformers' model holding every dequantized weight."""
+written from their published layouts. The experts stay quantized as they load (quantization/moe_experts.py),
+unless the checkpoint stored them dense; the reference is transformers' model holding every dequantized
+weight."""
 
 from __future__ import annotations
 
@@ -200,7 +201,42 @@ def test_quantized_experts_match_the_dequantized_model(arch: str, scheme: str, t
     logits = make_checkpoint(arch, scheme, tmp_path)
     llm = load(tmp_path)
     assert any(isinstance(m, FusedMoE) for m in llm.engine.runner.model.modules())
+    assert_experts_held(llm, arch, scheme)
     prompt_logprobs_match(llm, logits)
+
+
+# How each scheme's experts are held: (w13's dtype, its bytes per weight, zero points).
+HELD = {
+    "gptq": (torch.int32, 0.5, True),
+    "awq": (torch.int32, 0.5, True),
+    "ct-w4a16-zero-points": (torch.int32, 0.5, True),
+    "ct-w4a16-router": (torch.int32, 0.5, True),
+    "ct-fp8-weight-only": (torch.float8_e4m3fn, 1, False),
+    "fp8-block-experts": (torch.float8_e4m3fn, 1, False),
+    "gptq-dense-experts": (torch.float32, 4, False),
+}
+
+
+def assert_experts_held(llm, arch: str, scheme: str) -> None:
+    """The experts stay quantized (a byte or half a byte a weight), with a scale per row and group of
+    GROUP columns (per row for channel-wise FP8); a checkpoint that stored them dense holds them dense."""
+    config = CONFIGS[arch]
+    hidden = config.hidden_size
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    dtype, per_weight, zero_points = HELD[scheme]
+    for module in llm.engine.runner.model.modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        held = module.experts
+        assert held.w13.dtype == dtype and held.w2.dtype == dtype
+        assert held.w13.nbytes + held.w2.nbytes == experts * 3 * inter * hidden * per_weight
+        if scheme == "gptq-dense-experts":
+            assert held.fmt is None and not hasattr(held, "w13_scale")
+            continue
+        groups = 1 if scheme == "ct-fp8-weight-only" else hidden // GROUP
+        assert tuple(held.w13_scale.shape) == (experts, 2 * inter, groups)
+        assert hasattr(held, "w13_zero") == zero_points
 
 
 def test_an_expert_missing_a_tensor_names_it(tmp_path) -> None:
@@ -220,3 +256,41 @@ def test_an_expert_scale_of_the_wrong_shape_names_the_tensor(tmp_path) -> None:
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"checkpoint tensor '{name}': shape"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_online_fp8_quantizes_the_experts(arch: str, tmp_path) -> None:
+    """`quantization="fp8"` on a dense MoE checkpoint puts the experts in e4m3 too (one scale per row,
+    as vLLM's Fp8MoEMethod quantizes them online); the model stays close to the dense one."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch], dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+    llm = load(tmp_path, quantization="fp8")
+    config = CONFIGS[arch]
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    layers = [m.experts for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == config.num_hidden_layers
+    for held in layers:
+        assert held.w13.dtype == held.w2.dtype == torch.float8_e4m3fn
+        assert held.w13.nbytes + held.w2.nbytes == experts * 3 * inter * config.hidden_size
+        assert tuple(held.w2_scale.shape) == (experts, config.hidden_size, 1)
+    prompt_logprobs_match(llm, logits, atol=5e-2)  # (FP8 everywhere: the linears W8A8 too)
+
+
+def test_experts_of_a_scheme_without_a_kernel_are_dequantized_with_a_warning(tmp_path, caplog) -> None:
+    """GPTQ desc_act (each expert's input columns in an order of its own, which the kernel does not
+    take): the experts load dense, as before, said once."""
+    logits = make_checkpoint("qwen3-moe", "gptq", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING"):
+        llm = load(tmp_path)
+    assert "were dequantized as they loaded" in caplog.text
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, FusedMoE):
+            assert module.experts.fmt is None and module.experts.w13.dtype == torch.float32
+    prompt_logprobs_match(llm, logits)

@@ -12,10 +12,14 @@ from torch import nn
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.cpu_packed import pack_cpu_linears
-from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.fused_moe import FusedMoE, expert_format
 from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
-from tokenmill.layers.quantization import check_fp8_support, checkpoint_quantization, quantize_model
-from tokenmill.layers.quantization.moe_experts import MoeShape, dequantized_experts
+from tokenmill.layers.quantization import (
+    check_fp8_support,
+    checkpoint_quantization,
+    moe_experts,
+    quantize_model,
+)
 from tokenmill.loader import ModelSource
 from tokenmill.models.registry import model_class
 from tokenmill.models.utils import building_on
@@ -34,7 +38,12 @@ def build_model(
     stored = checkpoint_quantization(source.hf_config, config.quantization)
     if stored is not None and stored.uses_fp8:
         check_fp8_support(device, "the checkpoint's quantization_config (compressed-tensors FP8 activations)")
-    with building_on(device, dtype), default_linear_method(stored.linear_method if stored else None):
+    experts = moe_experts.expert_format(stored) if stored is not None else None
+    with (
+        building_on(device, dtype),
+        default_linear_method(stored.linear_method if stored else None),
+        expert_format(experts),
+    ):
         model = model_class(source.hf_config)(source.hf_config, max_model_len, lm_head=lm_head)
         if stored is not None:
             for name, module in model.named_modules():
@@ -45,9 +54,9 @@ def build_model(
     else:
         weights = source.iter_weights()
         moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
-        if stored is not None and moe is not None:  # quantized experts: dense as they load
-            shape = MoeShape(moe.hidden_size, moe.intermediate_size, moe.num_experts)
-            weights = dequantized_experts(weights, stored, shape)
+        if stored is not None and moe is not None:  # quantized experts: kept so, or dense, as they load
+            shape = moe_experts.MoeShape(moe.hidden_size, moe.intermediate_size, moe.num_experts)
+            weights = moe_experts.experts_as_loaded(weights, stored, shape, experts)
         model.load_weights(weights)
     for module in model.modules():
         if isinstance(module, LinearBase):

@@ -5,12 +5,15 @@ A checkpoint that says how it was quantized (`quantization_config` in config.jso
 scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
 list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py),
 GPTQ and AWQ 4-bit (gptq_awq.py), fine-grained FP8 with block scales (fp8_block.py). A MoE checkpoint's
-quantized experts are dequantized as they load (moe_experts.py).
+quantized experts stay quantized where the fused MoE kernel runs the scheme, else are dequantized as
+they load (moe_experts.py).
 
 Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each linear's weight once the
-weights are in (per output channel, e4m3); activations are quantized per token at run time. Online INT4
-(`int4`) is W4A16: symmetric round-to-nearest groups of 128 input columns, no calibration. The
-embedding and the LM head stay in the model dtype, as the checkpoint formats' ignore lists keep them.
+weights are in (per output channel, e4m3); activations are quantized per token at run time. A MoE
+model's experts are quantized the same way (one scale per row) and run with activations in the model
+dtype. Online INT4 (`int4`) is W4A16: symmetric round-to-nearest groups of 128 input columns, no
+calibration (the experts stay dense). The embedding and the LM head stay in the model dtype, as the
+checkpoint formats' ignore lists keep them.
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointSchem
 
 
 def quantize_model(model: nn.Module, method: str | None) -> int:
-    """Put every linear layer of `model` on the `method` scheme once its weights are loaded; returns how
-    many layers were converted. `method` None leaves the model as it is."""
+    """Put every linear layer of `model` on the `method` scheme once its weights are loaded (fp8: each
+    MoE layer's experts too); returns how many layers (and expert stacks) were converted. `method`
+    None leaves the model as it is."""
     if method is None or method in ("compressed-tensors", "gptq", "awq"):
         return 0
     if method not in QUANTIZATION_METHODS:
@@ -80,4 +84,9 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     for layer in layers:
         layer.quant_method = Fp8LinearMethod()
         layer.quant_method.process_weights_after_loading(layer)
-    return len(layers)
+    from tokenmill.layers.fused_moe import Experts
+
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for held in experts:  # as vLLM's Fp8MoEMethod: the experts too (here per row, run W8A16)
+        held.quantize_fp8()
+    return len(layers) + len(experts)

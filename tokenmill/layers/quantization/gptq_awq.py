@@ -68,6 +68,9 @@ class GptqAwqConfig:
         # desc_act change nothing here: qzeros and g_idx are read either way).
         self.dynamic: dict[str, dict] = dict(config.get("dynamic") or {})
         self._base = {"bits": 4, "group_size": config.get("group_size")}
+        # Input columns in an order of their own somewhere (the MoE experts' kernel takes them in order).
+        rules = [rule for rule in self.dynamic.values() if isinstance(rule, dict)]
+        self.desc_act = bool(config.get("desc_act")) or any(rule.get("desc_act") for rule in rules)
 
     uses_fp8 = False
 

@@ -1,11 +1,19 @@
-"""A quantized checkpoint's MoE experts (Qwen3-MoE's `experts.E.gate_proj`, Mixtral's `experts.E.w1`, ...),
-dequantized as they load: layers/fused_moe.py's kernels take dense weights only, so each expert
-projection's stored tensors (GPTQ's qweight/qzeros/scales/g_idx, compressed-tensors' weight and
-weight_scale, ...) are gathered into a one-off linear layer of the checkpoint's scheme, which loads and
-checks them as any quantized linear does, and its weight in fp32 goes on to the model under the
-projection's `.weight` name. The experts then run in the model dtype: correct, but holding 2-4x the
-bytes the checkpoint's experts do (said once, as a warning). Experts and routers the ignore list names
-pass as they are; a router it left quantized is dequantized the same way.
+"""A quantized checkpoint's MoE experts (Qwen3-MoE's `experts.E.gate_proj`, Mixtral's `experts.E.w1`, ...)
+as they load. Each expert projection's stored tensors (GPTQ's qweight/qzeros/scales/g_idx,
+compressed-tensors' weight and weight_scale, ...) are gathered into a one-off linear layer of the
+checkpoint's scheme, which loads and checks them as any quantized linear does (and repacks GPTQ, AWQ and
+compressed-tensors' 4-bit tensors into int4.py's one layout); then they go on to the model under the
+projection's `.weight` name:
+
+- kept quantized (a StoredExpert, layers/fused_moe.py's ExpertFormat) where the fused MoE kernel
+  runs the scheme (`expert_format`): FP8 per channel or per tensor (compressed-tensors, AutoFP8), FP8
+  in blocks (fine-grained `weight_block_size`, compressed-tensors FP8_BLOCK), INT4 W4A16 groups of a
+  multiple of 16 columns or one per row, with or without zero points (GPTQ without desc_act, AWQ,
+  compressed-tensors pack-quantized without actorder);
+- else dequantized, its weight in fp32: the experts then run in the model dtype, holding 2-4x the
+  checkpoint's bytes (said once, as a warning).
+
+Experts and routers the ignore list names pass as they are; a router it left quantized is dequantized.
 """
 
 from __future__ import annotations
@@ -17,7 +25,12 @@ from typing import NamedTuple
 
 import torch
 
+from tokenmill.layers.fused_moe import ExpertFormat, StoredExpert
 from tokenmill.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod
+from tokenmill.layers.quantization.fp8_block import Fp8BlockLinearMethod
+from tokenmill.layers.quantization.gptq_awq import GptqAwqLinearMethod
+from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +69,54 @@ def _dense(part: str, tensor: torch.Tensor) -> bool:
     return part == "bias" or (part == "weight" and dense)
 
 
-def dequantized_experts(
-    weights: Iterable[tuple[str, torch.Tensor]], scheme, shape: MoeShape
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with each quantized expert projection's (or router's) tensors replaced
-    by its dense `.weight` (fp32), yielded once all of that module's tensors are in. `scheme` is the
-    checkpoint's (layers/quantization checkpoint_quantization); a module left incomplete at the end is
-    a ValueError naming it and the tensors it lacks."""
+def expert_format(scheme) -> ExpertFormat | None:
+    """The layout the checkpoint's experts are kept in, or None where the MoE kernel does not run its
+    scheme (they are dequantized): input columns in an order of their own, or groups that are not a
+    multiple of 16 columns (tl.dot's least K tile)."""
+    method = scheme.linear_method()
+    if isinstance(method, CompressedTensorsFp8LinearMethod):
+        return ExpertFormat(int4=False, group_size=0)
+    if isinstance(method, Fp8BlockLinearMethod):
+        fmt = ExpertFormat(int4=False, group_size=method.block_k)
+    elif isinstance(method, Int4W4A16LinearMethod) and method.group_order is None:
+        fmt = ExpertFormat(int4=True, group_size=max(method.group_size, 0), zero_points=not method.symmetric)
+    elif isinstance(method, GptqAwqLinearMethod) and not getattr(scheme, "desc_act", False):
+        fmt = ExpertFormat(int4=True, group_size=max(method.group_size, 0), zero_points=True)
+    else:
+        return None
+    return None if fmt.group_size % 16 else fmt
+
+
+def _stored(holder: ColumnParallelLinear, module: str) -> StoredExpert:
+    """A loaded one-off layer's tensors in ExpertFormat's layout."""
+    method = holder.quant_method
+    if getattr(holder, "input_order", None) is not None:
+        raise ValueError(
+            f"{module}: its g_idx orders the input columns by group (desc_act), which the MoE kernel does "
+            "not take, but quantization_config.desc_act is false"
+        )
+    if isinstance(method, CompressedTensorsFp8LinearMethod):
+        return StoredExpert(holder.weight.data, holder.weight_scale.data, None)
+    if isinstance(method, Fp8BlockLinearMethod):
+        scale = getattr(holder, method.scale_name).data
+        rows = scale.repeat_interleave(holder.fp8_block_n, dim=0)[: holder.weight.shape[0]]
+        return StoredExpert(holder.weight.data, rows.contiguous(), None)
+    if isinstance(method, GptqAwqLinearMethod):
+        return StoredExpert(holder.qweight.data, holder.scales.data, holder.qzeros.data)
+    zero = getattr(holder, "weight_zero_point", None)
+    return StoredExpert(
+        holder.weight_packed.data, holder.weight_scale.data, None if zero is None else zero.data
+    )
+
+
+def experts_as_loaded(
+    weights: Iterable[tuple[str, torch.Tensor]], scheme, shape: MoeShape, fmt: ExpertFormat | None
+) -> Iterator[tuple[str, torch.Tensor | StoredExpert]]:
+    """The checkpoint's tensors with each quantized expert projection's tensors replaced by one
+    `.weight`: a StoredExpert where `fmt` (expert_format) keeps the experts quantized, else the dense
+    weight (fp32), as a quantized router's always; yielded once all of that module's tensors are in.
+    `scheme` is the checkpoint's (layers/quantization checkpoint_quantization); a module left
+    incomplete at the end is a ValueError naming it and the tensors it lacks."""
     pending: dict[str, ColumnParallelLinear] = {}
     loaded: dict[str, set[str]] = {}
     count = 0
@@ -95,9 +149,12 @@ def dequantized_experts(
         loaded[module].add(part)
         if loaded[module] == set(dict(holder.named_parameters())):
             holder.quant_method.after_loading(holder)
-            yield f"{module}.weight", holder.quant_method.dequantize(holder)
+            if fmt is not None and _EXPERT_TENSOR.match(name):
+                yield f"{module}.weight", _stored(holder, module)
+            else:
+                yield f"{module}.weight", holder.quant_method.dequantize(holder)
+                count += 1
             del pending[module], loaded[module]
-            count += 1
     if pending:
         module = next(iter(pending))
         missing = sorted(set(dict(pending[module].named_parameters())) - loaded[module])
@@ -108,7 +165,7 @@ def dequantized_experts(
     if count:
         logger.warning(
             "%d quantized MoE modules (experts' projections, routers) were dequantized as they loaded: they "
-            "run in the model dtype (the fused MoE kernels take dense weights), holding 2-4x the "
+            "run in the model dtype (the fused MoE kernels do not run this scheme), holding 2-4x the "
             "checkpoint's bytes",
             count,
         )
