@@ -155,3 +155,17 @@ def quantize_experts_fp8(weight: torch.Tensor) -> QuantExperts:
     experts, rows, columns = weight.shape
     q, scale = quantize_fp8_per_row(weight.reshape(experts * rows, columns))
     return QuantExperts(q.reshape(weight.shape), scale.reshape(experts, rows, 1), None, columns, columns)
+
+
+def quantize_experts_int4(weight: torch.Tensor, group_size: int = 128) -> QuantExperts:
+    """Dense experts [E, N, K] -> symmetric round-to-nearest 4-bit groups (scale = the group's largest
+    magnitude / 7, in the weight's dtype; the last group may be shorter): online `--quantization int4`,
+    as int4.py's quantize_linear_int4 does a linear's weight."""
+    experts, rows, columns = weight.shape
+    num_groups = -(-columns // group_size)
+    padded = F.pad(weight.float(), (0, num_groups * group_size - columns))
+    groups = padded.reshape(experts, rows, num_groups, group_size)
+    scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-12)
+    q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8).reshape(experts * rows, -1)
+    packed = pack_int4(q[:, :columns]).reshape(experts, rows, -1)
+    return QuantExperts(packed, scale.to(weight.dtype), None, group_size, columns)

@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill import distributed
 from tokenmill.kernels import Kernels, get_kernels
-from tokenmill.kernels.quant_reference import PACK, QuantExperts, quantize_experts_fp8
+from tokenmill.kernels.quant_reference import PACK, QuantExperts, quantize_experts_fp8, quantize_experts_int4
 from tokenmill.kernels.reference import FP8_DTYPE
 from tokenmill.layers.linear import ShardId, divide
 
@@ -154,12 +154,14 @@ class Experts(nn.Module):
             for name in ("w13", "w2")
         )
 
-    def quantize_fp8(self) -> None:
-        """Online FP8 (`quantization="fp8"`): the loaded dense experts to e4m3, one scale per row."""
+    def quantize(self, method: str) -> None:
+        """Online quantization of the loaded dense experts: "fp8", e4m3 with one scale per row; "int4",
+        symmetric 4-bit groups of 128 input columns (as the linears of each scheme)."""
         dense = {name: getattr(self, name).data for name in ("w13", "w2")}
-        self._hold_quantized(ExpertFormat(int4=False, group_size=0), self.w13.device)
+        int4 = method == "int4"
+        self._hold_quantized(ExpertFormat(int4=int4, group_size=128 if int4 else 0), self.w13.device)
         for name, weight in dense.items():
-            quantized = quantize_experts_fp8(weight)
+            quantized = quantize_experts_int4(weight) if int4 else quantize_experts_fp8(weight)
             getattr(self, name).data.copy_(quantized.data)
             getattr(self, f"{name}_scale").copy_(quantized.scale)
 

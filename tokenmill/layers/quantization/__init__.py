@@ -12,7 +12,7 @@ Online FP8 (`fp8`) loads the checkpoint in the model dtype and quantizes each li
 weights are in (per output channel, e4m3); activations are quantized per token at run time. A MoE
 model's experts are quantized the same way (one scale per row) and run with activations in the model
 dtype. Online INT4 (`int4`) is W4A16: symmetric round-to-nearest groups of 128 input columns, no
-calibration (the experts stay dense). The embedding and the LM head stay in the model dtype, as the
+calibration, the experts' too. The embedding and the LM head stay in the model dtype, as the
 checkpoint formats' ignore lists keep them.
 """
 
@@ -66,27 +66,26 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointSchem
 
 
 def quantize_model(model: nn.Module, method: str | None) -> int:
-    """Put every linear layer of `model` on the `method` scheme once its weights are loaded (fp8: each
-    MoE layer's experts too); returns how many layers (and expert stacks) were converted. `method`
+    """Put every linear layer of `model` on the `method` scheme once its weights are loaded (each MoE
+    layer's experts too); returns how many layers (and expert stacks) were converted. `method`
     None leaves the model as it is."""
     if method is None or method in ("compressed-tensors", "gptq", "awq"):
         return 0
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}.")
+    from tokenmill.layers.fused_moe import Experts
     from tokenmill.layers.linear import LinearBase
 
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
     if method == "int4":
         for layer in layers:
             quantize_linear_int4(layer)
-        return len(layers)
-    check_fp8_support(next(model.parameters()).device)
-    for layer in layers:
-        layer.quant_method = Fp8LinearMethod()
-        layer.quant_method.process_weights_after_loading(layer)
-    from tokenmill.layers.fused_moe import Experts
-
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    for held in experts:  # as vLLM's Fp8MoEMethod: the experts too (here per row, run W8A16)
-        held.quantize_fp8()
+    else:
+        check_fp8_support(next(model.parameters()).device)
+        for layer in layers:
+            layer.quant_method = Fp8LinearMethod()
+            layer.quant_method.process_weights_after_loading(layer)
+    for held in experts:  # the experts too, as vLLM's Fp8MoEMethod quantizes them (run W8A16 / W4A16)
+        held.quantize(method)
     return len(layers) + len(experts)
