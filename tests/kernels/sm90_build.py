@@ -25,6 +25,8 @@ from tokenmill.kernels import (
     StepRotary,
     activation,
     attention,
+    fused_moe,
+    fused_moe_quant,
     gemv,
     gemv_f16x2,
     host_wait,
@@ -38,7 +40,9 @@ from tokenmill.kernels import (
     split_kv,
     w4a16_mma,
 )
+from tokenmill.kernels.quant_reference import QuantExperts
 
+FP8 = torch.float8_e4m3fn
 SM90 = GPUTarget("cuda", 90, 32)
 _TRITON_TYPES = {
     torch.float32: "fp32",
@@ -47,6 +51,7 @@ _TRITON_TYPES = {
     torch.int32: "i32",
     torch.int64: "i64",
     torch.float8_e4m3fn: "fp8e4nv",
+    torch.int8: "i8",
 }
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -238,6 +243,35 @@ def _skinny_launches(dtype: torch.dtype) -> None:
                 skinny_gemm.dense_gemv(x, torch.empty(n, k, dtype=dtype))
 
 
+def _moe_launches(dtype: torch.dtype) -> None:
+    """The quantized experts' grouped GEMMs at Qwen3-30B-A3B's layer (hidden 2048, expert width 768) under
+    the decode, middle and prefill rows of kernels/fused_moe.py's CONFIGS: FP8 per row and in 128-column
+    groups, INT4 groups of 128 without and with zero points."""
+    experts, hidden, inter = 16, 2048, 768
+    for _, block_m, gate_up, down in (fused_moe.CONFIGS[0], fused_moe.CONFIGS[4], fused_moe.CONFIGS[-1]):
+        layout = (
+            torch.zeros(64, dtype=torch.int32), torch.zeros(64 // block_m + 1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.empty(16, dtype=dtype), 2, block_m,
+        )  # fmt: skip
+        for int4, group, zero in (
+            (False, 0, False),
+            (False, 128, False),
+            (True, 128, False),
+            (True, 128, True),
+        ):
+            for by_token, (n, k), config in (
+                (True, (2 * inter, hidden), gate_up),
+                (False, (hidden, inter), down),
+            ):
+                groups = k // group if group else 1
+                data = torch.empty(experts, n, k // 8 if int4 else k, dtype=torch.int32 if int4 else FP8)
+                scale = torch.empty(experts, n, groups, dtype=dtype if int4 else torch.float32)
+                zeros = torch.empty(experts, n, groups, dtype=torch.int8) if zero else None
+                weight = QuantExperts(data, scale, zeros, group or k, k)
+                a, out = torch.empty(16, k, dtype=dtype), torch.empty(16, n, dtype=dtype)
+                fused_moe_quant.quant_gemm(a, weight, out, layout, by_token, not by_token, config)
+
+
 def _grammar_launches(dtype: torch.dtype) -> None:
     """The masking that waits for the host (with its inline PTX), reading the masks over the bus block by
     block and through a device copy made in one round trip."""
@@ -264,6 +298,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (rotary, "_rotary_kernel"),
         (activation, "_silu_and_mul_kernel"),
         (host_wait, "_wait_then_mask_kernel"),
+        (fused_moe_quant, "_quant_grouped_gemm"),
     ]
     originals = [(module, name, getattr(module, name)) for module, name in kernels]
     for module, name, fn in originals:
@@ -276,6 +311,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         _small_launches(dtype)
         _skinny_launches(dtype)
         _grammar_launches(dtype)
+        _moe_launches(dtype)
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)

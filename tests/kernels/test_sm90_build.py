@@ -41,19 +41,29 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "_rotary_kernel",
         "_silu_and_mul_kernel",
         "_wait_then_mask_kernel",
+        "_quant_grouped_gemm",
     }
     # One known spill: the many short FP8 decodes' 64-key, two-warp tile read value by value (the engine's
     # default there since the twentieth session, ~12-40 bytes as the kernel changed); read as pairs it has
     # none (attention.FP8_PAIR_LOADS).
+    # And one of the quantized experts' GEMMs: INT4 with zero points at the prefill tile (256 x 64 over
+    # 128 rows; 8 bytes).
     spills = [build for build in builds if build["spill_bytes"]]
     assert all(
-        build["kernel"] == "_paged_attention_kernel"
-        and build["constants"]["BLOCK_N"] == 64
-        and build["constants"]["DOT_FP16"]
-        and not build["constants"]["FP8_PAIRS"]
+        (
+            build["kernel"] == "_paged_attention_kernel"
+            and build["constants"]["BLOCK_N"] == 64
+            and build["constants"]["DOT_FP16"]
+            and not build["constants"]["FP8_PAIRS"]
+            or build["kernel"] == "_quant_grouped_gemm"
+            and build["constants"]["HAS_ZERO"]
+            and build["constants"]["BLOCK_M"] == 128
+        )
         and build["spill_bytes"] <= 16
         for build in spills
     ), spills
+    moe_builds = [build for build in builds if build["kernel"] == "_quant_grouped_gemm"]
+    assert len(moe_builds) == 24 and all(build["uses_tensor_cores"] for build in moe_builds)
     attention_builds = [build for build in builds if build["kernel"] == "_paged_attention_kernel"]
     # 12, 6 decodes that rotate and store the step's key themselves, 3 over an FP8 cache without, 3 of
     # each of those with their tiles read as pairs, and many short FP8 decodes with and without

@@ -4,10 +4,11 @@ or without zero points. kernels/fused_moe.py's fused_moe calls it for such weigh
 kernels/reference.py's fused_moe, which dequantizes first.
 
 Each program loads its expert's weight tile quantized (a byte or half a byte a value), widens it in
-registers to the activations' dtype (e4m3 and the 4-bit integers are exact in bf16 and fp16) and
-accumulates in fp32. A scale applies to a whole K tile: after the K loop where one group spans K (FP8
-per channel), else to each K tile's partial product (FP8 blocks, INT4 groups), BLOCK_K dividing the
-group. INT4 zero points are subtracted before the widening (q - zero is in [-15, 15]: still exact).
+registers to the activations' dtype and accumulates in fp32. Where one group spans K (FP8 per channel,
+INT4 per row) the scale multiplies the accumulator after the K loop (e4m3 and the 4-bit integers are
+exact in bf16 and fp16); else BLOCK_K divides the group and each tile is dequantized, (q - zero) * its
+group's scale, rounded to the activations' dtype as the reference dequantizes (scaling each tile's
+product instead needs a second accumulator: it spilled at the large tiles on sm_90).
 """
 
 from __future__ import annotations
@@ -90,20 +91,16 @@ def _quant_grouped_gemm(
             q = tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8
             if HAS_ZERO:
                 q = q - tl.load(z_rows + k0 // GROUP_K, mask=n_ok, other=0).to(tl.int32)[:, None]
-            wt = q.to(tl.float32).to(
-                at.dtype
-            )  # (int -> bf16 through fp32: the interpreter has no direct path)
+            wt = q.to(tl.float32)
         else:
             wt = tl.load(
                 w_expert + rn[:, None] * stride_wn + rk[None, :],
                 mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0,
-            ).to(at.dtype)
-        partial = tl.dot(at, tl.trans(wt), input_precision=PRECISION)
-        if ONE_GROUP:
-            acc += partial
-        else:
-            acc += partial * tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            ).to(tl.float32)
+        if not ONE_GROUP:  # the tile's group scale onto the weight (not the product: no second accumulator)
+            wt = wt * tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        acc = tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision=PRECISION)
     if ONE_GROUP:
         acc = acc * tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if WEIGHTED:
@@ -136,6 +133,8 @@ def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, 
     block_n, block_k, num_warps, num_stages = config
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = tile_k(w, block_k)
+    while w.int4 and block_n * block_k > 4096 and block_k > 64:  # (unpacking [64, 128] spilled on sm_90)
+        block_k //= 2
     assert w.data.shape[2] == (triton.cdiv(k, PACK) if w.int4 else k) and a.shape[1] == k
     zero = w.zero if w.zero is not None else w.scale  # (never read without zero points)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
