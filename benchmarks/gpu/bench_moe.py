@@ -11,6 +11,14 @@ With --sweep, each GEMM (gate/up, down) is timed alone under every candidate (BL
 warps, stages) at each token count (compiled first in parallel processes), and each token count's best
 BLOCK_M (the two GEMMs share the alignment) with its best configs is printed: the rows of
 kernels/fused_moe.py's CONFIGS.
+
+With --weights, the experts are held in each listed format (kernels/fused_moe_quant.py) and the fused
+kernel is timed in a CUDA graph against bf16 at each token count: bf16, fp8 (e4m3, a scale per row),
+fp8-block (a scale per row and 128 columns: the kernel's work for [128, 128] blocks), int4 (symmetric
+groups of 128), int4-zp (with zero points). Each row: graph ms, the experts' bytes read over it as GB/s,
+the speedup over bf16, and the error against the reference on the same (dequantized) weights.
+
+    python benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp [--tokens ...]
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ from bench_engine import cuda_time  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from tokenmill.kernels import fused_moe, reference  # noqa: E402
+from tokenmill.kernels.quant_reference import (  # noqa: E402
+    QuantExperts,
+    quantize_experts_fp8,
+    quantize_experts_int4,
+)
 
 SWEEP_TOKENS = "2,8,32,64,128,256,512,1024,2048,4096"  # (T*k a multiple of 16: one compiled variant)
 
@@ -100,6 +113,61 @@ class Layer:
         return lambda: fused_moe._gemm(a, w, out, layout, by_token, weighted, config)
 
 
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "int4", "int4-zp")
+
+
+def held_as(weight: torch.Tensor, fmt: str) -> torch.Tensor | QuantExperts:
+    """Dense experts [E, N, K] in one of WEIGHT_FORMATS."""
+    if fmt == "bf16":
+        return weight
+    if fmt == "fp8":
+        return quantize_experts_fp8(weight)
+    if fmt == "fp8-block":
+        experts, rows, columns = weight.shape
+        groups = weight.float().reshape(experts, rows, -1, 128)
+        scale = groups.abs().amax(-1).clamp(min=1e-12) / 448
+        q = (groups / scale[..., None]).to(torch.float8_e4m3fn).reshape(weight.shape)
+        return QuantExperts(q, scale, None, 128, columns)
+    held = quantize_experts_int4(weight, 128)
+    if fmt == "int4-zp":  # (zero points of 0: the same numbers, the zero-point path's work)
+        held = held._replace(zero=torch.zeros(held.scale.shape, dtype=torch.int8, device=weight.device))
+    return held
+
+
+def held_bytes(weight: torch.Tensor | QuantExperts) -> int:
+    parts = [weight] if isinstance(weight, torch.Tensor) else [weight.data, weight.scale, weight.zero]
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def weight_formats(layer: Layer, tokens_list: list[int], formats: list[str]) -> list[dict]:
+    """The fused kernel over the experts held in each format, at each token count (see above)."""
+    held = {fmt: (held_as(layer.w13, fmt), held_as(layer.w2, fmt)) for fmt in formats}
+    rows = []
+    for tokens in tokens_list:
+        x, chosen, weights = layer.inputs(tokens)
+        distinct = int(torch.unique(chosen).numel())
+        baseline = None
+        for fmt in formats:
+            w13, w2 = held[fmt]
+            got = fused_moe.fused_moe(x, w13, w2, chosen, weights)
+            want = reference.fused_moe(x, w13, w2, chosen, weights)
+            error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            ms = 1e3 * graph_time(lambda: fused_moe.fused_moe(x, w13, w2, chosen, weights))  # noqa: B023
+            baseline = ms if fmt == "bf16" else baseline
+            read = distinct * (held_bytes(w13) + held_bytes(w2)) // layer.experts
+            rows.append({
+                "tokens": tokens,
+                "weights": fmt,
+                "experts_hit": distinct,
+                "graph_ms": round(ms, 4),
+                "graph_weight_gb_s": round(read / ms / 1e6, 1),
+                "speedup_vs_bf16": round(baseline / ms, 2) if baseline else None,
+                "max_rel_error": round(error, 5),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def _compile(shape: str, configs: list) -> int:
     """Run each config once so Triton's on-disk cache holds it (in a process of its own)."""
     layer = Layer(shape)
@@ -161,7 +229,24 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--sweep", action="store_true", help="tune the kernel's configs (see above)")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling the sweep's candidates")
+    parser.add_argument(
+        "--weights",
+        help=f"time the experts held in these formats (comma-separated of {', '.join(WEIGHT_FORMATS)})",
+    )
     args = parser.parse_args()
+    formats = args.weights.split(",") if args.weights else []
+    unknown = [fmt for fmt in formats if fmt not in WEIGHT_FORMATS]
+    if unknown:
+        parser.error(f"--weights {','.join(unknown)}: choose from {', '.join(WEIGHT_FORMATS)}")
+    if formats:
+        layer = Layer(args.shape)
+        rows = weight_formats(layer, [int(t) for t in args.tokens.split(",")], formats)
+        report = {"shape": args.shape, "device": torch.cuda.get_device_name(), "weight_formats": rows}
+        text = json.dumps(report, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text)
+        return
     if args.sweep:
         tokens = args.tokens if args.tokens != parser.get_default("tokens") else SWEEP_TOKENS
         report = sweep(args.shape, [int(t) for t in tokens.split(",")], args.workers)

@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         server-scale server-burst mixed-step embeddings poisson kv-offload moe tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -227,6 +227,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     moe) timeout 150 $py benchmarks/gpu/bench_moe.py --out "$out/moe_kernel.json" 2>&1 >/dev/null
          timeout 420 $bench throughput --shape qwen3-30b-a3b --peer-requests 0 --out "$out/throughput_qwen3_30b_a3b.json"
          timeout 300 $bench decode --shape qwen3-30b-a3b --max-num-seqs 64 --out "$out/decode_qwen3_30b_a3b.json" ;;
+    # Quantized experts (kernels/fused_moe_quant.py): the fused kernel over Qwen3-30B-A3B's layer held in
+    # bf16, FP8 per row, FP8 in 128-column groups, INT4 groups of 128 without and with zero points.
+    moe-quant) timeout 240 $py benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp \
+                 --tokens 1,8,64,256,1024,4096 --out "$out/moe_quant.json" 2>&1 >/dev/null ;;
     # Needs nvidia-h200-x2 (issue 14): batch-1 decode of the 8B shape on one GPU and split over two, in
     # the same call; then Qwen3-30B-A3B's throughput over two.
     tp-x2) for tp in 1 2; do timeout 240 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \
