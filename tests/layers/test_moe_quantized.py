@@ -294,3 +294,16 @@ def test_experts_of_a_scheme_without_a_kernel_are_dequantized_with_a_warning(tmp
         if isinstance(module, FusedMoE):
             assert module.experts.fmt is None and module.experts.w13.dtype == torch.float32
     prompt_logprobs_match(llm, logits)
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "fp8-block-experts"])
+def test_dummy_weights_fill_quantized_experts(scheme: str, tmp_path) -> None:
+    """load_format dummy on a quantized MoE checkpoint's config: the experts' quantized values are random
+    and their scales (buffers, beside them) set, so a benchmark's experts are not all zero."""
+    make_checkpoint("qwen3-moe", scheme, tmp_path)
+    llm = load(tmp_path, load_format="dummy")
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, FusedMoE):
+            held = module.experts
+            assert held.fmt is not None and held.w13.float().abs().sum() > 0
+            assert (held.w13_scale == (0.004 if held.fmt.int4 else 0.02)).all()

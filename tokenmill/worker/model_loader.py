@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.cpu_packed import pack_cpu_linears
-from tokenmill.layers.fused_moe import FusedMoE, expert_format
+from tokenmill.layers.fused_moe import Experts, FusedMoE, expert_format
 from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
 from tokenmill.layers.quantization import (
     check_fp8_support,
@@ -119,9 +119,16 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                 param.normal_(0.0, 0.02, generator=generator)
             elif param.dtype == torch.int8:  # zero points kept unpacked, one nibble each
                 param.random_(0, 16, generator=generator)
-            elif param.dim() == 2:  # packed int4 words: every bit pattern is eight valid nibbles
+            elif param.dim() >= 2:  # packed int4 words (experts: 3-D): every bit pattern is eight nibbles
                 info = torch.iinfo(param.dtype)
                 param.random_(info.min, info.max, generator=generator)
+        for module in model.modules():  # quantized experts keep their scales and zero points in buffers
+            if isinstance(module, Experts) and module.fmt is not None:
+                for name, buffer in module.named_buffers(recurse=False):
+                    if name.endswith("_scale"):
+                        buffer.fill_(0.004 if module.fmt.int4 else 0.02)
+                    else:
+                        buffer.random_(0, 16, generator=generator)
 
 
 def _packs_int4(model: nn.Module, name: str) -> bool:
