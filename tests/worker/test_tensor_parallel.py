@@ -249,3 +249,27 @@ def test_structured_outputs_under_tensor_parallelism() -> None:
     batch, async scheduling, write what one process writes."""
     got = run_script(GRAMMAR_RUN)
     assert got == grammar_chat(LLM("default", dtype="float32", max_model_len=512))
+
+
+def test_quantized_experts_equal_one_process(tmp_path) -> None:
+    """Experts kept quantized (layers/quantization/moe_experts.py): FP8 per channel sliced along their
+    width at TP=2 (down's columns: its scales are per row, whole), INT4 with zero points held whole
+    under expert parallelism (2 of Mixtral's 4 experts a rank)."""
+    pytest.importorskip("compressed_tensors")
+    from tests.layers.test_moe_quantized import make_checkpoint
+
+    runs: list[tuple] = []
+    for arch, scheme, ep in (
+        ("qwen3-moe", "ct-fp8-weight-only", False),
+        ("mixtral", "ct-w4a16-zero-points", True),
+    ):
+        path = tmp_path / scheme
+        path.mkdir()
+        make_checkpoint(arch, scheme, path)
+        runs.append((str(path), 2, False, ep))
+    prompts = [[5, 17, 33, 2, 9, 11, 200], [7, 8], list(range(3, 60))]  # (a vocabulary of 256)
+    got = run_script(RUN, json.dumps(runs), PARAMS_JSON, json.dumps(prompts))
+    for (path, *_), tokens in zip(runs, got, strict=True):
+        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+        want = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+        assert tokens == [o.outputs[0].token_ids for o in want], path
