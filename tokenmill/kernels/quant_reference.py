@@ -134,6 +134,14 @@ class QuantExperts(NamedTuple):
         zero = self.zero.contiguous() if self.zero is not None else None
         return self._replace(data=self.data.contiguous(), scale=self.scale.contiguous(), zero=zero)
 
+    def one(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s dense [N, K] weight in `dtype`."""
+        zero = self.zero[expert : expert + 1] if self.zero is not None else None
+        held = self._replace(
+            data=self.data[expert : expert + 1], scale=self.scale[expert : expert + 1], zero=zero
+        )
+        return held.dequantize(dtype)[0]
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense [E, N, K] weights in `dtype` (computed in fp32)."""
         experts, rows, columns = self.shape

@@ -330,9 +330,7 @@ def fused_moe(
     weight * w2 @ silu_and_mul(w13 @ x). An expert id of E means no expert here (another rank's, under
     expert parallelism): that pair adds nothing. Per expert that received tokens: gather, MLP, scale,
     add back (shapes follow the routing: a host sync, no CUDA graph). w13 and w2 may be quantized
-    (quant_reference.QuantExperts): dequantized into x's dtype first."""
-    if not isinstance(w13, torch.Tensor):
-        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
+    (quant_reference.QuantExperts): each expert that received tokens is dequantized into x's dtype."""
     top_k = experts.shape[1]
     out = torch.zeros_like(x)
     flat = experts.reshape(-1)
@@ -344,8 +342,11 @@ def fused_moe(
         if not count:
             continue
         rows = tokens[start : start + count]
-        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))
-        out.index_add_(0, rows, F.linear(hidden, w2[expert]) * pair_weights[start : start + count, None])
+        gate_up, down = (
+            w[expert] if isinstance(w, torch.Tensor) else w.one(expert, x.dtype) for w in (w13, w2)
+        )
+        hidden = silu_and_mul(F.linear(x[rows], gate_up))
+        out.index_add_(0, rows, F.linear(hidden, down) * pair_weights[start : start + count, None])
         start += count
     return out
 
