@@ -150,7 +150,7 @@ class Experts(nn.Module):
                 getattr(self, f"{name}_zero", None),
                 self.fmt.group_size or columns[name],
                 columns[name],
-            )  # fmt: skip
+            )
             for name in ("w13", "w2")
         )
 
