@@ -56,7 +56,7 @@ def quantized_names(tensors: dict[str, torch.Tensor], scheme: str) -> list[str]:
     return [
         name for name, t in tensors.items()
         if t.dim() == 2 and name.startswith("model.layers.") and not name.endswith(ROUTER)
-        and (".experts." in name or scheme != "fp8-block-experts")
+        and (".experts." in name or scheme not in ("fp8-block-experts", "autofp8-experts"))
         and (".experts." not in name or scheme != "gptq-dense-experts")
     ] + [name for name in tensors if name.endswith(ROUTER) and scheme == "ct-w4a16-router"]  # fmt: skip
 
@@ -101,6 +101,18 @@ def fp8_block(tensors: dict, names: list[str]) -> dict[str, torch.Tensor]:
         )
         stored[name] = q.reshape(rows * GROUP, -1)[:n, :k].contiguous()
         stored[f"{name}_scale_inv"] = scale_inv
+    return stored
+
+
+def fp8_per_tensor(tensors: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """AutoFP8's layout: e4m3 weights with one scale per tensor, as gptq_awq."""
+    stored = {}
+    for name in names:
+        w = tensors[name].float()
+        scale = w.abs().amax().clamp(min=1e-12) / 448
+        q = (w / scale).to(torch.float8_e4m3fn)
+        tensors[name] = q.float() * scale
+        stored[name], stored[f"{name[: -len('.weight')]}.weight_scale"] = q, scale.reshape(())
     return stored
 
 
@@ -149,6 +161,7 @@ SCHEMES = (
     "ct-w4a16-zero-points",
     "ct-fp8-weight-only",
     "fp8-block-experts",
+    "autofp8-experts",
     "gptq-dense-experts",
     "ct-w4a16-router",
 )
@@ -168,6 +181,12 @@ def make_checkpoint(arch: str, scheme: str, path) -> torch.Tensor:
         quantized = gptq_awq(tensors, names, method)
         quantization = {"quant_method": method, "bits": 4, "group_size": GROUP}
         quantization.update({"desc_act": False, "sym": False} if method == "gptq" else {"version": "gemm"})
+    elif scheme == "autofp8-experts":
+        quantized = fp8_per_tensor(tensors, names)
+        quantization = {
+            "quant_method": "fp8", "activation_scheme": "dynamic",
+            "ignored_layers": ["lm_head", "self_attn", "mlp.gate", "block_sparse_moe.gate"],
+        }  # fmt: skip
     elif scheme == "fp8-block-experts":
         quantized = fp8_block(tensors, names)
         quantization = {
@@ -213,6 +232,7 @@ HELD = {
     "ct-w4a16-router": (torch.int32, 0.5, True),
     "ct-fp8-weight-only": (torch.float8_e4m3fn, 1, False),
     "fp8-block-experts": (torch.float8_e4m3fn, 1, False),
+    "autofp8-experts": (torch.float8_e4m3fn, 1, False),
     "gptq-dense-experts": (torch.float32, 4, False),
 }
 
@@ -234,7 +254,7 @@ def assert_experts_held(llm, arch: str, scheme: str) -> None:
         if scheme == "gptq-dense-experts":
             assert held.fmt is None and not hasattr(held, "w13_scale")
             continue
-        groups = 1 if scheme == "ct-fp8-weight-only" else hidden // GROUP
+        groups = 1 if scheme in ("ct-fp8-weight-only", "autofp8-experts") else hidden // GROUP
         assert tuple(held.w13_scale.shape) == (experts, 2 * inter, groups)
         assert hasattr(held, "w13_zero") == zero_points
 
