@@ -51,8 +51,8 @@ ROUTER = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 
 def quantized_names(tensors: dict[str, torch.Tensor], scheme: str) -> list[str]:
     """The linears `scheme` quantizes: every one but the router's (ct-w4a16-router: the router's too); the
-    experts' only (fp8-block-experts); none of the experts' (gptq-dense-experts: a checkpoint that leaves
-    them out without listing them)."""
+    experts' only (fp8-block-experts, autofp8-experts); none of the experts' (gptq-dense-experts: a
+    checkpoint that leaves them out without listing them)."""
     return [
         name for name, t in tensors.items()
         if t.dim() == 2 and name.startswith("model.layers.") and not name.endswith(ROUTER)
