@@ -39,7 +39,7 @@ def test_logprobs_of_a_cut_stop_string_are_not_reported():
             if outputs:
                 final = outputs[0].outputs[0]
                 deltas.extend(final.delta_logprobs or [])
-            if final is not None and final.finished:
+            if final is not None and final.finished():
                 break
         assert final.text == " The answer is four" and final.finish_reason == "stop"
         reported = [next(iter(entry)) for entry in final.logprobs]
