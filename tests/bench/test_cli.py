@@ -228,7 +228,7 @@ def test_vllm_command_line_runs_chat_and_saves_results_as_vllm_names_them(
     assert args.func(args) == 0
     assert len(server.payloads) == 4
     for payload in server.payloads:
-        assert payload["messages"][0]["role"] == "user" and payload["max_tokens"] == 3
+        assert payload["messages"][0]["role"] == "user" and payload["max_completion_tokens"] == 3
         assert payload["ignore_eos"] is True  # vLLM's default for the random dataset
         assert (payload["temperature"], payload["top_p"]) == (0, 0.9) and "top_k" not in payload
     assert server.headers[0]["x-trace"] == "abc"
