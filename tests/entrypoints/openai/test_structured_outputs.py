@@ -315,7 +315,7 @@ def test_parse_with_pydantic_models_as_users_write_them(client, model) -> None:
     try:
         completion = client.chat.completions.parse(
             model="default", messages=[{"role": "user", "content": f"An example {model.__name__} as JSON."}],
-            max_tokens=200, temperature=0, response_format=model,
+            max_tokens=64 if model.__name__ == "Node" else 200, temperature=0, response_format=model,
         )  # fmt: skip
     except openai.LengthFinishReasonError:
         assert model.__name__ == "Node"
