@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import fused_moe_quant
 from tokenmill.kernels.activation import silu_and_mul
 
 # (pairs per expert, at most) -> BLOCK_M, then (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate/up GEMM
@@ -162,17 +161,11 @@ def _grouped_gemm(
 ):
     """out[pair] = a[row] @ w[expert]^T (times the pair's routing weight when WEIGHTED), for the pairs of
     one block of one expert; row is the pair's token (A_BY_TOKEN) or the pair itself."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded):
         return
-    expert = tl.load(block_experts + pid_m).to(tl.int64)
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs + offs)
-    valid = pair < num_pairs
-    row = pair // TOP_K if A_BY_TOKEN else pair
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    expert, pair, valid, row, rn, n_ok = block_pairs(
+        pairs, block_experts, N, num_pairs, TOP_K, A_BY_TOKEN, BLOCK_M, BLOCK_N
+    )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_expert = w + expert * stride_we
     for k0 in range(0, K, BLOCK_K):
@@ -187,6 +180,27 @@ def _grouped_gemm(
             w_expert + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
         )
         acc += tl.dot(at, tl.trans(wt), input_precision=PRECISION)
+    store_pairs(acc, out, pair, valid, rn, n_ok, pair_weights, stride_om, WEIGHTED)
+
+
+@triton.jit
+def block_pairs(
+    pairs, block_experts, N, num_pairs, TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A grouped GEMM program's block: its expert, its pairs (and which are real), the rows of the
+    activations they read (the pair's token, A_BY_TOKEN, or the pair itself) and its output columns."""
+    expert = tl.load(block_experts + tl.program_id(0)).to(tl.int64)
+    pair = tl.load(pairs + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    row = pair // TOP_K if A_BY_TOKEN else pair
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, pair, valid, row, rn, rn < N
+
+
+@triton.jit
+def store_pairs(acc, out, pair, valid, rn, n_ok, pair_weights, stride_om, WEIGHTED: tl.constexpr):
+    """A block's fp32 sums into its pairs' output rows, times each pair's routing weight when WEIGHTED."""
     if WEIGHTED:
         acc = acc * tl.load(pair_weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     o_mask = valid[:, None] & n_ok[None, :]
@@ -295,7 +309,10 @@ def fused_moe(
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; experts and weights [T, k] (weights
     in x's dtype; an expert id of E: no expert here) -> [T, H]. w13 and w2 may be quantized
     (quant_reference.QuantExperts, run by kernels/fused_moe_quant.py)."""
-    gemm = _gemm if isinstance(w13, torch.Tensor) else fused_moe_quant.quant_gemm
+    if isinstance(w13, torch.Tensor):
+        gemm = _gemm
+    else:
+        from tokenmill.kernels.fused_moe_quant import quant_gemm as gemm
     num_tokens, top_k = experts.shape
     _, block_m, gate_up_config, down_config = pick_config(num_tokens * top_k, w13.shape[0])
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()

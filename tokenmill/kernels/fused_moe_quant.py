@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.fused_moe import block_pairs, store_pairs
 from tokenmill.kernels.quant_reference import PACK, QuantExperts
 
 
@@ -54,17 +55,11 @@ def _quant_grouped_gemm(
 ):
     """kernels/fused_moe.py's _grouped_gemm with w[expert] = (q - zero) * scale, q read quantized; the
     zero points share the scales' strides."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded):
         return
-    expert = tl.load(block_experts + pid_m).to(tl.int64)
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs + offs)
-    valid = pair < num_pairs
-    row = pair // TOP_K if A_BY_TOKEN else pair
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    expert, pair, valid, row, rn, n_ok = block_pairs(
+        pairs, block_experts, N, num_pairs, TOP_K, A_BY_TOKEN, BLOCK_M, BLOCK_N
+    )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_expert = w + expert * stride_we
     s_rows = scale + expert * stride_se + rn * stride_sn
@@ -103,12 +98,7 @@ def _quant_grouped_gemm(
         acc = tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision=PRECISION)
     if ONE_GROUP:
         acc = acc * tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if WEIGHTED:
-        acc = acc * tl.load(pair_weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    o_mask = valid[:, None] & n_ok[None, :]
-    tl.store(
-        out + pair[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=o_mask
-    )
+    store_pairs(acc, out, pair, valid, rn, n_ok, pair_weights, stride_om, WEIGHTED)
 
 
 def tile_k(weight: QuantExperts, block_k: int) -> int:
