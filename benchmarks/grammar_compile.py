@@ -1,6 +1,7 @@
 """Time to compile a new (uncached) structured-output constraint: for each constraint the tests use (the
 nested person schema, pydantic models as the openai client and LangChain send them, tool-call grammars
-for `required` and a named function, json_object, a regex, a choice, a Lark grammar), the time from its
+for `required` and a named function, json_object, a regex, a choice, a Lark grammar and the same as
+GBNF, a schema with a whitespace pattern, a structural tag), the time from its
 text to the first token mask, which is what a request with a schema the server has not seen adds to its
 time to first token. The tokenizer's one-time conversion (server start-up) is timed apart. One JSON
 document on stdout (and --out).
@@ -31,6 +32,11 @@ expr: term (("+" | "-") term)*
 term: NUMBER | "(" expr ")"
 NUMBER: /[0-9]{1,6}/
 """
+# The same language as GBNF (`root ::= ...`, vLLM's users' EBNF for xgrammar), converted to Lark first.
+ARITHMETIC_GBNF = """root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= [0-9]{1,6} | "(" expr ")"
+"""
 
 
 def constraints() -> dict[str, P]:
@@ -51,6 +57,20 @@ def constraints() -> dict[str, P]:
         "regex_email": P(regex=r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)"),
         "choice": P(choice=["positive", "negative", "neutral"]),
         "grammar_lark_arithmetic": P(grammar=ARITHMETIC),
+        "grammar_gbnf_arithmetic": P(grammar=ARITHMETIC_GBNF),
+        "json_schema_whitespace_pattern": P(json=PERSON, whitespace_pattern="[ \\n]{0,2}"),
+        "structural_tag_weather": P(
+            structural_tag={
+                "structures": [
+                    {
+                        "begin": "<function=get_weather>",
+                        "schema": GetWeather.model_json_schema(),
+                        "end": "</function>",
+                    }
+                ],
+                "triggers": ["<function="],
+            }
+        ),
     }
 
 
