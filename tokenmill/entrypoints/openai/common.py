@@ -144,7 +144,10 @@ async def check_constraint(state: ServerState, request, params) -> None:
     except ValueError as exc:
         # A constraint the request gave names its field; one made from tools names them.
         field = request.constraint[0] if request.constraint else "tools"
-        raise bad_request(str(exc), param=field) from None
+        message, prefix = str(exc), f"structured_outputs {params.structured_outputs.kind}: "
+        if field != "structured_outputs" and message.startswith(prefix):  # the field the client wrote
+            message = f"{field}: {message[len(prefix) :]}"
+        raise bad_request(message, param=field) from None
 
 
 def resolve_max_tokens(
