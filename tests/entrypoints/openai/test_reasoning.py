@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.conftest import MAIN_SERVER_ARGS, ServerProcess
+from tests.entrypoints.openai.conftest import ServerProcess
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter
 from tokenmill.entrypoints.openai.serving_chat import ToolAnswer
@@ -73,28 +73,6 @@ def test_a_stream_from_inside_an_opened_thinking_shows_no_content_before_the_ans
     assert "".join(d.get("content", "") for d in deltas) == "It is 4."
 
 
-def test_server_routes_the_thinking(tmp_path) -> None:
-    """SmolLM2 does not think; under deepseek_r1 (the prompt opens <think>) its whole answer is thinking."""
-    process = ServerProcess([*MAIN_SERVER_ARGS, "--reasoning-parser", "deepseek_r1"], tmp_path / "r.log")
-    try:
-        client = process.wait_ready().client()
-        messages = [{"role": "user", "content": "What is 2 + 2?"}]
-        response = client.chat.completions.create(
-            model="default", messages=messages, max_tokens=12, temperature=0
-        )
-        message = response.choices[0].message
-        assert message.model_extra["reasoning_content"] and not message.content
-        stream = client.chat.completions.create(
-            model="default", messages=messages, max_tokens=12, temperature=0, stream=True
-        )
-        streamed = "".join(
-            (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in stream if c.choices
-        )
-        assert streamed == message.model_extra["reasoning_content"]
-    finally:
-        process.stop()
-
-
 def thinking_model(path) -> str:
     """A small random Llama whose tokenizer (SmolLM2's) has `<think>` and `</think>` as tokens of their
     own (ids 49152 and 49153), as Qwen3's and DeepSeek-R1's have."""
@@ -158,6 +136,15 @@ def test_constraints_apply_to_the_answer_after_the_thinking(tmp_path) -> None:
         )
         assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content
         assert free.choices[0].message.model_extra["reasoning_content"]
+        # Unconstrained and never closing its thinking (SmolLM2's template opens none: deepseek_r1's rule),
+        # the whole answer is thinking, streamed or not.
+        message = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0].message
+        assert message.model_extra["reasoning_content"] and not message.content
+        stream = client.chat.completions.create(**{**ask, "max_tokens": 8}, stream=True)
+        streamed = "".join(
+            (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in stream if c.choices
+        )
+        assert streamed == message.model_extra["reasoning_content"]
     finally:
         process.stop()
 
