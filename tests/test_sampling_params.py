@@ -15,6 +15,15 @@ from tokenmill.sampling_params import (
 from tokenmill.serving.core_protocol import AddRequest
 
 
+def test_a_temperature_below_a_hundredth_is_raised_to_it_as_vllm_does(caplog):
+    assert SamplingParams(temperature=0.001).temperature == 0.01
+    assert SamplingParams(temperature=1e-7).temperature == 0.01  # vLLM's too: not greedy
+    assert "raised to 0.01" in caplog.text
+    assert (
+        SamplingParams(temperature=0).temperature == 0 and SamplingParams(temperature=0.5).temperature == 0.5
+    )
+
+
 def test_seed_minus_one_means_no_seed():
     assert SamplingParams(seed=-1).seed is None
 

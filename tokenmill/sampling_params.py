@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# vLLM's floor for a temperature above 0: dividing logits by less can overflow them (inf, then nan).
+_MIN_TEMPERATURE = 1e-2
+
+logger = logging.getLogger(__name__)
 _DEFAULTED_WHEN_NONE = (
     "n",
     "presence_penalty",
@@ -203,6 +208,12 @@ class SamplingParams:
             self.top_k = 0
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s, which can overflow the scaled logits; raised to %s (as vLLM "
+                "does; 0 is greedy)", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE,
+            )  # fmt: skip
+            self.temperature = _MIN_TEMPERATURE
         self._validate()
 
     def _validate(self) -> None:
