@@ -143,18 +143,16 @@ class QuantExperts(NamedTuple):
         return held.dequantize(dtype)[0]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dense [E, N, K] weights in `dtype` (computed in fp32)."""
+        """The dense [E, N, K] weights in `dtype` (computed in fp32): the experts' rows as one matrix."""
         experts, rows, columns = self.shape
+        flat = lambda t: t.reshape(experts * rows, t.shape[-1])  # noqa: E731
+        zero = flat(self.zero) if self.zero is not None else None
         if self.int4:
-            shifts = _SHIFTS.to(self.data.device)
-            q = ((self.data[..., None] >> shifts) & 0xF).reshape(experts, rows, -1)[..., :columns] - 8
-            q = q.to(torch.float32)
-        else:
-            q = self.data.to(torch.float32)
-        groups = torch.arange(columns, device=q.device) // self.group_size
-        if self.zero is not None:
-            q = q - self.zero.to(torch.float32)[..., groups]
-        return (q * self.scale.to(torch.float32)[..., groups]).to(dtype)
+            dense = dequantize_int4(flat(self.data), flat(self.scale), zero, self.group_size, columns, dtype)
+        else:  # e4m3 values under the same group rule, no zero points
+            groups = torch.arange(columns, device=self.data.device) // self.group_size
+            dense = (flat(self.data).float() * flat(self.scale).float()[:, groups]).to(dtype)
+        return dense.reshape(experts, rows, columns)
 
 
 def quantize_experts_fp8(weight: torch.Tensor) -> QuantExperts:
@@ -170,10 +168,20 @@ def quantize_experts_int4(weight: torch.Tensor, group_size: int = 128) -> QuantE
     magnitude / 7, in the weight's dtype; the last group may be shorter): online `--quantization int4`,
     as int4.py's quantize_linear_int4 does a linear's weight."""
     experts, rows, columns = weight.shape
+    packed, scale = quantize_int4_symmetric(weight.reshape(experts * rows, columns), group_size)
+    return QuantExperts(
+        packed.reshape(experts, rows, -1), scale.reshape(experts, rows, -1), None, group_size, columns
+    )
+
+
+def quantize_int4_symmetric(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> (packed int32 [R, ceil(C/8)], scales [R, groups] in the weight's dtype): symmetric
+    round-to-nearest 4-bit groups of group_size columns, scale = the group's largest magnitude / 7 (the
+    last group may be shorter). Online `--quantization int4`, of linears and of MoE experts alike."""
+    rows, columns = weight.shape
     num_groups = -(-columns // group_size)
     padded = F.pad(weight.float(), (0, num_groups * group_size - columns))
-    groups = padded.reshape(experts, rows, num_groups, group_size)
+    groups = padded.reshape(rows, num_groups, group_size)
     scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-12)
-    q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8).reshape(experts * rows, -1)
-    packed = pack_int4(q[:, :columns]).reshape(experts, rows, -1)
-    return QuantExperts(packed, scale.to(weight.dtype), None, group_size, columns)
+    q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, -1)[:, :columns]
+    return pack_int4(q), scale.to(weight.dtype)

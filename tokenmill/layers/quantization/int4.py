@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import GemvFusion, triton_kernel
-from tokenmill.kernels.quant_reference import PACK, dequantize_int4, pack_int4, unpack_int4, w4a16_gemm
+from tokenmill.kernels.quant_reference import (
+    PACK,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4_symmetric,
+    unpack_int4,
+    w4a16_gemm,
+)
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
 
 
@@ -234,16 +241,11 @@ def _param(
 def quantize_linear_int4(layer: nn.Module, group_size: int = 128) -> None:
     """Online W4A16: replace a loaded linear's `weight` with symmetric round-to-nearest 4-bit groups
     (scale = the group's largest magnitude / 7; the last group may be shorter than group_size)."""
-    weight = layer.weight.data
-    rows, columns = weight.shape
-    num_groups = math.ceil(columns / group_size)
-    padded = torch.nn.functional.pad(weight.float(), (0, num_groups * group_size - columns))
-    groups = padded.reshape(rows, num_groups, group_size)
-    scale = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-12)
-    q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, -1)[:, :columns]
+    columns = layer.weight.shape[1]
+    packed, scale = quantize_int4_symmetric(layer.weight.data, group_size)
     del layer.weight
-    layer.register_parameter("weight_packed", nn.Parameter(pack_int4(q), requires_grad=False))
-    layer.register_parameter("weight_scale", nn.Parameter(scale.to(weight.dtype), requires_grad=False))
+    layer.register_parameter("weight_packed", nn.Parameter(packed, requires_grad=False))
+    layer.register_parameter("weight_scale", nn.Parameter(scale, requires_grad=False))
     layer.int4_group_size = group_size
     layer.int4_in_features = columns
     layer.quant_method = Int4W4A16LinearMethod(group_size, symmetric=True)
