@@ -67,6 +67,11 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class PoolingOutput:
+    data: Any  # torch.Tensor [hidden_size] float32, L2-normalised
+
+
+@dataclass(slots=True)
 class EmbeddingOutput:
     embedding: list[float]
 
@@ -76,48 +81,33 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """What LLM.embed returns per prompt, in vLLM's shape: the vector is output.outputs.embedding."""
-
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int
-    finished: bool = True
-
-    @staticmethod
-    def from_output(output: RequestOutput) -> EmbeddingRequestOutput:
-        assert output.embedding is not None, "a pooling request finished without its vector"
-        return EmbeddingRequestOutput(
-            output.request_id,
-            EmbeddingOutput(output.embedding),
-            output.prompt_token_ids,
-            output.num_cached_tokens,
-        )
-
-
-@dataclass(slots=True)
-class PoolingOutput:
-    data: Any  # torch.Tensor [hidden_size] float32, L2-normalised
-
-
-@dataclass(slots=True)
 class PoolingRequestOutput:
     """What LLM.encode returns per prompt, in vLLM's shape: the pooled tensor is output.outputs.data."""
 
     request_id: str
-    outputs: PoolingOutput
+    outputs: Any  # PoolingOutput (EmbeddingOutput for EmbeddingRequestOutput)
     prompt_token_ids: list[int]
     num_cached_tokens: int
     finished: bool = True
 
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> PoolingRequestOutput:
+        assert output.pooled is not None, "a pooling request finished without its vector"
+        return cls(output.request_id, cls._outputs(output), output.prompt_token_ids, output.num_cached_tokens)
+
     @staticmethod
-    def from_output(output: RequestOutput) -> PoolingRequestOutput:
+    def _outputs(output: RequestOutput) -> Any:
         import numpy as np
         import torch
 
-        assert output.pooled is not None, "a pooling request finished without its vector"
-        data = torch.from_numpy(np.frombuffer(output.pooled, dtype="<f4").copy())  # no list in between
-        return PoolingRequestOutput(
-            output.request_id, PoolingOutput(data), output.prompt_token_ids, output.num_cached_tokens
-        )
+        return PoolingOutput(torch.from_numpy(np.frombuffer(output.pooled, dtype="<f4").copy()))
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """What LLM.embed returns per prompt, in vLLM's shape (a PoolingRequestOutput, as vLLM's is): the
+    vector is output.outputs.embedding, a list of floats."""
+
+    @staticmethod
+    def _outputs(output: RequestOutput) -> Any:
+        return EmbeddingOutput(output.embedding)
