@@ -62,7 +62,7 @@ _expert_format: contextvars.ContextVar[ExpertFormat | None] = contextvars.Contex
 
 
 @contextlib.contextmanager
-def expert_format(fmt: ExpertFormat | None) -> Iterator[None]:
+def experts_held_as(fmt: ExpertFormat | None) -> Iterator[None]:
     """MoE layers built inside hold their experts in `fmt` (None: dense, the model dtype)."""
     token = _expert_format.set(fmt)
     try:

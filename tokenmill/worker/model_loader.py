@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.cpu_packed import pack_cpu_linears
-from tokenmill.layers.fused_moe import Experts, FusedMoE, expert_format
+from tokenmill.layers.fused_moe import Experts, FusedMoE, experts_held_as
 from tokenmill.layers.linear import LinearBase, default_linear_method, reset_to_unquantized
 from tokenmill.layers.quantization import (
     check_fp8_support,
@@ -42,7 +42,7 @@ def build_model(
     with (
         building_on(device, dtype),
         default_linear_method(stored.linear_method if stored else None),
-        expert_format(experts),
+        experts_held_as(experts),
     ):
         model = model_class(source.hf_config)(source.hf_config, max_model_len, lm_head=lm_head)
         if stored is not None:
