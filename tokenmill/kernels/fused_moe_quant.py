@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fused_moe import block_pairs, store_pairs
+from tokenmill.kernels.int4_gemm import load_int4_tile
 from tokenmill.kernels.quant_reference import PACK, QuantExperts
 
 
@@ -64,8 +65,6 @@ def _quant_grouped_gemm(
     w_expert = w + expert * stride_we
     s_rows = scale + expert * stride_se + rn * stride_sn
     z_rows = zero + expert * stride_se + rn * stride_sn
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -75,15 +74,7 @@ def _quant_grouped_gemm(
             other=0.0,
         )
         if INT4:
-            # One load per word, eight 4-bit values out of each: [BLOCK_N, BLOCK_K / 8] -> [BLOCK_N, BLOCK_K].
-            wk = k0 // 8 + words
-            packed = tl.load(
-                w_expert + rn[:, None] * stride_wn + wk[None, :],
-                mask=n_ok[:, None] & (wk * 8 < K)[None, :],
-                other=0,
-            )
-            q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-            q = tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8
+            q = load_int4_tile(w_expert + rn[:, None] * stride_wn, k0, K, n_ok, BLOCK_N, BLOCK_K)
             if HAS_ZERO:
                 q = q - tl.load(z_rows + k0 // GROUP_K, mask=n_ok, other=0).to(tl.int32)[:, None]
             wt = q.to(tl.float32)

@@ -60,8 +60,6 @@ def _w4a16_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_span
@@ -70,15 +68,9 @@ def _w4a16_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < k_hi
         xt = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # One load per word, eight 4-bit values out of each: [BLOCK_N, BLOCK_K / 8] -> [BLOCK_N, BLOCK_K].
-        wk = k0 // 8 + words
-        packed = tl.load(
-            w_packed + rn[:, None] * stride_wn + wk[None, :],
-            mask=n_ok[:, None] & (wk * 8 < k_hi)[None, :],
-            other=0,
+        q = load_int4_tile(w_packed + rn[:, None] * stride_wn, k0, k_hi, n_ok, BLOCK_N, BLOCK_K).to(
+            tl.float32
         )
-        q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32) - 8.0
         group = rk // GROUP
         s = tl.load(
             scale + rn[:, None] * stride_sn + group[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
@@ -91,6 +83,16 @@ def _w4a16_kernel(
         w = (q * s.to(tl.float32)).to(xt.dtype)
         acc += tl.dot(xt, tl.trans(w), input_precision=PRECISION)
     gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+
+
+@triton.jit
+def load_int4_tile(w_rows, k0, k_hi, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The 4-bit values (q - 8, int32) [BLOCK_N, BLOCK_K] of columns k0.. of the packed rows `w_rows`
+    (pointers [BLOCK_N, 1]), one load per word and eight values out of each; words from k_hi on read 0."""
+    wk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(w_rows + wk[None, :], mask=n_ok[:, None] & (wk * 8 < k_hi)[None, :], other=0)
+    q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    return tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8
 
 
 def _config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
