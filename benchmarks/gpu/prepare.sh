@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a GPU call carries that the device image lacks, made here on the CPU (no network there):
 #   .whl/         wheels of the server's and structured outputs' packages, at constraints.txt's versions,
-#                 for the image's Python 3.12 on x86-64, and py-spy (kv_offload_serve.sh's PROFILE=1);
+#                 for the image's Python 3.12 on x86-64, py-spy (kv_offload_serve.sh's PROFILE=1), and
+#                 compressed-tensors with loguru and psutil (the quantized checkpoints' tests);
 #   .gpu_assets/  the embedded SmolLM2's tokenizer (read from its GGUF), for real text on dummy weights.
 # Usage: benchmarks/gpu/prepare.sh   (then `run` with carry [".whl", ".gpu_assets"], starting the command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -12,7 +13,8 @@ set -eu
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-.venv/bin/python}
 packages="fastapi starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions
-  opentelemetry-api importlib-metadata uvicorn httptools pyzmq msgspec gguf llguidance py-spy"
+  opentelemetry-api importlib-metadata uvicorn httptools pyzmq msgspec gguf llguidance py-spy
+  compressed-tensors loguru psutil"
 mkdir -p .whl
 for name in $packages; do
   # constraints.txt's version where it pins one (importlib-metadata, opentelemetry-api's need, it does not)
