@@ -10,7 +10,9 @@ _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
 _POOLING_TYPES = ("last", "mean")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATION_METHODS = ("fp8", "int4", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_METHODS = ("fp8", "int4", "compressed-tensors", "gptq", "awq", "modelopt")
+# vLLM's names of its Marlin kernels for the same checkpoints, taken as the formats they read.
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -183,6 +185,7 @@ class EngineConfig:
             )
         if self.quantization is not None:
             self.quantization = self.quantization.lower()
+            self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
             if self.quantization not in QUANTIZATION_METHODS:
                 raise ValueError(
                     f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}."

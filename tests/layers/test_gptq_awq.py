@@ -111,7 +111,8 @@ def make_checkpoint(
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_logprobs_match_the_dequantized_model(arch: str, method: str, tmp_path) -> None:
     logits = make_checkpoint(arch, method, 32, tmp_path)
-    llm = load(tmp_path)
+    # Detected from the checkpoint; vLLM's `--quantization gptq_marlin` / `awq_marlin` are taken too.
+    llm = load(tmp_path, quantization=f"{method}_marlin" if arch == "llama" else None)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.qweight.dtype == torch.int32 for m in linears)
     prompt_logprobs_match(llm, logits)

@@ -115,6 +115,9 @@ def test_unknown_scheme_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(torch.nn.Linear(2, 2), "awq-but-typo")
     assert EngineConfig(quantization="FP8").quantization == "fp8"
+    # vLLM's names of its Marlin kernels are the formats they read.
+    assert EngineConfig(quantization="gptq_marlin").quantization == "gptq"
+    assert EngineConfig(quantization="AWQ_Marlin").quantization == "awq"
 
 
 @pytest.mark.gpu

@@ -52,7 +52,8 @@ _HELP = {
     "quantization": "fp8: quantize the checkpoint's linear weights to FP8 at load (per-channel scales, "
     "activations per token; FP8 tensor cores on Ada/Hopper, an exact emulation on a CPU); int4: 4-bit "
     "groups of 128, activations in the model dtype (W4A16, round-to-nearest). A quantized "
-    "checkpoint (compressed-tensors FP8) is detected from its config.json and needs no flag",
+    "checkpoint (compressed-tensors, GPTQ, AWQ, fine-grained FP8, Model Optimizer FP8) is detected from its "
+    "config.json and needs no flag (its name, or vLLM's gptq_marlin / awq_marlin, is taken too)",
     "kv_cache_dtype": "auto | fp8: the KV cache in FP8 (e4m3) holds twice the tokens and halves attention's "
     "reads; scales 1.0 unless the checkpoint has them",
     "pooling_type": "last | mean, for the pooling runner (default: the model's sentence-transformers "

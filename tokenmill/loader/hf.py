@@ -25,8 +25,12 @@ def load_hf_config(path: str):
 
 def _separate_quantization_config(path: str) -> dict | None:
     """The quantization config of checkpoints that keep it beside config.json, as AutoGPTQ wrote it
-    (quantize_config.json) and AutoAWQ (quant_config.json), in config.json's quantization_config form."""
-    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+    (quantize_config.json), AutoAWQ (quant_config.json) and NVIDIA's Model Optimizer
+    (hf_quant_config.json, read as it is by layers/quantization/modelopt.py), in config.json's
+    quantization_config form."""
+    for name, method in (
+        ("quantize_config.json", "gptq"), ("quant_config.json", "awq"), ("hf_quant_config.json", "modelopt")
+    ):  # fmt: skip
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             continue

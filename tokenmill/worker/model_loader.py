@@ -37,7 +37,7 @@ def build_model(
 ) -> nn.Module:
     stored = checkpoint_quantization(source.hf_config, config.quantization)
     if stored is not None and stored.uses_fp8:
-        check_fp8_support(device, "the checkpoint's quantization_config (compressed-tensors FP8 activations)")
+        check_fp8_support(device, "the checkpoint's quantization_config (FP8 activations)")
     experts = moe_experts.expert_format(stored) if stored is not None else None
     with (
         building_on(device, dtype),

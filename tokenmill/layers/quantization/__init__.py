@@ -4,7 +4,8 @@ layer's stored weights and its matmul.
 A checkpoint that says how it was quantized (`quantization_config` in config.json) is built with its
 scheme's method on every linear layer, so its tensors load as they are stored; the layers its ignore
 list names are rebuilt unquantized. Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py),
-GPTQ and AWQ 4-bit (gptq_awq.py), fine-grained FP8 with block scales (fp8_block.py). A MoE checkpoint's
+GPTQ and AWQ 4-bit (gptq_awq.py), fine-grained FP8 with block scales (fp8_block.py), NVIDIA Model
+Optimizer's FP8 (modelopt.py). A MoE checkpoint's
 quantized experts stay quantized where the fused MoE kernel runs the scheme, else are dequantized as
 they load (moe_experts.py).
 
@@ -26,11 +27,15 @@ from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, check_fp8_support
 from tokenmill.layers.quantization.fp8_block import Fp8BlockConfig
 from tokenmill.layers.quantization.gptq_awq import GptqAwqConfig
 from tokenmill.layers.quantization.int4 import quantize_linear_int4
+from tokenmill.layers.quantization.modelopt import ModelOptConfig, is_modelopt
 
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "modelopt")
+# --quantization values that name a checkpoint of another quant_method too, as vLLM takes them: fp8 for
+# Model Optimizer's FP8 checkpoints.
+_ALSO_NAMES = {"modelopt": ("fp8",)}
 
 
-CheckpointScheme = CompressedTensorsConfig | GptqAwqConfig | Fp8BlockConfig
+CheckpointScheme = CompressedTensorsConfig | GptqAwqConfig | Fp8BlockConfig | ModelOptConfig
 
 
 def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointScheme | None:
@@ -47,8 +52,8 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointSchem
                 "has no quantization_config."
             )
         return None
-    method = raw.get("quant_method")
-    if requested is not None and requested != method:
+    method = "modelopt" if is_modelopt(raw) else raw.get("quant_method")
+    if requested is not None and requested != method and requested not in _ALSO_NAMES.get(method, ()):
         raise ValueError(
             f"quantization={requested!r} does not match the checkpoint, which is quantized with "
             f"quantization_config.quant_method {method!r}; drop --quantization."
@@ -59,6 +64,8 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointSchem
         return GptqAwqConfig(raw)
     if method == "fp8":
         return Fp8BlockConfig(raw)
+    if method == "modelopt":
+        return ModelOptConfig(raw)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported (supported: "
         f"{', '.join(CHECKPOINT_METHODS)})."
@@ -69,7 +76,7 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     """Put every linear layer of `model` on the `method` scheme once its weights are loaded (each MoE
     layer's experts too); returns how many layers (and expert stacks) were converted. `method`
     None leaves the model as it is."""
-    if method is None or method in ("compressed-tensors", "gptq", "awq"):
+    if method is None or method in ("compressed-tensors", "gptq", "awq", "modelopt"):
         return 0
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}.")

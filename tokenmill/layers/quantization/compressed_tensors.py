@@ -172,8 +172,11 @@ def _checkpoint_names(prefix: str) -> list[str]:
     return [prefix]
 
 
-# Per-tensor FP8 KV scales as llm-compressor saves them, and as older compressed-tensors checkpoints did.
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+# Per-tensor FP8 KV scales as llm-compressor saves them, as older compressed-tensors checkpoints did, and
+# as NVIDIA's Model Optimizer does (k_proj.k_scale, v_proj.v_scale).
+_KV_SCALE = re.compile(
+    r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale|k_proj\.(k)_scale|v_proj\.(v)_scale)$"
+)
 
 
 def kv_scales_aside(
@@ -192,7 +195,7 @@ def kv_scales_aside(
         value = float(tensor.float().reshape(()))
         if not value > 0 or value == float("inf"):
             raise ValueError(f"checkpoint tensor {name!r} is {value}; a KV scale must be positive, finite.")
-        found[(int(match.group(1)), match.group(2) or match.group(3))] = value
+        found[(int(match.group(1)), next(g for g in match.groups()[1:] if g))] = value
     for layer in sorted({layer for layer, _ in found}):
         if (layer, "k") not in found or (layer, "v") not in found:
             raise ValueError(f"checkpoint has only one of layer {layer}'s k_scale and v_scale.")
