@@ -13,8 +13,9 @@ def test_serve_options():
     )
     assert (args.port, args.served_model_name, args.api_key, args.max_num_seqs) == (9000, ["a", "b"], "k", 4)
     assert build_parser().parse_args(["serve", "--disable-log-stats"]).disable_log_stats is True
+    # Every interface by default, as `vllm serve` listens.
     assert (args.host, args.model, args.shutdown_timeout, args.access_log) == (
-        "127.0.0.1",
+        "0.0.0.0",
         "default",
         30.0,
         True,
@@ -27,7 +28,7 @@ def test_taken_port_fails_before_the_model_loads(capsys):
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--model", "/no/such/model"]) == 2
-    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert f"cannot listen on 0.0.0.0:{port}" in capsys.readouterr().err
 
 
 def test_missing_model_is_a_clean_error(capsys):

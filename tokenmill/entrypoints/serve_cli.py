@@ -21,7 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it (or --model)"
     )
     server = parser.add_argument_group("server options")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on (default: every IPv4 interface, as vLLM; 127.0.0.1 for this machine only)",
+    )
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     server.add_argument(
         "--served-model-name",
