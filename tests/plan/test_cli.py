@@ -357,3 +357,42 @@ def test_the_tokenmill_command_plans_without_torch(command) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+MODELOPT = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}
+MODELOPT_BESIDE = ("hf_quant_config.json", MODELOPT)
+AUTOAWQ_BESIDE = ("quant_config.json", {"w_bit": 4, "q_group_size": 128, "zero_point": True})
+
+
+def ct_weights(**weights) -> dict:
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": weights}}}
+
+
+@pytest.mark.parametrize(
+    ("quantization", "beside", "want"),
+    [
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, None, "fp8"),
+        (None, MODELOPT_BESIDE, "fp8"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "fp8"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, None, "int4"),
+        (None, AUTOAWQ_BESIDE, "int4"),
+        (ct_weights(num_bits=4), None, "int4"),
+        (ct_weights(num_bits=8, type="float"), None, "fp8"),
+        (None, None, "bf16"),
+    ],
+)
+def test_a_quantized_checkpoint_plans_in_its_own_weight_dtype(capsys, tmp_path, quantization, beside, want):
+    """Without --weight-dtype the planner takes the checkpoint's (it had planned bf16 weights for every
+    checkpoint); --weight-dtype still overrides it."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}  # fmt: skip
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if beside is not None:
+        (tmp_path / beside[0]).write_text(json.dumps(beside[1]))
+    assert plan(capsys, "--model", str(tmp_path), "--gpu", "H200")["weight_dtype"] == want
+    assert plan(capsys, "--model", str(tmp_path / "config.json"), "--gpu", "H200")["weight_dtype"] == want
+    overridden = plan(capsys, "--model", str(tmp_path), "--gpu", "H200", "--weight-dtype", "bf16")
+    assert overridden["weight_dtype"] == "bf16"

@@ -175,3 +175,44 @@ def resolve_model(spec: str) -> ModelShape:
         f"unknown model {spec!r}: not a catalogue name ({', '.join(MODELS)}), 'default', "
         "a directory with config.json, or a .gguf file"
     )
+
+
+def checkpoint_weight_dtype(spec: str) -> str | None:
+    """The planner's --weight-dtype for a quantized checkpoint (a model directory or its config.json):
+    from config.json's quantization_config, or the file beside it that AutoGPTQ, AutoAWQ or Model
+    Optimizer wrote; None for anything else (a catalogue name, an unquantized or GGUF model, a scheme the
+    planner has no dtype for)."""
+    path = Path(spec).expanduser()
+    directory = path if path.is_dir() else path.parent if path.suffix == ".json" else None
+    if directory is None or not (directory / "config.json").is_file():
+        return None
+    import json
+
+    from tokenmill.loader.hf import _separate_quantization_config
+
+    try:
+        raw = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    raw = raw if isinstance(raw, dict) else _separate_quantization_config(str(directory))
+    return _weight_dtype(raw) if isinstance(raw, dict) else None
+
+
+def _weight_dtype(raw: dict) -> str | None:
+    method = raw.get("quant_method")
+    if method in ("gptq", "awq"):
+        bits = raw.get("bits", raw.get("w_bit", 4))
+        return {4: "int4", 8: "int8"}.get(bits)
+    if method == "fp8":
+        return "fp8"
+    nested = raw.get("quantization")
+    algo = (nested if isinstance(nested, dict) else raw).get("quant_algo")
+    if isinstance(algo, str):  # Model Optimizer
+        return "fp8" if algo.upper().startswith("FP8") else None
+    if method == "compressed-tensors":
+        groups = [g for g in (raw.get("config_groups") or {}).values() if isinstance(g, dict)]
+        weights = [g.get("weights") or {} for g in groups]
+        kinds = {(w.get("type", "int"), w.get("num_bits")) for w in weights}
+        if len(kinds) == 1:
+            return {("int", 4): "int4", ("int", 8): "int8", ("float", 8): "fp8"}.get(kinds.pop())
+    return None

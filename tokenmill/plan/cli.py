@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from tokenmill.config import EngineConfig
 from tokenmill.plan.calibrate import calibration_rows, format_calibration, parse_bench_result, read_bench_json
-from tokenmill.plan.catalogue import MODELS, resolve_model
+from tokenmill.plan.catalogue import MODELS, checkpoint_weight_dtype, resolve_model
 from tokenmill.plan.gpus import (
     GPUS,
     MEASURED,
@@ -49,7 +49,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num-gpus", type=int, help="GPUs available (default: --tp, else 1)")
     parser.add_argument("--tp", type=int, help="tensor-parallel degree (default: the smallest that fits)")
-    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16")
+    parser.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        help="default: a quantized checkpoint's own (from its quantization_config), else bf16",
+    )
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
     parser.add_argument(
         "--context",
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.input_len is None) != (args.output_len is None):
         raise ValueError("--input-len and --output-len go together: give both or neither")
     shape = resolve_model(args.model)
+    args.weight_dtype = args.weight_dtype or checkpoint_weight_dtype(args.model) or "bf16"
     gpu = gpu_from_args(args.gpu, args)
     if args.input_len is None:
         context = args.context or DEFAULT_CONTEXT
@@ -168,6 +173,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     path: Path = args.calibrate
     result = parse_bench_result(read_bench_json(path), args.batch)
     shape = _named_in_result(args.model, result.model, "model", path, resolve_model)
+    args.weight_dtype = args.weight_dtype or checkpoint_weight_dtype(args.model or result.model) or "bf16"
     gpu = _named_in_result(args.gpu, result.gpu, "gpu", path, lambda name: gpu_from_args(name, args))
     context = args.context or result.input_len + result.output_len
     deployment = deployment_from_args(shape, gpu, context, args)
