@@ -17,13 +17,13 @@ def load_hf_config(path: str):
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"model {path!r}: cannot read config.json ({exc}).") from exc
     if getattr(config, "quantization_config", None) is None:
-        stored = _separate_quantization_config(path)
+        stored = quantization_config_beside(path)
         if stored is not None:
             config.quantization_config = stored
     return config
 
 
-def _separate_quantization_config(path: str) -> dict | None:
+def quantization_config_beside(path: str) -> dict | None:
     """The quantization config of checkpoints that keep it beside config.json, as AutoGPTQ wrote it
     (quantize_config.json), AutoAWQ (quant_config.json) and NVIDIA's Model Optimizer
     (hf_quant_config.json, read as it is by layers/quantization/modelopt.py), in config.json's

@@ -3,6 +3,7 @@ a catalogue name, `default`, a model directory, a config.json or a GGUF file."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenmill.plan.model_shape import ModelShape, load_gguf, load_hf_dir
@@ -186,15 +187,13 @@ def checkpoint_weight_dtype(spec: str) -> str | None:
     directory = path if path.is_dir() else path.parent if path.suffix == ".json" else None
     if directory is None or not (directory / "config.json").is_file():
         return None
-    import json
-
-    from tokenmill.loader.hf import _separate_quantization_config
+    from tokenmill.loader.hf import quantization_config_beside
 
     try:
         raw = json.loads((directory / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return None
-    raw = raw if isinstance(raw, dict) else _separate_quantization_config(str(directory))
+    raw = raw if isinstance(raw, dict) else quantization_config_beside(str(directory))
     return _weight_dtype(raw) if isinstance(raw, dict) else None
 
 

@@ -30,7 +30,7 @@ def is_modelopt(config: dict) -> bool:
     """Whether a quantization_config is Model Optimizer's (its quant_method, or only its producer, as
     hf_quant_config.json and some config.json exports say it)."""
     producer = config.get("producer")
-    return config.get("quant_method") == "modelopt" or (
+    return str(config.get("quant_method")).startswith("modelopt") or (
         isinstance(producer, dict) and producer.get("name") == "modelopt"
     )
 
@@ -46,7 +46,8 @@ class ModelOptConfig:
             where = "quantization_config"
             algo = config.get("quant_algo")
             scheme = config.get("kv_cache_scheme")
-            kv_algo = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else scheme
+            fp8 = isinstance(scheme, dict) and (scheme.get("type"), scheme.get("num_bits")) == ("float", 8)
+            kv_algo = "FP8" if fp8 else scheme
             self.ignore_key = "ignore" if "ignore" in config else "exclude_modules"
             exclude = config.get(self.ignore_key)
         self.where = where
