@@ -93,6 +93,10 @@ def test_bad_tool_requests_are_400(server) -> None:
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        # tool_choice without tools, as OpenAI and vLLM refuse it ('none' is taken)
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "auto", "tools": []}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
         (
             {"tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
             "tools.0.function.name",
@@ -119,6 +123,7 @@ def test_bad_tool_requests_are_400(server) -> None:
     for override, param in cases:
         assert_error(server.post("/v1/chat/completions", json={**body, **override}), 400, param)
     assert server.post("/v1/chat/completions", json=body).status_code == 200
+    assert server.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 200
 
 
 def test_tools_whose_parameters_refer_to_their_definitions(client) -> None:

@@ -62,11 +62,11 @@ def check_tools(tools: list | None, tool_choice: str | dict | None) -> None:
             raise ParamError(
                 f"tools.{index}.function.parameters", "a function's parameters are a JSON schema"
             )
-    if tool_choice is None or tool_choice in ("none", "auto"):
+    if tool_choice is None or tool_choice == "none":
         return
-    if tool_choice == "required":
-        if not tools:
-            raise ParamError("tool_choice", "tool_choice 'required' needs tools")
+    if not tools:  # as OpenAI and vLLM answer it
+        raise ParamError("tool_choice", f"tool_choice {tool_choice!r} is only allowed when tools are given")
+    if tool_choice in ("auto", "required"):
         return
     name = named_choice(tool_choice)
     if name is None:
