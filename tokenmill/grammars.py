@@ -10,8 +10,9 @@ import re
 from tokenmill.sampling_params import StructuredOutputsParams
 
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
-# small model sampling at temperature can wander until max_tokens; keywords llguidance does not implement
-# (format, title...) are ignored rather than refused. A schema's own "x-guidance" overrides these.
+# small model sampling at temperature can wander until max_tokens. lenient: llguidance compiles what it
+# implements and warns of the rest (refused_keywords() turns those warnings into errors, but for formats it
+# lacks). A schema's own "x-guidance" overrides these.
 _JSON_DEFAULTS = {
     "whitespace_flexible": False,
     "item_separator": ", ",
@@ -62,21 +63,10 @@ class _Closer:
         for value in node.values():
             self._find_parts(value)
 
-    def _resolve(self, ref: str) -> object:
-        """What a local JSON pointer ("#/$defs/Name") names in the root schema, else None."""
-        if not ref.startswith("#/"):
-            return None
-        node: object = self.root
-        for part in ref[2:].split("/"):
-            if not isinstance(node, dict):
-                return None
-            node = node.get(part.replace("~1", "/").replace("~0", "~"))
-        return node
-
     def names(self, branch: object) -> set[str]:
         """The property names a part lists (through one local reference)."""
         if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
-            branch = self._resolve(branch["$ref"])
+            branch = _resolve(self.root, branch["$ref"])
         properties = branch.get("properties") if isinstance(branch, dict) else None
         return set(properties) if isinstance(properties, dict) else set()
 
@@ -86,6 +76,7 @@ class _Closer:
         if not isinstance(schema, dict):
             return schema
         out = dict(schema)
+        _as_implemented(out)
         for key in ("properties", "patternProperties", "dependentSchemas"):
             if isinstance(out.get(key), dict):
                 out[key] = {name: self.close(sub) for name, sub in out[key].items()}
@@ -121,7 +112,107 @@ class _Closer:
             properties = dict(out.get("properties") or {})
             out["properties"] = {**properties, **{name: {} for name in sorted(names - set(properties))}}
             out["additionalProperties"] = False
+        if "additionalProperties" in out:  # it takes every property that is left: none is unevaluated
+            out.pop("unevaluatedProperties", None)
         return out
+
+
+# Keywords whose subschemas apply to the instance itself, so that unevaluatedProperties / unevaluatedItems
+# reach past the node's own properties and items.
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "dependentSchemas")
+
+
+def _as_implemented(node: dict) -> None:
+    """Keywords llguidance does not implement, in place, where they say nothing (uniqueItems false, or
+    over at most one item) or what one it implements says: unevaluatedProperties / unevaluatedItems on a
+    node with nothing applied in place are additionalProperties / items (additionalItems after a draft 7
+    tuple), and no-ops beside those. Any other use is left for refused_keywords() to refuse."""
+    max_items = node.get("maxItems")
+    if node.get("uniqueItems") is False or (isinstance(max_items, int) and max_items <= 1):
+        node.pop("uniqueItems", None)
+    if any(key in node for key in _IN_PLACE):
+        return
+    if "unevaluatedProperties" in node:
+        unevaluated = node.pop("unevaluatedProperties")
+        node.setdefault("additionalProperties", unevaluated)
+    if "unevaluatedItems" in node:
+        unevaluated = node.pop("unevaluatedItems")
+        node.setdefault("additionalItems" if isinstance(node.get("items"), list) else "items", unevaluated)
+
+
+def _resolve(root: dict, ref: str) -> object:
+    """What a local JSON pointer ("#/$defs/Name") names in the root schema, else None."""
+    if not ref.startswith("#/"):
+        return None
+    node: object = root
+    for part in ref[2:].split("/"):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part.replace("~1", "/").replace("~0", "~"))
+    return node
+
+
+# Where a schema holds subschemas: maps of them, lists of them, and single ones.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_ONES = (
+    "items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+    "contains", "propertyNames", "not", "if", "then", "else", "contentSchema",
+)  # fmt: skip
+_ANNOTATIONS = {
+    "title", "description", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly",
+}  # fmt: skip
+
+
+def _subschemas(node: dict) -> list[tuple[str, object]]:
+    """(JSON pointer step, subschema) for each subschema a schema holds."""
+    found: list[tuple[str, object]] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            found += [(f"{key}/{name}", sub) for name, sub in node[key].items()]
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            found += [(f"{key}/{index}", sub) for index, sub in enumerate(node[key])]
+    return found + [(key, node[key]) for key in _SCHEMA_ONES if isinstance(node.get(key), dict)]
+
+
+def one_of_refs_inlined(schema: object) -> object:
+    """The schema with each oneOf alternative that is a local reference replaced by what it names (once
+    per reference along a path, so recursive ones stop): llguidance proves alternatives disjoint (the
+    consts of a discriminator, as pydantic's tagged unions have) only when it sees them, and otherwise
+    makes oneOf an anyOf, under which an output may match two (refused_keywords() refuses that)."""
+    if not isinstance(schema, dict):
+        return schema
+    root = schema
+
+    def inline(node: object, seen: frozenset[str]) -> object:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in _SCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: inline(sub, seen) for name, sub in out[key].items()}
+        for key in _SCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [inline(sub, seen) for sub in out[key]]
+        for key in _SCHEMA_ONES:
+            if isinstance(out.get(key), dict):
+                out[key] = inline(out[key], seen)
+        if isinstance(out.get("oneOf"), list):
+            out["oneOf"] = [alternative(branch, seen) for branch in out["oneOf"]]
+        return out
+
+    def alternative(branch: object, seen: frozenset[str]) -> object:
+        ref = branch.get("$ref") if isinstance(branch, dict) else None
+        if not isinstance(ref, str) or ref in seen or not set(branch) - {"$ref"} <= _ANNOTATIONS:
+            return branch
+        target = _resolve(root, ref)
+        if not isinstance(target, dict):
+            return branch
+        annotations = {key: value for key, value in branch.items() if key != "$ref"}
+        return inline({**target, **annotations}, seen | {ref})
+
+    return inline(schema, frozenset())
 
 
 # A GBNF rule definition, `root ::= ...` (Lark writes `start: ...`).
@@ -151,7 +242,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "json":
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(closed(schema)), defaults=json_options(params)
+                json.dumps(closed(one_of_refs_inlined(schema))), defaults=json_options(params)
             )
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -170,6 +261,90 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(lark(params.grammar))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"structured_outputs {kind}: {exc}") from None
+
+
+# What llguidance warns of when it compiles a schema leniently, and what each means for the output: a
+# keyword it ignores (the output may break it), oneOf made anyOf (an output may match two alternatives),
+# min/maxProperties over optional properties ignored. A format it lacks leaves the string free, which
+# every validator takes (a format it does not know asserts nothing): the one warning let through.
+_UNIMPLEMENTED = re.compile(r"^Unimplemented keys: \[(.*?)\]")
+_ONE_OF = "oneOf not fully supported"
+_PROPERTY_COUNTS = "min/maxProperties only supported"
+_HARMLESS = "Unknown format: "
+
+
+def refused_keywords(warnings: list[str], schemas: list[object]) -> str | None:
+    """Why a constraint is refused, from llguidance's warnings on compiling it (None: nothing the output
+    could break): the schema keywords it would ignore, each where `schemas` (the constraint's JSON schemas)
+    hold it, as JSON pointers ("#/properties/tags")."""
+    reasons: dict[str, str] = {}  # keyword -> why, to follow "is" / "are"
+    for warning in warnings:
+        if warning.startswith(_HARMLESS):
+            continue
+        unimplemented = _UNIMPLEMENTED.match(warning)
+        if unimplemented:
+            for name in re.findall(r'"([^"]+)"', unimplemented.group(1)):
+                reasons.setdefault(name, "not implemented by llguidance")
+        elif warning.startswith(_ONE_OF):
+            reasons["oneOf"] = (
+                "anyOf to llguidance, which cannot tell its alternatives apart (use anyOf, or alternatives "
+                "that differ in a required const)"
+            )
+        elif warning.startswith(_PROPERTY_COUNTS):
+            for name in ("minProperties", "maxProperties"):
+                reasons[name] = "enforced by llguidance only when every listed property is required"
+        else:
+            reasons[warning] = ""
+    where = {name: _where(schemas, name) for name in reasons}
+    if any(where.values()):  # one warning names both min/maxProperties: the schema says which it holds
+        reasons = {name: reason for name, reason in reasons.items() if where[name] or not reason}
+    if not reasons:
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        at = f" (at {', '.join(where[name])})" if where[name] else ""
+        by_reason.setdefault(reason, []).append(f"'{name}'{at}")
+    parts = [
+        f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {reason}"
+        if reason
+        else f"llguidance: {names[0]}"
+        for reason, names in by_reason.items()
+    ]
+    them = "it" if len(reasons) == 1 else "them"
+    return (
+        f"{'; '.join(parts)}; the output could break the schema, so it is refused: remove or rewrite {them}"
+    )
+
+
+def _where(schemas: list[object], keyword: str, limit: int = 3) -> list[str]:
+    """JSON pointers to the subschemas of `schemas` that hold `keyword` (at most `limit`)."""
+    found: list[str] = []
+
+    def visit(node: object, pointer: str) -> None:
+        if not isinstance(node, dict) or len(found) >= limit:
+            return
+        if keyword in node:
+            found.append(f"#{pointer}")
+        for step, sub in _subschemas(node):
+            visit(sub, f"{pointer}/{step}")
+
+    for schema in schemas:
+        visit(schema, "")
+    return found
+
+
+def constraint_schemas(params: StructuredOutputsParams) -> list[object]:
+    """The JSON schemas a constraint holds (a json schema, a structural tag's), as the client wrote them."""
+    try:
+        if params.kind == "json":
+            return [json.loads(params.json) if isinstance(params.json, str) else params.json]
+        if params.kind == "structural_tag":
+            tag = params.structural_tag
+            tag = json.loads(tag) if isinstance(tag, str) else tag
+            return [s.get("schema") for s in tag.get("structures", []) if isinstance(s, dict)]
+    except (ValueError, AttributeError):
+        pass
+    return []
 
 
 def structural_tag_grammar(spec: dict | str, options: dict) -> str:
@@ -206,7 +381,7 @@ def structural_tag_grammar(spec: dict | str, options: dict) -> str:
             raise ValueError(
                 f"structures[{index}].begin {begin!r} starts with none of the triggers {triggers}"
             )
-        schema = closed(structure.get("schema") or {})
+        schema = closed(one_of_refs_inlined(structure.get("schema") or {}))
         if not isinstance(schema, dict):
             raise ValueError(f"structures[{index}].schema must be a JSON schema (an object)")
         schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.grammars import grammar_text
+from tokenmill.grammars import constraint_schemas, grammar_text, refused_keywords
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.thinking import CLOSED, END, START, starts_inside
 
@@ -176,6 +176,10 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs {params.kind}: {exc}") from None
         if matcher.is_error():
             raise ValueError(f"structured_outputs {params.kind}: {matcher.get_error()}")
+        # Compiled leniently, a schema keyword llguidance lacks is a warning, and the output could break it.
+        refused = refused_keywords(matcher.get_grammar_warnings(), constraint_schemas(params))
+        if refused:
+            raise ValueError(f"structured_outputs {params.kind}: {refused}")
         return matcher
 
     def compiled(self, params: StructuredOutputsParams) -> _Families:

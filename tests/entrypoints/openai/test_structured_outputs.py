@@ -354,3 +354,29 @@ def test_bad_constraints_are_400s_naming_their_field(server) -> None:
         # The message names the field the client wrote too, not the engine's structured_outputs.
         assert field == "structured_outputs" or "structured_outputs" not in error["message"], error
     assert server.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_a_schema_keyword_llguidance_would_ignore_is_a_400_naming_field_and_keyword(server) -> None:
+    """uniqueItems (pydantic's set[int]) in response_format, `not` in a tool's parameters: llguidance
+    compiles around them, so the output could break them; each is a 400 naming the request field, the
+    keyword and where it sits. The server serves on."""
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 5}
+    tags = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    schema = {"type": "object", "properties": {"tags": tags}, "required": ["tags"]}
+    error = assert_error(
+        server.post("/v1/chat/completions", json={**body, "response_format": response_format(schema)}),
+        400,
+        "response_format",
+    )
+    assert error["message"].startswith(
+        "response_format: 'uniqueItems' (at #/properties/tags) is not implemented"
+    )
+    parameters = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": parameters}}
+    error = assert_error(
+        server.post("/v1/chat/completions", json={**body, "tools": [tool], "tool_choice": "required"}),
+        400,
+        "tools",
+    )
+    assert "'not'" in error["message"]
+    assert server.post("/v1/chat/completions", json=body).status_code == 200
