@@ -238,3 +238,23 @@ def _real_engine_args(hf_model_dirs, tiny_tokenizer_path: Path) -> list[str]:
     model_dir = hf_model_dirs["llama"][0]
     return ["--model", model_dir, "--tokenizer", str(tiny_tokenizer_path), "--max-model-len", "64",
             "--skip-tokenizer-init"]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_quantization_and_kv_cache_dtype_reach_the_engine(
+    recording_llm, hf_model_dirs, tiny_tokenizer_path: Path, tmp_path: Path, command: str
+) -> None:
+    """vLLM's bench commands take every engine argument; these two had been refused as unrecognized."""
+    import torch
+
+    from tokenmill.layers.linear import LinearBase
+
+    shape = ["--num-prompts", "2"] if command == "throughput" else ["--batch-size", "2", "--num-iters", "1"]
+    argv = [command, *_real_engine_args(hf_model_dirs, tiny_tokenizer_path), *shape, "--input-len", "8",
+            "--output-len", "3", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+            "--output-json", str(tmp_path / "r.json")]  # fmt: skip
+    assert _run(argv) == 0
+    (llm,) = recording_llm
+    assert (llm.config.quantization, llm.config.kv_cache_dtype) == ("fp8", "fp8")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)

@@ -258,3 +258,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--skip-tokenizer-init", action="store_true", help="engine works on token ids only (no detokenizing)"
     )
+    engine.add_argument(
+        "--quantization",
+        help="fp8 | int4: quantize a bf16 checkpoint's linears at load; a quantized checkpoint needs none "
+        "(its method, or vLLM's gptq_marlin / awq_marlin, is taken too)",
+    )
+    engine.add_argument("--kv-cache-dtype", help="auto | fp8: the KV cache in FP8 (e4m3)")

@@ -249,6 +249,8 @@ def _make_llm(args: argparse.Namespace, **engine_overrides: Any) -> Any:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_tokens_with_decodes": args.max_prefill_tokens_with_decodes,
         "skip_tokenizer_init": args.skip_tokenizer_init or None,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_config": getattr(args, "speculative_config", None),
         **engine_overrides,
     }
