@@ -273,3 +273,24 @@ def test_quantized_experts_equal_one_process(tmp_path) -> None:
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
         want = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
         assert tokens == [o.outputs[0].token_ids for o in want], path
+
+
+def test_block_scaled_fp8_equals_one_process(tmp_path) -> None:
+    """Fine-grained FP8 (weight_block_size, and compressed-tensors' FP8_BLOCK) at TP=2: each rank takes
+    its rows' block scales (the k and v parts are 16 rows a rank, finer than the blocks of 32) and the
+    row-parallel layers their columns'. Both had loaded the whole scale tensor, refused as the wrong
+    shape."""
+    pytest.importorskip("compressed_tensors")
+    from tests.layers import test_compressed_tensors, test_fp8_block
+
+    (tmp_path / "fine").mkdir()
+    (tmp_path / "ct").mkdir()
+    test_fp8_block.make_checkpoint("llama", tmp_path / "fine")
+    test_compressed_tensors.make_checkpoint("llama", "fp8-block", tmp_path / "ct")
+    runs = [(str(tmp_path / "fine"), 2, False), (str(tmp_path / "ct"), 2, False)]
+    prompts = [[5, 17, 33, 2, 9, 11, 200], [7, 8], list(range(3, 60))]  # (a vocabulary of 256)
+    got = run_script(RUN, json.dumps(runs), PARAMS_JSON, json.dumps(prompts))
+    for (path, *_), tokens in zip(runs, got, strict=True):
+        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+        want = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
+        assert tokens == [o.outputs[0].token_ids for o in want], path

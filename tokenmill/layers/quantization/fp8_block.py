@@ -24,6 +24,7 @@ from tokenmill.layers.linear import (
     RowParallelLinear,
     ShardId,
     WeightLoader,
+    load_shard,
 )
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod, not_converted
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, quantize_per_row
@@ -128,12 +129,16 @@ class Fp8BlockLinearMethod(LinearMethodBase):
     ) -> None:
         rows, columns = sum(output_partition_sizes), input_size_per_partition
         fused = isinstance(layer, (QKVParallelLinear, MergedColumnParallelLinear))
+        row_parallel = isinstance(layer, RowParallelLinear)
         # A fused layer's parts each have their own scale blocks. Where a part is not a whole number of
         # blocks (KV heads of 2 x 80 rows against blocks of 128), its scales are kept in finer blocks that
-        # every part is a whole number of, each holding its original block's scale.
-        block_n = math.gcd(self.block_n, *output_partition_sizes[:-1]) if fused else self.block_n
+        # every part is a whole number of, each holding its original block's scale. Split over ranks, a
+        # rank's rows of a part start where its slice does, so every part counts (last included).
+        split = not row_parallel and layer.tp_size > 1
+        parts = output_partition_sizes if split else output_partition_sizes[:-1] if fused else []
+        block_n = math.gcd(self.block_n, *parts)
         layer.fp8_block_n = block_n
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and columns % self.block_k:
+        if row_parallel and layer.tp_size > 1 and columns % self.block_k:
             raise ValueError(f"input size per rank {columns} is not a multiple of the block ({self.block_k})")
         weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE), requires_grad=False)
         weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
@@ -145,27 +150,34 @@ class Fp8BlockLinearMethod(LinearMethodBase):
             torch.empty(sum(block_rows), math.ceil(columns / self.block_k), dtype=torch.float32),
             requires_grad=False,
         )
-        scale.output_dim, scale.input_dim = 0, None if not isinstance(layer, RowParallelLinear) else 1
+        scale.output_dim, scale.input_dim = 0, 1 if row_parallel else None
         offsets = [sum(block_rows[:i]) for i in range(len(block_rows))]
 
         def load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-            if shard_id is None or not fused:
-                if loaded.shape != param.shape:
-                    raise ValueError(
-                        f"shape {tuple(loaded.shape)} does not match the expected {tuple(param.shape)}"
-                    )
-                param.data.copy_(loaded.float())
+            if row_parallel:  # this rank's columns: whole blocks (above)
+                load_shard(param.data, loaded, 1, layer.tp_rank, layer.tp_size)
                 return
-            index = "qkv".index(shard_id) if isinstance(shard_id, str) else int(shard_id)
-            dest = param.data.narrow(0, offsets[index], block_rows[index])
-            stored_rows = math.ceil(output_partition_sizes[index] / self.block_n)
-            if block_n != self.block_n and loaded.shape[0] == stored_rows:  # into the finer blocks
-                loaded = loaded[torch.arange(block_rows[index]) * block_n // self.block_n]
-            if loaded.shape != dest.shape:
-                raise ValueError(
-                    f"shape {tuple(loaded.shape)} does not match the expected {tuple(dest.shape)}"
-                )
-            dest.copy_(loaded.float())
+            shard_rank, num_shards = layer.tp_rank, layer.tp_size
+            if not fused or shard_id is None:
+                if fused and num_shards > 1:
+                    raise ValueError("a fused layer's scales stored fused cannot be split over ranks")
+                dest, size = param.data, rows
+            else:
+                index = "qkv".index(shard_id) if isinstance(shard_id, str) else int(shard_id)
+                dest = param.data.narrow(0, offsets[index], block_rows[index])
+                size = output_partition_sizes[index]
+                if shard_id in ("k", "v"):  # KV heads replicated over ranks: one slice per group of them
+                    shard_rank //= layer.num_kv_head_replicas
+                    num_shards //= layer.num_kv_head_replicas
+            if num_shards == 1 and loaded.shape == dest.shape:
+                dest.copy_(loaded)
+                return
+            expected = (math.ceil(size * num_shards / self.block_n), dest.shape[1])
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {expected}")
+            # Each of this rank's (finer) blocks takes the scale of the stored block its first row is in.
+            first_rows = shard_rank * size + torch.arange(dest.shape[0]) * block_n
+            dest.copy_(loaded[first_rows // self.block_n])
 
         scale.weight_loader = load_scale
         layer.register_parameter(self.scale_name, scale)
