@@ -275,19 +275,22 @@ def test_quantized_experts_equal_one_process(tmp_path) -> None:
         assert tokens == [o.outputs[0].token_ids for o in want], path
 
 
-def test_block_scaled_fp8_equals_one_process(tmp_path) -> None:
+def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     """Fine-grained FP8 (weight_block_size, and compressed-tensors' FP8_BLOCK) at TP=2: each rank takes
     its rows' block scales (the k and v parts are 16 rows a rank, finer than the blocks of 32) and the
     row-parallel layers their columns'. Both had loaded the whole scale tensor, refused as the wrong
-    shape."""
+    shape. GPTQ and AWQ: the row-parallel layers take their columns' slice of the packed weight and whole
+    groups of scales and zero points (refused at TP > 1 before)."""
     pytest.importorskip("compressed_tensors")
-    from tests.layers import test_compressed_tensors, test_fp8_block
+    from tests.layers import test_compressed_tensors, test_fp8_block, test_gptq_awq
 
-    (tmp_path / "fine").mkdir()
-    (tmp_path / "ct").mkdir()
+    for name in ("fine", "ct", "gptq", "awq"):
+        (tmp_path / name).mkdir()
     test_fp8_block.make_checkpoint("llama", tmp_path / "fine")
     test_compressed_tensors.make_checkpoint("llama", "fp8-block", tmp_path / "ct")
-    runs = [(str(tmp_path / "fine"), 2, False), (str(tmp_path / "ct"), 2, False)]
+    test_gptq_awq.make_checkpoint("llama", "gptq", 32, tmp_path / "gptq")
+    test_gptq_awq.make_checkpoint("llama", "awq", 32, tmp_path / "awq")
+    runs = [(str(tmp_path / name), 2, False) for name in ("fine", "ct", "gptq", "awq")]
     prompts = [[5, 17, 33, 2, 9, 11, 200], [7, 8], list(range(3, 60))]  # (a vocabulary of 256)
     got = run_script(RUN, json.dumps(runs), PARAMS_JSON, json.dumps(prompts))
     for (path, *_), tokens in zip(runs, got, strict=True):

@@ -133,27 +133,36 @@ class GptqAwqLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype | None,
         weight_loader: WeightLoader,
     ) -> None:
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
-            raise ValueError("GPTQ/AWQ checkpoints are loaded with tp_size 1 for now")
         rows, columns = sum(output_partition_sizes), input_size_per_partition
+        # A row-parallel layer under tensor parallelism holds its columns' slice: whole groups of them (the
+        # checkpoint's tensors, converted whole, are cut along K as they load; per-channel scales whole).
+        split = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        stored_columns = input_size if split else columns
+        if split and self.group_size > 0 and columns % self.group_size:
+            raise ValueError(
+                f"quantization_config.group_size {self.group_size} does not divide the {columns} input "
+                f"columns of each of the {layer.tp_size} ranks (--tensor-parallel-size) of this layer"
+            )
         group = self.group_size if self.group_size > 0 else columns
         if columns % PACK:
             raise ValueError(f"input size {columns} is not a multiple of {PACK}, as 4-bit packing needs")
         num_groups = math.ceil(columns / group)
+        stored_groups = math.ceil(stored_columns / self.group_size) if self.group_size > 0 else 1
         awq = self.awq
 
         def stored_shape(name: str, n: int) -> tuple[int, int]:
             """The tensor's shape in the file, for a layer (or part) of n output rows."""
             packed_n = math.ceil(n / PACK)
             return {
-                "qweight": (columns, packed_n) if awq else (columns // PACK, n),
-                "qzeros": (num_groups, packed_n),
-                "scales": (num_groups, n),
+                "qweight": (stored_columns, packed_n) if awq else (stored_columns // PACK, n),
+                "qzeros": (stored_groups, packed_n),
+                "scales": (stored_groups, n),
             }[name]
 
         def add(name: str, data: torch.Tensor, convert) -> None:
             param = nn.Parameter(data, requires_grad=False)
-            param.output_dim, param.input_dim = 0, None
+            param.output_dim = 0
+            param.input_dim = 1 if split and (name == "qweight" or self.group_size > 0) else None
 
             def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
                 # Checked as stored: converted, a wrong shape would be reported transposed or unpacked.
@@ -186,7 +195,8 @@ class GptqAwqLinearMethod(LinearMethodBase):
         add("scales", torch.zeros(rows, num_groups, dtype=params_dtype or torch.get_default_dtype()),
             lambda loaded: loaded.t().contiguous())  # fmt: skip
         if not awq:
-            add_group_index(layer, "g_idx", columns, "quantization_config.desc_act")
+            in_order = self.group_size if self.group_size > 0 else stored_columns
+            add_group_index(layer, "g_idx", stored_columns, "quantization_config.desc_act", in_order)
         layer.int4_group_size = group
         layer.int4_in_features = columns
 

@@ -163,9 +163,11 @@ def checkpoint_rows(layer: nn.Module, shard_id: ShardId, output_size: int) -> in
     return output_size
 
 
-def add_group_index(layer: nn.Module, name: str, columns: int, field: str) -> None:
+def add_group_index(layer: nn.Module, name: str, columns: int, field: str, group: int = 0) -> None:
     """Register `name` (a checkpoint's g_idx: each input column's group, [K]) on a 4-bit layer: kept as it
-    loads (a fused layer's parts, which share their input, must agree) for order_input_columns."""
+    loads (a fused layer's parts, which share their input, must agree) for order_input_columns. A
+    row-parallel layer under tensor parallelism takes one in order only (groups of `group` columns in a
+    row: nothing to reorder, and each rank's slice whole groups)."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if tuple(loaded.shape) != (columns,):
@@ -178,8 +180,11 @@ def add_group_index(layer: nn.Module, name: str, columns: int, field: str) -> No
                 "input, which tokenmill reorders once for all of them"
             )
         if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            if group > 0 and torch.equal(loaded, torch.arange(columns) // group):
+                return
             raise ValueError(
-                f"{field} with tp_size > 1 is not supported yet (the row-parallel layers' {name})"
+                f"{field} (input columns quantized out of order) with --tensor-parallel-size > 1 is not "
+                f"supported (the row-parallel layers' {name})"
             )
         layer.group_index = loaded
 
