@@ -8,6 +8,13 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the kernel tests run Triton's interpreter, which must be chosen before anything imports
+# triton.language: its own @jit functions (tl.zeros, ...) are made for the interpreter or not as it
+# imports. A library a test module imports at collection can import it first (nvidia-modelopt does, in
+# tests collected before tests/kernels), so it is chosen here, before any test module; tests/kernels'
+# conftest mends the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Odd sizes on purpose: head_dim not a power of two, GQA ratios 1, 3 and 4, vocab not a power of two.
 ARCH_CONFIGS = {

@@ -1,7 +1,8 @@
 """Kernel tests run the Triton kernels through the interpreter when there is no GPU.
 
-TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is set here, at collection,
-before the test modules import tokenmill.kernels' Triton modules. Four interpreter faults of triton 3.6
+TRITON_INTERPRET must be set before any @triton.jit decorator runs (triton.language's own too): tests'
+root conftest sets it, before any test module imports anything; it is set here as well, for a run of
+tests/kernels alone from another root. Four interpreter faults of triton 3.6
 that the GPU does not share are mended here, so that the tests hold the kernels to GPU behaviour.
 """
 
