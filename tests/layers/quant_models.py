@@ -59,6 +59,20 @@ def load(path, **options) -> LLM:
     return LLM(str(path), **{**defaults, **options})
 
 
+def assert_config_change_refused(path, change: dict, message: str) -> None:
+    """The checkpoint at `path` with `change` merged into its config.json's quantization_config fails to
+    load with a ValueError matching `message`."""
+    import json
+
+    import pytest
+
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load(path)
+
+
 def prompt_logprobs_match(llm: LLM, logits: torch.Tensor, atol: float = 2e-3) -> None:
     """tokenmill's log-probability of each prompt token equals the reference logits' log-softmax."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)

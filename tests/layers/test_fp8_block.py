@@ -19,6 +19,7 @@ from .quant_models import (
     ARCHITECTURES,
     CONFIGS,
     PROMPT,
+    assert_config_change_refused,
     load,
     model_config,
     prompt_logprobs_match,
@@ -99,11 +100,7 @@ def test_fused_parts_that_are_not_whole_blocks(tmp_path) -> None:
 )
 def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_path) -> None:
     make_checkpoint("llama", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"].update(change)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        load(tmp_path)
+    assert_config_change_refused(tmp_path, change, message)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,14 @@ from safetensors.torch import load_file
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import LinearBase
 
-from .quant_models import ARCHITECTURES, PROMPT, load, prompt_logprobs_match, random_model
+from .quant_models import (
+    ARCHITECTURES,
+    PROMPT,
+    assert_config_change_refused,
+    load,
+    prompt_logprobs_match,
+    random_model,
+)
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.export import export_hf_checkpoint  # noqa: E402
@@ -153,11 +160,7 @@ def test_moe_experts_stay_fp8(tmp_path) -> None:
 )
 def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_path) -> None:
     make_checkpoint("llama", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"].update(change)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        load(tmp_path)
+    assert_config_change_refused(tmp_path, change, message)
 
 
 def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(tmp_path) -> None:

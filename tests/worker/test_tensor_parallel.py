@@ -267,7 +267,13 @@ def test_quantized_experts_equal_one_process(tmp_path) -> None:
         path.mkdir()
         make_checkpoint(arch, scheme, path)
         runs.append((str(path), 2, False, ep))
-    prompts = [[5, 17, 33, 2, 9, 11, 200], [7, 8], list(range(3, 60))]  # (a vocabulary of 256)
+    assert_runs_equal_one_process(runs)
+
+
+def assert_runs_equal_one_process(runs: list[tuple]) -> None:
+    """Each run (checkpoint path, tensor-parallel size, ...: RUN's arguments) in one script gives the
+    greedy and seeded tokens of the checkpoint in one process, on prompts of a vocabulary of 256."""
+    prompts = [[5, 17, 33, 2, 9, 11, 200], [7, 8], list(range(3, 60))]
     got = run_script(RUN, json.dumps(runs), PARAMS_JSON, json.dumps(prompts))
     for (path, *_), tokens in zip(runs, got, strict=True):
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
@@ -290,10 +296,5 @@ def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     test_compressed_tensors.make_checkpoint("llama", "fp8-block", tmp_path / "ct")
     test_gptq_awq.make_checkpoint("llama", "gptq", 32, tmp_path / "gptq")
     test_gptq_awq.make_checkpoint("llama", "awq", 32, tmp_path / "awq")
-    runs = [(str(tmp_path / name), 2, False) for name in ("fine", "ct", "gptq", "awq")]
-    prompts = [[5, 17, 33, 2, 9, 11, 200], [7, 8], list(range(3, 60))]  # (a vocabulary of 256)
-    got = run_script(RUN, json.dumps(runs), PARAMS_JSON, json.dumps(prompts))
-    for (path, *_), tokens in zip(runs, got, strict=True):
-        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
-        want = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
-        assert tokens == [o.outputs[0].token_ids for o in want], path
+    names = ("fine", "ct", "gptq", "awq")
+    assert_runs_equal_one_process([(str(tmp_path / name), 2, False) for name in names])
