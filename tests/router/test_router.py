@@ -111,6 +111,7 @@ def run_workload(url: str, count: int, concurrency: int) -> list[float]:
     return ttfts
 
 
+@pytest.mark.slow  # a timing comparison (~15 s on a 2-core CPU); benchmarks/router_overhead.py measures it
 def test_cache_aware_routing_beats_round_robin(dp_server, replica_urls, tmp_path) -> None:
     robin = start_router(tmp_path, replica_urls, "round_robin")
     try:
@@ -191,6 +192,7 @@ def test_client_disconnect_aborts_the_request_on_its_replica(dp_server, replica_
     assert finished("length") == completed
 
 
+@pytest.mark.slow  # a timing bound, loose on a shared 2-core CPU; benchmarks/router_overhead.py measures it
 def test_router_adds_little_to_ttft(dp_server, replica_urls) -> None:
     """Median TTFT of the same (cached) prompt, direct and through the router, alternated. The bound is
     loose: the suite shares two cores with three engines; benchmarks/router_overhead.py measures the 2 ms
