@@ -30,6 +30,8 @@ from tokenmill.layers.quantization.int4 import quantize_linear_int4
 from tokenmill.layers.quantization.modelopt import ModelOptConfig, is_modelopt
 
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "modelopt")
+# The --quantization values that only name a checkpoint's format (fp8 also quantizes a bf16 one at load).
+_CHECKPOINT_ONLY = tuple(method for method in CHECKPOINT_METHODS if method != "fp8")
 # --quantization values that name a checkpoint of another quant_method too, as vLLM takes them: fp8 for
 # Model Optimizer's FP8 checkpoints.
 _ALSO_NAMES = {"modelopt": ("fp8",)}
@@ -46,7 +48,7 @@ def checkpoint_quantization(hf_config, requested: str | None) -> CheckpointSchem
     if raw is not None and not isinstance(raw, dict):
         raw = raw.to_dict()
     if raw is None:
-        if requested in CHECKPOINT_METHODS and requested != "fp8":  # fp8 alone: quantize at load
+        if requested in _CHECKPOINT_ONLY:
             raise ValueError(
                 f"quantization={requested!r} names a checkpoint format, but the checkpoint's config.json "
                 "has no quantization_config."
@@ -76,7 +78,7 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     """Put every linear layer of `model` on the `method` scheme once its weights are loaded (each MoE
     layer's experts too); returns how many layers (and expert stacks) were converted. `method`
     None leaves the model as it is."""
-    if method is None or method in ("compressed-tensors", "gptq", "awq", "modelopt"):
+    if method is None or method in _CHECKPOINT_ONLY:
         return 0
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}.")
