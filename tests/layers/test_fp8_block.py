@@ -144,7 +144,10 @@ def make_per_tensor_checkpoint(arch: str, path, static: bool) -> torch.Tensor:
         if static:
             input_scale = torch.tensor(amax[site(name)] / 448)
             tensors[f"{name}.input_scale"] = input_scale
-            hook = lambda mod, args, s=input_scale: ((args[0] / s).to(torch.float8_e4m3fn).float() * s,)  # noqa: E731
+            # Saturating at e4m3's largest value, as the engine does (torch before 2.13 makes NaN past it).
+            hook = lambda mod, args, s=input_scale: (  # noqa: E731
+                (args[0] / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,
+            )
         else:
             hook = lambda mod, args: (fake_quantize_rows(args[0]),)  # noqa: E731
         module.register_forward_pre_hook(hook)

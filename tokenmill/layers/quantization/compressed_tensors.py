@@ -281,7 +281,7 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
             def load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
                 if loaded.numel() != 1:
                     raise ValueError(f"input_scale has {loaded.numel()} values; a per-tensor scale has 1")
-                param.data.copy_(torch.maximum(param.data, loaded.reshape(1).float()))
+                param.data.copy_(torch.maximum(param.data, loaded.reshape(1).float().to(param.device)))
 
             input_scale.weight_loader = load_input_scale
             layer.register_parameter("input_scale", input_scale)
