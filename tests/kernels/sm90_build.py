@@ -320,4 +320,4 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
 
 if __name__ == "__main__":
     for build in build_all():
-        print(json.dumps(build._asdict()))
+        print(json.dumps(build._asdict(), default=str))  # (tl dtypes among the constants: their names)

@@ -47,7 +47,7 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
     # default there since the twentieth session, ~12-40 bytes as the kernel changed); read as pairs it has
     # none (attention.FP8_PAIR_LOADS).
     # And one of the quantized experts' GEMMs: INT4 with zero points at the prefill tile (256 x 64 over
-    # 128 rows; 8 bytes).
+    # 128 rows; 8 bytes while its tiles were unpacked to int32, none since the PTX unpacking).
     spills = [build for build in builds if build["spill_bytes"]]
     assert all(
         (

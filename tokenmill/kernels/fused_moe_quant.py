@@ -9,6 +9,12 @@ INT4 per row) the scale multiplies the accumulator after the K loop (e4m3 and th
 exact in bf16 and fp16); else BLOCK_K divides the group and each tile is dequantized, (q - zero) * its
 group's scale, rounded to the activations' dtype as the reference dequantizes (scaling each tile's
 product instead needs a second accumulator: it spilled at the large tiles on sm_90).
+
+INT4 tiles are unpacked as kernels/w4a16_mma.py unpacks them (two PTX instructions a pair of values,
+straight into 16-bit floats, no integer conversion) and zero-pointed and scaled in that dtype: q - zero
+is exact there and (q - zero) * scale is one rounding of an exact product, the reference's value. (They
+had been unpacked to int32 with a shift and mask a value, widened to fp32, scaled and narrowed: 2-3x
+slower than bf16 experts at every batch on the H200, docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fused_moe import block_pairs, store_pairs
-from tokenmill.kernels.int4_gemm import load_int4_tile
+from tokenmill.kernels.interpreter import INTERPRETED
 from tokenmill.kernels.quant_reference import PACK, QuantExperts
+from tokenmill.kernels.w4a16_mma import natural_order, nibble_planes
 
 
 @triton.jit
@@ -53,6 +60,11 @@ def _quant_grouped_gemm(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    A_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    SCALE_IN_W_DTYPE: tl.constexpr,
+    ASM: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """kernels/fused_moe.py's _grouped_gemm with w[expert] = (q - zero) * scale, q read quantized; the
     zero points share the scales' strides."""
@@ -63,6 +75,7 @@ def _quant_grouped_gemm(
     )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_expert = w + expert * stride_we
+    w_words = w_expert + rn[:, None] * stride_wn  # (INT4: the rows' packed words)
     s_rows = scale + expert * stride_se + rn * stride_sn
     z_rows = zero + expert * stride_se + rn * stride_sn
     for k0 in range(0, K, BLOCK_K):
@@ -73,11 +86,12 @@ def _quant_grouped_gemm(
             mask=valid[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if INT4:
-            q = load_int4_tile(w_expert + rn[:, None] * stride_wn, k0, K, n_ok, BLOCK_N, BLOCK_K)
+        if INT4:  # q (and q - zero: at most 15 in magnitude) exact in the activations' dtype
+            wk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(w_words + wk[None, :], mask=n_ok[:, None] & (wk * 8 < K)[None, :], other=0)
+            wt = natural_order(nibble_planes(packed, W_DTYPE, ASM, BF16), BLOCK_N, BLOCK_K // 8)
             if HAS_ZERO:
-                q = q - tl.load(z_rows + k0 // GROUP_K, mask=n_ok, other=0).to(tl.int32)[:, None]
-            wt = q.to(tl.float32)
+                wt = wt - tl.load(z_rows + k0 // GROUP_K, mask=n_ok, other=0).to(W_DTYPE)[:, None]
         else:
             wt = tl.load(
                 w_expert + rn[:, None] * stride_wn + rk[None, :],
@@ -85,11 +99,18 @@ def _quant_grouped_gemm(
                 other=0.0,
             ).to(tl.float32)
         if not ONE_GROUP:  # the tile's group scale onto the weight (not the product: no second accumulator)
-            wt = wt * tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        acc = tl.dot(at, tl.trans(wt.to(at.dtype)), acc, input_precision=PRECISION)
+            s = tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0)
+            if INT4 and SCALE_IN_W_DTYPE:  # one rounding of an exact product: the reference's value
+                wt = wt * s.to(W_DTYPE)[:, None]
+            else:
+                wt = wt.to(tl.float32) * s.to(tl.float32)[:, None]
+        acc = tl.dot(at, tl.trans(wt.to(A_DTYPE)), acc, input_precision=PRECISION)
     if ONE_GROUP:
         acc = acc * tl.load(s_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     store_pairs(acc, out, pair, valid, rn, n_ok, pair_weights, stride_om, WEIGHTED)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def tile_k(weight: QuantExperts, block_k: int) -> int:
@@ -118,6 +139,10 @@ def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, 
         block_k //= 2
     assert w.data.shape[2] == (triton.cdiv(k, PACK) if w.int4 else k) and a.shape[1] == k
     zero = w.zero if w.zero is not None else w.scale  # (never read without zero points)
+    # INT4 tiles are unpacked and scaled in the activations' dtype with PTX on the GPU; in fp32 in the
+    # interpreter (whose 16-bit floats do no arithmetic) and for fp32 activations: the same values.
+    asm = not INTERPRETED and a.dtype != torch.float32
+    w_dtype = a.dtype if asm else torch.float32
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _quant_grouped_gemm[grid](
         a, w.data, w.scale, zero, out, pairs, block_experts, num_padded, weights, n, k, out.shape[0],
@@ -125,5 +150,7 @@ def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, 
         TOP_K=top_k, A_BY_TOKEN=by_token, WEIGHTED=weighted, INT4=w.int4, HAS_ZERO=w.zero is not None,
         GROUP_K=w.group_size, ONE_GROUP=w.group_size >= k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", A_DTYPE=_TL_DTYPES[a.dtype],
+        W_DTYPE=_TL_DTYPES[w_dtype], SCALE_IN_W_DTYPE=w_dtype in (w.scale.dtype, torch.float32), ASM=asm,
+        BF16=a.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
