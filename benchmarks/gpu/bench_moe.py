@@ -10,7 +10,8 @@ rate in TFLOP/s; compare with `bench_engine.py ceilings` from the same call. JSO
 With --sweep, each GEMM (gate/up, down) is timed alone under every candidate (BLOCK_M, BLOCK_N, BLOCK_K,
 warps, stages) at each token count (compiled first in parallel processes), and each token count's best
 BLOCK_M (the two GEMMs share the alignment) with its best configs is printed: the rows of
-kernels/fused_moe.py's CONFIGS.
+kernels/fused_moe.py's CONFIGS. With --sweep --weights FORMAT (one of them) the quantized experts'
+kernel is swept over the experts held in that format (the K tile then divides the format's group).
 
 With --weights, the experts are held in each listed format (kernels/fused_moe_quant.py) and the fused
 kernel is timed in a CUDA graph against bf16 at each token count: bf16, fp8 (e4m3, a scale per row),
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import cuda_time  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
-from tokenmill.kernels import fused_moe, reference  # noqa: E402
+from tokenmill.kernels import fused_moe, fused_moe_quant, reference  # noqa: E402
 from tokenmill.kernels.quant_reference import (  # noqa: E402
     QuantExperts,
     quantize_experts_fp8,
@@ -80,7 +81,7 @@ def graph_time(fn, calls: int = 20, repeats: int = 5) -> float:
 class Layer:
     """One MoE layer's weights and, per token count, its routing and hidden activations."""
 
-    def __init__(self, shape: str) -> None:
+    def __init__(self, shape: str, fmt: str = "bf16") -> None:
         config = SHAPES[shape]
         self.experts, self.top_k = config["num_experts"], config["num_experts_per_tok"]
         self.hidden, self.inter = config["hidden_size"], config["moe_intermediate_size"]
@@ -89,6 +90,8 @@ class Layer:
         self.w13 = self.randn(self.experts, 2 * self.inter, self.hidden) * 0.02
         self.w2 = self.randn(self.experts, self.hidden, self.inter) * 0.02
         self.gate = self.randn(self.experts, self.hidden) * 0.02
+        self.fmt = fmt  # what gemm_call's GEMMs read: the experts held in one of WEIGHT_FORMATS
+        self.held = (held_as(self.w13, fmt), held_as(self.w2, fmt))
 
     def randn(self, *size: int) -> torch.Tensor:
         return torch.randn(*size, device=self.device, dtype=self.dtype, generator=self.gen)
@@ -105,12 +108,13 @@ class Layer:
         alignment = fused_moe.align_by_expert(chosen, self.experts, block_m)
         layout = (*alignment, weights.reshape(-1).contiguous(), self.top_k, block_m)
         if which == "gate_up":
-            a, w, by_token, weighted = x, self.w13, True, False
+            a, w, by_token, weighted = x, self.held[0], True, False
             out = x.new_empty(tokens * self.top_k, w.shape[1])
         else:
-            a, w, by_token, weighted = self.randn(tokens * self.top_k, self.inter), self.w2, False, True
+            a, w, by_token, weighted = self.randn(tokens * self.top_k, self.inter), self.held[1], False, True
             out = x.new_zeros(tokens * self.top_k, w.shape[1])
-        return lambda: fused_moe._gemm(a, w, out, layout, by_token, weighted, config)
+        gemm = fused_moe._gemm if self.fmt == "bf16" else fused_moe_quant.quant_gemm
+        return lambda: gemm(a, w, out, layout, by_token, weighted, config)
 
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "int4", "int4-zp")
@@ -168,9 +172,9 @@ def weight_formats(layer: Layer, tokens_list: list[int], formats: list[str]) -> 
     return rows
 
 
-def _compile(shape: str, configs: list) -> int:
+def _compile(shape: str, configs: list, fmt: str) -> int:
     """Run each config once so Triton's on-disk cache holds it (in a process of its own)."""
-    layer = Layer(shape)
+    layer = Layer(shape, fmt)
     for bm, *config in configs:
         for which in ("gate_up", "down"):
             # (out of resources: the timing pass skips it too)
@@ -180,12 +184,13 @@ def _compile(shape: str, configs: list) -> int:
     return len(configs)
 
 
-def sweep(shape: str, tokens_list: list[int], workers: int) -> dict:
+def sweep(shape: str, tokens_list: list[int], workers: int, fmt: str = "bf16") -> dict:
     configs = candidates()
     print(f"{len(configs)} candidates, compiling on {workers} processes", file=sys.stderr)
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        list(pool.map(_compile, [shape] * workers, [configs[i::workers] for i in range(workers)]))
-    layer = Layer(shape)
+        parts = [configs[i::workers] for i in range(workers)]
+        list(pool.map(_compile, [shape] * workers, parts, [fmt] * workers))
+    layer = Layer(shape, fmt)
     rows = []
     for tokens in tokens_list:
         per_expert = tokens * layer.top_k / layer.experts
@@ -217,7 +222,7 @@ def sweep(shape: str, tokens_list: list[int], workers: int) -> dict:
             "total_ms_by_block_m": {str(k): round(v, 4) for k, v in totals.items()},
         })  # fmt: skip
         print(json.dumps(rows[-1]), file=sys.stderr)
-    return {"shape": shape, "device": torch.cuda.get_device_name(), "sweep": rows}
+    return {"shape": shape, "weights": fmt, "device": torch.cuda.get_device_name(), "sweep": rows}
 
 
 def main() -> None:
@@ -238,7 +243,9 @@ def main() -> None:
     unknown = [fmt for fmt in formats if fmt not in WEIGHT_FORMATS]
     if unknown:
         parser.error(f"--weights {','.join(unknown)}: choose from {', '.join(WEIGHT_FORMATS)}")
-    if formats:
+    if args.sweep and len(formats) > 1:
+        parser.error("--sweep tunes one format at a time: give --weights one of them")
+    if formats and not args.sweep:
         layer = Layer(args.shape)
         rows = weight_formats(layer, [int(t) for t in args.tokens.split(",")], formats)
         report = {"shape": args.shape, "device": torch.cuda.get_device_name(), "weight_formats": rows}
@@ -249,7 +256,7 @@ def main() -> None:
         return
     if args.sweep:
         tokens = args.tokens if args.tokens != parser.get_default("tokens") else SWEEP_TOKENS
-        report = sweep(args.shape, [int(t) for t in tokens.split(",")], args.workers)
+        report = sweep(args.shape, [int(t) for t in tokens.split(",")], args.workers, *formats)
         text = json.dumps(report, indent=2)
         print(text)
         if args.out:

@@ -231,6 +231,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # bf16, FP8 per row, FP8 in 128-column groups, INT4 groups of 128 without and with zero points.
     moe-quant) timeout 240 $py benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp \
                  --tokens 1,8,64,256,1024,4096 --out "$out/moe_quant.json" 2>&1 >/dev/null ;;
+    # The INT4 experts' tiles swept on their own (fused_moe.CONFIGS was swept for bf16), decode to prefill.
+    moe-int4-sweep) timeout 540 $py benchmarks/gpu/bench_moe.py --sweep --weights int4 \
+                      --tokens 2,8,64,256,1024,4096 --out "$out/moe_int4_sweep.json" 2>&1 | tail -8 ;;
     # Needs nvidia-h200-x2 (issue 14): batch-1 decode of the 8B shape on one GPU and split over two, in
     # the same call; then Qwen3-30B-A3B's throughput over two.
     tp-x2) for tp in 1 2; do timeout 240 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \

@@ -135,8 +135,6 @@ def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, 
     block_n, block_k, num_warps, num_stages = config
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = tile_k(w, block_k)
-    while w.int4 and block_n * block_k > 4096 and block_k > 64:  # (unpacking [64, 128] spilled on sm_90)
-        block_k //= 2
     assert w.data.shape[2] == (triton.cdiv(k, PACK) if w.int4 else k) and a.shape[1] == k
     zero = w.zero if w.zero is not None else w.scale  # (never read without zero points)
     # INT4 tiles are unpacked and scaled in the activations' dtype with PTX on the GPU; in fp32 in the
