@@ -143,3 +143,27 @@ def hf_model_dirs(tmp_path_factory):
         model.save_pretrained(path)
         models[arch] = (str(path), model)
     return models
+
+
+@pytest.fixture(scope="session")
+def transformers_gguf_tokenizer():
+    """transformers' own GGUF load of the embedded SmolLM2 tokenizer, shared: the GGUF tests and the
+    offline LLM's greedy test both compare with it, and it takes seconds to convert."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.loader.default_model import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def transformers_gguf_model():
+    """transformers' own GGUF load of the embedded SmolLM2 (fp32, eval mode), shared read-only by the GGUF
+    loader's tests and the offline LLM's greedy test: dequantizing it takes about ten seconds a load."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.loader.default_model import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

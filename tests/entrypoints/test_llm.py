@@ -4,14 +4,12 @@ text-level sampling features, and clear errors for bad input that leave the engi
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.loader import resolve_model
-from tokenmill.loader.default_model import default_model_path
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -26,13 +24,10 @@ def llm():
     return LLM(model="default", max_model_len=1024, max_num_seqs=8, dtype="float32")
 
 
-def test_smollm2_gguf_greedy_matches_transformers_gguf(llm):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = default_model_path()
-    folder, name = os.path.split(path)
-    hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+def test_smollm2_gguf_greedy_matches_transformers_gguf(
+    llm, transformers_gguf_tokenizer, transformers_gguf_model
+):
+    hf_tokenizer, hf_model = transformers_gguf_tokenizer, transformers_gguf_model  # transformers' GGUF load
     outputs = llm.chat(CHATS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     for chat, output in zip(CHATS, outputs):
         ids = hf_tokenizer.apply_chat_template(

@@ -16,7 +16,6 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -54,15 +53,13 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def transformers_model(smollm_path: str) -> torch.nn.Module:
-    directory, filename = os.path.split(smollm_path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+def transformers_model(transformers_gguf_model: torch.nn.Module) -> torch.nn.Module:
+    return transformers_gguf_model  # the session's (tests/conftest.py): loaded once, read here
 
 
 @pytest.fixture(scope="module")
-def transformers_tokenizer(smollm_path: str):
-    directory, filename = os.path.split(smollm_path)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+def transformers_tokenizer(transformers_gguf_tokenizer):
+    return transformers_gguf_tokenizer
 
 
 @pytest.fixture(scope="module")
