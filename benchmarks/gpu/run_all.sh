@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -231,6 +231,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # bf16, FP8 per row, FP8 in 128-column groups, INT4 groups of 128 without and with zero points.
     moe-quant) timeout 240 $py benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp \
                  --tokens 1,8,64,256,1024,4096 --out "$out/moe_quant.json" 2>&1 >/dev/null ;;
+    # The quantized experts' kernel and layers on the device (the INT4 PTX unpacking of f47ec98 first ran here).
+    moe-quant-tests) timeout 300 $py -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe_quant.py \
+                       tests/layers/test_moe_quantized.py --junitxml="$out/moe_quant_tests.xml" 2>&1 | tail -5 ;;
     # The INT4 experts' tiles swept on their own (fused_moe.CONFIGS was swept for bf16), decode to prefill.
     moe-int4-sweep) timeout 540 $py benchmarks/gpu/bench_moe.py --sweep --weights int4 \
                       --tokens 2,8,64,256,1024,4096 --out "$out/moe_int4_sweep.json" 2>&1 | tail -8 ;;
