@@ -24,13 +24,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         [*MAIN_SERVER_ARGS, "--kv-role", "prefill", "--kv-port", str(free_port())], logs / "prefill.log"
     )
     try:
-        prefill.wait_ready()
+        # Both boot at once (the decode instance reaches its peer only when a request needs it).
         decode = ServerProcess(
             [*MAIN_SERVER_ARGS, "--kv-role", "decode", "--kv-peer", f"127.0.0.1:{prefill.port}",
              "--remote-prefill-min-tokens", "32"],
             logs / "decode.log",
         )  # fmt: skip
         try:
+            prefill.wait_ready()
             yield prefill, decode.wait_ready()
         finally:
             decode.stop()

@@ -32,7 +32,8 @@ MESSAGES = [{"role": "user", "content": "Go on forever."}]
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(a server with an API key, one running sequence and a waiting cap of one; a server to kill)."""
+    """(a server with an API key, one running sequence and a waiting cap of one; a server to kill; one with a
+    shutdown timeout of one second)."""
     log_dir = tmp_path_factory.mktemp("lifecycle")
     small = ServerProcess(
         [
@@ -50,11 +51,15 @@ def servers(tmp_path_factory):
         api_key=API_KEY,
     )
     doomed = ServerProcess(DUMMY_ARGS, log_dir / "doomed.log")
+    # test_shutdown_timeout_bounds_the_whole_shutdown's, booted beside these two and ready before any test
+    # runs, so no boot competes with the timed tests for the CPU.
+    bounded = ServerProcess([*DUMMY_ARGS, "--shutdown-timeout", "1"], log_dir / "bounded.log")
     try:
-        yield small.wait_ready(), doomed.wait_ready()
+        yield small.wait_ready(), doomed.wait_ready(), bounded.wait_ready()
     finally:
         small.stop()
         doomed.stop()
+        bounded.stop()
 
 
 def long_stream(client: openai.OpenAI, max_tokens: int = 200):
@@ -73,7 +78,7 @@ def long_stream(client: openai.OpenAI, max_tokens: int = 200):
 
 
 def test_api_key_is_required_everywhere_but_probes_and_metrics(servers):
-    small, _ = servers
+    small, *_ = servers
     for path, body in (
         ("/tokenize", {"prompt": "a"}),
         ("/detokenize", {"tokens": [1]}),
@@ -93,7 +98,7 @@ def test_api_key_is_required_everywhere_but_probes_and_metrics(servers):
 
 
 def test_bodies_over_the_cap_are_413_and_the_server_keeps_serving(servers):
-    small, _ = servers
+    small, *_ = servers
     auth = {"Authorization": f"Bearer {API_KEY}"}
     big = {"model": "default", "prompt": "word " * 2000, "max_tokens": 1}
     response = httpx.post(f"{small.url}/v1/completions", json=big, headers=auth)
@@ -116,7 +121,7 @@ def test_bodies_over_the_cap_are_413_and_the_server_keeps_serving(servers):
 
 
 def test_api_key_is_required_on_v1(servers):
-    small, _ = servers
+    small, *_ = servers
     with pytest.raises(openai.AuthenticationError) as caught:
         small.client(api_key="wrong").models.list()
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
@@ -127,7 +132,7 @@ def test_api_key_is_required_on_v1(servers):
 
 
 def test_full_waiting_queue_is_429(servers):
-    small, _ = servers
+    small, *_ = servers
     client = small.client()
     running = long_stream(client)  # the one running sequence
     waiting = client.chat.completions.create(
@@ -152,7 +157,7 @@ def test_full_waiting_queue_is_429(servers):
 
 
 def test_sigterm_drains_running_requests_then_exits_0(servers):
-    small, _ = servers
+    small, *_ = servers
     client = small.client()
     stream = long_stream(client, max_tokens=40)
     small.proc.send_signal(signal.SIGTERM)
@@ -168,7 +173,7 @@ def test_sigterm_drains_running_requests_then_exits_0(servers):
 
 
 def test_engine_death_fails_requests_fast_and_exits_nonzero(servers):
-    _, doomed = servers
+    _, doomed, _ = servers
     client = doomed.client()
     non_streaming: dict[str, object] = {}
 
@@ -209,8 +214,8 @@ def test_engine_death_fails_requests_fast_and_exits_nonzero(servers):
     assert doomed.proc.wait(30) == 1, doomed.log_text()[-2000:]
 
 
-def test_shutdown_timeout_bounds_the_whole_shutdown(tmp_path):
-    server = ServerProcess([*DUMMY_ARGS, "--shutdown-timeout", "1"], tmp_path / "bounded.log").wait_ready()
+def test_shutdown_timeout_bounds_the_whole_shutdown(servers):
+    server = servers[2]  # its own: --shutdown-timeout 1, and this test stops it
     try:
         stream = long_stream(server.client(), max_tokens=220)  # far longer than 1 s on this CPU
         start = time.monotonic()

@@ -19,19 +19,26 @@ TEXTS = ["The capital of France is", "Paged attention keeps the KV cache in bloc
 
 
 @pytest.fixture(scope="module")
-def pooling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def pooling_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--model", "default", "--runner", "pooling", "--max-model-len", "256", "--num-kv-blocks", "64"]
     process = ServerProcess(args, tmp_path_factory.mktemp("pooling") / "server.log")
     try:
-        yield process.wait_ready()
+        yield process
     finally:
         process.stop()
 
 
 @pytest.fixture(scope="module")
-def offline_vectors() -> list[np.ndarray]:
+def offline_vectors(pooling_process: ServerProcess) -> list[np.ndarray]:
+    # Computed while the pooling server boots (it is started first).
     llm = LLM("default", runner="pooling", max_model_len=256, num_kv_blocks=64)
     return [np.array(o.outputs.embedding) for o in llm.embed(TEXTS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def pooling_server(pooling_process: ServerProcess, offline_vectors: list[np.ndarray]) -> ServerProcess:
+    # offline_vectors first: the offline engine does its work while this server boots.
+    return pooling_process.wait_ready()
 
 
 def test_float_embeddings_match_the_offline_engine(pooling_server, offline_vectors):
