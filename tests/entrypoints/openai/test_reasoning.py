@@ -95,7 +95,29 @@ def thinking_model(path) -> str:
     return str(path)
 
 
-def test_constraints_apply_to_the_answer_after_the_thinking(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def thinking_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return thinking_model(tmp_path_factory.mktemp("thinking") / "model")
+
+
+@pytest.fixture(scope="module")
+def reasoning_servers(thinking_model_path: str, tmp_path_factory: pytest.TempPathFactory):
+    """{parser: a server on the thinking model with that --reasoning-parser}, both started at once (they
+    boot side by side on the two cores) and each waited for in the test that uses it."""
+    args = ["--model", thinking_model_path, "--dtype", "float32", "--max-model-len", "1024"]
+    args += ["--num-kv-blocks", "128"]
+    logs = tmp_path_factory.mktemp("reasoning")
+    processes = {}
+    try:
+        for parser in ("deepseek_r1", "qwen3"):
+            processes[parser] = ServerProcess([*args, "--reasoning-parser", parser], logs / f"{parser}.log")
+        yield processes
+    finally:
+        for process in processes.values():
+            process.stop()
+
+
+def test_constraints_apply_to_the_answer_after_the_thinking(thinking_model_path, reasoning_servers) -> None:
     """Under a reasoning parser a constraint leaves the thinking free and constrains the answer after
     `</think>` (as vLLM's do): the answer is the schema's, in content, not in reasoning_content. The
     random model ends its thinking at once here (a logit bias on `</think>`, which the grammar then
@@ -104,49 +126,42 @@ def test_constraints_apply_to_the_answer_after_the_thinking(tmp_path) -> None:
 
     import jsonschema
 
-    model = thinking_model(tmp_path / "model")
-    args = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128"]
-    process = ServerProcess([*args, "--reasoning-parser", "deepseek_r1"], tmp_path / "r.log")
+    model, process = thinking_model_path, reasoning_servers["deepseek_r1"]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     think_once = {"49153": 100}
-    try:
-        client = process.wait_ready().client()
-        ask = dict(model=model, messages=[{"role": "user", "content": "Ok?"}], max_tokens=24, temperature=0)
-        answer = client.chat.completions.create(
-            **ask, logit_bias=think_once,
-            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        ).choices[0]  # fmt: skip
-        jsonschema.validate(json.loads(answer.message.content), schema)
-        assert answer.finish_reason == "stop" and not answer.message.model_extra.get("reasoning_content")
-        stream = client.chat.completions.create(
-            **ask, logit_bias=think_once, stream=True, extra_body={"guided_choice": ["yes", "no"]}
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no")
-        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
-        called = client.chat.completions.create(
-            **ask,
-            logit_bias=think_once,
-            tools=[tool],
-            tool_choice={"type": "function", "function": {"name": "f"}},
-        ).choices[0]
-        (call,) = called.message.tool_calls
-        jsonschema.validate(json.loads(call.function.arguments), schema)
-        free = client.chat.completions.create(
-            **{**ask, "max_tokens": 8}, extra_body={"guided_choice": ["yes"]}
-        )
-        assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content
-        assert free.choices[0].message.model_extra["reasoning_content"]
-        # Unconstrained and never closing its thinking (SmolLM2's template opens none: deepseek_r1's rule),
-        # the whole answer is thinking, streamed or not.
-        message = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0].message
-        assert message.model_extra["reasoning_content"] and not message.content
-        stream = client.chat.completions.create(**{**ask, "max_tokens": 8}, stream=True)
-        streamed = "".join(
-            (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in stream if c.choices
-        )
-        assert streamed == message.model_extra["reasoning_content"]
-    finally:
-        process.stop()
+    client = process.wait_ready().client()
+    ask = dict(model=model, messages=[{"role": "user", "content": "Ok?"}], max_tokens=24, temperature=0)
+    answer = client.chat.completions.create(
+        **ask, logit_bias=think_once,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    ).choices[0]  # fmt: skip
+    jsonschema.validate(json.loads(answer.message.content), schema)
+    assert answer.finish_reason == "stop" and not answer.message.model_extra.get("reasoning_content")
+    stream = client.chat.completions.create(
+        **ask, logit_bias=think_once, stream=True, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no")
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    called = client.chat.completions.create(
+        **ask,
+        logit_bias=think_once,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+    ).choices[0]
+    (call,) = called.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    free = client.chat.completions.create(**{**ask, "max_tokens": 8}, extra_body={"guided_choice": ["yes"]})
+    assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content
+    assert free.choices[0].message.model_extra["reasoning_content"]
+    # Unconstrained and never closing its thinking (SmolLM2's template opens none: deepseek_r1's rule),
+    # the whole answer is thinking, streamed or not.
+    message = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0].message
+    assert message.model_extra["reasoning_content"] and not message.content
+    stream = client.chat.completions.create(**{**ask, "max_tokens": 8}, stream=True)
+    streamed = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in stream if c.choices
+    )
+    assert streamed == message.model_extra["reasoning_content"]
 
 
 # Qwen3-Thinking-2507's way (the generation prompt opens <think>), or Qwen3's with enable_thinking false
@@ -159,49 +174,40 @@ THINKING_TEMPLATE = (
 )
 
 
-def test_the_chat_template_decides_where_the_thinking_is(tmp_path) -> None:
+def test_the_chat_template_decides_where_the_thinking_is(thinking_model_path, reasoning_servers) -> None:
     """Under qwen3, a template that opens <think> in the prompt makes the whole output thinking (the
     random model never closes it), streamed or not, and leaves it free of the constraint, which waits
     for `</think>`; one that closes it (enable_thinking false) makes it all answer, constrained from the
     first token even where the model would open a thinking of its own (a logit bias on `<think>`)."""
-    model = thinking_model(tmp_path / "model")
-    args = ["--model", model, "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128"]
-    process = ServerProcess([*args, "--reasoning-parser", "qwen3"], tmp_path / "r.log")
+    model, process = thinking_model_path, reasoning_servers["qwen3"]
     opened = {"chat_template": THINKING_TEMPLATE}
     closed = {**opened, "chat_template_kwargs": {"enable_thinking": False}}
     think_first = {"49152": 100}
-    try:
-        client = process.wait_ready().client()
-        ask = dict(model=model, messages=[{"role": "user", "content": "Ok?"}], max_tokens=8, temperature=0)
-        thought = client.chat.completions.create(**ask, extra_body=opened).choices[0].message
-        assert thought.model_extra["reasoning_content"] and thought.content is None
-        stream = list(client.chat.completions.create(**ask, extra_body=opened, stream=True))
-        deltas = [c.choices[0].delta for c in stream if c.choices]
-        assert (
-            "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
-            == (thought.model_extra["reasoning_content"])
-        )
-        assert not "".join(d.content or "" for d in deltas)
-        free = client.chat.completions.create(**ask, extra_body={**opened, "guided_choice": ["yes"]})
-        assert free.choices[0].finish_reason == "length" and free.choices[0].message.content is None
-        assert (
-            free.choices[0].message.model_extra["reasoning_content"]
-            == thought.model_extra["reasoning_content"]
-        )
+    client = process.wait_ready().client()
+    ask = dict(model=model, messages=[{"role": "user", "content": "Ok?"}], max_tokens=8, temperature=0)
+    thought = client.chat.completions.create(**ask, extra_body=opened).choices[0].message
+    assert thought.model_extra["reasoning_content"] and thought.content is None
+    stream = list(client.chat.completions.create(**ask, extra_body=opened, stream=True))
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert (
+        "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        == (thought.model_extra["reasoning_content"])
+    )
+    assert not "".join(d.content or "" for d in deltas)
+    free = client.chat.completions.create(**ask, extra_body={**opened, "guided_choice": ["yes"]})
+    assert free.choices[0].finish_reason == "length" and free.choices[0].message.content is None
+    assert (
+        free.choices[0].message.model_extra["reasoning_content"] == thought.model_extra["reasoning_content"]
+    )
 
-        answer = client.chat.completions.create(**ask, logit_bias=think_first, extra_body=closed).choices[0]
-        assert (
-            answer.message.content == "<think>" * 8
-            and answer.message.model_extra["reasoning_content"] is None
-        )
-        stream = client.chat.completions.create(**ask, logit_bias=think_first, extra_body=closed, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "<think>" * 8
-        constrained = client.chat.completions.create(
-            **ask, logit_bias=think_first, extra_body={**closed, "guided_choice": ["yes"]}
-        ).choices[0]
-        assert (constrained.finish_reason, constrained.message.content) == ("stop", "yes")
-    finally:
-        process.stop()
+    answer = client.chat.completions.create(**ask, logit_bias=think_first, extra_body=closed).choices[0]
+    assert answer.message.content == "<think>" * 8 and answer.message.model_extra["reasoning_content"] is None
+    stream = client.chat.completions.create(**ask, logit_bias=think_first, extra_body=closed, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "<think>" * 8
+    constrained = client.chat.completions.create(
+        **ask, logit_bias=think_first, extra_body={**closed, "guided_choice": ["yes"]}
+    ).choices[0]
+    assert (constrained.finish_reason, constrained.message.content) == ("stop", "yes")
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]

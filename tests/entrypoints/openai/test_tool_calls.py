@@ -27,6 +27,20 @@ from tokenmill.entrypoints.openai.tool_calls import (
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def hermes_server(tmp_path_factory: pytest.TempPathFactory):
+    """The server with auto tool choice, started as the module starts and waited for where it is used: it
+    boots on the core that the tests before it leave idle (the shared server runs one torch thread)."""
+    process = ServerProcess(
+        [*MAIN_SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        tmp_path_factory.mktemp("hermes") / "tools.log",
+    )
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
 def test_named_function_round_trip(client) -> None:
     first = client.chat.completions.create(
         model="default", messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
@@ -154,26 +168,19 @@ def test_tools_whose_parameters_refer_to_their_definitions(client) -> None:
                 Booking.model_validate_json(call.function.arguments)
 
 
-def test_auto_tool_choice_with_the_hermes_parser(tmp_path) -> None:
-    process = ServerProcess(
-        [*MAIN_SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        tmp_path / "tools.log",
+def test_auto_tool_choice_with_the_hermes_parser(hermes_server: ServerProcess) -> None:
+    client = hermes_server.wait_ready().client()
+    response = client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], max_tokens=80, temperature=0
     )
-    try:
-        client = process.wait_ready().client()
-        response = client.chat.completions.create(
-            model="default", messages=ASK, tools=[WEATHER, TIME], max_tokens=80, temperature=0
-        )
-        message = response.choices[0].message
-        # The small model may answer or call; whichever it does is well formed.
-        if message.tool_calls:
-            assert response.choices[0].finish_reason == "tool_calls"
-            for call in message.tool_calls:
-                json.loads(call.function.arguments)
-        else:
-            assert message.content
-    finally:
-        process.stop()
+    message = response.choices[0].message
+    # The small model may answer or call; whichever it does is well formed.
+    if message.tool_calls:
+        assert response.choices[0].finish_reason == "tool_calls"
+        for call in message.tool_calls:
+            json.loads(call.function.arguments)
+    else:
+        assert message.content
 
 
 F1 = '{"name": "f", "arguments": {"a": 1}}'

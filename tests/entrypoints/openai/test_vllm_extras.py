@@ -152,15 +152,22 @@ def test_chat_prompt_logprobs_equal_the_offline_engines(server, client, default_
     )
 
 
-@pytest.fixture(scope="module")
-def priority_server(tmp_path_factory):
-    """One request at a time, so the waiting queue's order is the order requests run in."""
+@pytest.fixture(scope="module", autouse=True)
+def priority_server_process(tmp_path_factory):
+    """Started as the module starts, so it boots on the core the tests before its own leave idle (the
+    shared server and the offline engine run one torch thread)."""
     args = [*MAIN_SERVER_ARGS, "--scheduling-policy", "priority", "--max-num-seqs", "1"]
     process = ServerProcess(args, tmp_path_factory.mktemp("priority") / "server.log")
     try:
-        yield process.wait_ready()
+        yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def priority_server(priority_server_process):
+    """One request at a time, so the waiting queue's order is the order requests run in."""
+    return priority_server_process.wait_ready()
 
 
 def test_priority_orders_the_waiting_queue(priority_server):
