@@ -8,6 +8,7 @@ value, read before any device time is spent. A loop is the span from a backward 
         --aligned x,w,w_scale,out,N,K,stride_wn \\
         --num-warps 8 [--arch 90] [--dump kernel.sass] [--ttgir kernel.ttgir]
 
+A dtype constexpr is given as tl.<name> (A_DTYPE=tl.bfloat16).
 --aligned names the arguments Triton would find divisible by 16 at launch (pointers from torch, sizes
 and strides that are multiples of 16): the loads vectorize only where it knows.
 """
@@ -39,6 +40,10 @@ def _pairs(text: str) -> dict[str, str]:
 
 
 def _constant(value: str):
+    if value.startswith("tl."):  # a dtype constexpr: tl.bfloat16, tl.float32, ...
+        import triton.language as tl
+
+        return getattr(tl, value[3:])
     for kind in (int, float):
         try:
             return kind(value)
