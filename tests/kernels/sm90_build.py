@@ -205,6 +205,7 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             x = torch.empty(rows, k, dtype=dtype)
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
+            skinny_gemm.w8a16_skinny(x, torch.empty(n, k, dtype=torch.int8), w_scale)  # INT8 checkpoints
         # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
         skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
         # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear) at 2-128 rows (16, 64 and 2 x 64

@@ -138,9 +138,15 @@ def test_w4a16_paired_words_match_dequantize_then_matmul(
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a16_matches_dequantize_then_matmul(m, n, k, config, dtype) -> None:
+@pytest.mark.parametrize(
+    "weight", ["e4m3", "int8"]
+)  # FP8 checkpoints' and INT8 ones' (layers/quantization/int8.py)
+def test_w8a16_matches_dequantize_then_matmul(m, n, k, config, dtype, weight) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
-    w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    if weight == "int8":
+        w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    else:
+        w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE)
     w_scale = torch.rand(n, 1, generator=gen) * 0.01 + 1e-3
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     got = w8a16_skinny(x, w_q.to(DEVICE), w_scale.to(DEVICE), config=config)

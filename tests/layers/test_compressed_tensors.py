@@ -28,6 +28,7 @@ from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E40
 
 FP8 = dict(num_bits=8, type="float", symmetric=True)
 INT4 = dict(num_bits=4, type="int")
+INT8 = dict(num_bits=8, type="int", symmetric=True)
 SCHEMES = {
     # format, weight args, input activations (None: weight-only)
     "fp8-channel-dynamic": ("float-quantized", dict(FP8, strategy="channel"), ("token", True)),
@@ -48,6 +49,11 @@ SCHEMES = {
     ),
     "int4-channel": ("pack-quantized", dict(INT4, strategy="channel", symmetric=True), None),
     "int4-channel-zero-points": ("pack-quantized", dict(INT4, strategy="channel", symmetric=False), None),
+    # llm-compressor's W8A8 INT8 (its `int-quantized` format): int8 weights per channel or per tensor,
+    # int8 activations per token (dynamic) or per tensor (static), symmetric; and int8 weight-only.
+    "int8-channel-dynamic": ("int-quantized", dict(INT8, strategy="channel"), ("token", True, "int")),
+    "int8-tensor-static": ("int-quantized", dict(INT8, strategy="tensor"), ("tensor", False, "int")),
+    "int8-channel-weight-only": ("pack-quantized", dict(INT8, strategy="channel"), None),
 }
 
 
@@ -60,10 +66,10 @@ def make_checkpoint(
     fmt, weight_args, activations = SCHEMES[scheme]
     input_args = None
     if activations is not None:
-        strategy, dynamic = activations
+        strategy, dynamic, kind = (*activations, "float")[:3]
         group = dict(group_size=weight_args["block_structure"][1]) if strategy == "group" else {}
         input_args = QuantizationArgs(
-            num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=dynamic, **group
+            num_bits=8, type=kind, strategy=strategy, symmetric=True, dynamic=dynamic, **group
         )
     weights = QuantizationArgs(**weight_args, dynamic=False)
     config = QuantizationConfig(
@@ -106,7 +112,7 @@ def make_checkpoint(
         )
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-        if activations == ("tensor", False):
+        if activations is not None and activations[:2] == ("tensor", False):
             bound = torch.tensor([amax[name]])
             scale, zero = calculate_qparams(-bound, bound, scheme_of.input_activations)
             module.input_scale.data.copy_(scale.reshape(module.input_scale.shape))
@@ -127,8 +133,14 @@ def test_logprobs_match_the_librarys_fake_quantized_forward(arch: str, scheme: s
     assert stored["quant_method"] == "compressed-tensors" and stored["format"] == SCHEMES[scheme][0]
     llm = load(tmp_path)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
-    stored_as = {"float-quantized": "weight", "pack-quantized": "weight_packed"}[SCHEMES[scheme][0]]
-    assert linears and all(getattr(m, stored_as).dtype in (torch.float8_e4m3fn, torch.int32) for m in linears)
+    # Held as stored: e4m3 or int8 `weight`, 4-bit `weight_packed` words (8-bit words unpacked to int8).
+    held = {
+        "fp8": ("weight", torch.float8_e4m3fn),
+        "int8": ("weight", torch.int8),
+        "int4": ("weight_packed", torch.int32),
+    }
+    name, dtype = held[scheme.split("-")[0]]
+    assert linears and all(getattr(m, name).dtype == dtype for m in linears)
     prompt_logprobs_match(llm, logits)
 
 
@@ -139,14 +151,18 @@ def test_zero_points_of_rows_not_a_multiple_of_eight(tmp_path) -> None:
     prompt_logprobs_match(load(tmp_path), logits)
 
 
-@pytest.mark.parametrize("scheme", ["fp8-channel-dynamic", "int4-group-zero-points"])
+@pytest.mark.parametrize(
+    "scheme",
+    ["fp8-channel-dynamic", "int4-group-zero-points", "int8-tensor-static", "int8-channel-weight-only"],
+)
 def test_dummy_weights_in_a_checkpoints_quantized_layout(scheme: str, tmp_path) -> None:
     """load_format dummy on a quantized checkpoint's config: random weights in its layout (as a benchmark
     of a quantized shape runs), finite log-probabilities."""
     make_checkpoint("llama", scheme, tmp_path)
     llm = load(tmp_path, load_format="dummy")
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
-    assert any(p.dtype in (torch.float8_e4m3fn, torch.int32) for m in linears for p in m.parameters())
+    held = (torch.float8_e4m3fn, torch.int32, torch.int8)
+    assert any(p.dtype in held for m in linears for p in m.parameters())
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
     (out,) = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
@@ -227,6 +243,32 @@ def test_unsupported_schemes_name_the_field(tmp_path) -> None:
         LLM(str(tmp_path), skip_tokenizer_init=True, quantization="fp8", num_kv_blocks=16, max_model_len=64)
 
 
+def test_unsupported_int8_schemes_name_the_field(tmp_path) -> None:
+    make_checkpoint("llama", "int8-channel-dynamic", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    int8_activations = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+    for changes, message in [
+        ({("weights", "strategy"): "group"}, "weights.strategy 'group' is not supported"),
+        ({("weights", "symmetric"): False}, "weights.symmetric False is not supported"),
+        ({("input_activations", "symmetric"): False}, "input_activations.symmetric False is not supported"),
+        ({("input_activations", "type"): "float"}, "input_activations.type 'float' is not supported"),
+        ({("input_activations", "dynamic"): False}, "strategy 'token' with dynamic False"),
+        # 8-bit packed words are weight-only (as llm-compressor writes W8A16).
+        ({("format",): "pack-quantized"}, "packed 8-bit weights run W8A16; activations must be null"),
+    ]:
+        broken = json.loads(json.dumps(config))
+        group = broken["quantization_config"]["config_groups"]["group_0"]
+        group["input_activations"] = dict(int8_activations)
+        for path, value in changes.items():
+            if path == ("format",):
+                broken["quantization_config"]["format"] = value
+            else:
+                group[path[0]][path[1]] = value
+        (tmp_path / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=message):
+            load(tmp_path)
+
+
 def test_ignored_layers_stay_unquantized(tmp_path) -> None:
     # Fused layers are ignored through their parts' names, exact or `re:` patterns.
     ignore = ("model.layers.1.mlp.down_proj", "re:.*layers.0.self_attn.[qkv]_proj")
@@ -249,9 +291,16 @@ def test_an_ignore_list_naming_some_parts_of_a_fused_layer_names_the_field(tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("scheme", ["fp8-channel-dynamic", "fp8-tensor-static", "int4-group-zero-points"])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        "fp8-channel-dynamic", "fp8-tensor-static", "int4-group-zero-points", "int8-tensor-static",
+        "int8-channel-weight-only",
+    ],
+)  # fmt: skip
 def test_on_gpu_in_bf16_with_its_kernels(scheme: str, tmp_path) -> None:
-    # torch._scaled_mm for FP8, the Triton W4A16 GEMM for int4; bf16 rounding on top of the scheme's own.
+    # The prompt's 12 rows take the skinny kernels (FP8 and INT8 weights W8A16, the 4-bit GEMV); bf16
+    # rounding on top of the scheme's own.
     if scheme.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 tensor cores")
     logits = make_checkpoint("qwen3", scheme, tmp_path)

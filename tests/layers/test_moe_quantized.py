@@ -164,6 +164,7 @@ SCHEMES = (
     "autofp8-experts",
     "gptq-dense-experts",
     "ct-w4a16-router",
+    "ct-int8-weight-only",  # (no INT8 expert layout: dequantized as they load, with the warning)
 )
 
 
@@ -197,6 +198,8 @@ def make_checkpoint(arch: str, scheme: str, path) -> torch.Tensor:
         weights = (
             QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=GROUP, symmetric=False)
             if scheme in ("ct-w4a16-zero-points", "ct-w4a16-router")
+            else QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
+            if scheme == "ct-int8-weight-only"
             else QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
         )
         fmt = "float-quantized" if scheme == "ct-fp8-weight-only" else "pack-quantized"
@@ -235,6 +238,7 @@ HELD = {
     "fp8-block-experts": (torch.float8_e4m3fn, 1, False),
     "autofp8-experts": (torch.float8_e4m3fn, 1, False),
     "gptq-dense-experts": (torch.float32, 4, False),
+    "ct-int8-weight-only": (torch.float32, 4, False),
 }
 
 
@@ -252,7 +256,7 @@ def assert_experts_held(llm, arch: str, scheme: str) -> None:
         held = module.experts
         assert held.w13.dtype == dtype and held.w2.dtype == dtype
         assert held.w13.nbytes + held.w2.nbytes == experts * 3 * inter * hidden * per_weight
-        if scheme == "gptq-dense-experts":
+        if scheme in ("gptq-dense-experts", "ct-int8-weight-only"):
             assert held.fmt is None and not hasattr(held, "w13_scale")
             continue
         groups = 1 if scheme in ("ct-fp8-weight-only", "autofp8-experts") else hidden // GROUP

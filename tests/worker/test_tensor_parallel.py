@@ -286,15 +286,20 @@ def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     its rows' block scales (the k and v parts are 16 rows a rank, finer than the blocks of 32) and the
     row-parallel layers their columns'. Both had loaded the whole scale tensor, refused as the wrong
     shape. GPTQ and AWQ: the row-parallel layers take their columns' slice of the packed weight and whole
-    groups of scales and zero points (refused at TP > 1 before)."""
+    groups of scales and zero points (refused at TP > 1 before). INT8 as the comment below says."""
     pytest.importorskip("compressed_tensors")
     from tests.layers import test_compressed_tensors, test_fp8_block, test_gptq_awq
 
-    for name in ("fine", "ct", "gptq", "awq"):
+    names = ("fine", "ct", "gptq", "awq", "int8", "int8-packed")
+    for name in names:
         (tmp_path / name).mkdir()
     test_fp8_block.make_checkpoint("llama", tmp_path / "fine")
     test_compressed_tensors.make_checkpoint("llama", "fp8-block", tmp_path / "ct")
     test_gptq_awq.make_checkpoint("llama", "gptq", 32, tmp_path / "gptq")
     test_gptq_awq.make_checkpoint("llama", "awq", 32, tmp_path / "awq")
-    names = ("fine", "ct", "gptq", "awq")
+    # INT8 (W8A8 with a static input scale, and 8-bit packed weight-only): row-parallel layers take their
+    # columns of the int8 weight (unpacked first where packed), every rank all of the row scales. (Dynamic
+    # per-token scales differ by design: a row-parallel rank scales the columns of the input it holds.)
+    test_compressed_tensors.make_checkpoint("llama", "int8-tensor-static", tmp_path / "int8")
+    test_compressed_tensors.make_checkpoint("llama", "int8-channel-weight-only", tmp_path / "int8-packed")
     assert_runs_equal_one_process([(str(tmp_path / name), 2, False) for name in names])

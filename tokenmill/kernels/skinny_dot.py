@@ -93,7 +93,8 @@ def w8a16_dot_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """2-16 rows of x: the e4m3 tile goes to x's dtype and through tl.dot; the row scale at the end."""
+    """2-16 rows of x: the e4m3 (or int8) tile goes to x's dtype and through tl.dot; the row scale at the
+    end. int8 widens through fp32 (exact either way; the interpreter's int8 -> bf16 cast is wrong)."""
     pdl.start(PDL)
     rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
     lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
@@ -103,6 +104,8 @@ def w8a16_dot_kernel(
         k_ok = rk < hi
         wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if w.dtype.element_ty == tl.int8:
+            wt = wt.to(tl.float32)
         acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
     s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
     gemv.store(out, acc * s[None, :], rm, rn, m_ok, n_ok, stride_om, SPLIT_K)

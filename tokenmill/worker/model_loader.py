@@ -103,7 +103,8 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
     """Random weights of the model's shapes, also in a quantized checkpoint's layout (its config's
     `quantization_config` with load_format dummy): norms 1, 16- and 32-bit weights N(0, 0.02), FP8
     weights N(0, 1) in e4m3 beside scales that bring them to about 0.02, 4-bit weights and zero points
-    random nibbles beside scales of 0.004. What records a shape or an order (weight_shape,
+    random nibbles beside scales of 0.004, INT8 weights uniform beside scales of 0.02 / 74; static input
+    scales 0.02. What records a shape or an order (weight_shape,
     g_idx) keeps what the layer built it with."""
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -111,12 +112,14 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif "scale" in name.rsplit(".", 1)[-1]:  # weight_scale, scales, weight_scale_inv, input_scale
-                param.fill_(0.004 if _packs_int4(model, name) else 0.02)
+                param.fill_(0.02 if name.endswith("input_scale") else _dummy_weight_scale(model, name))
             elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
                 param.copy_(values.normal_(0.0, 1.0, generator=generator).to(param.dtype))
             elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=generator)
+            elif param.dtype == torch.int8 and name.endswith((".weight", ".weight_packed")):  # INT8 weights
+                param.random_(-128, 128, generator=generator)
             elif param.dtype == torch.int8:  # zero points kept unpacked, one nibble each
                 param.random_(0, 16, generator=generator)
             elif param.dim() >= 2:  # packed int4 words (experts: 3-D): every bit pattern is eight nibbles
@@ -131,7 +134,24 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                         buffer.random_(0, 16, generator=generator)
 
 
-def _packs_int4(model: nn.Module, name: str) -> bool:
-    """Whether the parameter's module holds its weight as packed 4-bit words."""
+def _dummy_weight_scale(model: nn.Module, name: str) -> float:
+    """A dummy weight scale that brings the module's random quantized weight to about N(0, 0.02): packed
+    4-bit words (random nibbles) 0.004; INT8 weights (uniform over 256 values, a deviation of 74)
+    0.02 / 74; FP8 (N(0, 1)) 0.02."""
     module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    return any(p.dim() == 2 and not p.is_floating_point() for p in module.parameters(recurse=False))
+    if _int8_weight(module) is not None:
+        return 0.02 / 74
+    return (
+        0.004
+        if any(p.dtype == torch.int32 and p.dim() == 2 for p in module.parameters(recurse=False))
+        else 0.02
+    )
+
+
+def _int8_weight(module: nn.Module) -> torch.Tensor | None:
+    """The module's INT8 weight (named `weight_packed` until an 8-bit packed one has loaded), if any."""
+    for name in ("weight", "weight_packed"):
+        weight = getattr(module, name, None)
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.int8:
+            return weight
+    return None

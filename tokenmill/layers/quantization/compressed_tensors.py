@@ -32,9 +32,10 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_gemv, fp8_gemv_takes, fp8_linear
 from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
+from tokenmill.layers.quantization.int8 import int8_linear, unpack_int8
 
 FP8_FORMATS = ("float-quantized", "naive-quantized")
-FORMATS = (*FP8_FORMATS, "pack-quantized")
+FORMATS = (*FP8_FORMATS, "int-quantized", "pack-quantized")
 
 
 class CompressedTensorsConfig:
@@ -63,6 +64,11 @@ class CompressedTensorsConfig:
             raise ValueError(f"{where}.targets {targets!r} is not supported (supported: ['Linear']).")
         weights = group.get("weights") or {}
         activations = group.get("input_activations")
+        self.int8 = fmt == "int-quantized" or fmt == "pack-quantized" and weights.get("num_bits") == 8
+        if self.int8:
+            self._int8(weights, activations, where)
+            self._finish(config, group, where)
+            return
         if fmt == "pack-quantized":
             _expect(weights, f"{where}.weights", type="int", num_bits=4, dynamic=False)
             self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("group", "channel"))
@@ -104,6 +110,28 @@ class CompressedTensorsConfig:
             self.input_scheme = strategy
         self._finish(config, group, where)
 
+    def _int8(self, weights: dict, activations: dict | None, where: str) -> None:
+        """INT8 weights, symmetric, a scale per channel or per tensor; int8 activations per token
+        (dynamic) or per tensor (static), or none (weight-only: `pack-quantized` with 8 bits, which packs
+        them, or `int-quantized`, which does not)."""
+        _expect(weights, f"{where}.weights", type="int", num_bits=8, symmetric=True, dynamic=False)
+        self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("channel", "tensor"))
+        self.input_scheme = None
+        if activations is not None:
+            if self.format == "pack-quantized":
+                raise ValueError(
+                    f"{where}.input_activations: packed 8-bit weights run W8A16; activations must be null."
+                )
+            _expect(activations, f"{where}.input_activations", type="int", num_bits=8, symmetric=True)
+            strategy = _one_of(activations, f"{where}.input_activations", "strategy", ("token", "tensor"))
+            if (strategy, activations.get("dynamic")) not in (("token", True), ("tensor", False)):
+                raise ValueError(
+                    f"{where}.input_activations: strategy {strategy!r} with dynamic "
+                    f"{activations.get('dynamic')!r} is not supported (supported: token and dynamic, tensor "
+                    "and static)."
+                )
+            self.input_scheme = strategy
+
     def _finish(self, config: dict, group: dict, where: str) -> None:
         if group.get("output_activations") is not None:
             raise ValueError(f"{where}.output_activations is not supported.")
@@ -118,6 +146,10 @@ class CompressedTensorsConfig:
     def linear_method(self) -> LinearMethodBase:
         if self.format == "dense":
             return UnquantizedLinearMethod()
+        if self.int8:
+            return CompressedTensorsInt8LinearMethod(
+                self.input_scheme, packed=self.format == "pack-quantized"
+            )
         if self.format == "pack-quantized":
             return Int4W4A16LinearMethod(self.group_size, self.symmetric, self.group_order)
         if self.input_scheme == "group":
@@ -243,6 +275,8 @@ def _one_of(args: dict, where: str, key: str, allowed: tuple[str, ...]) -> str:
 
 
 class CompressedTensorsFp8LinearMethod(LinearMethodBase):
+    weight_dtype = FP8_DTYPE
+
     def __init__(self, input_scheme: str | None) -> None:
         self.input_scheme = input_scheme
 
@@ -258,7 +292,7 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
     ) -> None:
         rows = sum(output_partition_sizes)
         weight = nn.Parameter(
-            torch.empty(rows, input_size_per_partition, dtype=FP8_DTYPE), requires_grad=False
+            torch.empty(rows, input_size_per_partition, dtype=self.weight_dtype), requires_grad=False
         )
         weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
         layer.register_parameter("weight", weight)
@@ -306,6 +340,63 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
     ) -> torch.Tensor:
         return fp8_gemv(x, layer.weight, layer.weight_scale, bias, fusion)
+
+
+class CompressedTensorsInt8LinearMethod(CompressedTensorsFp8LinearMethod):
+    """INT8 weights [N, K] with a scale per row (per-tensor scales spread over their part's rows), the FP8
+    method's layout and loaders with int8 in place of e4m3; int8.py's int8_linear runs them. packed: the
+    checkpoint stores them as compressed-tensors' 8-bit `weight_packed` words (with `weight_shape`),
+    unpacked to int8 as each loads."""
+
+    weight_dtype = torch.int8
+
+    def __init__(self, input_scheme: str | None, packed: bool) -> None:
+        super().__init__(input_scheme)
+        self.packed = packed
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None,
+        weight_loader: WeightLoader,
+    ) -> None:
+        super().create_weights(
+            layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
+            weight_loader,
+        )  # fmt: skip
+        if not self.packed:
+            return
+        # The int8 tensor takes the checkpoint's name; after_loading gives it the layer's.
+        weight = layer.weight
+        del layer.weight
+
+        def load_packed(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            weight_loader(param, unpack_int8(loaded, input_size), shard_id)
+
+        weight.weight_loader = load_packed
+        layer.register_parameter("weight_packed", weight)
+
+        def check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != input_size:
+                raise ValueError(f"weight_shape {loaded.tolist()} does not have {input_size} input columns")
+
+        shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+        shape.weight_loader, shape.output_dim, shape.input_dim = check_shape, None, None
+        layer.register_parameter("weight_shape", shape)
+
+    def after_loading(self, layer: nn.Module) -> None:
+        if self.packed and hasattr(layer, "weight_packed"):
+            weight = layer.weight_packed
+            del layer.weight_packed, layer.weight_shape
+            layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        input_scale = layer.input_scale if self.input_scheme == "tensor" else None
+        return int8_linear(x, layer.weight, layer.weight_scale, bias, self.input_scheme, input_scale)
 
 
 def _part_rows(layer: nn.Module, shard_id: ShardId) -> int:

@@ -27,7 +27,10 @@ import torch
 
 from tokenmill.layers.fused_moe import ExpertFormat, StoredExpert
 from tokenmill.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
-from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod
+from tokenmill.layers.quantization.compressed_tensors import (
+    CompressedTensorsFp8LinearMethod,
+    CompressedTensorsInt8LinearMethod,
+)
 from tokenmill.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from tokenmill.layers.quantization.gptq_awq import GptqAwqLinearMethod
 from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
@@ -74,6 +77,8 @@ def expert_format(scheme) -> ExpertFormat | None:
     scheme (they are dequantized): input columns in an order of their own, or groups that are not a
     multiple of 16 columns (tl.dot's least K tile)."""
     method = scheme.linear_method()
+    if isinstance(method, CompressedTensorsInt8LinearMethod):  # (INT8 experts: no layout of their own yet)
+        return None
     if isinstance(method, CompressedTensorsFp8LinearMethod):
         return ExpertFormat(int4=False, group_size=0)
     if isinstance(method, Fp8BlockLinearMethod):

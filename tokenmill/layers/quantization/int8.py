@@ -1,0 +1,86 @@
+"""INT8 linears with one scale per output row: llm-compressor's W8A8 INT8 (compressed-tensors'
+`int-quantized` format: int8 `weight`, activations quantized to int8 per token at run time or through a
+calibrated per-tensor `input_scale`) and its INT8 weight-only checkpoints (`pack-quantized` with 8 bits:
+four values a word, each stored as q + 128; unpacked to int8 as they load). The layer method that reads
+them is compressed_tensors.py's CompressedTensorsInt8LinearMethod; this module holds their arithmetic.
+
+How a product runs:
+- decode-sized batches on CUDA (at most SKINNY_MAX_ROWS rows): kernels/skinny_gemm.py's w8a16_skinny,
+  whose loads widen whatever 8-bit weight they read, e4m3 or int8: W8A16, as FP8 checkpoints run there
+  (no activation quantization launch, one read of the weight);
+- larger batches on CUDA with int8 activations: the activations quantized per token (or by the static
+  scale), the int8 GEMM of cuBLAS (torch._int_mm, exact int32 sums), then the row and column scales;
+- everywhere else (the CPU, shapes cuBLAS's int8 GEMM does not take): the reference, the library's
+  fake-quantized arithmetic in fp32: (x_q * x_scale) @ (w_q * w_scale)^T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels import skinny_kernel
+from tokenmill.kernels.quant_reference import w8a16_gemm
+
+INT8_MAX = 127
+# compressed-tensors' symmetric int8 range: a scale is the largest magnitude over half of 255 values
+# (calculate_qparams), so a row's largest value lands on 127.5 and rounds to the clamp at 127. Dynamic
+# activation scales are computed the same way, so that the checkpoint runs as it was calibrated.
+INT8_HALF_RANGE = 127.5
+
+
+def quantize_int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (int8 [R, C], fp32 scales [R, 1]) with x ~= q * scale, symmetric, round half to even."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_HALF_RANGE
+    return _round_int8(x.float() / scale), scale
+
+
+def _round_int8(values: torch.Tensor) -> torch.Tensor:
+    return torch.round(values).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scheme: str | None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T + b with W stored as (w_q int8 [N, K], w_scale fp32 [N, 1]); x [..., K] quantized per
+    token (input_scheme "token"), by the per-tensor input_scale ("tensor"), or not at all (None:
+    weight-only, W8A16). See the module's docstring for which path takes a call."""
+    skinny = skinny_kernel(x, "w8a16_skinny")
+    if skinny is not None:
+        return skinny(x, w_q, w_scale, bias)
+    if input_scheme is None:
+        return w8a16_gemm(x, w_q, w_scale, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if input_scheme == "token":
+        x_q, x_scale = quantize_int8_per_row(x2)
+    else:
+        x_q = _round_int8(x2.float() / input_scale)
+        x_scale = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1)
+    if _int_mm_fits(x_q, w_q):
+        y = torch._int_mm(x_q, w_q.t()).float() * x_scale * w_scale.reshape(1, -1).float()
+    else:
+        y = (x_q.float() * x_scale) @ (w_q.float() * w_scale.reshape(-1, 1).float()).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], w_q.shape[0])
+
+
+def _int_mm_fits(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """cuBLAS's int8 GEMM (torch._int_mm): CUDA tensors, more than 16 rows, K and N multiples of 8."""
+    return x_q.is_cuda and x_q.shape[0] > 16 and x_q.shape[1] % 8 == 0 and w_q.shape[0] % 8 == 0
+
+
+def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """compressed-tensors' 8-bit pack-quantized words [R, ceil(C/4)] int32 -> int8 [R, C]: value i of a
+    word in bits 8i..8i+7 (little-endian bytes), stored as q + 128."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"8-bit packed weights are int32 words, got {packed.dtype}")
+    values = packed.contiguous().view(torch.uint8).reshape(packed.shape[0], -1).to(torch.int16) - 128
+    if values.shape[1] < columns:
+        raise ValueError(f"8-bit packed weights hold {values.shape[1]} columns, fewer than {columns}")
+    return values[:, :columns].to(torch.int8)
