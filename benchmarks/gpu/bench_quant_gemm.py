@@ -19,6 +19,9 @@ GEMM (kernels/fp8_gemm.py) over its tile configs, the activations quantized befo
 1,2,4,8,16,32,64,128,256,2048): bf16 cuBLAS beside the INT4 linears' own dispatch (int4_gemm.w4a16_linear)
 and each kernel it can choose (one-row, tensor-core at 16/32/64 activation rows a program, tiled, the whole
 weight dequantized for cuBLAS, and that dequantization alone), so its row bounds are set by measurement.
+
+--int8-rows instead times the INT8 checkpoints' linears (layers/quantization/int8.py: the skinny W8A16
+kernel up to 16 rows, cuBLAS's int8 GEMM past them) beside bf16 cuBLAS, at --rows.
 """
 
 from __future__ import annotations
@@ -339,6 +342,43 @@ def int4_rows_case(name: str, rows: int) -> dict:
     return result
 
 
+def int8_rows_case(name: str, rows: int) -> dict:
+    """INT8 at `rows` activation rows (--int8-rows): bf16 cuBLAS beside layers/quantization/int8.py's
+    int8_linear as the compressed-tensors INT8 checkpoints run it (activations per token, per tensor, or
+    weight-only), each against the fp32 product of the int8 weight."""
+    from tokenmill.layers.quantization.int8 import int8_linear
+
+    n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
+    us = timed(lambda c: F.linear(x, w[c]), copies)
+    result["bf16_cublas"] = {"us": us, "tb_per_s": bf16_bytes / us / 1e6}
+    w.clear()
+    nbytes = n * k + n * 4
+    int8_copies = max(1, math.ceil(POOL_BYTES / nbytes))
+    weights = []
+    for _ in range(int8_copies):
+        scale = (torch.rand(n, 1, device=DEVICE, generator=gen) * 0.02 + 0.01) / 127
+        q = torch.randint(-128, 128, (n, k), device=DEVICE, dtype=torch.int8, generator=gen)
+        weights.append((q, scale))
+    want = x.float() @ (weights[0][0].float() * weights[0][1]).t()
+    input_scale = x.float().abs().amax().reshape(1) / 127.5
+    paths = {
+        "int8_token": lambda c: int8_linear(x, *weights[c], None, "token"),
+        "int8_tensor": lambda c: int8_linear(x, *weights[c], None, "tensor", input_scale),
+        "int8_weight_only": lambda c: int8_linear(x, *weights[c], None, None),
+    }
+    for label, fn in paths.items():
+        try:
+            got = fn(0)
+            us = timed(fn, int8_copies)
+            bf16_us = result["bf16_cublas"]["us"]
+            result[label] = {"us": us, "tb_per_s": nbytes / us / 1e6, "x_bf16": bf16_us / us,
+                             "rel_err": rel_err(got, want)}  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - a path that cannot take this shape
+            result[label] = {"error": f"{type(error).__name__}: {error}"}
+    return result
+
+
 FP8_GEMM_CONFIGS = [
     Fp8GemmConfig(bm, bn, 128, warps, stages)
     for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4, 5)
@@ -437,6 +477,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down", help=f"of {','.join(SHAPES)}")
     parser.add_argument("--fp8-gemm", action="store_true", help="the W8A8 GEMMs at decode batches")
     parser.add_argument("--int4-rows", action="store_true", help="the INT4 GEMMs at every batch size")
+    parser.add_argument("--int8-rows", action="store_true", help="the INT8 checkpoints' linears by rows")
     parser.add_argument("--budget-s", type=float, default=300, help="all the sweeps together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -451,6 +492,8 @@ def main() -> int:
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.int4_rows:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
+    elif args.int8_rows:
+        cases = [(n, r, lambda n=n, r=r: int8_rows_case(n, r)) for r in row_counts for n in shapes]
     elif args.fp8_gemm:
         budget = args.budget_s / len(row_counts) / len(shapes)
         cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]

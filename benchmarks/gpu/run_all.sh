@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -115,6 +115,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # tl.dot kernel against the FP8 one-row kernel over several rows (skinny_gemm.DENSE_ROWS, GEMV8_ROWS).
     small-batches) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --rows 2,3,4 --shapes qkv,o,gate_up,down,lm_head \
                      --out "$out/small_batches.json" 2>&1 | grep -v Warning | tail -2 ;;
+    # The INT8 checkpoints' linears (layers/quantization/int8.py) by batch rows, beside bf16 cuBLAS.
+    int8-rows) timeout 300 $py benchmarks/gpu/bench_quant_gemm.py --int8-rows --rows 1,4,16,17,64,256,2048 \
+                 --out "$out/int8_rows.json" 2>&1 | tail -3 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
     decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
     speculative) timeout 480 $bench speculative --shape llama-3.1-8b --out "$out/speculative_8b.json" ;;
