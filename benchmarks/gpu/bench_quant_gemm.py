@@ -21,7 +21,7 @@ and each kernel it can choose (one-row, tensor-core at 16/32/64 activation rows 
 weight dequantized for cuBLAS, and that dequantization alone), so its row bounds are set by measurement.
 
 --int8-rows instead times the INT8 checkpoints' linears (layers/quantization/int8.py: the skinny W8A16
-kernel up to 16 rows, cuBLAS's int8 GEMM past them) beside bf16 cuBLAS, at --rows.
+kernel up to 16 rows, the Triton row-wise GEMM on int8 operands past them) beside bf16 cuBLAS, at --rows.
 """
 
 from __future__ import annotations

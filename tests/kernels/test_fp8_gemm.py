@@ -25,10 +25,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 )
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_dequantize_then_matmul(m, n, k, config, out_dtype, with_bias) -> None:
+@pytest.mark.parametrize("operands", ["e4m3", "int8"])  # int8: INT8 checkpoints' W8A8
+def test_matches_dequantize_then_matmul(m, n, k, config, out_dtype, with_bias, operands) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
-    a = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if operands == "int8":
+        a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    else:
+        a = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     a_scale = torch.rand(m, 1, generator=gen) * 0.01 + 1e-3
     w_scale = torch.rand(n, 1, generator=gen) * 0.01 + 1e-3
     bias = torch.randn(n, generator=gen) if with_bias else None

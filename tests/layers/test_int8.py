@@ -1,6 +1,6 @@
 """layers/quantization/int8.py: the INT8 checkpoints' arithmetic against compressed-tensors' own (the
 packing, the dynamic activation scales) and against the fp64 product of what it quantized; on a GPU,
-the skinny W8A16 kernel and cuBLAS's int8 GEMM that int8_linear hands large batches to."""
+the skinny W8A16 kernel and the int8 GEMM that int8_linear hands large batches to."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def test_the_cpu_path_is_the_fake_quantized_product(scheme: str | None) -> None:
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300])
 @pytest.mark.parametrize("scheme", ["token", "tensor", None])
 def test_on_the_gpu_each_batch_size_takes_its_kernel(rows: int, scheme: str | None) -> None:
-    """Up to 16 rows the skinny W8A16 kernel (activations as they are), past them cuBLAS's int8 GEMM on
-    int8 activations (weight-only: the dequantized weight); N = 1,000 (a multiple of 8), K = 4,104."""
+    """Up to 16 rows the skinny W8A16 kernel (activations as they are), past them the Triton row-wise GEMM
+    on int8 operands (weight-only: the dequantized weight); N = 1,000, K = 4,104 (not multiples of its
+    tiles)."""
     gen = torch.Generator().manual_seed(rows)
     w_q, w_scale = _weight(1000, 4104, gen)
     x = torch.randn(rows, 4104, generator=gen).to(torch.bfloat16)

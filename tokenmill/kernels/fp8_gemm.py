@@ -5,6 +5,11 @@ pick tiles made for large squares: measured on an H200 at 32 rows of Llama-3.1-8
 kernel takes 0.73-0.82x the time of torch._scaled_mm; at 128 rows and more it is no faster
 (docs/performance.md, 2026-12-01), and cuBLAS keeps them.
 
+The same kernel multiplies int8 operands (INT8 checkpoints' W8A8, layers/quantization/int8.py): int8
+tensor-core products summed exactly in int32 on the GPU, then the same scales. (cuBLAS's int8 GEMM,
+torch._int_mm, wants the weight [K, N] contiguous: a transposed view of the [N, K] one the decode
+kernels read has given wrong sums in some PyTorch versions, and a second copy would double the bytes.)
+
 Programs that share a weight tile are launched next to each other (M varies fastest), so a weight tile
 comes from HBM once and from L2 for the other row tiles. Rows and columns past the ends read a copy of
 the last row or column (no masks, so the loads stay vectorized) and are not stored; K is masked only
@@ -50,6 +55,7 @@ def _fp8_rowwise_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    INT8_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -60,7 +66,7 @@ def _fp8_rowwise_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptr = a + (rm % M)[:, None] * stride_am + rk[None, :]
     w_ptr = w + (rn % N)[:, None] * stride_wn + rk[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if INT8_DOT else tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             at = tl.load(a_ptr)
@@ -69,17 +75,19 @@ def _fp8_rowwise_kernel(
             k_ok = (k0 + rk < K)[None, :]
             at = tl.load(a_ptr, mask=k_ok, other=0.0)
             wt = tl.load(w_ptr, mask=k_ok, other=0.0)
-        if FP8_DOT:
+        if INT8_DOT:  # int8 products summed exactly in int32
+            acc = tl.dot(at, tl.trans(wt), acc, out_dtype=tl.int32)
+        elif FP8_DOT:
             # Hopper's FP8 tensor cores sum with fewer bits than fp32; each tile's products join the
             # fp32 sum after BLOCK_K of them (as cuBLAS does without fast accumulation).
             acc = tl.dot(at, tl.trans(wt), acc, max_num_imprecise_acc=BLOCK_K)
-        else:  # e4m3 is exact in fp32: the interpreter and pre-Hopper paths multiply there
+        else:  # e4m3 and int8 are exact in fp32: the interpreter and pre-Hopper paths multiply there
             acc = tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K
     sa = tl.load(a_scale + rm % M)
     sw = tl.load(w_scale + rn % N)
-    acc = acc * sa[:, None] * sw[None, :]
+    acc = acc.to(tl.float32) * sa[:, None] * sw[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + rn % N).to(tl.float32)[None, :]
     o_mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -111,7 +119,7 @@ def fp8_rowwise_gemm(
     config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """a_q e4m3 [M, K], a_scale fp32 [M, 1] (or [M]); w_q e4m3 [N, K], w_scale fp32 [N, 1] (or [N]);
-    returns [M, N] in out_dtype."""
+    returns [M, N] in out_dtype. a_q and w_q may both be int8 instead."""
     m, k = a_q.shape
     n = w_q.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
@@ -119,13 +127,19 @@ def fp8_rowwise_gemm(
         return out
     if a_q.stride(1) != 1 or w_q.stride(1) != 1:
         raise ValueError("fp8_rowwise_gemm takes a_q and w_q with unit stride along K")
+    int8 = a_q.dtype == torch.int8
+    if int8 != (w_q.dtype == torch.int8):
+        raise ValueError(
+            f"fp8_rowwise_gemm takes both operands int8 or neither, got {a_q.dtype}, {w_q.dtype}"
+        )
     config = config or default_config(m, n, k)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _fp8_rowwise_kernel[grid](
         a_q, a_scale.reshape(-1), w_q, w_scale.reshape(-1), bias if bias is not None else out, out, m, n, k,
         a_q.stride(0), w_q.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, FP8_DOT=a_q.is_cuda and has_fp8_mma(a_q.device),
+        EVEN_K=k % config.block_k == 0, FP8_DOT=not int8 and a_q.is_cuda and has_fp8_mma(a_q.device),
+        INT8_DOT=int8 and a_q.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

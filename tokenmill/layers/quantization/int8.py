@@ -9,16 +9,17 @@ How a product runs:
   whose loads widen whatever 8-bit weight they read, e4m3 or int8: W8A16, as FP8 checkpoints run there
   (no activation quantization launch, one read of the weight);
 - larger batches on CUDA with int8 activations: the activations quantized per token (or by the static
-  scale), the int8 GEMM of cuBLAS (torch._int_mm, exact int32 sums), then the row and column scales;
-- everywhere else (the CPU, shapes cuBLAS's int8 GEMM does not take): the reference, the library's
-  fake-quantized arithmetic in fp32: (x_q * x_scale) @ (w_q * w_scale)^T.
+  scale), then kernels/fp8_gemm.py's row-wise-scaled GEMM on int8 operands (int8 tensor cores, exact
+  int32 sums; cuBLAS's torch._int_mm would want the weight transposed, see there);
+- everywhere else (the CPU): the reference, the library's fake-quantized arithmetic in fp32:
+  (x_q * x_scale) @ (w_q * w_scale)^T.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import skinny_kernel
+from tokenmill.kernels import skinny_kernel, triton_kernel
 from tokenmill.kernels.quant_reference import w8a16_gemm
 
 INT8_MAX = 127
@@ -60,19 +61,14 @@ def int8_linear(
         x_q, x_scale = quantize_int8_per_row(x2)
     else:
         x_q = _round_int8(x2.float() / input_scale)
-        x_scale = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1)
-    if _int_mm_fits(x_q, w_q):
-        y = torch._int_mm(x_q, w_q.t()).float() * x_scale * w_scale.reshape(1, -1).float()
+        x_scale = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1).contiguous()  # (one a row)
+    gemm = triton_kernel("fp8_gemm", "fp8_rowwise_gemm") if x.is_cuda else None
+    if gemm is not None:
+        y = gemm(x_q, x_scale.float(), w_q, w_scale.float(), bias, x.dtype)
     else:
         y = (x_q.float() * x_scale) @ (w_q.float() * w_scale.reshape(-1, 1).float()).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], w_q.shape[0])
-
-
-def _int_mm_fits(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """cuBLAS's int8 GEMM (torch._int_mm): CUDA tensors, more than 16 rows, K and N multiples of 8."""
-    return x_q.is_cuda and x_q.shape[0] > 16 and x_q.shape[1] % 8 == 0 and w_q.shape[0] % 8 == 0
+        y = (y + bias.float() if bias is not None else y).to(x.dtype)
+    return y.reshape(*shape[:-1], w_q.shape[0])
 
 
 def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:
