@@ -254,18 +254,20 @@ def _moe_launches(dtype: torch.dtype) -> None:
             torch.zeros(64, dtype=torch.int32), torch.zeros(64 // block_m + 1, dtype=torch.int32),
             torch.zeros(1, dtype=torch.int32), torch.empty(16, dtype=dtype), 2, block_m,
         )  # fmt: skip
-        for int4, group, zero in (
-            (False, 0, False),
-            (False, 128, False),
-            (True, 128, False),
-            (True, 128, True),
+        for int4, group, zero, int8 in (
+            (False, 0, False, False),
+            (False, 128, False, False),
+            (True, 128, False, False),
+            (True, 128, True, False),
+            (False, 0, False, True),  # INT8 per channel
         ):
             for by_token, (n, k), config in (
                 (True, (2 * inter, hidden), gate_up),
                 (False, (hidden, inter), down),
             ):
                 groups = k // group if group else 1
-                data = torch.empty(experts, n, k // 8 if int4 else k, dtype=torch.int32 if int4 else FP8)
+                stored = torch.int32 if int4 else torch.int8 if int8 else FP8
+                data = torch.empty(experts, n, k // 8 if int4 else k, dtype=stored)
                 scale = torch.empty(experts, n, groups, dtype=dtype if int4 else torch.float32)
                 zeros = torch.empty(experts, n, groups, dtype=torch.int8) if zero else None
                 weight = QuantExperts(data, scale, zeros, group or k, k)

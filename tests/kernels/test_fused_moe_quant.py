@@ -66,8 +66,17 @@ def int4_groups(weight: torch.Tensor, group: int, zero_points: bool) -> QuantExp
     return QuantExperts(packed, scale.to(torch.bfloat16), zeros, group, k)
 
 
+def int8_channel(weight: torch.Tensor) -> QuantExperts:
+    """Symmetric int8 with one scale per row (compressed-tensors' INT8 experts)."""
+    experts, n, k = weight.shape
+    scale = weight.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / 127
+    q = torch.round(weight.float() / scale).clamp(-128, 127).to(torch.int8)
+    return QuantExperts(q, scale, None, k, k)
+
+
 FORMATS = {
     "fp8-channel": quantize_experts_fp8,
+    "int8-channel": int8_channel,
     "fp8-tensor": fp8_per_tensor,
     "fp8-block-128": lambda w: fp8_blocks(w, 128, 128),
     "fp8-block-16x32": lambda w: fp8_blocks(w, 16, 32),

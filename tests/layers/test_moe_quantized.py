@@ -164,7 +164,7 @@ SCHEMES = (
     "autofp8-experts",
     "gptq-dense-experts",
     "ct-w4a16-router",
-    "ct-int8-weight-only",  # (no INT8 expert layout: dequantized as they load, with the warning)
+    "ct-int8-weight-only",
 )
 
 
@@ -238,7 +238,7 @@ HELD = {
     "fp8-block-experts": (torch.float8_e4m3fn, 1, False),
     "autofp8-experts": (torch.float8_e4m3fn, 1, False),
     "gptq-dense-experts": (torch.float32, 4, False),
-    "ct-int8-weight-only": (torch.float32, 4, False),
+    "ct-int8-weight-only": (torch.int8, 1, False),
 }
 
 
@@ -256,10 +256,14 @@ def assert_experts_held(llm, arch: str, scheme: str) -> None:
         held = module.experts
         assert held.w13.dtype == dtype and held.w2.dtype == dtype
         assert held.w13.nbytes + held.w2.nbytes == experts * 3 * inter * hidden * per_weight
-        if scheme in ("gptq-dense-experts", "ct-int8-weight-only"):
+        if scheme == "gptq-dense-experts":
             assert held.fmt is None and not hasattr(held, "w13_scale")
             continue
-        groups = 1 if scheme in ("ct-fp8-weight-only", "autofp8-experts") else hidden // GROUP
+        groups = (
+            1
+            if scheme in ("ct-fp8-weight-only", "autofp8-experts", "ct-int8-weight-only")
+            else hidden // GROUP
+        )
         assert tuple(held.w13_scale.shape) == (experts, 2 * inter, groups)
         assert hasattr(held, "w13_zero") == zero_points
 
@@ -321,7 +325,7 @@ def test_experts_of_a_scheme_without_a_kernel_are_dequantized_with_a_warning(tmp
     prompt_logprobs_match(llm, logits)
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "fp8-block-experts"])
+@pytest.mark.parametrize("scheme", ["gptq", "fp8-block-experts", "ct-int8-weight-only"])
 def test_dummy_weights_fill_quantized_experts(scheme: str, tmp_path) -> None:
     """load_format dummy on a quantized MoE checkpoint's config: the experts' quantized values are random
     and their scales (buffers, beside them) set, so a benchmark's experts are not all zero."""
@@ -331,4 +335,6 @@ def test_dummy_weights_fill_quantized_experts(scheme: str, tmp_path) -> None:
         if isinstance(module, FusedMoE):
             held = module.experts
             assert held.fmt is not None and held.w13.float().abs().sum() > 0
-            assert (held.w13_scale == (0.004 if held.fmt.int4 else 0.02)).all()
+            want = 0.004 if held.fmt.int4 else 0.02 / 74 if held.fmt.int8 else 0.02  # (about N(0, 0.02))
+            assert torch.allclose(held.w13_scale, torch.full_like(held.w13_scale, want))
+            assert held.w13.min() < -64 if held.fmt.int8 else True  # int8 values over their whole range

@@ -1,6 +1,7 @@
 """The fused MoE's grouped GEMM over experts kept quantized (kernels/quant_reference.py's QuantExperts):
-FP8 (e4m3) weights with per-channel or [128, 128]-block scales, and INT4 W4A16 weights in groups, with
-or without zero points. kernels/fused_moe.py's fused_moe calls it for such weights; its reference is
+FP8 (e4m3) weights with per-channel or [128, 128]-block scales, INT8 weights with per-channel scales
+(the FP8 path: a byte a value, widened the same way), and INT4 W4A16 weights in groups, with or without
+zero points. kernels/fused_moe.py's fused_moe calls it for such weights; its reference is
 kernels/reference.py's fused_moe, which dequantizes first.
 
 Each program loads its expert's weight tile quantized (a byte or half a byte a value), widens it in

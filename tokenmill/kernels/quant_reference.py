@@ -110,11 +110,12 @@ def fp8_block_gemm(
 
 
 class QuantExperts(NamedTuple):
-    """Stacked expert weights [E, N, K] kept quantized: `data` e4m3 [E, N, K] (FP8) or int32
-    [E, N, ceil(K/8)] (INT4, int4.py's packing along K); `scale` [E, N, ceil(K/group_size)], one per
-    row and group of group_size input columns (FP8 per channel: one group, group_size = K; FP8 blocks:
-    each row holds its block's scale); `zero` int8 like scale (INT4 with zero points, in [-8, 7] as
-    int4.py keeps them) or None. w[e, n, k] = (q - zero) * scale at [e, n, k // group_size]."""
+    """Stacked expert weights [E, N, K] kept quantized: `data` e4m3 [E, N, K] (FP8), int8 [E, N, K]
+    (INT8, as FP8 but integers) or int32 [E, N, ceil(K/8)] (INT4, int4.py's packing along K); `scale`
+    [E, N, ceil(K/group_size)], one per row and group of group_size input columns (FP8 and INT8 per
+    channel: one group, group_size = K; FP8 blocks: each row holds its block's scale); `zero` int8 like
+    scale (INT4 with zero points, in [-8, 7] as int4.py keeps them) or None.
+    w[e, n, k] = (q - zero) * scale at [e, n, k // group_size]."""
 
     data: torch.Tensor
     scale: torch.Tensor

@@ -40,16 +40,18 @@ def expert_params_mapping(num_experts: int) -> list[tuple[str, str, ShardId]]:
 
 class ExpertFormat(NamedTuple):
     """How a MoE layer's experts are held quantized (kernels/quant_reference.py's QuantExperts): INT4
-    (int4.py's packing) or FP8 (e4m3); input columns per scale (0: one scale per row); zero points."""
+    (int4.py's packing), INT8 (int8, a byte a value, as FP8's layout) or FP8 (e4m3); input columns per
+    scale (0: one scale per row); zero points."""
 
     int4: bool
     group_size: int
     zero_points: bool = False
+    int8: bool = False
 
 
 class StoredExpert(NamedTuple):
-    """One expert projection as a quantized checkpoint stores it, in ExpertFormat's layout: weight e4m3
-    [N, K] or int32 [N, ceil(K/8)], scale [N, groups], zero int8 [N, groups] or None."""
+    """One expert projection as a quantized checkpoint stores it, in ExpertFormat's layout: weight e4m3 or
+    int8 [N, K] or int32 [N, ceil(K/8)], scale [N, groups], zero int8 [N, groups] or None."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -126,7 +128,7 @@ class Experts(nn.Module):
         for name, (experts, rows, columns) in self._shapes().items():
             stored = -(-columns // PACK) if fmt.int4 else columns
             groups = -(-columns // fmt.group_size) if fmt.group_size else 1
-            dtype = torch.int32 if fmt.int4 else FP8_DTYPE
+            dtype = torch.int32 if fmt.int4 else torch.int8 if fmt.int8 else FP8_DTYPE
             shape = (experts, rows, groups)
             self._set_param(name, torch.zeros(experts, rows, stored, dtype=dtype, device=device))
             self.register_buffer(f"{name}_scale", torch.zeros(shape, dtype=scale_dtype, device=device))

@@ -118,7 +118,10 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                 param.copy_(values.normal_(0.0, 1.0, generator=generator).to(param.dtype))
             elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=generator)
-            elif param.dtype == torch.int8 and name.endswith((".weight", ".weight_packed")):  # INT8 weights
+            elif param.dtype == torch.int8 and (
+                name.endswith((".weight", ".weight_packed")) or param.dim() == 3
+            ):
+                # INT8 weights (a linear's, or stacked experts')
                 param.random_(-128, 128, generator=generator)
             elif param.dtype == torch.int8:  # zero points kept unpacked, one nibble each
                 param.random_(0, 16, generator=generator)
@@ -129,7 +132,7 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
             if isinstance(module, Experts) and module.fmt is not None:
                 for name, buffer in module.named_buffers(recurse=False):
                     if name.endswith("_scale"):
-                        buffer.fill_(0.004 if module.fmt.int4 else 0.02)
+                        buffer.fill_(0.004 if module.fmt.int4 else 0.02 / 74 if module.fmt.int8 else 0.02)
                     else:
                         buffer.random_(0, 16, generator=generator)
 

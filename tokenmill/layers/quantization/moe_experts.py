@@ -6,7 +6,7 @@ compressed-tensors' 4-bit tensors into int4.py's one layout); then they go on to
 projection's `.weight` name:
 
 - kept quantized (a StoredExpert, layers/fused_moe.py's ExpertFormat) where the fused MoE kernel
-  runs the scheme (`expert_format`): FP8 per channel or per tensor (compressed-tensors, AutoFP8), FP8
+  runs the scheme (`expert_format`): FP8 or INT8 per channel or per tensor (compressed-tensors, AutoFP8), FP8
   in blocks (fine-grained `weight_block_size`, compressed-tensors FP8_BLOCK), INT4 W4A16 groups of a
   multiple of 16 columns or one per row, with or without zero points (GPTQ without desc_act, AWQ,
   compressed-tensors pack-quantized without actorder);
@@ -77,8 +77,8 @@ def expert_format(scheme) -> ExpertFormat | None:
     scheme (they are dequantized): input columns in an order of their own, or groups that are not a
     multiple of 16 columns (tl.dot's least K tile)."""
     method = scheme.linear_method()
-    if isinstance(method, CompressedTensorsInt8LinearMethod):  # (INT8 experts: no layout of their own yet)
-        return None
+    if isinstance(method, CompressedTensorsInt8LinearMethod):  # int8, a scale per row: FP8's layout
+        return ExpertFormat(int4=False, group_size=0, int8=True)
     if isinstance(method, CompressedTensorsFp8LinearMethod):
         return ExpertFormat(int4=False, group_size=0)
     if isinstance(method, Fp8BlockLinearMethod):
