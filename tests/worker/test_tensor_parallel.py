@@ -290,16 +290,15 @@ def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     pytest.importorskip("compressed_tensors")
     from tests.layers import test_compressed_tensors, test_fp8_block, test_gptq_awq
 
-    names = ("fine", "ct", "gptq", "awq", "int8", "int8-packed")
+    names = ("fine", "ct", "gptq", "awq", "int8")
     for name in names:
         (tmp_path / name).mkdir()
     test_fp8_block.make_checkpoint("llama", tmp_path / "fine")
     test_compressed_tensors.make_checkpoint("llama", "fp8-block", tmp_path / "ct")
     test_gptq_awq.make_checkpoint("llama", "gptq", 32, tmp_path / "gptq")
     test_gptq_awq.make_checkpoint("llama", "awq", 32, tmp_path / "awq")
-    # INT8 (W8A8 with a static input scale, and 8-bit packed weight-only): row-parallel layers take their
-    # columns of the int8 weight (unpacked first where packed), every rank all of the row scales. (Dynamic
-    # per-token scales differ by design: a row-parallel rank scales the columns of the input it holds.)
+    # INT8 (W8A8 with a static input scale): row-parallel layers take their columns of the int8 weight
+    # (an 8-bit packed one is unpacked whole first: the same slicing), every rank all of the row scales.
+    # (Dynamic per-token scales differ by design: a row-parallel rank scales the input columns it holds.)
     test_compressed_tensors.make_checkpoint("llama", "int8-tensor-static", tmp_path / "int8")
-    test_compressed_tensors.make_checkpoint("llama", "int8-channel-weight-only", tmp_path / "int8-packed")
     assert_runs_equal_one_process([(str(tmp_path / name), 2, False) for name in names])
