@@ -64,7 +64,7 @@ class CompressedTensorsConfig:
             raise ValueError(f"{where}.targets {targets!r} is not supported (supported: ['Linear']).")
         weights = group.get("weights") or {}
         activations = group.get("input_activations")
-        self.int8 = fmt == "int-quantized" or fmt == "pack-quantized" and weights.get("num_bits") == 8
+        self.int8 = fmt == "int-quantized" or (fmt == "pack-quantized" and weights.get("num_bits") == 8)
         if self.int8:
             self._int8(weights, activations, where)
             self._finish(config, group, where)
