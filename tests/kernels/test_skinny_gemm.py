@@ -359,3 +359,32 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
     packed, scale, zero = int4_weight(40, 64, 32, False, seed=1)
     with pytest.raises(ValueError, match="packed-fp16 kernel"):
         w4a16_skinny(x.float(), packed, scale, zero, 32, fusion=GemvFusion())
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group", "split"),
+    [(1, 40, 96, 32, 1), (5, 70, 160, 32, 2), (16, 33, 144, 48, 3), (3, 64, 100, 32, 1)],
+)
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, split, zeros, dtype) -> None:
+    """kernels/skinny_gemm.py's w8a16_grouped (GPTQ's 8-bit groups) against the dequantized product:
+    columns past a tile, K split across programs, a short last group (K = 100 in groups of 32)."""
+    from tokenmill.kernels import skinny_gemm
+    from tokenmill.layers.quantization.int8 import dequantize_int8_groups
+
+    device = DEVICE
+    gen = torch.Generator().manual_seed(rows + n + k)
+    groups = -(-k // group)
+    w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, groups, generator=gen) * 0.01 + 1e-3).to(dtype)
+    zero = torch.randint(-20, 20, (n, groups), generator=gen, dtype=torch.int8) if zeros else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    config = skinny_gemm.SkinnyConfig(32, 16, split, 4, 2)
+    args = [t.to(device) if t is not None else None for t in (x, w_q, scale, zero)]
+    got = skinny_gemm.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
+    want = x.double() @ dequantize_int8_groups(w_q, scale, zero, group, torch.float64).t() + bias.double()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())

@@ -1,7 +1,8 @@
 """The tl.dot kernels behind kernels/skinny_gemm.py's wrappers for 2-16 rows of activations: a 4-bit
-weight dequantized a nibble plane at a time (the exponent trick of kernels/gemv.py), and an e4m3 weight
-taken to the activations' dtype, each tile through tl.dot; K split across programs where the grid would
-leave SMs idle (gemv.store adds the partial sums)."""
+weight dequantized a nibble plane at a time (the exponent trick of kernels/gemv.py), an e4m3 (or int8)
+weight taken to the activations' dtype, and an int8 weight in groups (GPTQ's 8-bit, from one row), each
+tile through tl.dot; K split across programs where the grid would leave SMs idle (gemv.store adds the
+partial sums)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,50 @@ def w8a16_dot_kernel(
         acc = tl.dot(xk, tl.trans(wt.to(xk.dtype)), acc, input_precision=PRECISION)
     s = tl.load(w_scale + rn, mask=n_ok, other=0.0)
     gemv.store(out, acc * s[None, :], rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+
+
+@triton.jit
+def w8a16_group_dot_kernel(
+    x,
+    w,
+    scale,
+    zero,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """1-16 rows of x over int8 weights with a scale (and zero point) per row and group of GROUP input
+    columns (GPTQ's 8-bit): each [BLOCK_N, BLOCK_K] tile (BLOCK_K divides GROUP, so a tile lies in one
+    group) goes to x's dtype and through tl.dot; its fp32 sums take the zero point, z * (the tile's sum
+    of x), and the group's scale before they join the accumulator."""
+    pdl.start(PDL)
+    rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
+    lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < hi
+        wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # (int8 through fp32: exact, and the interpreter's int8 -> bf16 cast is wrong)
+        part = tl.dot(xk, tl.trans(wt.to(tl.float32).to(xk.dtype)), input_precision=PRECISION)
+        group = k0 // GROUP
+        if HAS_ZERO:
+            z = tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)
+            part -= tl.sum(xk.to(tl.float32), axis=1)[:, None] * z[None, :]
+        acc += part * tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)

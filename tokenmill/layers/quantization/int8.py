@@ -1,8 +1,10 @@
 """INT8 linears with one scale per output row: llm-compressor's W8A8 INT8 (compressed-tensors'
 `int-quantized` format: int8 `weight`, activations quantized to int8 per token at run time or through a
 calibrated per-tensor `input_scale`) and its INT8 weight-only checkpoints (`pack-quantized` with 8 bits:
-four values a word, each stored as q + 128; unpacked to int8 as they load). The layer method that reads
-them is compressed_tensors.py's CompressedTensorsInt8LinearMethod; this module holds their arithmetic.
+four values a word, each stored as q + 128; unpacked to int8 as they load), and GPTQ's 8-bit checkpoints
+(int8 in groups of input columns with zero points: `int8_grouped_linear`). The layer methods that read
+them are compressed_tensors.py's CompressedTensorsInt8LinearMethod and gptq_awq.py's; this module holds
+their arithmetic.
 
 How a product runs:
 - decode-sized batches on CUDA (at most SKINNY_MAX_ROWS rows): kernels/skinny_gemm.py's w8a16_skinny,
@@ -18,6 +20,7 @@ How a product runs:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.kernels import skinny_kernel, triton_kernel
 from tokenmill.kernels.quant_reference import w8a16_gemm
@@ -80,3 +83,32 @@ def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:
     if values.shape[1] < columns:
         raise ValueError(f"8-bit packed weights hold {values.shape[1]} columns, fewer than {columns}")
     return values[:, :columns].to(torch.int8)
+
+
+def dequantize_int8_groups(
+    w_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """int8 [N, K] in groups of group_size columns, each row's group with its scale [N, groups] and zero
+    point (int8 [N, groups] or None) -> (q - zero) * scale [N, K] in dtype, computed in fp32."""
+    groups = torch.arange(w_q.shape[1], device=w_q.device) // group_size
+    values = w_q.float()
+    if zero is not None:
+        values = values - zero.float()[:, groups]
+    return (values * scale.float()[:, groups]).to(dtype)
+
+
+def int8_grouped_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; dequantize_int8_groups says how): decode-sized
+    batches on CUDA through kernels/skinny_gemm.py's w8a16_grouped (the weight read once, a byte a value);
+    larger ones, and the CPU, dequantize the weight into x's dtype and multiply there."""
+    grouped = skinny_kernel(x, "w8a16_grouped") if group_size % 16 == 0 else None
+    if grouped is not None:
+        return grouped(x, w_q, scale, zero, group_size, bias)
+    return F.linear(x, dequantize_int8_groups(w_q, scale, zero, group_size, x.dtype), bias)
