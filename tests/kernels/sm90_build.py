@@ -206,6 +206,8 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             skinny_gemm.w4a16_skinny(x, packed, scale, None, 128)
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
             skinny_gemm.w8a16_skinny(x, torch.empty(n, k, dtype=torch.int8), w_scale)  # INT8 checkpoints
+            int8 = torch.empty(n, k, dtype=torch.int8)  # GPTQ's 8-bit groups, with zero points
+            skinny_gemm.w8a16_grouped(x, int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128)
         # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
         skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
         # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear) at 2-128 rows (16, 64 and 2 x 64
@@ -294,6 +296,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (skinny_dot, "w4a16_dot_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_dot, "w8a16_dot_kernel"),
+        (skinny_dot, "w8a16_group_dot_kernel"),
         (w4a16_mma, "_w4a16_mma_kernel"),
         (int4_gemm, "_dequantize_kernel"),
         (kv_cache, "_write_kv_cache_kernel"),

@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tokenmill.bench.quant_checkpoints import pack_columns, pack_gptq_rows
+from tokenmill.bench.quant_checkpoints import pack_columns, pack_gptq_rows, to_int32
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 
@@ -29,6 +29,13 @@ from .quant_models import (
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def pack8(values: torch.Tensor) -> torch.Tensor:
+    """8-bit values 0..255 [R, C] -> int32 [R, C/4], column 4c + j in bits 8j of word c (GPTQ's 8-bit
+    qzeros as stored; its qweight is the same along K)."""
+    v = values.long().reshape(values.shape[0], -1, 4)
+    return to_int32(sum(v[:, :, j] << (8 * j) for j in range(4)))
+
+
 def make_checkpoint(
     arch: str,
     method: str,
@@ -37,6 +44,7 @@ def make_checkpoint(
     skip: tuple[str, ...] = (),
     act_order: bool = False,
     sym: bool = False,
+    bits: int = 4,
 ) -> torch.Tensor:
     """Quantize a random model's linears (round-to-nearest, asymmetric groups, or symmetric ones with
     zero 8 as GPTQ's sym stores them; not those named in `skip`, listed in modules_to_not_convert), save
@@ -44,7 +52,8 @@ def make_checkpoint(
     one group per column; where group does not divide a layer's input rows the last group is short, as
     AutoGPTQ stores it. act_order (GPTQ's desc_act): each layer's input rows grouped in an order of their
     own (one order for the layers that read the same input: q/k/v, gate/up), its g_idx saying which
-    group each row is in."""
+    group each row is in. bits 8 (GPTQ only): values 0..255, four to a word, packed the same ways."""
+    top = (1 << bits) - 1  # 15 or 255
     model = random_model(arch)
     tensors = {}
     for name, module in model.named_modules():
@@ -63,12 +72,12 @@ def make_checkpoint(
         groups = w.t()[order][torch.arange(num_groups * rows).clamp(max=k - 1)].reshape(num_groups, rows, n)
         lo, hi = groups.amin(1), groups.amax(1)
         if sym:
-            scale = (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-8).half()
-            zero = torch.full_like(lo, 8.0)
+            scale = (torch.maximum(-lo, hi) / (top / 2)).clamp(min=1e-8).half()
+            zero = torch.full_like(lo, (top + 1) / 2)
         else:
-            scale = ((hi - lo) / 15).clamp(min=1e-8).half()
-            zero = torch.round(-lo / scale.float()).clamp(1, 15)  # GPTQ stores zero - 1: keep zero >= 1
-        q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, 15)  # [G, rows, N]
+            scale = ((hi - lo) / top).clamp(min=1e-8).half()
+            zero = torch.round(-lo / scale.float()).clamp(1, top)  # GPTQ stores zero - 1: keep zero >= 1
+        q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, top)  # [G, rows, N]
         q = q.reshape(-1, n)[:k]
         in_group = torch.arange(k) // rows
         dequantized = torch.empty(k, n)
@@ -80,8 +89,8 @@ def make_checkpoint(
         if method == "gptq":
             g_idx = torch.empty(k, dtype=torch.int32)
             g_idx[order] = in_group.to(torch.int32)
-            tensors[f"{name}.qweight"] = pack_gptq_rows(q)
-            tensors[f"{name}.qzeros"] = pack_columns(zero - 1)
+            tensors[f"{name}.qweight"] = pack_gptq_rows(q) if bits == 4 else pack8(q.t()).t().contiguous()
+            tensors[f"{name}.qzeros"] = pack_columns(zero - 1) if bits == 4 else pack8(zero - 1)
             tensors[f"{name}.g_idx"] = g_idx
         else:
             tensors[f"{name}.qweight"] = pack_columns(q, AWQ_ORDER)
@@ -95,7 +104,7 @@ def make_checkpoint(
         logits = model(torch.tensor([PROMPT])).logits[0]
     save_file(tensors, str(path / "model.safetensors"))
     config = CONFIGS[arch].to_dict()
-    quantization = {"quant_method": method, "bits": 4, "group_size": group}
+    quantization = {"quant_method": method, "bits": bits, "group_size": group}
     quantization.update(
         {"desc_act": act_order, "sym": sym} if method == "gptq" else {"zero_point": True, "version": "gemm"}
     )
@@ -118,16 +127,46 @@ def test_logprobs_match_the_dequantized_model(arch: str, method: str, tmp_path) 
     prompt_logprobs_match(llm, logits)
 
 
+@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("sym", [False, True])
+def test_gptq_8_bit_checkpoints_match_the_dequantized_model(arch: str, sym: bool, tmp_path) -> None:
+    """GPTQ with bits 8 (Qwen's GPTQ-Int8): held unpacked, int8 [N, K] with int8 zero points per group,
+    run by int8.py's int8_grouped_linear."""
+    logits = make_checkpoint(arch, "gptq", 32, tmp_path, sym=sym, bits=8)
+    llm = load(tmp_path)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.qweight.dtype == torch.int8 and m.qweight.shape[1] % 32 == 0 for m in linears)
+    prompt_logprobs_match(llm, logits)
+
+
+@pytest.mark.parametrize(("group", "options"), [(64, {"act_order": True}), (-1, {}), (64, {"sym": True})])
+def test_gptq_8_bit_awkward_groups_act_order_and_per_channel(
+    group: int, options: dict, tmp_path, monkeypatch
+):
+    monkeypatch.setitem(CONFIGS, "awkward", AWKWARD_SHAPES)
+    monkeypatch.setitem(ARCHITECTURES, "awkward", "LlamaForCausalLM")
+    monkeypatch.setitem(AWKWARD_CONFIGS, "awkward", AWKWARD_SHAPES)
+    logits = make_checkpoint("awkward", "gptq", group, tmp_path, bits=8, **options)
+    prompt_logprobs_match(load(tmp_path), logits)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"bits": 8}, "bits 8 is not supported"),
+        ({"bits": 3}, r"bits 3 is not supported \(supported: 4, 8\)"),
         ({"checkpoint_format": "gptq_v2"}, "checkpoint_format 'gptq_v2'"),
         # A group size unlike the tensors': the shape error names the field.
         ({"group_size": 64}, r"layout of qzeros for this layer with quantization_config.group_size 64"),
     ],
 )
 def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tmp_path) -> None:
+    if change.get("bits") == 3:  # (and AWQ has no 8-bit format)
+        make_checkpoint("llama", "awq", 32, tmp_path)
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"]["bits"] = 8
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=r"bits 8 is not supported \(supported: 4\)"):
+            load(tmp_path)
     make_checkpoint("llama", "gptq", 32, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"].update(change)
@@ -210,20 +249,21 @@ def test_act_order_parts_of_a_fused_layer_must_agree(tmp_path) -> None:
         load(tmp_path)
 
 
-def test_dequantized_weight_of_an_act_order_layer_is_in_the_checkpoints_column_order(tmp_path) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantized_weight_of_an_act_order_layer_is_in_the_checkpoints_column_order(bits, tmp_path) -> None:
     """What a quantized MoE expert is turned into as it loads (quantization/moe_experts.py): the layer's
     weight with its sorted columns put back, w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]
-    read straight from the GPTQ tensors."""
+    read straight from the GPTQ tensors (4 or 8 bits a value)."""
     from safetensors.torch import load_file
 
-    make_checkpoint("llama", "gptq", 32, tmp_path, act_order=True)
+    make_checkpoint("llama", "gptq", 32, tmp_path, act_order=True, bits=bits)
     layer = load(tmp_path).engine.runner.model.model.layers[1].mlp.down_proj
     assert layer.input_order is not None
     stored = load_file(str(tmp_path / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj"
-    shifts = torch.arange(8) * 4
-    q = ((stored[f"{name}.qweight"][:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, 64)  # [K, N]
-    zero = ((stored[f"{name}.qzeros"][:, :, None] >> shifts) & 15).reshape(-1, 64) + 1  # [groups, N]
+    shifts, mask = torch.arange(32 // bits) * bits, (1 << bits) - 1
+    q = ((stored[f"{name}.qweight"][:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, 64)  # [K, N]
+    zero = ((stored[f"{name}.qzeros"][:, :, None] >> shifts) & mask).reshape(-1, 64) + 1  # [groups, N]
     g_idx = stored[f"{name}.g_idx"].long()
     want = ((q - zero[g_idx]) * stored[f"{name}.scales"].float()[g_idx]).t()
     torch.testing.assert_close(layer.quant_method.dequantize(layer), want, atol=0, rtol=0)

@@ -290,7 +290,7 @@ def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     pytest.importorskip("compressed_tensors")
     from tests.layers import test_compressed_tensors, test_fp8_block, test_gptq_awq
 
-    names = ("fine", "ct", "gptq", "awq", "int8")
+    names = ("fine", "ct", "gptq", "awq", "int8", "gptq8")
     for name in names:
         (tmp_path / name).mkdir()
     test_fp8_block.make_checkpoint("llama", tmp_path / "fine")
@@ -301,4 +301,5 @@ def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     # (an 8-bit packed one is unpacked whole first: the same slicing), every rank all of the row scales.
     # (Dynamic per-token scales differ by design: a row-parallel rank scales the input columns it holds.)
     test_compressed_tensors.make_checkpoint("llama", "int8-tensor-static", tmp_path / "int8")
+    test_gptq_awq.make_checkpoint("llama", "gptq", 32, tmp_path / "gptq8", bits=8)  # GPTQ's 8-bit groups
     assert_runs_equal_one_process([(str(tmp_path / name), 2, False) for name in names])

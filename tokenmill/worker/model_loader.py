@@ -119,7 +119,7 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
             elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=generator)
             elif param.dtype == torch.int8 and (
-                name.endswith((".weight", ".weight_packed")) or param.dim() == 3
+                name.endswith((".weight", ".weight_packed", ".qweight")) or param.dim() == 3
             ):
                 # INT8 weights (a linear's, or stacked experts')
                 param.random_(-128, 128, generator=generator)
@@ -152,8 +152,9 @@ def _dummy_weight_scale(model: nn.Module, name: str) -> float:
 
 
 def _int8_weight(module: nn.Module) -> torch.Tensor | None:
-    """The module's INT8 weight (named `weight_packed` until an 8-bit packed one has loaded), if any."""
-    for name in ("weight", "weight_packed"):
+    """The module's INT8 weight (named `weight_packed` until an 8-bit packed one has loaded; GPTQ's
+    `qweight`), if any."""
+    for name in ("weight", "weight_packed", "qweight"):
         weight = getattr(module, name, None)
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.int8:
             return weight

@@ -1,5 +1,6 @@
 """GPTQ and AWQ 4-bit checkpoints (`quant_method: gptq | awq` in config.json), the int4 formats most
-found on the hub. Both keep, per linear layer and with the output features as columns:
+found on the hub, and GPTQ's 8-bit ones (Qwen's GPTQ-Int8). Both keep, per linear layer and with the
+output features as columns:
 
 - GPTQ (AutoGPTQ / GPTQModel, checkpoint_format "gptq"): `qweight` int32 [K/8, N], eight 4-bit values
   per word along K (value j in bits 4j, unsigned 0..15); `qzeros` int32 [K/group, N/8], packed along N
@@ -12,6 +13,10 @@ found on the hub. Both keep, per linear layer and with the output features as co
 w[n, k] = (q - zero) * scale of k's group. Each tensor is turned into the layout of int4.py as it loads
 (packed along K per output row, zero points unpacked, scales [N, groups]), so both run on the same
 Triton W4A16 GEMM and reference as compressed-tensors' pack-quantized checkpoints.
+
+GPTQ with `bits: 8` packs four 8-bit values a word the same ways (qweight [K/4, N] along K, qzeros
+[K/group, N/4] along N, each stored as zero - 1; values unsigned 0..255): they load unpacked, int8
+q - 128 [N, K] and zero points int8 [N, groups], and run through int8.py's int8_grouped_linear.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tokenmill.layers.quantization.int4 import (
     order_input_columns,
     ordered_input,
 )
+from tokenmill.layers.quantization.int8 import int8_grouped_linear, unpack_int8
 
 METHODS = ("gptq", "awq")
 # AWQ packs column 8c + AWQ_ORDER[j] into nibble j of word c; reading nibble j back gives that column.
@@ -47,8 +53,12 @@ class GptqAwqConfig:
     def __init__(self, config: dict) -> None:
         self.method = config.get("quant_method")
         where = "quantization_config"
-        if config.get("bits") != 4:
-            raise ValueError(f"{where}.bits {config.get('bits')!r} is not supported (supported: 4).")
+        supported = (4, 8) if self.method == "gptq" else (4,)
+        self.bits = config.get("bits")
+        if self.bits not in supported:
+            raise ValueError(
+                f"{where}.bits {self.bits!r} is not supported (supported: {', '.join(map(str, supported))})."
+            )
         self.group_size = int(config.get("group_size") or -1)
         if self.group_size == 0 or self.group_size < -1:
             raise ValueError(f"{where}.group_size {config.get('group_size')!r} must be positive or -1.")
@@ -67,7 +77,7 @@ class GptqAwqConfig:
         # "+:<regex>" (or bare) rule overrides the fields it names for the modules it matches (sym and
         # desc_act change nothing here: qzeros and g_idx are read either way).
         self.dynamic: dict[str, dict] = dict(config.get("dynamic") or {})
-        self._base = {"bits": 4, "group_size": config.get("group_size")}
+        self._base = {"bits": self.bits, "group_size": config.get("group_size")}
         # Input columns in an order of their own somewhere (the MoE experts' kernel takes them in order).
         rules = [rule for rule in self.dynamic.values() if isinstance(rule, dict)]
         self.desc_act = bool(config.get("desc_act")) or any(rule.get("desc_act") for rule in rules)
@@ -75,7 +85,7 @@ class GptqAwqConfig:
     uses_fp8 = False
 
     def linear_method(self) -> LinearMethodBase:
-        return GptqAwqLinearMethod(self.method, self.group_size)
+        return GptqAwqLinearMethod(self.method, self.group_size, self.bits)
 
     def is_ignored(self, prefix: str) -> bool:
         if not_converted(prefix, self.ignore):
@@ -119,9 +129,10 @@ class GptqAwqLinearMethod(LinearMethodBase):
     """Parameters named as the checkpoint names them (qweight, qzeros, scales; g_idx for GPTQ), holding
     int4.py's layout: qweight [N, K/8] packed along K, qzeros int8 [N, groups], scales [N, groups]."""
 
-    def __init__(self, method: str, group_size: int) -> None:
+    def __init__(self, method: str, group_size: int, bits: int = 4) -> None:
         self.awq = method == "awq"
         self.group_size = group_size
+        self.bits = bits
 
     def create_weights(
         self,
@@ -144,17 +155,20 @@ class GptqAwqLinearMethod(LinearMethodBase):
                 f"columns of each of the {layer.tp_size} ranks (--tensor-parallel-size) of this layer"
             )
         group = self.group_size if self.group_size > 0 else columns
-        if columns % PACK:
-            raise ValueError(f"input size {columns} is not a multiple of {PACK}, as 4-bit packing needs")
+        pack = 32 // self.bits  # values a word
+        if columns % pack:
+            raise ValueError(
+                f"input size {columns} is not a multiple of {pack}, as {self.bits}-bit packing needs"
+            )
         num_groups = math.ceil(columns / group)
         stored_groups = math.ceil(stored_columns / self.group_size) if self.group_size > 0 else 1
         awq = self.awq
 
         def stored_shape(name: str, n: int) -> tuple[int, int]:
             """The tensor's shape in the file, for a layer (or part) of n output rows."""
-            packed_n = math.ceil(n / PACK)
+            packed_n = math.ceil(n / pack)
             return {
-                "qweight": (stored_columns, packed_n) if awq else (stored_columns // PACK, n),
+                "qweight": (stored_columns, packed_n) if awq else (stored_columns // pack, n),
                 "qzeros": (stored_groups, packed_n),
                 "scales": (stored_groups, n),
             }[name]
@@ -181,16 +195,24 @@ class GptqAwqLinearMethod(LinearMethodBase):
             layer.register_parameter(name, param)
 
         def qweight(loaded: torch.Tensor) -> torch.Tensor:
+            if self.bits == 8:  # [K/4, n] along K -> int8 q - 128 [n, K]
+                return unpack_int8(loaded.t().contiguous(), stored_columns)
             if awq:  # [K, n/8] along N -> values [K, n] -> ours [n, K/8]
                 values = _unpack_columns(loaded, awq=True).t().to(torch.int8) - 8
                 return pack_int4(values)
             return loaded.t().contiguous()  # [K/8, n] along K: word for word our layout, transposed
 
         def qzeros(loaded: torch.Tensor) -> torch.Tensor:
+            if self.bits == 8:  # [groups, n/4] along N, each zero - 1 -> zero - 128, int8 [n, groups]
+                zeros = unpack_int8(loaded, loaded.shape[1] * 4).to(torch.int16) + 1
+                return zeros.clamp(-128, 127).t().to(torch.int8).contiguous()
             zeros = _unpack_columns(loaded, awq=awq) + (0 if awq else 1)  # GPTQ stores zero - 1
             return (zeros - 8).t().to(torch.int8).contiguous()
 
-        add("qweight", torch.zeros(rows, columns // PACK, dtype=torch.int32), qweight)
+        if self.bits == 8:
+            add("qweight", torch.zeros(rows, columns, dtype=torch.int8), qweight)
+        else:
+            add("qweight", torch.zeros(rows, columns // PACK, dtype=torch.int32), qweight)
         add("qzeros", torch.zeros(rows, num_groups, dtype=torch.int8), qzeros)
         add("scales", torch.zeros(rows, num_groups, dtype=params_dtype or torch.get_default_dtype()),
             lambda loaded: loaded.t().contiguous())  # fmt: skip
@@ -206,13 +228,14 @@ class GptqAwqLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = ordered_input(layer, x)
-        return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
+        matmul = int8_grouped_linear if self.bits == 8 else int4_matmul
+        return matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return dequantize_in_order(layer, layer.qweight, layer.scales, layer.qzeros)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        return int4_gemv_takes(x, layer.int4_group_size)
+        return self.bits == 4 and int4_gemv_takes(x, layer.int4_group_size)
 
     def gemv(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion

@@ -30,6 +30,7 @@ from tokenmill.kernels.quant_reference import (
     w4a16_gemm,
 )
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
+from tokenmill.layers.quantization.int8 import dequantize_int8_groups
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
@@ -210,18 +211,24 @@ def order_input_columns(layer: nn.Module, packed_name: str, field: str) -> None:
     if not torch.equal(group_index[order], in_order):
         raise ValueError(f"{field}: g_idx does not put {group} input columns in each group")
     packed = getattr(layer, packed_name)
-    values = unpack_int4(packed.data, group_index.numel())[:, order.to(packed.device)]
-    packed.data = pack_int4(values)
+    if packed.dtype == torch.int8:  # GPTQ's 8-bit: a value a byte, the columns sorted as they are
+        packed.data = packed.data[:, order.to(packed.device)].contiguous()
+    else:
+        values = unpack_int4(packed.data, group_index.numel())[:, order.to(packed.device)]
+        packed.data = pack_int4(values)
     layer.input_order = order.to(packed.device)
 
 
 def dequantize_in_order(
     layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> torch.Tensor:
-    """A 4-bit layer's weight [N, K] in fp32, its input columns back in the checkpoint's order where
-    order_input_columns sorted them."""
+    """A 4-bit (or GPTQ 8-bit: int8 `packed`) layer's weight [N, K] in fp32, its input columns back in the
+    checkpoint's order where order_input_columns sorted them."""
     columns = layer.int4_in_features
-    weight = dequantize_int4(packed, scale, zero, layer.int4_group_size, columns, torch.float32)
+    if packed.dtype == torch.int8:
+        weight = dequantize_int8_groups(packed, scale, zero, layer.int4_group_size, torch.float32)
+    else:
+        weight = dequantize_int4(packed, scale, zero, layer.int4_group_size, columns, torch.float32)
     order = getattr(layer, "input_order", None)
     if order is None:
         return weight

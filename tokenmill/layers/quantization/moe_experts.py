@@ -85,7 +85,7 @@ def expert_format(scheme) -> ExpertFormat | None:
         fmt = ExpertFormat(int4=False, group_size=method.block_k)
     elif isinstance(method, Int4W4A16LinearMethod) and method.group_order is None:
         fmt = ExpertFormat(int4=True, group_size=max(method.group_size, 0), zero_points=not method.symmetric)
-    elif isinstance(method, GptqAwqLinearMethod) and not getattr(scheme, "desc_act", False):
+    elif isinstance(method, GptqAwqLinearMethod) and method.bits == 4 and not scheme.desc_act:
         fmt = ExpertFormat(int4=True, group_size=max(method.group_size, 0), zero_points=True)
     else:
         return None
