@@ -208,6 +208,10 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             skinny_gemm.w8a16_skinny(x, torch.empty(n, k, dtype=torch.int8), w_scale)  # INT8 checkpoints
             int8 = torch.empty(n, k, dtype=torch.int8)  # GPTQ's 8-bit groups, with zero points
             skinny_gemm.w8a16_grouped(x, int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128)
+        # GPTQ 8-bit and INT8 weight-only past 16 rows: 32 and 64 rows a program.
+        for rows in (32, 128):
+            int8 = torch.empty(n, k, dtype=torch.int8)
+            skinny_gemm.w8a16_grouped(torch.empty(rows, k, dtype=dtype), int8, scale, None, 128)
         # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
         skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
         # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear) at 2-128 rows (16, 64 and 2 x 64

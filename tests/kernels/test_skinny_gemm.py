@@ -363,13 +363,17 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group", "split"),
-    [(1, 40, 96, 32, 1), (5, 70, 160, 32, 2), (16, 33, 144, 48, 3), (3, 64, 100, 32, 1)],
-)
+    [
+        (1, 40, 96, 32, 1), (5, 70, 160, 32, 2), (16, 33, 144, 48, 3), (3, 64, 100, 32, 1),
+        (17, 40, 96, 32, 2), (70, 24, 64, 64, 1),  # 32 and 64 rows a program, several row blocks
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, split, zeros, dtype) -> None:
     """kernels/skinny_gemm.py's w8a16_grouped (GPTQ's 8-bit groups) against the dequantized product:
-    columns past a tile, K split across programs, a short last group (K = 100 in groups of 32)."""
+    columns past a tile, K split across programs, a short last group (K = 100 in groups of 32), rows in
+    blocks of 16, 32 and 64 (per channel: one group of K)."""
     from tokenmill.kernels import skinny_gemm
     from tokenmill.layers.quantization.int8 import dequantize_int8_groups
 

@@ -71,8 +71,8 @@ def test_the_cpu_path_is_the_fake_quantized_product(scheme: str | None) -> None:
 @pytest.mark.parametrize("scheme", ["token", "tensor", None])
 def test_on_the_gpu_each_batch_size_takes_its_kernel(rows: int, scheme: str | None) -> None:
     """Up to 16 rows the skinny W8A16 kernel (activations as they are), past them the Triton row-wise GEMM
-    on int8 operands (weight-only: the dequantized weight); N = 1,000, K = 4,104 (not multiples of its
-    tiles)."""
+    on int8 operands (weight-only: the grouped W8A16 kernel up to 128 rows, then the dequantized weight);
+    N = 1,000, K = 4,104 (not multiples of their tiles)."""
     gen = torch.Generator().manual_seed(rows)
     w_q, w_scale = _weight(1000, 4104, gen)
     x = torch.randn(rows, 4104, generator=gen).to(torch.bfloat16)

@@ -94,6 +94,7 @@ def k_splits(tiles: int, k: int, block_k: int, device: torch.device, limit: int)
 
 
 SKINNY_MAX_ROWS = 16  # activation rows up to which quantized linears take kernels/skinny_gemm.py
+GROUPED_MAX_ROWS = 128  # and up to which int8 weight-only ones take its w8a16_grouped (then: dequantized)
 FP8_GEMM_MAX_ROWS = 64  # and up to which FP8 W8A8 linears take kernels/fp8_gemm.py, not cuBLAS
 
 

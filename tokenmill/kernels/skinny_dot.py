@@ -136,12 +136,15 @@ def w8a16_group_dot_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """1-16 rows of x over int8 weights with a scale (and zero point) per row and group of GROUP input
-    columns (GPTQ's 8-bit): each [BLOCK_N, BLOCK_K] tile (BLOCK_K divides GROUP, so a tile lies in one
-    group) goes to x's dtype and through tl.dot; its fp32 sums take the zero point, z * (the tile's sum
-    of x), and the group's scale before they join the accumulator."""
+    """BLOCK_M rows of x (the third grid dimension's block) over int8 weights with a scale (and zero
+    point) per row and group of GROUP input columns (GPTQ's 8-bit; per channel: GROUP = K): each
+    [BLOCK_N, BLOCK_K] tile (BLOCK_K divides GROUP, so a tile lies in one group) goes to x's dtype and
+    through tl.dot; its fp32 sums take the zero point, z * (the tile's sum of x), and the group's scale
+    before they join the accumulator."""
     pdl.start(PDL)
     rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + rm
+    m_ok = rm < M
     lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):

@@ -25,8 +25,17 @@ from typing import NamedTuple
 import torch
 import triton
 
+from tokenmill.kernels import (
+    GROUPED_MAX_ROWS,
+    GemvFusion,
+    gemv,
+    gemv_f16x2,
+    k_splits,
+    pdl,
+    skinny_dot,
+    sm_count,
+)
 from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels import GemvFusion, gemv, gemv_f16x2, k_splits, pdl, skinny_dot, sm_count
 from tokenmill.kernels.interpreter import INTERPRETED
 
 
@@ -249,29 +258,33 @@ def w8a16_grouped(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows) @ W^T -> [..., N] in x's dtype, W = (w_q - zero) * scale by row
-    and group: w_q int8 [N, K], scale [N, groups], zero int8 [N, groups] or None; group_size a multiple
-    of 16 (tl.dot's least K), the K tile a power of two dividing it."""
+    """x [..., K] (at most GROUPED_MAX_ROWS rows) @ W^T -> [..., N] in x's dtype, W = (w_q - zero) *
+    scale by row and group: w_q int8 [N, K], scale [N, groups], zero int8 [N, groups] or None;
+    group_size a multiple of 16 (tl.dot's least K), the K tile a power of two dividing it. Rows go 16,
+    32 or 64 to a program (a third grid dimension past them), so that every weight tile is read once for
+    each block of rows."""
     x2 = as_rows(x)
     m = x2.shape[0]
     n, k = w_q.shape
-    if m > MAX_ROWS:
-        raise ValueError(f"w8a16_grouped takes at most {MAX_ROWS} rows")
+    if m > GROUPED_MAX_ROWS:
+        raise ValueError(f"w8a16_grouped takes at most {GROUPED_MAX_ROWS} rows")
+    block_m = MAX_ROWS if m <= MAX_ROWS else 32 if m <= 32 else 64
     if group_size % 16:
         raise ValueError(f"w8a16_grouped takes groups of a multiple of 16 columns, got {group_size}")
     if config is None:
         block_k = math.gcd(group_size, 128)
         config = SkinnyConfig(64, block_k, 1, num_warps=4, num_stages=2)
-        config = config._replace(split_k=k_splits(triton.cdiv(n, 64), k, block_k, x.device, limit=16))
+        tiles = triton.cdiv(n, 64) * triton.cdiv(max(m, 1), block_m)
+        config = config._replace(split_k=k_splits(tiles, k, block_k, x.device, limit=16))
     if group_size % config.block_k:
         raise ValueError(f"w8a16_grouped: block_k {config.block_k} does not divide the group {group_size}")
     zero_arg = zero if zero is not None else scale
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
-        skinny_dot.w8a16_group_dot_kernel[grid](
+        skinny_dot.w8a16_group_dot_kernel[(*grid, triton.cdiv(m, block_m))](
             x2, w_q, scale, zero_arg, out, m, n, k, x2.stride(0), w_q.stride(0), scale.stride(0),
             zero.stride(0) if zero is not None else 0, out.stride(0),
-            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x2),
         )  # fmt: skip

@@ -9,7 +9,8 @@ their arithmetic.
 How a product runs:
 - decode-sized batches on CUDA (at most SKINNY_MAX_ROWS rows): kernels/skinny_gemm.py's w8a16_skinny,
   whose loads widen whatever 8-bit weight they read, e4m3 or int8: W8A16, as FP8 checkpoints run there
-  (no activation quantization launch, one read of the weight);
+  (no activation quantization launch, one read of the weight); weight-only checkpoints up to
+  GROUPED_MAX_ROWS rows through w8a16_grouped (one group of K columns), past them dequantized;
 - larger batches on CUDA with int8 activations: the activations quantized per token (or by the static
   scale), then kernels/fp8_gemm.py's row-wise-scaled GEMM on int8 operands (int8 tensor cores, exact
   int32 sums; cuBLAS's torch._int_mm would want the weight transposed, see there);
@@ -22,8 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import skinny_kernel, triton_kernel
-from tokenmill.kernels.quant_reference import w8a16_gemm
+from tokenmill.kernels import GROUPED_MAX_ROWS, skinny_kernel, triton_kernel
 
 INT8_MAX = 127
 # compressed-tensors' symmetric int8 range: a scale is the largest magnitude over half of 255 values
@@ -56,8 +56,8 @@ def int8_linear(
     skinny = skinny_kernel(x, "w8a16_skinny")
     if skinny is not None:
         return skinny(x, w_q, w_scale, bias)
-    if input_scheme is None:
-        return w8a16_gemm(x, w_q, w_scale, bias)
+    if input_scheme is None:  # weight-only: one group of K columns, up to GROUPED_MAX_ROWS on CUDA
+        return int8_grouped_linear(x, w_q, w_scale.reshape(-1, 1), None, w_q.shape[1], bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if input_scheme == "token":
@@ -105,10 +105,13 @@ def int8_grouped_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; dequantize_int8_groups says how): decode-sized
-    batches on CUDA through kernels/skinny_gemm.py's w8a16_grouped (the weight read once, a byte a value);
-    larger ones, and the CPU, dequantize the weight into x's dtype and multiply there."""
-    grouped = skinny_kernel(x, "w8a16_grouped") if group_size % 16 == 0 else None
-    if grouped is not None:
-        return grouped(x, w_q, scale, zero, group_size, bias)
+    """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; per channel with group_size K; dequantize_int8_groups
+    says how): batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/skinny_gemm.py's
+    w8a16_grouped (the weight read once a block of rows, a byte a value); larger ones (prefill), and the
+    CPU, dequantize the weight into x's dtype and multiply there."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.is_cuda and rows <= GROUPED_MAX_ROWS and group_size % 16 == 0:
+        grouped = triton_kernel("skinny_gemm", "w8a16_grouped")
+        if grouped is not None:
+            return grouped(x, w_q, scale, zero, group_size, bias)
     return F.linear(x, dequantize_int8_groups(w_q, scale, zero, group_size, x.dtype), bias)
