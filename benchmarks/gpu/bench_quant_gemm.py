@@ -345,8 +345,9 @@ def int4_rows_case(name: str, rows: int) -> dict:
 def int8_rows_case(name: str, rows: int) -> dict:
     """INT8 at `rows` activation rows (--int8-rows): bf16 cuBLAS beside layers/quantization/int8.py's
     int8_linear as the compressed-tensors INT8 checkpoints run it (activations per token, per tensor, or
-    weight-only), each against the fp32 product of the int8 weight."""
-    from tokenmill.layers.quantization.int8 import int8_linear
+    weight-only) and int8_grouped_linear as GPTQ 8-bit ones do (groups of 128 with zero points), each
+    against the fp32 product of its weight."""
+    from tokenmill.layers.quantization.int8 import dequantize_int8_groups, int8_grouped_linear, int8_linear
 
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
     result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
@@ -362,7 +363,12 @@ def int8_rows_case(name: str, rows: int) -> dict:
         weights.append((q, scale))
     want = x.float() @ (weights[0][0].float() * weights[0][1]).t()
     input_scale = x.float().abs().amax().reshape(1) / 127.5
+    groups = torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.02 / 127 + 1e-4  # GPTQ 8-bit's
+    zeros = torch.zeros(n, k // GROUP, device=DEVICE, dtype=torch.int8)
+    grouped = dequantize_int8_groups(weights[0][0], groups, zeros, GROUP, torch.float32)
+    wants = {"gptq8_grouped": x.float() @ grouped.t()}  # (its own scales)
     paths = {
+        "gptq8_grouped": lambda c: int8_grouped_linear(x, weights[c][0], groups, zeros, GROUP),
         "int8_token": lambda c: int8_linear(x, *weights[c], None, "token"),
         "int8_tensor": lambda c: int8_linear(x, *weights[c], None, "tensor", input_scale),
         "int8_weight_only": lambda c: int8_linear(x, *weights[c], None, None),
@@ -373,7 +379,7 @@ def int8_rows_case(name: str, rows: int) -> dict:
             us = timed(fn, int8_copies)
             bf16_us = result["bf16_cublas"]["us"]
             result[label] = {"us": us, "tb_per_s": nbytes / us / 1e6, "x_bf16": bf16_us / us,
-                             "rel_err": rel_err(got, want)}  # fmt: skip
+                             "rel_err": rel_err(got, wants.get(label, want))}  # fmt: skip
         except Exception as error:  # noqa: BLE001 - a path that cannot take this shape
             result[label] = {"error": f"{type(error).__name__}: {error}"}
     return result
