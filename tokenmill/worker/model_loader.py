@@ -118,11 +118,8 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                 param.copy_(values.normal_(0.0, 1.0, generator=generator).to(param.dtype))
             elif param.is_floating_point():
                 param.normal_(0.0, 0.02, generator=generator)
-            elif param.dtype == torch.int8 and (
-                name.endswith((".weight", ".weight_packed", ".qweight")) or param.dim() == 3
-            ):
-                # INT8 weights (a linear's, or stacked experts')
-                param.random_(-128, 128, generator=generator)
+            elif param.dtype == torch.int8 and (name.rsplit(".", 1)[-1] in _INT8_WEIGHTS or param.dim() == 3):
+                param.random_(-128, 128, generator=generator)  # INT8 weights (a linear's, stacked experts')
             elif param.dtype == torch.int8:  # zero points kept unpacked, one nibble each
                 param.random_(0, 16, generator=generator)
             elif param.dim() >= 2:  # packed int4 words (experts: 3-D): every bit pattern is eight nibbles
@@ -142,20 +139,13 @@ def _dummy_weight_scale(model: nn.Module, name: str) -> float:
     4-bit words (random nibbles) 0.004; INT8 weights (uniform over 256 values, a deviation of 74)
     0.02 / 74; FP8 (N(0, 1)) 0.02."""
     module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    if _int8_weight(module) is not None:
+    params = dict(module.named_parameters(recurse=False))
+    if any(params[n].dtype == torch.int8 for n in _INT8_WEIGHTS if n in params):
         return 0.02 / 74
-    return (
-        0.004
-        if any(p.dtype == torch.int32 and p.dim() == 2 for p in module.parameters(recurse=False))
-        else 0.02
-    )
+    packed_int4 = any(p.dtype == torch.int32 and p.dim() == 2 for p in params.values())
+    return 0.004 if packed_int4 else 0.02
 
 
-def _int8_weight(module: nn.Module) -> torch.Tensor | None:
-    """The module's INT8 weight (named `weight_packed` until an 8-bit packed one has loaded; GPTQ's
-    `qweight`), if any."""
-    for name in ("weight", "weight_packed", "qweight"):
-        weight = getattr(module, name, None)
-        if isinstance(weight, torch.Tensor) and weight.dtype == torch.int8:
-            return weight
-    return None
+# What a linear's INT8 weight is named: `weight`, `weight_packed` until an 8-bit packed one has loaded,
+# GPTQ's `qweight` (zero points, also int8, are named otherwise).
+_INT8_WEIGHTS = ("weight", "weight_packed", "qweight")

@@ -31,7 +31,7 @@ from tokenmill.layers.linear import (
     WeightLoader,
 )
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_gemv, fp8_gemv_takes, fp8_linear
-from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
+from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod, add_weight_shape
 from tokenmill.layers.quantization.int8 import int8_linear, unpack_int8
 
 FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -99,21 +99,12 @@ class CompressedTensorsConfig:
             self.block = _fp8_blocks(weights, activations, where)
             self.input_scheme = "group"
         elif activations is not None:
-            _expect(activations, f"{where}.input_activations", type="float", num_bits=8, symmetric=True)
-            strategy = _one_of(activations, f"{where}.input_activations", "strategy", ("token", "tensor"))
-            dynamic = activations.get("dynamic")
-            if (strategy, dynamic) not in (("token", True), ("tensor", False)):
-                raise ValueError(
-                    f"{where}.input_activations: strategy {strategy!r} with dynamic {dynamic!r} is not "
-                    "supported (supported: token and dynamic, tensor and static)."
-                )
-            self.input_scheme = strategy
+            self.input_scheme = _input_scheme(activations, where, "float")
         self._finish(config, group, where)
 
     def _int8(self, weights: dict, activations: dict | None, where: str) -> None:
-        """INT8 weights, symmetric, a scale per channel or per tensor; int8 activations per token
-        (dynamic) or per tensor (static), or none (weight-only: `pack-quantized` with 8 bits, which packs
-        them, or `int-quantized`, which does not)."""
+        """INT8 weights, symmetric, a scale per channel or per tensor; int8 activations per token or per
+        tensor, or none (weight-only: 8-bit `pack-quantized`, which packs them, or `int-quantized`)."""
         _expect(weights, f"{where}.weights", type="int", num_bits=8, symmetric=True, dynamic=False)
         self.weight_strategy = _one_of(weights, f"{where}.weights", "strategy", ("channel", "tensor"))
         self.input_scheme = None
@@ -122,15 +113,7 @@ class CompressedTensorsConfig:
                 raise ValueError(
                     f"{where}.input_activations: packed 8-bit weights run W8A16; activations must be null."
                 )
-            _expect(activations, f"{where}.input_activations", type="int", num_bits=8, symmetric=True)
-            strategy = _one_of(activations, f"{where}.input_activations", "strategy", ("token", "tensor"))
-            if (strategy, activations.get("dynamic")) not in (("token", True), ("tensor", False)):
-                raise ValueError(
-                    f"{where}.input_activations: strategy {strategy!r} with dynamic "
-                    f"{activations.get('dynamic')!r} is not supported (supported: token and dynamic, tensor "
-                    "and static)."
-                )
-            self.input_scheme = strategy
+            self.input_scheme = _input_scheme(activations, where, "int")
 
     def _finish(self, config: dict, group: dict, where: str) -> None:
         if group.get("output_activations") is not None:
@@ -261,6 +244,21 @@ def _kv_cache_scheme(scheme: dict | None, where: str) -> bool:
     return True
 
 
+def _input_scheme(activations: dict, where: str, kind: str) -> str:
+    """8-bit symmetric activations of `kind` (float: e4m3, int: int8): "token" (dynamic per token) or
+    "tensor" (a static per-tensor input_scale), the only pairings of strategy and dynamic supported."""
+    where = f"{where}.input_activations"
+    _expect(activations, where, type=kind, num_bits=8, symmetric=True)
+    strategy = _one_of(activations, where, "strategy", ("token", "tensor"))
+    dynamic = activations.get("dynamic")
+    if (strategy, dynamic) not in (("token", True), ("tensor", False)):
+        raise ValueError(
+            f"{where}: strategy {strategy!r} with dynamic {dynamic!r} is not supported (supported: token "
+            "and dynamic, tensor and static)."
+        )
+    return strategy
+
+
 def _expect(args: dict, where: str, **wanted: object) -> None:
     for key, value in wanted.items():
         if args.get(key) != value:
@@ -379,14 +377,7 @@ class CompressedTensorsInt8LinearMethod(CompressedTensorsFp8LinearMethod):
 
         weight.weight_loader = load_packed
         layer.register_parameter("weight_packed", weight)
-
-        def check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-            if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != input_size:
-                raise ValueError(f"weight_shape {loaded.tolist()} does not have {input_size} input columns")
-
-        shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
-        shape.weight_loader, shape.output_dim, shape.input_dim = check_shape, None, None
-        layer.register_parameter("weight_shape", shape)
+        add_weight_shape(layer, input_size)
 
     def after_loading(self, layer: nn.Module) -> None:
         if self.packed and hasattr(layer, "weight_packed"):

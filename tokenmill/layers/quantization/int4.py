@@ -84,17 +84,7 @@ class Int4W4A16LinearMethod(LinearMethodBase):
                 load_zero,
             )
             layer.register_parameter("weight_zero_point", zero)
-        expected_columns = input_size
-
-        def check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-            if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != expected_columns:
-                raise ValueError(
-                    f"weight_shape {loaded.tolist()} does not have {expected_columns} input columns"
-                )
-
-        shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
-        shape.weight_loader, shape.output_dim, shape.input_dim = check_shape, None, None
-        layer.register_parameter("weight_shape", shape)
+        add_weight_shape(layer, input_size)
         layer.int4_group_size = group
         layer.int4_in_features = columns
         if self.group_order is not None:
@@ -162,6 +152,19 @@ def checkpoint_rows(layer: nn.Module, shard_id: ShardId, output_size: int) -> in
     if shard_id is not None:
         return layer.output_sizes[shard_id]
     return output_size
+
+
+def add_weight_shape(layer: nn.Module, input_size: int) -> None:
+    """Register compressed-tensors' `weight_shape` ([N, K] of a packed weight) on the layer, checked as it
+    loads against the layer's input_size (the checkpoint's whole K, before any tensor-parallel split)."""
+
+    def check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != input_size:
+            raise ValueError(f"weight_shape {loaded.tolist()} does not have {input_size} input columns")
+
+    shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    shape.weight_loader, shape.output_dim, shape.input_dim = check_shape, None, None
+    layer.register_parameter("weight_shape", shape)
 
 
 def add_group_index(layer: nn.Module, name: str, columns: int, field: str, group: int = 0) -> None:

@@ -67,7 +67,7 @@ def int8_linear(
         x_scale = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1).contiguous()  # (one a row)
     gemm = triton_kernel("fp8_gemm", "fp8_rowwise_gemm") if x.is_cuda else None
     if gemm is not None:
-        y = gemm(x_q, x_scale.float(), w_q, w_scale.float(), bias, x.dtype)
+        y = gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
     else:
         y = (x_q.float() * x_scale) @ (w_q.float() * w_scale.reshape(-1, 1).float()).t()
         y = (y + bias.float() if bias is not None else y).to(x.dtype)
@@ -90,11 +90,13 @@ def dequantize_int8_groups(
 ) -> torch.Tensor:
     """int8 [N, K] in groups of group_size columns, each row's group with its scale [N, groups] and zero
     point (int8 [N, groups] or None) -> (q - zero) * scale [N, K] in dtype, computed in fp32."""
-    groups = torch.arange(w_q.shape[1], device=w_q.device) // group_size
+    if scale.shape[1] > 1:  # each column's group (one group broadcasts as it is)
+        columns = torch.arange(w_q.shape[1], device=w_q.device) // group_size
+        scale, zero = scale[:, columns], zero[:, columns] if zero is not None else None
     values = w_q.float()
     if zero is not None:
-        values = values - zero.float()[:, groups]
-    return (values * scale.float()[:, groups]).to(dtype)
+        values = values - zero.float()
+    return (values * scale.float()).to(dtype)
 
 
 def int8_grouped_linear(
