@@ -3,11 +3,13 @@
 TRITON_INTERPRET must be set before any @triton.jit decorator runs (triton.language's own too): tests'
 root conftest sets it, before any test module imports anything; it is set here as well, for a run of
 tests/kernels alone from another root. Four interpreter faults of triton 3.6
-that the GPU does not share are mended here, so that the tests hold the kernels to GPU behaviour.
+that the GPU does not share are mended here, so that the tests hold the kernels to GPU behaviour; and
+one slowness of it that costs the suite half a minute.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import numpy as np
@@ -58,6 +60,27 @@ if not torch.cuda.is_available():
 
             return _create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+        # The interpreter patches triton.language's builtins at every call of a @jit helper inside a kernel,
+        # finding them with inspect.getmembers over tl, tl.core, tl.tensor and tl.math each time: about a
+        # third of an interpreted kernel's time. Which names are builtins does not change (only whether they
+        # are patched at the moment), so they are listed once, here, before any kernel has patched them.
+        _patch_builtin = interpreter._patch_builtin
+        _builtin_names = {
+            pkg: [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+            for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+        }
+
+        def _patch_builtin_listed(pkg, builder, scope) -> None:
+            names = _builtin_names.get(pkg)
+            if names is None:
+                _patch_builtin(pkg, builder, scope)
+                return
+            for name in names:
+                member = getattr(pkg, name)
+                if tl.core.is_builtin(member):  # not patched already by the enclosing kernel's call
+                    interpreter._patch_attr(pkg, name, member, builder, scope)
+
+        interpreter._patch_builtin = _patch_builtin_listed
         interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24
         interpreter._convert_float = _convert_float_rtne
         interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
