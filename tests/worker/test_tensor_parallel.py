@@ -58,6 +58,15 @@ def python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedP
     )  # fmt: skip
 
 
+def start_script(script: str, *args: str) -> subprocess.Popen:
+    """The script started as python() runs it, without waiting for it (two that fail at start-up run
+    side by side)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+
+
 def run_script(script: str, *args: str) -> object:
     """What a script that succeeds prints last, as JSON."""
     done = python(script, *args)
@@ -113,13 +122,15 @@ def test_more_architectures_schedules_and_drafters_equal_one_process(hf_model_di
 
 
 def test_shapes_that_do_not_split_and_unsupported_combinations_are_refused(hf_model_dirs) -> None:
-    done = python(RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2, False)]), "[]", "[]", timeout=300)
-    assert done.returncode != 0 and "num_heads (5) is not divisible by tp_size (2)" in done.stderr
-    assert "[rank1]" not in done.stderr  # refused before any other rank started
+    heads = start_script(RUN, json.dumps([(hf_model_dirs["qwen2"][0], 2, False)]), "[]", "[]")
+    experts = start_script(RUN, json.dumps([(hf_model_dirs["qwen3_moe"][0], 2, False, True)]), "[]", "[]")
+    _, stderr = heads.communicate(timeout=300)
+    assert heads.returncode != 0 and "num_heads (5) is not divisible by tp_size (2)" in stderr
+    assert "[rank1]" not in stderr  # refused before any other rank started
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
-    done = python(RUN, json.dumps([(hf_model_dirs["qwen3_moe"][0], 2, False, True)]), "[]", "[]", timeout=300)
-    assert done.returncode != 0 and "num_experts (7) is not divisible by tp_size (2)" in done.stderr
+    _, stderr = experts.communicate(timeout=300)
+    assert experts.returncode != 0 and "num_experts (7) is not divisible by tp_size (2)" in stderr
     with pytest.raises(ValueError, match="kv_role does not work with tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=2, kv_role="decode")
     with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
