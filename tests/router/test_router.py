@@ -1,14 +1,16 @@
 """The router in front of real replicas of the embedded model (CPU), as a user runs it: `tokenmill serve
---data-parallel-size 3` (three replicas behind a cache_aware router) and `tokenmill router` processes over
-the same replicas. Cache-aware routing beats round-robin on engine-reported prefix hits and TTFT in one
-run; the openai client works through it unchanged, errors included; a client that leaves aborts the
-request on its replica; a replica killed mid-run fails only the streams it had started."""
+--data-parallel-size 2` (two replicas behind a cache_aware router; three for the routing comparison) and
+`tokenmill router` processes over the same replicas. Cache-aware routing beats round-robin on
+engine-reported prefix hits and TTFT in one run; the openai client works through it unchanged, errors
+included; a client that leaves aborts the request on its replica; a replica killed mid-run fails only the
+streams it had started."""
 
 from __future__ import annotations
 
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -38,23 +40,41 @@ def healthy_replicas(router: ServerProcess) -> list[dict]:
     return [r for r in httpx.get(f"{router.url}/router/replicas", timeout=10).json() if r["healthy"]]
 
 
-@pytest.fixture(scope="module")
-def dp_server(tmp_path_factory: pytest.TempPathFactory):
-    """Three replicas and a cache_aware router, from one command."""
+def start_dp_server(tmp_path_factory: pytest.TempPathFactory, replicas: int) -> Iterator[ServerProcess]:
+    """`replicas` replicas and a cache_aware router, from one command."""
     process = ServerProcess(
-        [*MAIN_SERVER_ARGS, "--data-parallel-size", "3"], tmp_path_factory.mktemp("dp") / "dp.log"
+        [*MAIN_SERVER_ARGS, "--data-parallel-size", str(replicas)], tmp_path_factory.mktemp("dp") / "dp.log"
     )
     try:
         process.wait_ready()
-        assert wait_for(lambda: len(healthy_replicas(process)) == 3, timeout=300), process.log_text()[-3000:]
+        ready = wait_for(lambda: len(healthy_replicas(process)) == replicas, timeout=300)
+        assert ready, process.log_text()[-3000:]
         yield process
     finally:
         process.stop()
 
 
 @pytest.fixture(scope="module")
+def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Two replicas (each boot is seconds of the suite's two cores)."""
+    yield from start_dp_server(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
 def replica_urls(dp_server: ServerProcess) -> list[str]:
     return [r["url"] for r in healthy_replicas(dp_server)]
+
+
+@pytest.fixture(scope="module")
+def dp3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Three replicas, for the routing comparison: round-robin sends each of its five prompts' requests to
+    three different replicas."""
+    yield from start_dp_server(tmp_path_factory, 3)
+
+
+@pytest.fixture(scope="module")
+def replica3_urls(dp3_server: ServerProcess) -> list[str]:
+    return [r["url"] for r in healthy_replicas(dp3_server)]
 
 
 def start_router(tmp_path, backends: list[str], policy: str, *extra: str) -> ServerProcess:
@@ -112,7 +132,8 @@ def run_workload(url: str, count: int, concurrency: int) -> list[float]:
 
 
 @pytest.mark.slow  # a timing comparison (~15 s on a 2-core CPU); benchmarks/router_overhead.py measures it
-def test_cache_aware_routing_beats_round_robin(dp_server, replica_urls, tmp_path) -> None:
+def test_cache_aware_routing_beats_round_robin(dp3_server, replica3_urls, tmp_path) -> None:
+    dp_server, replica_urls = dp3_server, replica3_urls
     robin = start_router(tmp_path, replica_urls, "round_robin")
     try:
         for url in replica_urls:  # warm every replica (first-request costs) before either run is timed
