@@ -155,7 +155,7 @@ def test_quantized_moe_models_on_the_triton_kernels(arch, scheme, tmp_path, monk
 
     monkeypatch.setenv(BACKEND_ENV, "triton")
     logits = make_checkpoint(arch, scheme, tmp_path)
-    llm = load(tmp_path)
+    llm = load(tmp_path, device=DEVICE)  # (quant_models pins the CPU for its reference tests)
     assert llm.engine.runner.model.kernels.backend == "triton"
     moe = next(m for m in llm.engine.runner.model.modules() if hasattr(m, "experts"))
     assert moe.experts.fmt is not None

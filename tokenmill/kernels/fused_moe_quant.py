@@ -137,10 +137,17 @@ def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, 
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = tile_k(w, block_k)
     assert w.data.shape[2] == (triton.cdiv(k, PACK) if w.int4 else k) and a.shape[1] == k
+    # Zero points are read in the scales' dtype: int8 ones, loaded as a [BLOCK_N] vector a group, came out
+    # wrong at the small-batch tiles on an H100 (Triton 3.6; 1.8-9.8 off at 1 and 7 tokens, groups of
+    # 16, 2026-12-06) and right as int32 or bf16. layers/fused_moe.py holds them so; int8 is converted.
     zero = w.zero if w.zero is not None else w.scale  # (never read without zero points)
+    if zero.dtype == torch.int8:
+        zero = zero.to(w.scale.dtype)
     # INT4 tiles are unpacked and scaled in the activations' dtype with PTX on the GPU; in fp32 in the
-    # interpreter (whose 16-bit floats do no arithmetic) and for fp32 activations: the same values.
-    asm = not INTERPRETED and a.dtype != torch.float32
+    # interpreter (whose 16-bit floats do no arithmetic) and for fp32 activations: the same values. A
+    # tile of two words a row (16 columns: groups of 16, 48, 80, ...) came out wrong from the PTX on an
+    # H100 (1.3-1.5 off, 2026-12-06) and right in fp32: such tiles take the fp32 unpacking.
+    asm = not INTERPRETED and a.dtype != torch.float32 and (not w.int4 or block_k >= 32)
     w_dtype = a.dtype if asm else torch.float32
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _quant_grouped_gemm[grid](

@@ -131,7 +131,7 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                     if name.endswith("_scale"):
                         buffer.fill_(0.004 if module.fmt.int4 else 0.02 / 74 if module.fmt.int8 else 0.02)
                     else:
-                        buffer.random_(0, 16, generator=generator)
+                        buffer.random_(-8, 8, generator=generator)  # stored minus 8, as the kernels read them
 
 
 def _dummy_weight_scale(model: nn.Module, name: str) -> float:
