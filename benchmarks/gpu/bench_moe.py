@@ -133,8 +133,8 @@ def held_as(weight: torch.Tensor, fmt: str) -> torch.Tensor | QuantExperts:
         q = (groups / scale[..., None]).to(torch.float8_e4m3fn).reshape(weight.shape)
         return QuantExperts(q, scale, None, 128, columns)
     held = quantize_experts_int4(weight, 128)
-    if fmt == "int4-zp":  # (zero points of 0: the same numbers, the zero-point path's work)
-        held = held._replace(zero=torch.zeros(held.scale.shape, dtype=torch.int8, device=weight.device))
+    if fmt == "int4-zp":  # (zero points of 0 in the scales' dtype, as the layer holds them)
+        held = held._replace(zero=torch.zeros_like(held.scale))
     return held
 
 
