@@ -1,6 +1,5 @@
-"""The embedded SmolLM2 model loaded once in the test process, for the offline-vs-server comparisons (with
-as many torch threads as the shared server's core) and the CLI tests (with one, as the CLI's engine core
-runs on a small CPU box)."""
+"""The embedded SmolLM2 model loaded once in the test process, with one torch thread (as the server's engine
+core runs on a small CPU box), for the offline-vs-server comparisons and the CLI tests."""
 
 from __future__ import annotations
 
@@ -14,24 +13,13 @@ from tokenmill import LLM
 
 
 @contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(count)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def one_thread() -> contextlib.AbstractContextManager[None]:
-    return torch_threads(1)
-
-
-def server_threads() -> contextlib.AbstractContextManager[None]:
-    """As many threads as the shared server's core: same kernels, same rounding."""
-    from tests.entrypoints.openai.conftest import MAIN_SERVER_THREADS
-
-    return torch_threads(MAIN_SERVER_THREADS)
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,6 @@ MAIN_SERVER_ARGS += ["--dtype", "float32"]
 # Steps of 256 tokens (the CPU default is 512), so a prompt that fits max_model_len still takes several
 # chunks: the concurrency tests send a request while one is being prefilled.
 MAIN_SERVER_ARGS += ["--max-num-batched-tokens", "256"]
-# The shared server's core and the servers whose text is compared with it run two torch threads: most of
-# the suite's server time is their forward passes, and the test process mostly waits on them. The offline
-# LLM they are compared with runs as many (tests/entrypoints/conftest.py's server_threads). Other servers
-# keep one, so that several at once, or one booting beside another, do not make OpenMP threads spin
-# against each other.
-MAIN_SERVER_THREADS = 2
 
 
 def free_port() -> int:
@@ -46,12 +40,7 @@ class ServerProcess:
     would fill and block it)."""
 
     def __init__(
-        self,
-        args: list[str],
-        log_path: Path,
-        api_key: str | None = None,
-        subcommand: str = "serve",
-        threads: int = 1,
+        self, args: list[str], log_path: Path, api_key: str | None = None, subcommand: str = "serve"
     ) -> None:
         self.port = free_port()
         self.api_key = api_key
@@ -60,9 +49,8 @@ class ServerProcess:
         command = [sys.executable, "-m", "tokenmill.entrypoints.cli", subcommand, "--port", str(self.port)]
         command += (["--no-access-log"] if subcommand == "serve" else []) + args
         command += ["--api-key", api_key] if api_key else []
-        # A fixed number of torch threads whatever the machine, the same as the offline LLM a greedy test
-        # compares with.
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
+        # One torch thread whatever the machine, the same as the offline LLM the greedy test compares with.
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
     @property
@@ -144,9 +132,7 @@ def wait_for(condition, timeout: float = 15.0, interval: float = 0.1):
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The shared server on the embedded SmolLM2 model."""
-    process = ServerProcess(
-        MAIN_SERVER_ARGS, tmp_path_factory.mktemp("server") / "server.log", threads=MAIN_SERVER_THREADS
-    )
+    process = ServerProcess(MAIN_SERVER_ARGS, tmp_path_factory.mktemp("server") / "server.log")
     try:
         yield process.wait_ready()
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import MAIN_SERVER_ARGS, MAIN_SERVER_THREADS, REPO, ServerProcess, wait_for
+from .conftest import MAIN_SERVER_ARGS, REPO, ServerProcess, wait_for
 
 PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(24)]
 
@@ -77,9 +77,7 @@ def greedy_texts(server: ServerProcess) -> list[str]:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     process = ServerProcess(
-        [*MAIN_SERVER_ARGS, "--api-server-count", "2"],
-        tmp_path_factory.mktemp("asc") / "server.log",
-        threads=MAIN_SERVER_THREADS,  # its text is compared with the shared server's
+        [*MAIN_SERVER_ARGS, "--api-server-count", "2"], tmp_path_factory.mktemp("asc") / "server.log"
     )
     try:
         yield process.wait_ready()

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from ..conftest import server_threads
 from .conftest import MODEL_NAMES
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -234,11 +233,10 @@ def test_chat_template_extras(server, client, default_llm):
         model="default", messages=prefill, max_tokens=6, temperature=0,
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     ).choices[0]  # fmt: skip
-    with server_threads():
-        (offline,) = default_llm.chat(
-            [prefill], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
-            continue_final_message=True, add_generation_prompt=False,
-        )  # fmt: skip
+    (offline,) = default_llm.chat(
+        [prefill], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
+        continue_final_message=True, add_generation_prompt=False,
+    )  # fmt: skip
     assert reply.message.content == offline.outputs[0].text and reply.message.content
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
     plain = client.chat.completions.create(

@@ -6,7 +6,7 @@ import pytest
 
 from tokenmill import SamplingParams
 
-from ..conftest import server_threads
+from ..conftest import one_thread
 
 PROMPT = "The three primary colors are"
 
@@ -30,7 +30,7 @@ def test_completion_and_usage_match_the_tokenizer(server, greedy):
 
 
 def test_greedy_output_equals_llm_generate(server, greedy, default_llm):
-    with server_threads():
+    with one_thread():  # the server's core runs one thread too: same kernels, same rounding
         (offline,) = default_llm.generate(
             PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
         )
@@ -113,7 +113,7 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, greedy, default_ll
     assert logprobs.text_offset == [
         sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
     ]
-    with server_threads():
+    with one_thread():
         (offline,) = default_llm.generate(
             PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False
         )

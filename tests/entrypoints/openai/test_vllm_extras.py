@@ -12,7 +12,7 @@ import pytest
 
 from tokenmill import SamplingParams
 
-from ..conftest import server_threads
+from ..conftest import one_thread
 from .conftest import MAIN_SERVER_ARGS, ServerProcess
 from .test_api_server import assert_error
 
@@ -99,7 +99,7 @@ def test_allowed_token_ids_restrict_what_is_sampled(server, default_llm, path):
 
 
 def offline_prompt_logprobs(default_llm, prompt_ids: list[int], k: int) -> list:
-    with server_threads():
+    with one_thread():  # as the server's core: same kernels, same rounding
         (offline,) = default_llm.generate(
             prompt_token_ids=[prompt_ids],
             sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k),
