@@ -75,10 +75,12 @@ if not torch.cuda.is_available():
             if names is None:
                 _patch_builtin(pkg, builder, scope)
                 return
+            # A package's builtins are patched all together and restored all together: if the first is
+            # patched (a helper called inside a kernel), they all are, and there is nothing to do.
+            if not names or not tl.core.is_builtin(getattr(pkg, names[0])):
+                return
             for name in names:
-                member = getattr(pkg, name)
-                if tl.core.is_builtin(member):  # not patched already by the enclosing kernel's call
-                    interpreter._patch_attr(pkg, name, member, builder, scope)
+                interpreter._patch_attr(pkg, name, getattr(pkg, name), builder, scope)
 
         interpreter._patch_builtin = _patch_builtin_listed
         interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24
