@@ -16,16 +16,20 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 
 
 @pytest.fixture(scope="module")
-def token_ids() -> list[int]:
-    llm = LLM("default", max_model_len=4096, num_kv_blocks=300, dtype="float32")
-    ids = llm.engine.input_processor.tokenizer.encode(TEXT.read_text())
+def unquantized() -> LLM:
+    return LLM("default", max_model_len=4096, num_kv_blocks=300, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def token_ids(unquantized: LLM) -> list[int]:
+    ids = unquantized.engine.input_processor.tokenizer.encode(TEXT.read_text())
     assert 1800 <= len(ids) <= 2100
     return ids
 
 
 @pytest.fixture(scope="module")
-def baseline(token_ids: list[int]) -> float:
-    return perplexity(LLM("default", max_model_len=4096, num_kv_blocks=300, dtype="float32"), token_ids)
+def baseline(unquantized: LLM, token_ids: list[int]) -> float:
+    return perplexity(unquantized, token_ids)
 
 
 def test_the_text_is_ordinary_english_to_the_model(baseline: float) -> None:
