@@ -3,6 +3,7 @@ as a user would, and reach it with the official openai client."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -142,3 +143,29 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def client(server: ServerProcess) -> openai.OpenAI:
     return server.client()
+
+
+# The chat template the vLLM-flags server is given inline (--chat-template).
+VLLM_FLAGS_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+@pytest.fixture(scope="session")
+def vllm_flags_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Random weights started with the flags people pass to `vllm serve`, for test_vllm_serve_flags.py and
+    test_generation_config.py (one boot for both; only behaviour counts): the model as a positional
+    argument, an inline chat template, a response role, request logging, a root path, knobs that hold
+    whatever they say, and a generation config (temperature 0, top_p 0.9, max_new_tokens 3) whose
+    max_new_tokens an override sets to 4."""
+    directory = tmp_path_factory.mktemp("vllm_flags")
+    config = {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 3, "do_sample": True, "eos_token_id": 2}
+    (directory / "generation_config.json").write_text(json.dumps(config))
+    args = ["default", "--load-format", "dummy", "--max-model-len", "256", "--num-kv-blocks", "64"]
+    args += ["--chat-template", VLLM_FLAGS_TEMPLATE, "--response-role", "bot", "--enable-log-requests"]
+    args += ["--root-path", "/api", "--trust-remote-code", "--enable-chunked-prefill"]
+    args += ["--uvicorn-log-level", "warning"]
+    args += ["--generation-config", str(directory), "--override-generation-config", '{"max_new_tokens": 4}']
+    process = ServerProcess(args, directory / "server.log")
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()

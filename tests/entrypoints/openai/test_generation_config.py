@@ -1,33 +1,15 @@
 """A server started with vLLM's --generation-config and --override-generation-config: requests that leave a
 sampling knob unset take the generation config's value, a request's own value wins (max_tokens: the
-smaller), and the start-up log says where the defaults came from. Random weights: only behaviour counts."""
+smaller), and the start-up log says where the defaults came from. Random weights: only behaviour counts.
+The server (conftest.py's vllm_flags_server) is test_vllm_serve_flags.py's too."""
 
 from __future__ import annotations
-
-import json
-
-import pytest
-
-from .conftest import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("generation_config")
-    config = {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 3, "do_sample": True, "eos_token_id": 2}
-    (directory / "generation_config.json").write_text(json.dumps(config))
-    args = ["--model", "default", "--load-format", "dummy", "--max-model-len", "256", "--num-kv-blocks", "64"]
-    args += ["--generation-config", str(directory), "--override-generation-config", '{"max_new_tokens": 4}']
-    process = ServerProcess(args, directory / "server.log")
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
-
-
-def test_unset_knobs_take_the_generation_configs_values(server):
+def test_unset_knobs_take_the_generation_configs_values(vllm_flags_server):
+    server = vllm_flags_server
     client = server.client()
     extra = {"ignore_eos": True}
     default = client.chat.completions.create(model="default", messages=MESSAGES, n=2, extra_body=extra)

@@ -1,33 +1,18 @@
 """`tokenmill serve` started with the flags people pass to `vllm serve`, honoured as vLLM honours them: the
 model as a positional argument, --chat-template (inline here), --response-role, --enable-log-requests,
 --root-path, CORS (vLLM answers it by default), and the knobs that hold here whatever they say
-(--trust-remote-code, --enable-chunked-prefill). Random weights: only behaviour counts."""
+(--trust-remote-code, --enable-chunked-prefill). Random weights: only behaviour counts. The server
+(conftest.py's vllm_flags_server) is test_generation_config.py's too."""
 
 from __future__ import annotations
 
 import httpx
-import pytest
 
-from .conftest import ServerProcess
-
-TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    args = ["default", "--load-format", "dummy", "--max-model-len", "256", "--num-kv-blocks", "64"]
-    args += ["--chat-template", TEMPLATE, "--response-role", "bot", "--enable-log-requests"]
-    args += ["--root-path", "/api", "--trust-remote-code", "--enable-chunked-prefill"]
-    args += ["--uvicorn-log-level", "warning"]
-    process = ServerProcess(args, tmp_path_factory.mktemp("vllm_flags") / "server.log")
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
-
-
-def test_chat_template_and_response_role(server):
+def test_chat_template_and_response_role(vllm_flags_server):
+    server = vllm_flags_server
     rendered = server.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     plain = server.post("/tokenize", json={"prompt": "<<Hi>>", "add_special_tokens": False}).json()["tokens"]
     assert rendered == plain
@@ -44,7 +29,8 @@ def test_chat_template_and_response_role(server):
     assert "Received request chatcmpl-" in server.log_text()
 
 
-def test_cors_and_root_path(server):
+def test_cors_and_root_path(vllm_flags_server):
+    server = vllm_flags_server
     preflight = httpx.options(
         f"{server.url}/v1/chat/completions",
         headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
