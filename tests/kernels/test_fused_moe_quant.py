@@ -66,6 +66,21 @@ def int4_groups(weight: torch.Tensor, group: int, zero_points: bool) -> QuantExp
     return QuantExperts(packed, scale.to(torch.bfloat16), zeros, group, k)
 
 
+def int8_groups(weight: torch.Tensor, group: int) -> QuantExperts:
+    """Asymmetric int8 groups of `group` input columns with zero points (GPTQ 8-bit's experts, as
+    loaded: q - 128 and zero - 128 in int8, fp32 scales)."""
+    experts, n, k = weight.shape
+    num_groups = math.ceil(k / group)
+    padded = torch.nn.functional.pad(weight.float(), (0, num_groups * group - k))
+    groups = padded.reshape(experts, n, num_groups, group)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 255).clamp(min=1e-8)
+    zero = (torch.round(-lo / scale) - 128).clamp(-128, 127)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(-128, 127)
+    q = q.reshape(experts, n, -1)[..., :k].to(torch.int8).contiguous()
+    return QuantExperts(q, scale, zero.to(torch.int8), group, k)
+
+
 def int8_channel(weight: torch.Tensor) -> QuantExperts:
     """Symmetric int8 with one scale per row (compressed-tensors' INT8 experts)."""
     experts, n, k = weight.shape
@@ -77,6 +92,7 @@ def int8_channel(weight: torch.Tensor) -> QuantExperts:
 FORMATS = {
     "fp8-channel": quantize_experts_fp8,
     "int8-channel": int8_channel,
+    "int8-g32-zero": lambda w: int8_groups(w, 32),
     "fp8-tensor": fp8_per_tensor,
     "fp8-block-128": lambda w: fp8_blocks(w, 128, 128),
     "fp8-block-16x32": lambda w: fp8_blocks(w, 16, 32),
@@ -144,7 +160,9 @@ def test_the_k_tile_divides_the_group(group, block_k, tile) -> None:
         fused_moe_quant.tile_k(weight._replace(group_size=40), block_k)
 
 
-@pytest.mark.parametrize(("arch", "scheme"), [("qwen3-moe", "gptq"), ("mixtral", "fp8-block-experts")])
+@pytest.mark.parametrize(
+    ("arch", "scheme"), [("qwen3-moe", "gptq"), ("mixtral", "fp8-block-experts"), ("qwen3-moe", "gptq-8bit")]
+)
 def test_quantized_moe_models_on_the_triton_kernels(arch, scheme, tmp_path, monkeypatch) -> None:
     """A checkpoint's quantized experts, kept quantized, through the Triton kernels end to end: the
     dequantized model's log-probabilities (tests/layers/test_moe_quantized.py's checkpoints)."""

@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tokenmill.bench.quant_checkpoints import pack_columns, pack_gptq_rows, to_int32
+from tokenmill.bench.quant_checkpoints import pack_bytes, pack_columns, pack_gptq_rows
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 
@@ -27,13 +27,6 @@ from .quant_models import (
 )
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def pack8(values: torch.Tensor) -> torch.Tensor:
-    """8-bit values 0..255 [R, C] -> int32 [R, C/4], column 4c + j in bits 8j of word c (GPTQ's 8-bit
-    qzeros as stored; its qweight is the same along K)."""
-    v = values.long().reshape(values.shape[0], -1, 4)
-    return to_int32(sum(v[:, :, j] << (8 * j) for j in range(4)))
 
 
 def make_checkpoint(
@@ -89,8 +82,9 @@ def make_checkpoint(
         if method == "gptq":
             g_idx = torch.empty(k, dtype=torch.int32)
             g_idx[order] = in_group.to(torch.int32)
-            tensors[f"{name}.qweight"] = pack_gptq_rows(q) if bits == 4 else pack8(q.t()).t().contiguous()
-            tensors[f"{name}.qzeros"] = pack_columns(zero - 1) if bits == 4 else pack8(zero - 1)
+            qweight = pack_gptq_rows(q) if bits == 4 else pack_bytes(q.t()).t().contiguous()
+            tensors[f"{name}.qweight"] = qweight
+            tensors[f"{name}.qzeros"] = pack_columns(zero - 1) if bits == 4 else pack_bytes(zero - 1)
             tensors[f"{name}.g_idx"] = g_idx
         else:
             tensors[f"{name}.qweight"] = pack_columns(q, AWQ_ORDER)

@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tokenmill.bench.quant_checkpoints import pack_columns, pack_gptq_rows
+from tokenmill.bench.quant_checkpoints import pack_bytes, pack_columns, pack_gptq_rows
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.quantization.gptq_awq import AWQ_ORDER
 
@@ -61,21 +61,25 @@ def quantized_names(tensors: dict[str, torch.Tensor], scheme: str) -> list[str]:
     ] + [name for name in tensors if name.endswith(ROUTER) and scheme == "ct-w4a16-router"]  # fmt: skip
 
 
-def gptq_awq(tensors: dict, names: list[str], method: str) -> dict[str, torch.Tensor]:
+def gptq_awq(tensors: dict, names: list[str], method: str, bits: int = 4) -> dict[str, torch.Tensor]:
     """Asymmetric round-to-nearest groups of GROUP input rows: returns the layout's tensors and puts the
-    dequantized weights back into `tensors` (the reference's)."""
-    stored = {}
+    dequantized weights back into `tensors` (the reference's). bits 8: GPTQ's 8-bit layout."""
+    stored, top = {}, (1 << bits) - 1
     for name in names:
         w = tensors[name].float()
         base, (n, k) = name[: -len(".weight")], w.shape
         groups = w.t().reshape(k // GROUP, GROUP, n)
         lo, hi = groups.amin(1), groups.amax(1)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).half()
-        zero = torch.round(-lo / scale.float()).clamp(1, 15)  # GPTQ stores zero - 1: keep zero >= 1
-        q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, 15)
+        scale = ((hi - lo) / top).clamp(min=1e-8).half()
+        zero = torch.round(-lo / scale.float()).clamp(1, top)  # GPTQ stores zero - 1: keep zero >= 1
+        q = torch.round(groups / scale.float()[:, None] + zero[:, None]).clamp(0, top)
         tensors[name] = ((q - zero[:, None]) * scale.float()[:, None]).reshape(k, n).t().contiguous()
         q = q.reshape(k, n)
-        if method == "gptq":
+        if method == "gptq" and bits == 8:
+            stored[f"{base}.qweight"] = pack_bytes(q.t()).t().contiguous()
+            stored[f"{base}.qzeros"] = pack_bytes(zero - 1)
+            stored[f"{base}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
+        elif method == "gptq":
             stored[f"{base}.qweight"] = pack_gptq_rows(q)
             stored[f"{base}.qzeros"] = pack_columns(zero - 1)
             stored[f"{base}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
@@ -165,6 +169,7 @@ SCHEMES = (
     "gptq-dense-experts",
     "ct-w4a16-router",
     "ct-int8-weight-only",
+    "gptq-8bit",
 )
 
 
@@ -177,10 +182,10 @@ def make_checkpoint(arch: str, scheme: str, path) -> torch.Tensor:
     model.save_pretrained(path / "reference")
     tensors = load_file(str(path / "reference" / "model.safetensors"))
     names = quantized_names(tensors, scheme)
-    if scheme in ("gptq", "awq", "gptq-dense-experts"):
-        method = scheme[:4]
-        quantized = gptq_awq(tensors, names, method)
-        quantization = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    if scheme in ("gptq", "awq", "gptq-dense-experts", "gptq-8bit"):
+        method, bits = scheme[:4], 8 if scheme == "gptq-8bit" else 4
+        quantized = gptq_awq(tensors, names, method, bits)
+        quantization = {"quant_method": method, "bits": bits, "group_size": GROUP}
         quantization.update({"desc_act": False, "sym": False} if method == "gptq" else {"version": "gemm"})
     elif scheme == "autofp8-experts":
         quantized = fp8_per_tensor(tensors, names)
@@ -239,6 +244,7 @@ HELD = {
     "autofp8-experts": (torch.float8_e4m3fn, 1, False),
     "gptq-dense-experts": (torch.float32, 4, False),
     "ct-int8-weight-only": (torch.int8, 1, False),
+    "gptq-8bit": (torch.int8, 1, True),
 }
 
 
@@ -325,7 +331,7 @@ def test_experts_of_a_scheme_without_a_kernel_are_dequantized_with_a_warning(tmp
     prompt_logprobs_match(llm, logits)
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "fp8-block-experts", "ct-int8-weight-only"])
+@pytest.mark.parametrize("scheme", ["gptq", "fp8-block-experts", "ct-int8-weight-only", "gptq-8bit"])
 def test_dummy_weights_fill_quantized_experts(scheme: str, tmp_path) -> None:
     """load_format dummy on a quantized MoE checkpoint's config: the experts' quantized values are random
     and their scales (buffers, beside them) set, so a benchmark's experts are not all zero."""

@@ -127,6 +127,13 @@ def pack_columns(values, order=tuple(range(8))):
     return to_int32(sum(v[:, :, order[j]] << (4 * j) for j in range(8)))
 
 
+def pack_bytes(values):
+    """8-bit values 0..255 [R, C] -> int32 [R, C/4], column 4c + j in bits 8j of word c (GPTQ's 8-bit
+    qzeros as stored; its qweight is the same along K: pack_bytes(q.t()).t())."""
+    v = values.long().reshape(values.shape[0], -1, 4)
+    return to_int32(sum(v[:, :, j] << (8 * j) for j in range(4)))
+
+
 REFIT_SCALES = True  # least-squares scales for GPTQ's codes (refit_scales)
 # Further rounds of GPTQ's codes under the refit scales, then scales refit to those codes; the round
 # with the least output error is kept (GPTQ's codes are not optimal for given scales, so a round can

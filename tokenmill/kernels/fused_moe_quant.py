@@ -99,6 +99,8 @@ def _quant_grouped_gemm(
                 mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
+            if HAS_ZERO:  # int8 groups with zero points (GPTQ 8-bit): q - zero exact in fp32
+                wt = wt - tl.load(z_rows + k0 // GROUP_K, mask=n_ok, other=0).to(tl.float32)[:, None]
         if not ONE_GROUP:  # the tile's group scale onto the weight (not the product: no second accumulator)
             s = tl.load(s_rows + k0 // GROUP_K, mask=n_ok, other=0.0)
             if INT4 and SCALE_IN_W_DTYPE:  # one rounding of an exact product: the reference's value

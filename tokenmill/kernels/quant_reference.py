@@ -150,9 +150,12 @@ class QuantExperts(NamedTuple):
         zero = flat(self.zero) if self.zero is not None else None
         if self.int4:
             dense = dequantize_int4(flat(self.data), flat(self.scale), zero, self.group_size, columns, dtype)
-        else:  # e4m3 values under the same group rule, no zero points
+        else:  # e4m3 or int8 values under the same group rule (int8 ones may have zero points)
             groups = torch.arange(columns, device=self.data.device) // self.group_size
-            dense = (flat(self.data).float() * flat(self.scale).float()[:, groups]).to(dtype)
+            values = flat(self.data).float()
+            if zero is not None:
+                values = values - zero.float()[:, groups]
+            dense = (values * flat(self.scale).float()[:, groups]).to(dtype)
         return dense.reshape(experts, rows, columns)
 
 

@@ -41,7 +41,7 @@ def expert_params_mapping(num_experts: int) -> list[tuple[str, str, ShardId]]:
 class ExpertFormat(NamedTuple):
     """How a MoE layer's experts are held quantized (kernels/quant_reference.py's QuantExperts): INT4
     (int4.py's packing), INT8 (int8, a byte a value, as FP8's layout) or FP8 (e4m3); input columns per
-    scale (0: one scale per row); zero points."""
+    scale (0: one scale per row); zero points (INT4, and GPTQ 8-bit's INT8 groups)."""
 
     int4: bool
     group_size: int

@@ -9,7 +9,7 @@ projection's `.weight` name:
   runs the scheme (`expert_format`): FP8 or INT8 per channel or per tensor (compressed-tensors, AutoFP8), FP8
   in blocks (fine-grained `weight_block_size`, compressed-tensors FP8_BLOCK), INT4 W4A16 groups of a
   multiple of 16 columns or one per row, with or without zero points (GPTQ without desc_act, AWQ,
-  compressed-tensors pack-quantized without actorder);
+  compressed-tensors pack-quantized without actorder), GPTQ 8-bit's int8 groups with zero points;
 - else dequantized, its weight in fp32: the experts then run in the model dtype, holding 2-4x the
   checkpoint's bytes (said once, as a warning).
 
@@ -85,8 +85,9 @@ def expert_format(scheme) -> ExpertFormat | None:
         fmt = ExpertFormat(int4=False, group_size=method.block_k)
     elif isinstance(method, Int4W4A16LinearMethod) and method.group_order is None:
         fmt = ExpertFormat(int4=True, group_size=max(method.group_size, 0), zero_points=not method.symmetric)
-    elif isinstance(method, GptqAwqLinearMethod) and method.bits == 4 and not scheme.desc_act:
-        fmt = ExpertFormat(int4=True, group_size=max(method.group_size, 0), zero_points=True)
+    elif isinstance(method, GptqAwqLinearMethod) and not scheme.desc_act:  # 4 or 8 bits, zero points
+        group = max(method.group_size, 0)
+        fmt = ExpertFormat(int4=method.bits == 4, group_size=group, zero_points=True, int8=method.bits == 8)
     else:
         return None
     return None if fmt.group_size % 16 else fmt
