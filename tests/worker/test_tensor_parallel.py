@@ -264,14 +264,16 @@ def test_structured_outputs_under_tensor_parallelism() -> None:
 
 def test_quantized_experts_equal_one_process(tmp_path) -> None:
     """Experts kept quantized (layers/quantization/moe_experts.py): FP8 per channel sliced along their
-    width at TP=2 (down's columns: its scales are per row, whole), INT4 with zero points held whole
-    under expert parallelism (2 of Mixtral's 4 experts a rank)."""
+    width at TP=2 (down's columns: its scales are per row, whole), GPTQ 8-bit's int8 groups sliced with
+    their groups' scales and zero points, INT4 with zero points held whole under expert parallelism (2
+    of Mixtral's 4 experts a rank)."""
     pytest.importorskip("compressed_tensors")
     from tests.layers.test_moe_quantized import make_checkpoint
 
     runs: list[tuple] = []
     for arch, scheme, ep in (
         ("qwen3-moe", "ct-fp8-weight-only", False),
+        ("mixtral", "gptq-8bit", False),
         ("mixtral", "ct-w4a16-zero-points", True),
     ):
         path = tmp_path / scheme

@@ -122,7 +122,13 @@ class Experts(nn.Module):
         if self.sliced:
             units = [PACK if fmt.int4 else 1] + [fmt.group_size] * bool(fmt.group_size)
             for unit in units:
-                divide(self.intermediate_size, unit, "moe_intermediate_size per rank (quantized experts)")
+                if self.intermediate_size % unit:
+                    raise ValueError(
+                        f"moe_intermediate_size per rank ({self.intermediate_size}) is not a multiple of "
+                        f"the quantized experts' {'group size' if unit == fmt.group_size else 'packing'} "
+                        f"({unit}): pick a tensor_parallel_size that leaves each rank whole groups, or "
+                        "enable_expert_parallel"
+                    )
         self.fmt = fmt
         scale_dtype = self.dtype if fmt.int4 else torch.float32
         for name, (experts, rows, columns) in self._shapes().items():
