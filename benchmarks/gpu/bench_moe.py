@@ -16,10 +16,12 @@ kernel is swept over the experts held in that format (the K tile then divides th
 With --weights, the experts are held in each listed format (kernels/fused_moe_quant.py) and the fused
 kernel is timed in a CUDA graph against bf16 at each token count: bf16, fp8 (e4m3, a scale per row),
 fp8-block (a scale per row and 128 columns: the kernel's work for [128, 128] blocks), int4 (symmetric
-groups of 128), int4-zp (with zero points). Each row: graph ms, the experts' bytes read over it as GB/s,
-the speedup over bf16, and the error against the reference on the same (dequantized) weights.
+groups of 128), int4-zp (with zero points), int8 (a scale per row: compressed-tensors' INT8 experts),
+int8-g128-zp (groups of 128 with zero points: GPTQ 8-bit's). Each row: graph ms, the experts' bytes
+read over it as GB/s, the speedup over bf16, and the error against the reference on the same
+(dequantized) weights.
 
-    python benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp [--tokens ...]
+    python benchmarks/gpu/bench_moe.py --weights bf16,fp8,int4,int4-zp,int8,int8-g128-zp [--tokens ...]
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class Layer:
         return lambda: gemm(a, w, out, layout, by_token, weighted, config)
 
 
-WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "int4", "int4-zp")
+WEIGHT_FORMATS = ("bf16", "fp8", "fp8-block", "int4", "int4-zp", "int8", "int8-g128-zp")
 
 
 def held_as(weight: torch.Tensor, fmt: str) -> torch.Tensor | QuantExperts:
@@ -132,6 +134,14 @@ def held_as(weight: torch.Tensor, fmt: str) -> torch.Tensor | QuantExperts:
         scale = groups.abs().amax(-1).clamp(min=1e-12) / 448
         q = (groups / scale[..., None]).to(torch.float8_e4m3fn).reshape(weight.shape)
         return QuantExperts(q, scale, None, 128, columns)
+    if fmt in ("int8", "int8-g128-zp"):  # compressed-tensors' INT8 experts; GPTQ 8-bit's, as loaded
+        experts, rows, columns = weight.shape
+        group = 128 if fmt == "int8-g128-zp" else columns
+        groups = weight.float().reshape(experts, rows, -1, group)
+        scale = groups.abs().amax(-1).clamp(min=1e-12) / 127
+        q = torch.round(groups / scale[..., None]).clamp(-128, 127).to(torch.int8).reshape(weight.shape)
+        zero = torch.zeros_like(scale) if fmt == "int8-g128-zp" else None  # (fp32, as the layer holds them)
+        return QuantExperts(q, scale, zero, group, columns)
     held = quantize_experts_int4(weight, 128)
     if fmt == "int4-zp":  # (zero points of 0 in the scales' dtype, as the layer holds them)
         held = held._replace(zero=torch.zeros_like(held.scale))

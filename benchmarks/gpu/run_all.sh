@@ -231,8 +231,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
          timeout 420 $bench throughput --shape qwen3-30b-a3b --peer-requests 0 --out "$out/throughput_qwen3_30b_a3b.json"
          timeout 300 $bench decode --shape qwen3-30b-a3b --max-num-seqs 64 --out "$out/decode_qwen3_30b_a3b.json" ;;
     # Quantized experts (kernels/fused_moe_quant.py): the fused kernel over Qwen3-30B-A3B's layer held in
-    # bf16, FP8 per row, FP8 in 128-column groups, INT4 groups of 128 without and with zero points.
-    moe-quant) timeout 240 $py benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp \
+    # bf16, FP8 per row, FP8 in 128-column groups, INT4 groups of 128 without and with zero points, INT8
+    # per row and in groups of 128 with zero points (GPTQ 8-bit's).
+    moe-quant) timeout 300 $py benchmarks/gpu/bench_moe.py --weights bf16,fp8,fp8-block,int4,int4-zp,int8,int8-g128-zp \
                  --tokens 1,8,64,256,1024,4096 --out "$out/moe_quant.json" 2>&1 >/dev/null ;;
     # The quantized experts' kernel and layers on the device (the INT4 PTX unpacking of f47ec98 first ran here).
     moe-quant-tests) timeout 300 $py -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe_quant.py \
