@@ -138,7 +138,7 @@ class Experts(nn.Module):
             shape = (experts, rows, groups)
             self._set_param(name, torch.zeros(experts, rows, stored, dtype=dtype, device=device))
             self.register_buffer(f"{name}_scale", torch.zeros(shape, dtype=scale_dtype, device=device))
-            if fmt.zero_points:  # in the scales' dtype (exact for -8..7): fused_moe_quant.quant_gemm's reason
+            if fmt.zero_points:  # in the scales' dtype, exact for int8 values (quant_gemm says why)
                 self.register_buffer(f"{name}_zero", torch.zeros(shape, dtype=scale_dtype, device=device))
 
     def _set_param(self, name: str, data: torch.Tensor) -> None:
