@@ -347,7 +347,8 @@ def int8_rows_case(name: str, rows: int) -> dict:
     int8_linear as the compressed-tensors INT8 checkpoints run it (activations per token, per tensor, or
     weight-only) and int8_grouped_linear as GPTQ 8-bit ones do (groups of 128 with zero points), each
     against the fp32 product of its weight."""
-    from tokenmill.layers.quantization.int8 import dequantize_int8_groups, int8_grouped_linear, int8_linear
+    from tokenmill.kernels.quant_reference import dequantize_8bit_groups
+    from tokenmill.layers.quantization.int8 import int8_grouped_linear, int8_linear
 
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
     result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
@@ -365,7 +366,7 @@ def int8_rows_case(name: str, rows: int) -> dict:
     input_scale = x.float().abs().amax().reshape(1) / 127.5
     groups = torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 0.02 / 127 + 1e-4  # GPTQ 8-bit's
     zeros = torch.zeros(n, k // GROUP, device=DEVICE, dtype=torch.int8)
-    grouped = dequantize_int8_groups(weights[0][0], groups, zeros, GROUP, torch.float32)
+    grouped = dequantize_8bit_groups(weights[0][0], groups, zeros, GROUP, torch.float32)
     wants = {"gptq8_grouped": x.float() @ grouped.t()}  # (its own scales)
     paths = {
         "gptq8_grouped": lambda c: int8_grouped_linear(x, weights[c][0], groups, zeros, GROUP),

@@ -375,7 +375,7 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, sp
     columns past a tile, K split across programs, a short last group (K = 100 in groups of 32), rows in
     blocks of 16, 32 and 64 (per channel: one group of K)."""
     from tokenmill.kernels import skinny_gemm
-    from tokenmill.layers.quantization.int8 import dequantize_int8_groups
+    from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
     device = DEVICE
     gen = torch.Generator().manual_seed(rows + n + k)
@@ -388,7 +388,7 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, sp
     config = skinny_gemm.SkinnyConfig(32, 16, split, 4, 2)
     args = [t.to(device) if t is not None else None for t in (x, w_q, scale, zero)]
     got = skinny_gemm.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
-    want = x.double() @ dequantize_int8_groups(w_q, scale, zero, group, torch.float64).t() + bias.double()
+    want = x.double() @ dequantize_8bit_groups(w_q, scale, zero, group, torch.float64).t() + bias.double()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())

@@ -48,6 +48,21 @@ def dequantize_int4(
     return (q * scale.to(torch.float32)[:, groups]).to(dtype)
 
 
+def dequantize_8bit_groups(
+    w_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """8-bit values [N, K] (int8, or e4m3) in groups of group_size columns, each row's group with its scale
+    [N, groups] and zero point ([N, groups] or None) -> (q - zero) * scale [N, K] in dtype, computed in
+    fp32: GPTQ's 8-bit and INT8 linears, and the 8-bit MoE experts' reference."""
+    if scale.shape[1] > 1:  # each column's group (one group broadcasts as it is)
+        columns = torch.arange(w_q.shape[1], device=w_q.device) // group_size
+        scale, zero = scale[:, columns], zero[:, columns] if zero is not None else None
+    values = w_q.float()
+    if zero is not None:
+        values = values - zero.float()
+    return (values * scale.float()).to(dtype)
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     w_packed: torch.Tensor,
@@ -150,12 +165,8 @@ class QuantExperts(NamedTuple):
         zero = flat(self.zero) if self.zero is not None else None
         if self.int4:
             dense = dequantize_int4(flat(self.data), flat(self.scale), zero, self.group_size, columns, dtype)
-        else:  # e4m3 or int8 values under the same group rule (int8 ones may have zero points)
-            groups = torch.arange(columns, device=self.data.device) // self.group_size
-            values = flat(self.data).float()
-            if zero is not None:
-                values = values - zero.float()[:, groups]
-            dense = (values * flat(self.scale).float()[:, groups]).to(dtype)
+        else:  # e4m3 or int8 under the same group rule (int8 ones may have zero points)
+            dense = dequantize_8bit_groups(flat(self.data), flat(self.scale), zero, self.group_size, dtype)
         return dense.reshape(experts, rows, columns)
 
 

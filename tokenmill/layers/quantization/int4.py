@@ -23,6 +23,7 @@ from torch import nn
 from tokenmill.kernels import GemvFusion, triton_kernel
 from tokenmill.kernels.quant_reference import (
     PACK,
+    dequantize_8bit_groups,
     dequantize_int4,
     pack_int4,
     quantize_int4_symmetric,
@@ -30,7 +31,6 @@ from tokenmill.kernels.quant_reference import (
     w4a16_gemm,
 )
 from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
-from tokenmill.layers.quantization.int8 import dequantize_int8_groups
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
@@ -229,7 +229,7 @@ def dequantize_in_order(
     checkpoint's order where order_input_columns sorted them."""
     columns = layer.int4_in_features
     if packed.dtype == torch.int8:
-        weight = dequantize_int8_groups(packed, scale, zero, layer.int4_group_size, torch.float32)
+        weight = dequantize_8bit_groups(packed, scale, zero, layer.int4_group_size, torch.float32)
     else:
         weight = dequantize_int4(packed, scale, zero, layer.int4_group_size, columns, torch.float32)
     order = getattr(layer, "input_order", None)

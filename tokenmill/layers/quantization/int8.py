@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import GROUPED_MAX_ROWS, skinny_kernel, triton_kernel
+from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
 INT8_MAX = 127
 # compressed-tensors' symmetric int8 range: a scale is the largest magnitude over half of 255 values
@@ -85,20 +86,6 @@ def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return values[:, :columns].to(torch.int8)
 
 
-def dequantize_int8_groups(
-    w_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """int8 [N, K] in groups of group_size columns, each row's group with its scale [N, groups] and zero
-    point (int8 [N, groups] or None) -> (q - zero) * scale [N, K] in dtype, computed in fp32."""
-    if scale.shape[1] > 1:  # each column's group (one group broadcasts as it is)
-        columns = torch.arange(w_q.shape[1], device=w_q.device) // group_size
-        scale, zero = scale[:, columns], zero[:, columns] if zero is not None else None
-    values = w_q.float()
-    if zero is not None:
-        values = values - zero.float()
-    return (values * scale.float()).to(dtype)
-
-
 def int8_grouped_linear(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -107,7 +94,7 @@ def int8_grouped_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; per channel with group_size K; dequantize_int8_groups
+    """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; per channel with group_size K; dequantize_8bit_groups
     says how): batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/skinny_gemm.py's
     w8a16_grouped (the weight read once a block of rows, a byte a value); larger ones (prefill), and the
     CPU, dequantize the weight into x's dtype and multiply there."""
@@ -116,4 +103,4 @@ def int8_grouped_linear(
         grouped = triton_kernel("skinny_gemm", "w8a16_grouped")
         if grouped is not None:
             return grouped(x, w_q, scale, zero, group_size, bias)
-    return F.linear(x, dequantize_int8_groups(w_q, scale, zero, group_size, x.dtype), bias)
+    return F.linear(x, dequantize_8bit_groups(w_q, scale, zero, group_size, x.dtype), bias)
