@@ -120,8 +120,8 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                 param.normal_(0.0, 0.02, generator=generator)
             elif param.dtype == torch.int8 and (name.rsplit(".", 1)[-1] in _INT8_WEIGHTS or param.dim() == 3):
                 param.random_(-128, 128, generator=generator)  # INT8 weights (a linear's, stacked experts')
-            elif param.dtype == torch.int8:  # zero points kept unpacked, one nibble each
-                param.random_(0, 16, generator=generator)
+            elif param.dtype == torch.int8:  # zero points kept unpacked, stored minus 8 as the experts' are
+                param.random_(-8, 8, generator=generator)
             elif param.dim() >= 2:  # packed int4 words (experts: 3-D): every bit pattern is eight nibbles
                 info = torch.iinfo(param.dtype)
                 param.random_(info.min, info.max, generator=generator)
