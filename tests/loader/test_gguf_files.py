@@ -3,15 +3,17 @@ missing; each loads as the model it came from or fails with a ValueError naming 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tokenmill.loader import resolve_model
+from tokenmill.loader import gguf_file, resolve_model
 from tokenmill.loader.gguf import iter_gguf_weights, load_gguf_config
 
 WriteGGUF = Callable[..., None]  # conftest.write_gguf
@@ -43,6 +45,56 @@ def test_split_model_loads_whole_from_any_shard(
         weights["model.layers.1.mlp.down_proj.weight"],
         llama.state_dict()["model.layers.1.mlp.down_proj.weight"],
     )
+
+
+def test_tensor_table_from_the_cache_reads_no_metadata(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_gguf(folder / "model.gguf", llama, gguf.MODEL_ARCH.LLAMA, split_max_tensors=8)
+    path = str(folder / "model-00002-of-00003.gguf")
+    first = dict(iter_gguf_weights(path))
+
+    # The second start parses no file: the config and the tensor table come from the cache.
+    def no_parse(path: str) -> None:
+        raise AssertionError(f"{path} parsed again")
+
+    monkeypatch.setattr(gguf_file, "_read", no_parse)
+    gguf_file._open_unchanged.cache_clear()
+    cached = dict(iter_gguf_weights(path))
+    assert cached.keys() == first.keys() == llama.state_dict().keys()
+    for name, weights in llama.state_dict().items():
+        assert torch.equal(cached[name], weights), name
+
+    # A later shard rewritten (the cache is keyed by the first): its table is refused, the files read again.
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    llama_changed = AutoModelForCausalLM.from_config(llama.config, dtype=torch.float32).eval()
+    write_gguf(tmp_path / "model.gguf", llama_changed, gguf.MODEL_ARCH.LLAMA, split_max_tensors=8)
+    shard = folder / "model-00003-of-00003.gguf"
+    (tmp_path / "model-00003-of-00003.gguf").replace(shard)
+    first_shard_stat = (folder / "model-00001-of-00003.gguf").stat()
+    os.utime(shard, ns=(first_shard_stat.st_atime_ns, first_shard_stat.st_mtime_ns + 10**9))
+    rewritten = dict(iter_gguf_weights(path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh cache"))
+    fresh = dict(iter_gguf_weights(path))
+    changed = [name for name in fresh if not torch.equal(fresh[name], first[name])]
+    assert changed and all(torch.equal(rewritten[name], fresh[name]) for name in fresh)
+
+
+def test_tensor_table_of_the_embedded_quantized_model() -> None:
+    """Q4_1 and Q8_0 tensors (bytes by rows) come out of the table as the reader lays them out."""
+    path = resolve_model("default").path
+    reader = gguf.GGUFReader(path)
+    table = gguf_file.GGUFTensorTable.of(gguf_file.open_gguf(path))
+    read = list(table.tensors())
+    assert [name for name, _, _ in read] == [tensor.name for tensor in reader.tensors]
+    for (name, tensor_type, data), tensor in zip(read, reader.tensors, strict=True):
+        assert tensor_type == tensor.tensor_type, name
+        assert data.dtype == tensor.data.dtype and data.shape == tensor.data.shape, name
+        assert np.array_equal(data, tensor.data), name
 
 
 def test_split_model_with_a_shard_missing(

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from tokenmill.loader.gguf_file import GGUFFile, first_shard, open_gguf
+from tokenmill.loader.gguf_file import GGUFFile, GGUFTensorTable, first_shard, open_gguf
 from tokenmill.loader.gguf_rope import ROPE_FREQS, rope_parameters
 
 
@@ -91,9 +91,14 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the file dequantized to float32, under its Hugging Face name and shape.
 
     The file is opened, and rejected if malformed, at call time rather than at the first `next()`.
-    A tied lm_head is not yielded: the model ties it to model.embed_tokens.weight."""
-    file = open_gguf(path)
-    return _iter_weights(file, _build_config(file))
+    A tied lm_head is not yielded: the model ties it to model.embed_tokens.weight. Where each tensor lies
+    comes from the cache once this file was read (beside its config, which must be read first)."""
+    path = first_shard(path)
+    config = load_gguf_config(path)
+    table = _converted(
+        path, "tensors", GGUFTensorTable.loader(path), lambda: GGUFTensorTable.of(open_gguf(path))
+    )
+    return _iter_weights(table, config)
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -276,23 +281,23 @@ def _eos_token_ids(file: GGUFFile) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids
 
 
-def _iter_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    permuted = file.architecture in _PERMUTED_ARCHITECTURES
-    for tensor in file.tensors.values():
-        if tensor.name == ROPE_FREQS:
+def _iter_weights(table: GGUFTensorTable, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = table.architecture in _PERMUTED_ARCHITECTURES
+    for tensor_name, tensor_type, data in table.tensors():
+        if tensor_name == ROPE_FREQS:
             continue
-        stem, _, suffix = tensor.name.rpartition(".")
+        stem, _, suffix = tensor_name.rpartition(".")
         block, index, kind = (stem.split(".", 2) + ["", ""])[:3]
         try:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weights = gguf.quants.dequantize(data, tensor_type)
         except NotImplementedError as exc:
-            raise file.error(f"tensor {tensor.name!r}: {exc}.") from exc
+            raise table.error(f"tensor {tensor_name!r}: {exc}.") from exc
         if block == "blk" and kind in _EXPERT_TENSORS:  # [experts, out, in]: one tensor per expert
             for expert, expert_weights in enumerate(weights):
                 name = f"model.layers.{index}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
                 yield name, torch.from_numpy(np.array(expert_weights, dtype=np.float32))
             continue
-        name = _hf_tensor_name(file, tensor.name)
+        name = _hf_tensor_name(table, tensor_name)
         if permuted and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
@@ -301,7 +306,7 @@ def _iter_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[st
         yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
 
 
-def _hf_tensor_name(file: GGUFFile, gguf_name: str) -> str:
+def _hf_tensor_name(file: GGUFFile | GGUFTensorTable, gguf_name: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
