@@ -8,23 +8,24 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf
 import numpy as np
 import torch
 from transformers import (
     AutoConfig,
-    AutoTokenizer,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     PretrainedConfig,
-    PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from tokenmill.loader.gguf_file import GGUFFile, GGUFTensorTable, first_shard, open_gguf
 from tokenmill.loader.gguf_rope import ROPE_FREQS, rope_parameters
@@ -104,11 +105,17 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The fast tokenizer transformers builds from the file, with its special tokens and chat template,
     converted once and then loaded from the cache (about 8 s against a quarter of a second)."""
+    # Imported here: transformers' tokenizer classes take ~1.6 s to import, and an engine core reads the
+    # weights of a GGUF file without its tokenizer.
+    from transformers import AutoTokenizer
+
     path = first_shard(path)
     return _converted(path, "tokenizer", AutoTokenizer.from_pretrained, lambda: _convert_tokenizer(path))
 
 
 def _convert_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     file = open_gguf(path)
     tokens = file.reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
