@@ -10,8 +10,6 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import gguf
-import numpy as np
 import torch
 from transformers import (
     AutoConfig,
@@ -27,6 +25,7 @@ from transformers import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+from tokenmill.loader.gguf_dequant import dequantize
 from tokenmill.loader.gguf_file import GGUFFile, GGUFTensorTable, first_shard, open_gguf
 from tokenmill.loader.gguf_rope import ROPE_FREQS, rope_parameters
 
@@ -296,21 +295,20 @@ def _iter_weights(table: GGUFTensorTable, config: PretrainedConfig) -> Iterator[
         stem, _, suffix = tensor_name.rpartition(".")
         block, index, kind = (stem.split(".", 2) + ["", ""])[:3]
         try:
-            weights = gguf.quants.dequantize(data, tensor_type)
+            weights = dequantize(data, tensor_type)  # a new tensor: the data is a read-only memory map
         except NotImplementedError as exc:
             raise table.error(f"tensor {tensor_name!r}: {exc}.") from exc
         if block == "blk" and kind in _EXPERT_TENSORS:  # [experts, out, in]: one tensor per expert
             for expert, expert_weights in enumerate(weights):
                 name = f"model.layers.{index}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
-                yield name, torch.from_numpy(np.array(expert_weights, dtype=np.float32))
+                yield name, expert_weights.clone()
             continue
         name = _hf_tensor_name(table, tensor_name)
         if permuted and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
             weights = _unpermute_rows(weights, config.num_key_value_heads)
-        # A copy: the reader's arrays are views of a read-only memory map.
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+        yield name, weights
 
 
 def _hf_tensor_name(file: GGUFFile | GGUFTensorTable, gguf_name: str) -> str:
@@ -323,8 +321,9 @@ def _hf_tensor_name(file: GGUFFile | GGUFTensorTable, gguf_name: str) -> str:
     raise file.error(f"tensor {gguf_name!r} has no counterpart in a dense Llama-family model.")
 
 
-def _unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation. Within each head the converter interleaves the two rope
     halves (row order 0, d/2, 1, d/2+1, ...); this restores rotate-half order (0, 1, ..., d-1)."""
     shape = weights.shape
-    return weights.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    grouped = weights.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:])
+    return grouped.transpose(1, 2).contiguous().reshape(shape)
