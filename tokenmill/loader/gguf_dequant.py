@@ -1,9 +1,10 @@
 """GGUF tensors to float32 torch tensors. The block formats most files use (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, and the k-quants of Q4_K_M and Q5_K_M files: Q4_K, Q5_K, Q6_K) and the float ones are unpacked
-here with whole-tensor torch operations, bit for bit what the gguf package's numpy dequantization gives
-(the same float32 products and sums) in a fraction of its time: it splits every tensor into groups of
-16 rows, and took ~1.2 s of the ~1.5 s an engine spent building the embedded SmolLM2 on a CPU. Every
-other type goes through the gguf package."""
+here with torch operations over chunks of blocks, bit for bit what the gguf package's numpy
+dequantization gives (the same float32 products and sums). The package splits a tensor into groups of
+16 rows: on a small model's narrow rows that took ~1.2 s of the ~1.5 s an engine spent building the
+embedded SmolLM2 on a CPU (0.4 s here); on a 4096 x 4096 tensor this is 1.3-1.9x faster at one thread,
+and it uses torch's threads. Every other type goes through the package."""
 
 from __future__ import annotations
 
