@@ -34,7 +34,12 @@ def reference() -> list[str]:
     return run(LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=200))
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+# Each tier under both loops; the default suite runs the CPU tier under the synchronous loop and the disk
+# tier under the asynchronous one (the other two pairs, ~20 s of the suite's two cores, are marked slow).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("async_scheduling", [False, pytest.param(True, marks=SLOW)])
 def test_offloaded_prefixes_come_back_with_the_same_tokens(reference, async_scheduling) -> None:
     llm = LLM(
         "default", dtype="float32", max_model_len=512, num_kv_blocks=40, kv_offload_gib=0.1,
@@ -60,7 +65,7 @@ def test_bad_offload_sizes_name_the_knob() -> None:
         LLM("default", dtype="float32", max_model_len=512, num_kv_blocks=40, kv_offload_gib=1e-9)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=SLOW), True])
 def test_the_disk_tier_behind_a_small_cpu_tier_gives_the_same_tokens(
     reference, tmp_path, async_scheduling
 ) -> None:
