@@ -311,14 +311,14 @@ def _iter_weights(table: GGUFTensorTable, config: PretrainedConfig) -> Iterator[
         yield name, weights
 
 
-def _hf_tensor_name(file: GGUFFile | GGUFTensorTable, gguf_name: str) -> str:
+def _hf_tensor_name(table: GGUFTensorTable, gguf_name: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     block, index, kind = (stem.split(".", 2) + ["", ""])[:3]
     if block == "blk" and index.isdigit() and kind in _LAYER_TENSORS:
         return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
-    raise file.error(f"tensor {gguf_name!r} has no counterpart in a dense Llama-family model.")
+    raise table.error(f"tensor {gguf_name!r} has no counterpart in a dense Llama-family model.")
 
 
 def _unpermute_rows(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
