@@ -154,6 +154,20 @@ def test_missing_tensor_is_named(
             load(str(path))
 
 
+def test_a_tensor_with_no_counterpart_is_named(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def extra(writer: gguf.GGUFWriter) -> None:
+        writer.add_tensor("blk.0.attn_sinks.weight", np.zeros(4, dtype=np.float32))
+
+    path = tmp_path / "extra.gguf"
+    write_gguf(path, llama, gguf.MODEL_ARCH.LLAMA, extra)
+    with pytest.raises(ValueError, match=r"extra.gguf.*'blk.0.attn_sinks.weight' has no counterpart"):
+        dict(iter_gguf_weights(str(path)))
+
+
 def test_directory_holding_a_gguf_model(
     tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module
 ) -> None:
