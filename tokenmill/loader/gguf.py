@@ -3,6 +3,7 @@ names and shapes, and the tokenizer, all rebuilt from one file's metadata and te
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from tokenmill.loader.gguf_dequant import dequantize
-from tokenmill.loader.gguf_file import GGUFFile, GGUFTensorTable, first_shard, open_gguf
+from tokenmill.loader.gguf_file import GGUFFile, GGUFTensorTable, file_identity, first_shard, open_gguf
 from tokenmill.loader.gguf_rope import ROPE_FREQS, rope_parameters
 
 
@@ -95,9 +96,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     comes from the cache once this file was read (beside its config, which must be read first)."""
     path = first_shard(path)
     config = load_gguf_config(path)
-    table = _converted(
-        path, "tensors", GGUFTensorTable.loader(path), lambda: GGUFTensorTable.of(open_gguf(path))
-    )
+    load = functools.partial(GGUFTensorTable.load, path)
+    table = _converted(path, "tensors", load, lambda: GGUFTensorTable.of(open_gguf(path)))
     return _iter_weights(table, config)
 
 
@@ -145,8 +145,8 @@ def _convert_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def _cache_dir(path: str, kind: str) -> str:
     """Where a conversion of this very file (its path, size and modification time) is kept."""
-    stat = os.stat(path)
-    identity = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+    size, mtime_ns = file_identity(path)
+    identity = f"{os.path.abspath(path)}:{size}:{mtime_ns}"
     key = hashlib.sha1(identity.encode()).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     name = os.path.splitext(os.path.basename(path))[0]
@@ -154,9 +154,9 @@ def _cache_dir(path: str, kind: str) -> str:
 
 
 def _converted(path: str, kind: str, load: Callable[[str], Any], convert: Callable[[], Any]) -> Any:
-    """This file's `kind` (config or tokenizer) from the cache when converted before, else converted and
-    written beside the others, atomically (another process may be doing the same); a cache that cannot
-    be read or written only costs this start its seconds."""
+    """This file's `kind` (config, tokenizer or tensor table) from the cache when converted before, else
+    converted and written beside the others, atomically (another process may be doing the same); a cache
+    that cannot be read or written only costs this start its seconds."""
     if not os.path.isfile(path):
         return convert()  # (which names the missing file)
     directory = _cache_dir(path, kind)

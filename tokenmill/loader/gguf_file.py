@@ -7,7 +7,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import gguf
@@ -20,8 +20,7 @@ def open_gguf(path: str) -> GGUFFile:
     path = first_shard(path)
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path!r} does not exist.")
-    stat = os.stat(path)
-    return _open_unchanged(path, stat.st_mtime_ns, stat.st_size)
+    return _open_unchanged(path, *file_identity(path))
 
 
 # llama.cpp's gguf-split names shard i of n `<prefix>-0000i-of-0000n.gguf`; the first holds the metadata.
@@ -39,11 +38,12 @@ def first_shard(path: str) -> str:
 # Parsing the metadata of a 49k-token vocabulary takes seconds, and an engine start reads the config,
 # the weights and the tokenizer of the same file in turn; a rewritten file has a new mtime and size.
 @functools.lru_cache(maxsize=2)
-def _open_unchanged(path: str, mtime_ns: int, size: int) -> GGUFFile:
+def _open_unchanged(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path)
 
 
-def _identity(path: str) -> list[int]:
+def file_identity(path: str) -> list[int]:
+    """What tells a rewritten file from the one read before: its size and modification time."""
     stat = os.stat(path)
     return [stat.st_size, stat.st_mtime_ns]
 
@@ -148,7 +148,7 @@ class GGUFTensorTable:
                     "shape": list(tensor.data.shape),
                 }
             )
-        shards = [{"name": os.path.basename(shard), "identity": _identity(shard)} for shard in file.shards]
+        shards = [{"name": os.path.basename(f), "identity": file_identity(f)} for f in file.shards]
         return cls(file.path, file.architecture, shards, entries)
 
     def save_pretrained(self, directory: str) -> None:
@@ -159,24 +159,19 @@ class GGUFTensorTable:
             json.dump(table, handle)
 
     @classmethod
-    def loader(cls, path: str) -> Callable[[str], GGUFTensorTable]:
-        """Reads the table saved in a cache directory, for the file at `path`."""
-
-        def load(directory: str) -> GGUFTensorTable:
-            try:
-                with open(os.path.join(directory, cls.FILENAME)) as handle:
-                    table = json.load(handle)
-                shards = table["shards"]
-                # (The cache is keyed by the first file: a rewritten later shard reads the file again.)
-                folder = os.path.dirname(path)
-                for shard in shards:
-                    if _identity(os.path.join(folder, shard["name"])) != shard["identity"]:
-                        raise ValueError(f"shard {shard['name']!r} changed since its table was saved")
-                return cls(path, table["architecture"], shards, table["tensors"])
-            except (KeyError, TypeError, json.JSONDecodeError) as exc:
-                raise ValueError(f"unreadable tensor table ({exc!r})") from exc
-
-        return load
+    def load(cls, path: str, directory: str) -> GGUFTensorTable:
+        """The table of the file at `path` saved in a cache directory; a ValueError if unreadable or if a
+        shard changed since (the cache is keyed by the first file alone)."""
+        try:
+            with open(os.path.join(directory, cls.FILENAME)) as handle:
+                table = json.load(handle)
+            shards = table["shards"]
+            for shard in shards:
+                if file_identity(os.path.join(os.path.dirname(path), shard["name"])) != shard["identity"]:
+                    raise ValueError(f"shard {shard['name']!r} changed since its table was saved")
+            return cls(path, table["architecture"], shards, table["tensors"])
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"unreadable tensor table ({exc!r})") from exc
 
     def tensors(self) -> Iterator[tuple[str, gguf.GGMLQuantizationType, np.ndarray]]:
         """Each tensor's name, type and data: a read-only view of the memory-mapped file, as the reader
