@@ -20,6 +20,9 @@ GEMM (kernels/fp8_gemm.py) over its tile configs, the activations quantized befo
 and each kernel it can choose (one-row, tensor-core at 16/32/64 activation rows a program, tiled, the whole
 weight dequantized for cuBLAS, and that dequantization alone), so its row bounds are set by measurement.
 
+--int8-gemm sweeps the INT8 W8A8 GEMM's tiles at --rows (past the skinny kernel's 16) beside bf16 cuBLAS
+and cuBLAS's int8 GEMM (torch._int_mm); --grouped-sweep sweeps GPTQ 8-bit's grouped W8A16 kernel.
+
 --int8-rows instead times the INT8 checkpoints' linears (layers/quantization/int8.py: the skinny W8A16
 kernel up to 16 rows, the Triton row-wise GEMM on int8 operands past them) beside bf16 cuBLAS, at --rows.
 """
@@ -474,6 +477,122 @@ def fp8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
     return result
 
 
+INT8_GEMM_CONFIGS = FP8_GEMM_CONFIGS + [
+    Fp8GemmConfig(128, 256, 64, 8, 4), Fp8GemmConfig(128, 256, 128, 8, 3), Fp8GemmConfig(256, 128, 128, 8, 3),
+    Fp8GemmConfig(128, 128, 256, 8, 3), Fp8GemmConfig(64, 256, 128, 8, 4),
+]  # fmt: skip
+
+
+def int8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
+    """--int8-gemm: the INT8 W8A8 GEMM past the skinny kernel's rows: bf16 cuBLAS, the per-token
+    quantization launch, kernels/fp8_gemm.py's row-wise kernel on int8 operands at its default tiles and
+    over INT8_GEMM_CONFIGS, and cuBLAS's int8 GEMM (torch._int_mm, int32 out, then the scales) on the
+    [N, K] weight's transposed view and on a [K, N] copy, each checked for exact int32 sums."""
+    from tokenmill.kernels.fp8_quant import quantize_int8_per_row
+
+    n, k = SHAPES[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
+    bf16_copies = max(1, math.ceil(POOL_BYTES / (n * k * 2)))
+    w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(bf16_copies)]
+    result["bf16_cublas_us"] = timed(lambda c: F.linear(x, w[c]), bf16_copies)
+    w.clear()
+    copies = max(1, math.ceil(POOL_BYTES / (n * k + n * 4)))
+    weights = [(torch.randint(-128, 128, (n, k), device=DEVICE, dtype=torch.int8, generator=gen),
+                torch.rand(n, 1, device=DEVICE, generator=gen) * 1e-4) for _ in range(copies)]  # fmt: skip
+    x_q, x_scale = quantize_int8_per_row(x)
+    result["quantize_us"] = timed(lambda c: quantize_int8_per_row(x), copies)
+    exact = (x_q.double() @ weights[0][0].double().t()).float() * x_scale * weights[0][1].t()
+    got = fp8_rowwise_gemm(x_q, x_scale, *weights[0], None, torch.float32)
+    result["triton_rel_err"] = rel_err(got, exact)
+    result["triton_default"] = list(fp8_default_config(rows, n, k))
+    result["triton_default_us"] = timed(
+        lambda c: fp8_rowwise_gemm(x_q, x_scale, *weights[c], None, torch.bfloat16), copies
+    )
+    for label, operand in (
+        ("int_mm_view", lambda c: weights[c][0].t()),
+        ("int_mm_kn_copy", lambda c, kn=[wq.t().contiguous() for wq, _ in weights[:copies]]: kn[c]),
+    ):
+        try:
+            sums = torch._int_mm(x_q, operand(0))
+            result[f"{label}_exact"] = bool(
+                torch.equal(sums.double(), x_q.double() @ weights[0][0].double().t())
+            )
+            result[f"{label}_us"] = timed(lambda c, op=operand: torch._int_mm(x_q, op(c)), copies)
+            # with the scales applied as the engine would (one elementwise launch)
+            result[f"{label}_scaled_us"] = timed(
+                lambda c, op=operand: (torch._int_mm(x_q, op(c)) * x_scale * weights[c][1].t()).to(
+                    torch.bfloat16
+                ),
+                copies,
+            )
+        except Exception as error:  # noqa: BLE001 - a shape or version cuBLAS refuses is reported
+            result[f"{label}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    deadline = time.monotonic() + budget_s
+    found = {}
+    for config in INT8_GEMM_CONFIGS:
+        if time.monotonic() > deadline:
+            break
+        try:
+            found[config] = timed(
+                lambda c, cfg=config: fp8_rowwise_gemm(x_q, x_scale, *weights[c], None, torch.bfloat16, cfg),
+                copies,
+            )
+        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"skip {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    ranked = sorted(found.items(), key=lambda kv: kv[1])
+    if ranked:
+        result["triton_best"] = list(ranked[0][0])
+        result["triton_best_us"] = ranked[0][1]
+        result["triton_top"] = [[list(c), round(us, 2)] for c, us in ranked[:6]]
+    return result
+
+
+def grouped_sweep_case(name: str, rows: int, budget_s: float) -> dict:
+    """--grouped-sweep: skinny_gemm.w8a16_grouped (GPTQ 8-bit, groups of 128 with zero points) at its
+    default tiles and over tile sizes, K splits, warps and stages, beside bf16 cuBLAS."""
+    from tokenmill.kernels.skinny_gemm import w8a16_grouped
+
+    n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
+    result["bf16_cublas_us"] = timed(lambda c: F.linear(x, w[c]), copies)
+    w.clear()
+    nbytes = n * k + n * (k // GROUP) * 5
+    copies = max(1, math.ceil(POOL_BYTES / nbytes))
+    weights = [(torch.randint(-128, 128, (n, k), device=DEVICE, dtype=torch.int8, generator=gen),
+                torch.rand(n, k // GROUP, device=DEVICE, generator=gen) * 1e-4,
+                torch.randint(-8, 8, (n, k // GROUP), device=DEVICE, dtype=torch.int8, generator=gen))
+               for _ in range(copies)]  # fmt: skip
+    want = x.float() @ quant_reference.dequantize_8bit_groups(*weights[0], GROUP, torch.float32).t()
+    result["default_us"] = timed(lambda c: w8a16_grouped(x, *weights[c], GROUP), copies)
+    result["default_rel_err"] = rel_err(w8a16_grouped(x, *weights[0], GROUP), want)
+    deadline = time.monotonic() + budget_s
+    found = {}
+    candidates = [SkinnyConfig(bn, bk, sk, warps, stages) for bn in (32, 64, 128) for bk in (64, 128)
+                  for sk in (1, 2, 4, 8) for warps in (4, 8) for stages in (2, 3, 4)]  # fmt: skip
+    for config in candidates:
+        if time.monotonic() > deadline:
+            break
+        try:
+            got = w8a16_grouped(x, *weights[0], GROUP, config=config)
+            if rel_err(got, want) > 2e-2:
+                raise ValueError(f"rel_err {rel_err(got, want):.3g}")
+            found[config] = timed(
+                lambda c, cfg=config: w8a16_grouped(x, *weights[c], GROUP, config=cfg), copies
+            )
+        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"skip {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    ranked = sorted(found.items(), key=lambda kv: kv[1])
+    if ranked:
+        result["best"] = list(ranked[0][0])
+        result["best_us"] = ranked[0][1]
+        result["best_x_bf16"] = result["bf16_cublas_us"] / ranked[0][1]
+        result["top"] = [[list(c), round(us, 2)] for c, us in ranked[:6]]
+    result["default_x_bf16"] = result["bf16_cublas_us"] / result["default_us"]
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -485,6 +604,8 @@ def main() -> int:
     parser.add_argument("--fp8-gemm", action="store_true", help="the W8A8 GEMMs at decode batches")
     parser.add_argument("--int4-rows", action="store_true", help="the INT4 GEMMs at every batch size")
     parser.add_argument("--int8-rows", action="store_true", help="the INT8 checkpoints' linears by rows")
+    parser.add_argument("--int8-gemm", action="store_true", help="the INT8 W8A8 GEMM past 16 rows, swept")
+    parser.add_argument("--grouped-sweep", action="store_true", help="GPTQ 8-bit's grouped W8A16, swept")
     parser.add_argument("--budget-s", type=float, default=300, help="all the sweeps together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -501,6 +622,10 @@ def main() -> int:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
     elif args.int8_rows:
         cases = [(n, r, lambda n=n, r=r: int8_rows_case(n, r)) for r in row_counts for n in shapes]
+    elif args.int8_gemm or args.grouped_sweep:
+        budget = args.budget_s / len(row_counts) / len(shapes)
+        body = int8_gemm_case if args.int8_gemm else grouped_sweep_case
+        cases = [(n, r, lambda n=n, r=r: body(n, r, budget)) for r in row_counts for n in shapes]
     elif args.fp8_gemm:
         budget = args.budget_s / len(row_counts) / len(shapes)
         cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]

@@ -33,3 +33,28 @@ def test_strided_rows_and_no_rows() -> None:
     q, scale = quantize_fp8_per_row(x)
     assert torch.equal(q.view(torch.uint8), quant_reference.quantize_fp8_per_row(x)[0].view(torch.uint8))
     assert quantize_fp8_per_row(x[:0])[0].shape == (0, 48)
+
+
+@pytest.mark.parametrize(("rows", "columns"), [(1, 5), (7, 100), (3, 4096), (2, 5000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matches_the_reference_bit_for_bit(rows: int, columns: int, dtype: torch.dtype) -> None:
+    """The int8 launch against layers/quantization/int8.py's torch reference, with ties planted at
+    half steps (round half to even: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2) and a row's largest value at
+    127.5 steps (clamped to 127)."""
+    from tokenmill.kernels.fp8_quant import quantize_int8_per_row
+    from tokenmill.layers.quantization.int8 import quantize_int8_reference
+
+    gen = torch.Generator().manual_seed(rows * columns + 1)
+    x = torch.randn(rows, columns, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    if rows > 2:
+        x[1] = 0.0
+    step = 0.25  # a power of two: x / scale lands on the planted halves exactly
+    x[0] = (x[0] / x[0].abs().max() * 127.0).round() * step
+    x[0, :5] = torch.tensor([0.5, 1.5, -2.5, 3.5, -127.5]) * step
+    x = x.to(DEVICE, dtype)
+    q, scale = quantize_int8_per_row(x)
+    want_q, want_scale = quantize_int8_reference(x)
+    assert q.dtype == torch.int8 and scale.shape == (rows, 1)
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    assert torch.equal(q, want_q)
+    assert q[0, :5].tolist() == [0, 2, -2, 4, -128]

@@ -10,7 +10,8 @@ How a product runs:
 - decode-sized batches on CUDA (at most SKINNY_MAX_ROWS rows): kernels/skinny_gemm.py's w8a16_skinny,
   whose loads widen whatever 8-bit weight they read, e4m3 or int8: W8A16, as FP8 checkpoints run there
   (no activation quantization launch, one read of the weight); weight-only checkpoints up to
-  GROUPED_MAX_ROWS rows through w8a16_grouped (one group of K columns), past them dequantized;
+  GROUPED_MAX_ROWS rows through w8a16_grouped (one group of K columns), past them dequantized in one
+  Triton pass (kernels/dequant8.py) for cuBLAS;
 - larger batches on CUDA with int8 activations: the activations quantized per token (or by the static
   scale), then kernels/fp8_gemm.py's row-wise-scaled GEMM on int8 operands (int8 tensor cores, exact
   int32 sums; cuBLAS's torch._int_mm would want the weight transposed, see there);
@@ -34,7 +35,17 @@ INT8_HALF_RANGE = 127.5
 
 
 def quantize_int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (int8 [R, C], fp32 scales [R, 1]) with x ~= q * scale, symmetric, round half to even."""
+    """x [R, C] -> (int8 [R, C], fp32 scales [R, 1]) with x ~= q * scale, symmetric, round half to even:
+    one Triton launch on CUDA (kernels/fp8_quant.py), quantize_int8_reference elsewhere."""
+    if x.is_cuda and x.dim() == 2:
+        fused = triton_kernel("fp8_quant", "quantize_int8_per_row")
+        if fused is not None:
+            return fused(x)
+    return quantize_int8_reference(x)
+
+
+def quantize_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8_per_row in torch: the reference of the Triton launch, bit for bit."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_HALF_RANGE
     return _round_int8(x.float() / scale), scale
 
@@ -96,11 +107,15 @@ def int8_grouped_linear(
 ) -> torch.Tensor:
     """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; per channel with group_size K; dequantize_8bit_groups
     says how): batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/skinny_gemm.py's
-    w8a16_grouped (the weight read once a block of rows, a byte a value); larger ones (prefill), and the
-    CPU, dequantize the weight into x's dtype and multiply there."""
+    w8a16_grouped (the weight read once a block of rows, a byte a value); larger ones (prefill) dequantize
+    the weight into x's dtype in one Triton pass (kernels/dequant8.py) for cuBLAS; the CPU does the same
+    through the torch reference."""
     rows = x.numel() // max(x.shape[-1], 1)
     if x.is_cuda and rows <= GROUPED_MAX_ROWS and group_size % 16 == 0:
         grouped = triton_kernel("skinny_gemm", "w8a16_grouped")
         if grouped is not None:
             return grouped(x, w_q, scale, zero, group_size, bias)
-    return F.linear(x, dequantize_8bit_groups(w_q, scale, zero, group_size, x.dtype), bias)
+    dequantize = dequantize_8bit_groups
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        dequantize = triton_kernel("dequant8", "dequantize_8bit_groups") or dequantize
+    return F.linear(x, dequantize(w_q, scale, zero, group_size, x.dtype), bias)
