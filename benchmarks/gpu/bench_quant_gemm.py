@@ -625,7 +625,7 @@ def main() -> int:
     elif args.int8_gemm or args.grouped_sweep:
         budget = args.budget_s / len(row_counts) / len(shapes)
         body = int8_gemm_case if args.int8_gemm else grouped_sweep_case
-        cases = [(n, r, lambda n=n, r=r: body(n, r, budget)) for r in row_counts for n in shapes]
+        cases = [(n, r, lambda n=n, r=r, f=body: f(n, r, budget)) for r in row_counts for n in shapes]
     elif args.fp8_gemm:
         budget = args.budget_s / len(row_counts) / len(shapes)
         cases = [(n, r, lambda n=n, r=r: fp8_gemm_case(n, r, budget)) for r in row_counts for n in shapes]

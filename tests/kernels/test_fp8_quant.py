@@ -58,3 +58,19 @@ def test_int8_matches_the_reference_bit_for_bit(rows: int, columns: int, dtype: 
     torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
     assert torch.equal(q, want_q)
     assert q[0, :5].tolist() == [0, 2, -2, 4, -128]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_static_scale_saturates_as_the_reference(dtype: torch.dtype) -> None:
+    """A checkpoint's per-tensor input scale: every row at it, values past 127 steps clamped."""
+    from tokenmill.kernels.fp8_quant import quantize_int8_per_row
+    from tokenmill.layers.quantization.int8 import quantize_int8_reference
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 1100, generator=gen) * torch.logspace(-1, 1, 6)[:, None]).to(DEVICE, dtype)
+    static = torch.tensor([0.03], device=DEVICE)
+    q, scale = quantize_int8_per_row(x, static)
+    want_q, want_scale = quantize_int8_reference(x, static)
+    assert torch.equal(scale, want_scale) and scale.shape == (6, 1)
+    assert torch.equal(q, want_q)
+    assert q.max() == 127 and q.min() == -128  # the large rows saturate

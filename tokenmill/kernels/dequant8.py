@@ -39,10 +39,16 @@ def _dequantize_kernel(
     ok = (rn < N)[:, None] & (rk < K)[None, :]
     rows = rn.to(tl.int64)[:, None]
     q = tl.load(w_q + rows * stride_wn + rk[None, :], mask=ok).to(tl.float32)  # (masked: not stored)
-    groups = (rk // GROUP)[None, :]
-    s = tl.load(scale + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32)
-    if HAS_ZERO:
-        q -= tl.load(zero + rows * stride_zn + groups, mask=ok, other=0).to(tl.float32)
+    if GROUP % BLOCK_K == 0:  # the tile inside one group: a scale (and zero point) a row
+        group = (tl.program_id(1) * BLOCK_K) // GROUP
+        s = tl.load(scale + rows * stride_sn + group, mask=rows < N, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            q -= tl.load(zero + rows * stride_zn + group, mask=rows < N, other=0).to(tl.float32)
+    else:
+        groups = (rk // GROUP)[None, :]
+        s = tl.load(scale + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            q -= tl.load(zero + rows * stride_zn + groups, mask=ok, other=0).to(tl.float32)
     tl.store(out + rows * stride_on + rk[None, :], (q * s).to(out.dtype.element_ty), mask=ok)
 
 
@@ -56,8 +62,8 @@ def dequantize_8bit_groups(
     n, k = w_q.shape
     if w_q.stride(1) != 1:
         w_q = w_q.contiguous()
-    if scale.shape[1] == 1:  # per channel: every column in group 0
-        group_size = max(k, 1)
+    if scale.shape[1] == 1:  # per channel: every column in group 0 (a whole number of tiles)
+        group_size = triton.cdiv(max(k, 1), BLOCK_K) * BLOCK_K
     out = torch.empty(n, k, dtype=dtype, device=w_q.device)
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))

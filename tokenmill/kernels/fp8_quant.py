@@ -14,20 +14,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize_rows_kernel(x, out, scale, K, stride_x, stride_out, BLOCK: tl.constexpr, INT8: tl.constexpr):
+def _quantize_rows_kernel(
+    x,
+    out,
+    scale,
+    static_scale,
+    K,
+    stride_x,
+    stride_out,
+    BLOCK: tl.constexpr,
+    INT8: tl.constexpr,
+    STATIC: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        v = tl.load(x + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    row_scale = tl.maximum(tl.max(amax, 0), 1e-12) / (127.5 if INT8 else 448.0)
+    if not STATIC:
+        for start in range(0, K, BLOCK):
+            v = tl.load(x + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+    if STATIC:  # a checkpoint's calibrated per-tensor scale
+        row_scale = tl.load(static_scale).to(tl.float32)
+    elif INT8:  # IEEE-rounded divisions (`/` may be approximate): a quotient at a half step must stay there
+        row_scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 127.5)
+    else:
+        row_scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
     for start in range(0, K, BLOCK):
         mask = start + cols < K
         v = tl.load(x + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
         if INT8:
             # Round half to even (torch.round's rule): |v / scale| <= 127.5, so v + 0.5 is exact.
-            v = v / row_scale
+            v = tl.math.div_rn(v, row_scale)
             r = tl.floor(v + 0.5)
             r = tl.where((r - v == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
             q = tl.clamp(r, -128.0, 127.0)
@@ -42,12 +59,17 @@ def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_per_row(x, torch.float8_e4m3fn)
 
 
-def quantize_int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (int8 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 127.5."""
-    return _quantize_per_row(x, torch.int8)
+def quantize_int8_per_row(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (int8 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 127.5; or,
+    given a per-tensor static_scale (one value), every row at that scale (saturating past 127 steps)."""
+    return _quantize_per_row(x, torch.int8, static_scale)
 
 
-def _quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_per_row(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows, columns = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -59,11 +81,13 @@ def _quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
             x,
             out,
             scale,
+            static_scale if static_scale is not None else scale,
             columns,
             x.stride(0),
             out.stride(0),
             BLOCK=block,
             INT8=dtype == torch.int8,
+            STATIC=static_scale is not None,
             num_warps=4 if block >= 1024 else 1,
         )
     return out, scale

@@ -34,19 +34,28 @@ INT8_MAX = 127
 INT8_HALF_RANGE = 127.5
 
 
-def quantize_int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_per_row(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (int8 [R, C], fp32 scales [R, 1]) with x ~= q * scale, symmetric, round half to even:
-    one Triton launch on CUDA (kernels/fp8_quant.py), quantize_int8_reference elsewhere."""
+    each row's own scale (its largest magnitude at 127.5 steps), or the per-tensor static_scale (one
+    value: a checkpoint's calibrated input scale) for every row. One Triton launch on CUDA
+    (kernels/fp8_quant.py), quantize_int8_reference elsewhere."""
     if x.is_cuda and x.dim() == 2:
         fused = triton_kernel("fp8_quant", "quantize_int8_per_row")
         if fused is not None:
-            return fused(x)
-    return quantize_int8_reference(x)
+            return fused(x, static_scale)
+    return quantize_int8_reference(x, static_scale)
 
 
-def quantize_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_reference(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8_per_row in torch: the reference of the Triton launch, bit for bit."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_HALF_RANGE
+    if static_scale is not None:
+        scale = static_scale.reshape(1, 1).float().expand(x.shape[0], 1).contiguous()
+    else:
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / INT8_HALF_RANGE
     return _round_int8(x.float() / scale), scale
 
 
@@ -72,11 +81,7 @@ def int8_linear(
         return int8_grouped_linear(x, w_q, w_scale.reshape(-1, 1), None, w_q.shape[1], bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if input_scheme == "token":
-        x_q, x_scale = quantize_int8_per_row(x2)
-    else:
-        x_q = _round_int8(x2.float() / input_scale)
-        x_scale = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1).contiguous()  # (one a row)
+    x_q, x_scale = quantize_int8_per_row(x2, None if input_scheme == "token" else input_scale)
     gemm = triton_kernel("fp8_gemm", "fp8_rowwise_gemm") if x.is_cuda else None
     if gemm is not None:
         y = gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
