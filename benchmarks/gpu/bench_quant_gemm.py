@@ -506,7 +506,7 @@ def int8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
     exact = (x_q.double() @ weights[0][0].double().t()).float() * x_scale * weights[0][1].t()
     got = fp8_rowwise_gemm(x_q, x_scale, *weights[0], None, torch.float32)
     result["triton_rel_err"] = rel_err(got, exact)
-    result["triton_default"] = list(fp8_default_config(rows, n, k))
+    result["triton_default"] = list(fp8_default_config(rows, n, k, int8=True))
     result["triton_default_us"] = timed(
         lambda c: fp8_rowwise_gemm(x_q, x_scale, *weights[c], None, torch.bfloat16), copies
     )

@@ -67,7 +67,7 @@ def test_the_cpu_path_is_the_fake_quantized_product(scheme: str | None) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300, 600])
 @pytest.mark.parametrize("scheme", ["token", "tensor", None])
 def test_on_the_gpu_each_batch_size_takes_its_kernel(rows: int, scheme: str | None) -> None:
     """Up to 16 rows the skinny W8A16 kernel (activations as they are), past them the Triton row-wise GEMM

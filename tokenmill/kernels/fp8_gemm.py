@@ -7,8 +7,9 @@ kernel takes 0.73-0.82x the time of torch._scaled_mm; at 128 rows and more it is
 
 The same kernel multiplies int8 operands (INT8 checkpoints' W8A8, layers/quantization/int8.py): int8
 tensor-core products summed exactly in int32 on the GPU, then the same scales. (cuBLAS's int8 GEMM,
-torch._int_mm, wants the weight [K, N] contiguous: a transposed view of the [N, K] one the decode
-kernels read has given wrong sums in some PyTorch versions, and a second copy would double the bytes.)
+torch._int_mm, on the transposed view of the [N, K] weight gave exact sums on an H100 with torch 2.11,
+but was no faster than this kernel at its tiles, and its int32 output takes another launch to scale:
+bench_quant_gemm.py --int8-gemm, docs/performance.md 2026-12-06.)
 
 Programs that share a weight tile are launched next to each other (M varies fastest), so a weight tile
 comes from HBM once and from L2 for the other row tiles. Rows and columns past the ends read a copy of
@@ -94,11 +95,18 @@ def _fp8_rowwise_kernel(
     tl.store(out + rm[:, None] * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=o_mask)
 
 
-def default_config(m: int, n: int, k: int) -> Fp8GemmConfig:
+def default_config(m: int, n: int, k: int, int8: bool = False) -> Fp8GemmConfig:
     """Tiles from the H200 sweep of benchmarks/gpu/bench_quant_gemm.py --fp8-gemm (Llama-3.1-8B's
     linears at 32-256 rows): narrow tiles, so that even a 4096-column weight gives every SM a program,
     and deep pipelines; wide ones for the widest weights (gate/up) once the batch passes 64 (for
-    callers beyond the engine's FP8_GEMM_MAX_ROWS)."""
+    callers beyond the engine's FP8_GEMM_MAX_ROWS). int8 operands, which the engine sends here at every
+    batch past 16 rows, past 128 rows take the H100 sweep's (--int8-gemm, 2026-12-06): 128 x 128 tiles at
+    four warps and three stages from 512 rows and for the widest weights, 64 x 64 at four stages below
+    (1.45-1.97x bf16 cuBLAS at 256 and 2048 rows, where the FP8 tiles gave 0.88-1.46x)."""
+    if int8 and m > 128:
+        if m >= 512 or n >= 16384:
+            return Fp8GemmConfig(128, 128, 128, num_warps=4, num_stages=3)
+        return Fp8GemmConfig(64, 64, 128, num_warps=4, num_stages=4)
     if n >= 16384:
         if m <= 64:
             return Fp8GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
@@ -132,7 +140,7 @@ def fp8_rowwise_gemm(
         raise ValueError(
             f"fp8_rowwise_gemm takes both operands int8 or neither, got {a_q.dtype}, {w_q.dtype}"
         )
-    config = config or default_config(m, n, k)
+    config = config or default_config(m, n, k, int8)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _fp8_rowwise_kernel[grid](
         a_q, a_scale.reshape(-1), w_q, w_scale.reshape(-1), bias if bias is not None else out, out, m, n, k,
