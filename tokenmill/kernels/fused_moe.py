@@ -33,10 +33,23 @@ CONFIGS = (
 )
 
 
-def pick_config(num_pairs: int, num_experts: int) -> tuple:
-    """The CONFIGS row for num_pairs (token, slot) pairs over num_experts experts."""
+# The same for INT4 experts (kernels/fused_moe_quant.py; BLOCK_K counts values, eight to a word): swept on
+# an H100 with the same layer (bench_moe.py --sweep --weights int4, 2026-12-06), 10-23% less time than
+# CONFIGS' rows gave them from 2 to 4,096 tokens.
+INT4_CONFIGS = (
+    (0.125, 16, (32, 256, 4, 3), (64, 256, 4, 2)),
+    (0.5, 16, (128, 128, 4, 4), (128, 128, 4, 3)),
+    (4, 16, (128, 128, 4, 2), (128, 128, 4, 2)),
+    (64, 64, (128, 128, 4, 3), (128, 128, 4, 3)),
+    (float("inf"), 128, (128, 128, 4, 2), (128, 64, 8, 5)),
+)
+
+
+def pick_config(num_pairs: int, num_experts: int, int4: bool = False) -> tuple:
+    """The CONFIGS (INT4 experts: INT4_CONFIGS) row for num_pairs (token, slot) pairs over num_experts
+    experts."""
     per_expert = num_pairs / num_experts
-    return next(row for row in CONFIGS if per_expert <= row[0])
+    return next(row for row in (INT4_CONFIGS if int4 else CONFIGS) if per_expert <= row[0])
 
 
 def _bins_and_chunk(num_experts: int) -> tuple[int, int]:
@@ -314,7 +327,8 @@ def fused_moe(
     else:
         from tokenmill.kernels.fused_moe_quant import quant_gemm as gemm
     num_tokens, top_k = experts.shape
-    _, block_m, gate_up_config, down_config = pick_config(num_tokens * top_k, w13.shape[0])
+    int4 = not isinstance(w13, torch.Tensor) and w13.int4
+    _, block_m, gate_up_config, down_config = pick_config(num_tokens * top_k, w13.shape[0], int4)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     layout = (
         *align_by_expert(experts, w13.shape[0], block_m),
