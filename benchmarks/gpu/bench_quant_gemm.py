@@ -23,6 +23,9 @@ weight dequantized for cuBLAS, and that dequantization alone), so its row bounds
 --int8-gemm sweeps the INT8 W8A8 GEMM's tiles at --rows (past the skinny kernel's 16) beside bf16 cuBLAS
 and cuBLAS's int8 GEMM (torch._int_mm); --grouped-sweep sweeps GPTQ 8-bit's grouped W8A16 kernel.
 
+--quantize times the per-row activation quantization (FP8, int8) over (BLOCK, num_warps) at --rows for the
+K of --shapes.
+
 --int8-rows instead times the INT8 checkpoints' linears (layers/quantization/int8.py: the skinny W8A16
 kernel up to 16 rows, the Triton row-wise GEMM on int8 operands past them) beside bf16 cuBLAS, at --rows.
 """
@@ -593,6 +596,56 @@ def grouped_sweep_case(name: str, rows: int, budget_s: float) -> dict:
     return result
 
 
+QUANTIZE_TILES = [
+    (4096, 4),
+    (4096, 8),
+    (4096, 16),
+    (8192, 8),
+    (8192, 16),
+    (16384, 16),
+    (16384, 32),
+    (2048, 4),
+]
+
+
+def quantize_case(columns: int, rows: int) -> dict:
+    """--quantize: kernels/fp8_quant.py's per-row activation quantization (FP8 and int8) at its default
+    (BLOCK, num_warps) and over QUANTIZE_TILES, as GB/s of the bf16 read and the 8-bit write."""
+    from tokenmill.kernels import fp8_quant
+
+    nbytes = rows * columns * 3
+    copies = max(1, math.ceil(POOL_BYTES / (rows * columns * 2)))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    xs = [
+        torch.randn(rows, columns, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(copies)
+    ]
+    result: dict = {"columns": columns, "rows": rows}
+    for dtype, label in ((torch.float8_e4m3fn, "fp8"), (torch.int8, "int8")):
+        us = timed(lambda c, dt=dtype: fp8_quant._quantize_per_row(xs[c], dt), copies)
+        result[f"{label}_default_us"] = us
+        result[f"{label}_default_gb_s"] = nbytes / us / 1e3
+        want = fp8_quant._quantize_per_row(xs[0], dtype)
+        tiles = {}
+        for tile in QUANTIZE_TILES:
+            try:
+                got = fp8_quant._quantize_per_row(xs[0], dtype, tiles=tile)
+                if not (
+                    torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                    and torch.equal(got[1], want[1])
+                ):
+                    raise ValueError("differs from the default tiles")
+                tiles[f"{tile[0]}x{tile[1]}"] = round(
+                    timed(
+                        lambda c, dt=dtype, t=tile: fp8_quant._quantize_per_row(xs[c], dt, tiles=t), copies
+                    ),
+                    2,
+                )
+            except Exception as error:  # noqa: BLE001 - reported, the rest go on
+                tiles[f"{tile[0]}x{tile[1]}"] = f"{type(error).__name__}: {str(error)[:100]}"
+        result[f"{label}_tiles_us"] = tiles
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -606,6 +659,9 @@ def main() -> int:
     parser.add_argument("--int8-rows", action="store_true", help="the INT8 checkpoints' linears by rows")
     parser.add_argument("--int8-gemm", action="store_true", help="the INT8 W8A8 GEMM past 16 rows, swept")
     parser.add_argument("--grouped-sweep", action="store_true", help="GPTQ 8-bit's grouped W8A16, swept")
+    parser.add_argument(
+        "--quantize", action="store_true", help="the per-row activation quantization, by tiles"
+    )
     parser.add_argument("--budget-s", type=float, default=300, help="all the sweeps together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -622,6 +678,9 @@ def main() -> int:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
     elif args.int8_rows:
         cases = [(n, r, lambda n=n, r=r: int8_rows_case(n, r)) for r in row_counts for n in shapes]
+    elif args.quantize:
+        widths = sorted({SHAPES[n][1] for n in shapes})
+        cases = [(str(c), r, lambda c=c, r=r: quantize_case(c, r)) for r in row_counts for c in widths]
     elif args.int8_gemm or args.grouped_sweep:
         budget = args.budget_s / len(row_counts) / len(shapes)
         body = int8_gemm_case if args.int8_gemm else grouped_sweep_case

@@ -68,8 +68,12 @@ def quantize_int8_per_row(
 
 
 def _quantize_per_row(
-    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    static_scale: torch.Tensor | None = None,
+    tiles: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tiles`: (BLOCK, num_warps) in place of the defaults, for benchmarks/gpu/bench_quant_gemm.py."""
     rows, columns = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -77,6 +81,8 @@ def _quantize_per_row(
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = min(4096, triton.next_power_of_2(max(columns, 16)))
+        warps = 4 if block >= 1024 else 1
+        block, warps = tiles or (block, warps)
         _quantize_rows_kernel[(rows,)](
             x,
             out,
@@ -88,6 +94,6 @@ def _quantize_per_row(
             BLOCK=block,
             INT8=dtype == torch.int8,
             STATIC=static_scale is not None,
-            num_warps=4 if block >= 1024 else 1,
+            num_warps=warps,
         )
     return out, scale
