@@ -80,8 +80,11 @@ def _quantize_per_row(
     out = torch.empty(rows, columns, dtype=dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        block = min(4096, triton.next_power_of_2(max(columns, 16)))
-        warps = 4 if block >= 1024 else 1
+        # A row in one or two blocks of up to 8,192 columns, 16 warps at that width and 8 at 4,096: 8-27%
+        # less time than 4,096 at 4 warps on an H100 at 16 to 8,192 rows of 4,096 and 14,336 columns
+        # (bench_quant_gemm.py --quantize, 2026-12-06).
+        block = min(8192, triton.next_power_of_2(max(columns, 16)))
+        warps = 16 if block >= 8192 else 8 if block >= 4096 else 4 if block >= 1024 else 1
         block, warps = tiles or (block, warps)
         _quantize_rows_kernel[(rows,)](
             x,
