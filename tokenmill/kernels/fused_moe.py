@@ -33,14 +33,17 @@ CONFIGS = (
 )
 
 
-# The same for INT4 experts (kernels/fused_moe_quant.py; BLOCK_K counts values, eight to a word): swept on
-# an H100 with the same layer (bench_moe.py --sweep --weights int4, 2026-12-06), 10-23% less time than
-# CONFIGS' rows gave them from 2 to 4,096 tokens.
+# The same for INT4 experts (kernels/fused_moe_quant.py; BLOCK_K counts values, eight to a word): CONFIGS'
+# rows but where the H100 sweep of the same layer (bench_moe.py --sweep --weights int4, 2026-12-06) gave
+# tiles that the whole layer then ran faster with, symmetric and with zero points alike: at 64 tokens
+# (-9% / -7%), 256 (-4% / 0) and 4,096 (-17% / -24%). Its picks for 8 and 1,024 tokens were no faster
+# for symmetric groups and slower with zero points, and are not taken (docs/performance.md).
 INT4_CONFIGS = (
-    (0.125, 16, (32, 256, 4, 3), (64, 256, 4, 2)),
-    (0.5, 16, (128, 128, 4, 4), (128, 128, 4, 3)),
+    *(row for row in CONFIGS if row[0] <= 2),
     (4, 16, (128, 128, 4, 2), (128, 128, 4, 2)),
-    (64, 64, (128, 128, 4, 3), (128, 128, 4, 3)),
+    *(row for row in CONFIGS if row[0] == 8),
+    (16, 64, (128, 128, 4, 3), (128, 128, 4, 3)),
+    *(row for row in CONFIGS if 16 < row[0] < float("inf")),
     (float("inf"), 128, (128, 128, 4, 2), (128, 64, 8, 5)),
 )
 
