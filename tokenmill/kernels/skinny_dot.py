@@ -160,3 +160,56 @@ def w8a16_group_dot_kernel(
             part -= tl.sum(xk.to(tl.float32), axis=1)[:, None] * z[None, :]
         acc += part * tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+
+
+@triton.jit
+def w8a16_group_dequant_kernel(
+    x,
+    w,
+    scale,
+    zero,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """w8a16_group_dot_kernel's product with the weight tile dequantized before tl.dot, so that every
+    tile's MMA adds into one accumulator (the other scales each tile's sums first, which waits on each
+    MMA): (q - zero) * scale rounded to x's dtype, as the dequantize-then-matmul path of larger batches
+    rounds it. One group of all K columns (ONE_GROUP, per channel) keeps (q - zero) exact and takes the
+    scale at the end."""
+    pdl.start(PDL)
+    rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + rm
+    m_ok = rm < M
+    lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K  # (spans are whole tiles: only a tile across K's end has columns past it)
+        wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wf = wt.to(tl.float32)  # (int8 through fp32: the interpreter's int8 -> bf16 cast is wrong)
+        group = k0 // GROUP
+        if HAS_ZERO:
+            wf -= tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)[:, None]
+        if not ONE_GROUP:
+            wf *= tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        acc = tl.dot(xk, tl.trans(wf.to(xk.dtype)), acc, input_precision=PRECISION)
+    if ONE_GROUP:
+        acc *= tl.load(scale + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)

@@ -281,13 +281,17 @@ def w8a16_grouped(
     zero_arg = zero if zero is not None else scale
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
-        skinny_dot.w8a16_group_dot_kernel[(*grid, triton.cdiv(m, block_m))](
-            x2, w_q, scale, zero_arg, out, m, n, k, x2.stride(0), w_q.stride(0), scale.stride(0),
-            zero.stride(0) if zero is not None else 0, out.stride(0),
-            GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x2),
-        )  # fmt: skip
+        args = (x2, w_q, scale, zero_arg, out, m, n, k, x2.stride(0), w_q.stride(0), scale.stride(0),
+                zero.stride(0) if zero is not None else 0, out.stride(0))  # fmt: skip
+        common = dict(GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                      BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
+                      num_warps=config.num_warps, num_stages=config.num_stages,
+                      **pdl.launch_args(x2))  # fmt: skip
+        grid3 = (*grid, triton.cdiv(m, block_m))
+        if GROUPED_IN_REGISTERS:
+            skinny_dot.w8a16_group_dequant_kernel[grid3](*args, ONE_GROUP=group_size >= k, **common)
+        else:
+            skinny_dot.w8a16_group_dot_kernel[grid3](*args, **common)
 
     return launch_over_rows(x, m, n, config, launch, bias)
 
@@ -380,6 +384,12 @@ def switches(**values: object) -> Iterator[None]:
     finally:
         globals().update(saved)
 
+
+# Whether w8a16_grouped (GPTQ 8-bit, INT8 weight-only at 17-128 rows) dequantizes each weight tile in
+# registers before one accumulating tl.dot (skinny_dot.w8a16_group_dequant_kernel) rather than scaling
+# each tile's sums (w8a16_group_dot_kernel, which ran at 0.82-0.95x bf16 up to 16 rows and 0.27-0.68x at
+# 64-128 on an H100, 2026-12-06). Off until timed on a GPU.
+GROUPED_IN_REGISTERS = False
 
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
 # still runs (the 4-bit one where its config loads a step ahead). On: the 8B batch-1 step's graph
