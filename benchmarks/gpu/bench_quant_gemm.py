@@ -385,8 +385,8 @@ def int8_rows_case(name: str, rows: int) -> dict:
         "int8_tensor": lambda c: int8_linear(x, *weights[c], None, "tensor", input_scale),
         "int8_weight_only": lambda c: int8_linear(x, *weights[c], None, None),
     }
-    if 16 < rows <= 128:  # the grouped W8A16 kernel's two forms, side by side (GROUPED_IN_REGISTERS)
-        for label in ("gptq8_grouped", "int8_weight_only"):
+    if rows <= 128:  # the grouped W8A16 kernel's two forms, side by side (GROUPED_IN_REGISTERS)
+        for label in ("gptq8_grouped", "int8_weight_only") if rows > 16 else ("gptq8_grouped",):
             wants.setdefault(f"{label}_in_registers", wants.get(label, want))
             paths[f"{label}_in_registers"] = lambda c, f=paths[label]: in_registers(f, c)
     for label, fn in paths.items():
