@@ -387,9 +387,10 @@ def switches(**values: object) -> Iterator[None]:
 
 # Whether w8a16_grouped (GPTQ 8-bit, INT8 weight-only at 17-128 rows) dequantizes each weight tile in
 # registers before one accumulating tl.dot (skinny_dot.w8a16_group_dequant_kernel) rather than scaling
-# each tile's sums (w8a16_group_dot_kernel, which ran at 0.82-0.95x bf16 up to 16 rows and 0.27-0.68x at
-# 64-128 on an H100, 2026-12-06). Off until timed on a GPU.
-GROUPED_IN_REGISTERS = False
+# each tile's sums (w8a16_group_dot_kernel). On: Llama-3.1-8B's linears on an H100 (bench_quant_gemm.py
+# --int8-rows, 2026-12-06), GPTQ 8-bit at 1-16 rows 0.80-0.91x -> 1.02-1.25x bf16, at 17 rows 0.35-0.56x
+# -> 0.64-0.93x; INT8 weight-only at 64 rows 0.45-0.80x -> 0.62-1.15x.
+GROUPED_IN_REGISTERS = True
 
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
 # still runs (the 4-bit one where its config loads a step ahead). On: the 8B batch-1 step's graph
