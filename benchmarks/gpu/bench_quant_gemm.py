@@ -348,11 +348,6 @@ def int4_rows_case(name: str, rows: int) -> dict:
     return result
 
 
-def in_registers(fn, c: int) -> torch.Tensor:
-    with switches(GROUPED_IN_REGISTERS=True):
-        return fn(c)
-
-
 def int8_rows_case(name: str, rows: int) -> dict:
     """INT8 at `rows` activation rows (--int8-rows): bf16 cuBLAS beside layers/quantization/int8.py's
     int8_linear as the compressed-tensors INT8 checkpoints run it (activations per token, per tensor, or
@@ -385,10 +380,6 @@ def int8_rows_case(name: str, rows: int) -> dict:
         "int8_tensor": lambda c: int8_linear(x, *weights[c], None, "tensor", input_scale),
         "int8_weight_only": lambda c: int8_linear(x, *weights[c], None, None),
     }
-    if rows <= 128:  # the grouped W8A16 kernel's two forms, side by side (GROUPED_IN_REGISTERS)
-        for label in ("gptq8_grouped", "int8_weight_only") if rows > 16 else ("gptq8_grouped",):
-            wants.setdefault(f"{label}_in_registers", wants.get(label, want))
-            paths[f"{label}_in_registers"] = lambda c, f=paths[label]: in_registers(f, c)
     for label, fn in paths.items():
         try:
             got = fn(0)

@@ -212,13 +212,8 @@ def _skinny_launches(dtype: torch.dtype) -> None:
         for rows in (32, 128):
             int8 = torch.empty(n, k, dtype=torch.int8)
             skinny_gemm.w8a16_grouped(torch.empty(rows, k, dtype=dtype), int8, scale, None, 128)
-        # The grouped kernel that dequantizes its tiles in registers (GROUPED_IN_REGISTERS), grouped with
-        # zero points and per channel.
-        with skinny_gemm.switches(GROUPED_IN_REGISTERS=True):
-            for rows in (1, 16, 128):
-                x, int8 = torch.empty(rows, k, dtype=dtype), torch.empty(n, k, dtype=torch.int8)
-                skinny_gemm.w8a16_grouped(x, int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128)
-                skinny_gemm.w8a16_grouped(x, int8, torch.empty(n, 1, dtype=torch.float32), None, k)
+        # INT8 weight-only per channel (one group of K columns, the scale at the end).
+        skinny_gemm.w8a16_grouped(torch.empty(64, k, dtype=dtype), int8, w_scale, None, k)
         # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
         skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
         # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear) at 2-128 rows (16, 64 and 2 x 64
@@ -307,7 +302,6 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (skinny_dot, "w4a16_dot_kernel"),
         (gemv, "w8a16_gemv_kernel"),
         (skinny_dot, "w8a16_dot_kernel"),
-        (skinny_dot, "w8a16_group_dot_kernel"),
         (skinny_dot, "w8a16_group_dequant_kernel"),
         (w4a16_mma, "_w4a16_mma_kernel"),
         (int4_gemm, "_dequantize_kernel"),

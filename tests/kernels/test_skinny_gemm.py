@@ -370,13 +370,10 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
 )  # fmt: skip
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_registers", [False, True])
-def test_the_grouped_kernel_matches_dequantize_then_matmul(
-    rows, n, k, group, split, zeros, dtype, in_registers
-) -> None:
+def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, split, zeros, dtype) -> None:
     """kernels/skinny_gemm.py's w8a16_grouped (GPTQ's 8-bit groups) against the dequantized product:
     columns past a tile, K split across programs, a short last group (K = 100 in groups of 32), rows in
-    blocks of 16, 32 and 64 (per channel: one group of K); both kernels (GROUPED_IN_REGISTERS)."""
+    blocks of 16, 32 and 64 (per channel: one group of K)."""
     from tokenmill.kernels import skinny_gemm
     from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
@@ -390,8 +387,7 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(
     bias = torch.randn(n, generator=gen).to(dtype)
     config = skinny_gemm.SkinnyConfig(32, 16, split, 4, 2)
     args = [t.to(device) if t is not None else None for t in (x, w_q, scale, zero)]
-    with skinny_gemm.switches(GROUPED_IN_REGISTERS=in_registers):
-        got = skinny_gemm.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
+    got = skinny_gemm.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
     want = x.double() @ dequantize_8bit_groups(w_q, scale, zero, group, torch.float64).t() + bias.double()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert got.shape == (rows, n) and got.dtype == dtype

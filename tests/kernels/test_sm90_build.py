@@ -34,7 +34,6 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "w4a16_dot_kernel",
         "w8a16_gemv_kernel",
         "w8a16_dot_kernel",
-        "w8a16_group_dot_kernel",
         "w8a16_group_dequant_kernel",
         "_w4a16_mma_kernel",
         "_dequantize_kernel",

@@ -113,56 +113,6 @@ def w8a16_dot_kernel(
 
 
 @triton.jit
-def w8a16_group_dot_kernel(
-    x,
-    w,
-    scale,
-    zero,
-    out,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_zn,
-    stride_om,
-    GROUP: tl.constexpr,
-    HAS_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """BLOCK_M rows of x (the third grid dimension's block) over int8 weights with a scale (and zero
-    point) per row and group of GROUP input columns (GPTQ's 8-bit; per channel: GROUP = K): each
-    [BLOCK_N, BLOCK_K] tile (BLOCK_K divides GROUP, so a tile lies in one group) goes to x's dtype and
-    through tl.dot; its fp32 sums take the zero point, z * (the tile's sum of x), and the group's scale
-    before they join the accumulator."""
-    pdl.start(PDL)
-    rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
-    rm = tl.program_id(2) * BLOCK_M + rm
-    m_ok = rm < M
-    lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < hi
-        wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # (int8 through fp32: exact, and the interpreter's int8 -> bf16 cast is wrong)
-        part = tl.dot(xk, tl.trans(wt.to(tl.float32).to(xk.dtype)), input_precision=PRECISION)
-        group = k0 // GROUP
-        if HAS_ZERO:
-            z = tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)
-            part -= tl.sum(xk.to(tl.float32), axis=1)[:, None] * z[None, :]
-        acc += part * tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
-
-
-@triton.jit
 def w8a16_group_dequant_kernel(
     x,
     w,
@@ -187,11 +137,14 @@ def w8a16_group_dequant_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """w8a16_group_dot_kernel's product with the weight tile dequantized before tl.dot, so that every
-    tile's MMA adds into one accumulator (the other scales each tile's sums first, which waits on each
-    MMA): (q - zero) * scale rounded to x's dtype, as the dequantize-then-matmul path of larger batches
-    rounds it. One group of all K columns (ONE_GROUP, per channel) keeps (q - zero) exact and takes the
-    scale at the end."""
+    """BLOCK_M rows of x (the third grid dimension's block) over int8 weights with a scale (and zero
+    point) per row and group of GROUP input columns (GPTQ's 8-bit; per channel, ONE_GROUP: GROUP >= K).
+    Each [BLOCK_N, BLOCK_K] tile (BLOCK_K divides GROUP, so a tile lies in one group) is dequantized in
+    registers, (q - zero) * scale rounded to x's dtype as the dequantize-then-matmul path of larger
+    batches rounds it, before a tl.dot that adds into one accumulator; per channel (q - zero) stays exact
+    and the scale comes at the end. (Scaling each tile's sums instead made each tile wait on its MMA, and
+    x, read for the dot and for the zero point's sum, left Triton's pipelined loads: 0.80-0.95x bf16 on
+    an H100 where this runs at 1.02-1.44x, docs/performance.md 2026-12-06.)"""
     pdl.start(PDL)
     rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
     rm = tl.program_id(2) * BLOCK_M + rm

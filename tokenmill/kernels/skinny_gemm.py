@@ -272,13 +272,12 @@ def w8a16_grouped(
     if group_size % 16:
         raise ValueError(f"w8a16_grouped takes groups of a multiple of 16 columns, got {group_size}")
     if config is None:
-        # 32 columns a program, three stages: the in-register kernel's sweep on an H100 (Llama-3.1-8B's
-        # linears at 1, 16 and 64 rows, 2026-12-06; gate+up 64.0 -> 54.6 us at one row, O at 64 rows
-        # 36.5 -> 23.6), where 64 and two stages had been the other kernel's.
+        # 32 columns a program, three stages: the sweep on an H100 (Llama-3.1-8B's linears at 1, 16 and 64
+        # rows, 2026-12-06; gate+up 64.0 -> 54.6 us at one row, O at 64 rows 36.5 -> 23.6 against 64
+        # columns and two stages).
         block_k = math.gcd(group_size, 128)
-        block_n = 32 if GROUPED_IN_REGISTERS else 64
-        config = SkinnyConfig(block_n, block_k, 1, num_warps=4, num_stages=3 if GROUPED_IN_REGISTERS else 2)
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(max(m, 1), block_m)
+        config = SkinnyConfig(32, block_k, 1, num_warps=4, num_stages=3)
+        tiles = triton.cdiv(n, 32) * triton.cdiv(max(m, 1), block_m)
         config = config._replace(split_k=k_splits(tiles, k, block_k, x.device, limit=16))
     if group_size % config.block_k:
         raise ValueError(f"w8a16_grouped: block_k {config.block_k} does not divide the group {group_size}")
@@ -291,11 +290,9 @@ def w8a16_grouped(
                       BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
                       num_warps=config.num_warps, num_stages=config.num_stages,
                       **pdl.launch_args(x2))  # fmt: skip
-        grid3 = (*grid, triton.cdiv(m, block_m))
-        if GROUPED_IN_REGISTERS:
-            skinny_dot.w8a16_group_dequant_kernel[grid3](*args, ONE_GROUP=group_size >= k, **common)
-        else:
-            skinny_dot.w8a16_group_dot_kernel[grid3](*args, **common)
+        skinny_dot.w8a16_group_dequant_kernel[(*grid, triton.cdiv(m, block_m))](
+            *args, ONE_GROUP=group_size >= k, **common
+        )
 
     return launch_over_rows(x, m, n, config, launch, bias)
 
@@ -388,13 +385,6 @@ def switches(**values: object) -> Iterator[None]:
     finally:
         globals().update(saved)
 
-
-# Whether w8a16_grouped (GPTQ 8-bit, INT8 weight-only at 17-128 rows) dequantizes each weight tile in
-# registers before one accumulating tl.dot (skinny_dot.w8a16_group_dequant_kernel) rather than scaling
-# each tile's sums (w8a16_group_dot_kernel). On: Llama-3.1-8B's linears on an H100 (bench_quant_gemm.py
-# --int8-rows, 2026-12-06), GPTQ 8-bit at 1-16 rows 0.80-0.91x -> 1.02-1.25x bf16, at 17 rows 0.35-0.56x
-# -> 0.64-0.93x; INT8 weight-only at 64 rows 0.45-0.80x -> 0.62-1.15x.
-GROUPED_IN_REGISTERS = True
 
 # Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
 # still runs (the 4-bit one where its config loads a step ahead). On: the 8B batch-1 step's graph
