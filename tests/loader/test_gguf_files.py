@@ -199,3 +199,27 @@ def test_directory_holding_a_gguf_model(
         ValueError, match=r"holds several GGUF models \(model-00001-of-00003.gguf, other.gguf\)"
     ):
         resolve_model(str(split))
+
+
+def test_the_cache_drops_entries_of_files_gone_or_rewritten(
+    tmp_path: Path, write_gguf: WriteGGUF, llama: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each converted file's cache entry records its source; writing a new entry removes those whose file
+    is gone or was rewritten since (their key can never be looked up again), and keeps the rest."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "tokenmill" / "gguf"
+    paths = {name: tmp_path / f"{name}.gguf" for name in ("kept", "gone", "rewritten", "new")}
+    for name in ("kept", "gone", "rewritten"):
+        write_gguf(paths[name], llama, gguf.MODEL_ARCH.LLAMA)
+        load_gguf_config(str(paths[name]))
+    entries = {path.name.rsplit("-", 1)[0]: path for path in root.iterdir()}
+    assert sorted(entries) == ["gone", "kept", "rewritten"]
+    paths["gone"].unlink()
+    stat = paths["rewritten"].stat()
+    os.utime(paths["rewritten"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    load_gguf_config(str(paths["kept"]))  # (from the cache: no new entry, nothing pruned)
+    assert len(list(root.iterdir())) == 3
+    write_gguf(paths["new"], llama, gguf.MODEL_ARCH.LLAMA)
+    load_gguf_config(str(paths["new"]))
+    assert sorted(path.name.rsplit("-", 1)[0] for path in root.iterdir()) == ["kept", "new"]
+    assert entries["kept"].is_dir() and (entries["kept"] / "config").is_dir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -167,15 +168,56 @@ def _converted(path: str, kind: str, load: Callable[[str], Any], convert: Callab
             pass
     converted = convert()
     partial = None
+    entry = os.path.dirname(directory)
     try:
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
-        partial = tempfile.mkdtemp(prefix=f".{kind}-", dir=os.path.dirname(directory))
+        new_entry = not os.path.isdir(entry)
+        os.makedirs(entry, exist_ok=True)
+        partial = tempfile.mkdtemp(prefix=f".{kind}-", dir=entry)
         converted.save_pretrained(partial)
         os.rename(partial, directory)
+        if new_entry:
+            _record_source(entry, path)
+            _prune_stale_entries(os.path.dirname(entry), keep=entry)
     except OSError:
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
     return converted
+
+
+_SOURCE = "source.json"
+
+
+def _record_source(entry: str, path: str) -> None:
+    """Which file (path, size, mtime) a cache entry holds the conversions of, so that a later start can
+    tell when that file is gone or rewritten (the entry's own key cannot be reversed)."""
+    partial = os.path.join(entry, f".{_SOURCE}.{os.getpid()}")
+    with open(partial, "w") as file:
+        json.dump({"path": os.path.abspath(path), "identity": file_identity(path)}, file)
+    os.replace(partial, os.path.join(entry, _SOURCE))
+
+
+def _prune_stale_entries(root: str, keep: str) -> None:
+    """Removes the cache entries of files that no longer exist or were rewritten since (a conversion of
+    a file read before is never looked up again): a downloaded model moved or replaced, a temporary file.
+    Entries without a source record (older ones) are left alone. Done when a new entry is written, which
+    is rare, so that the cache does not grow by one entry a file ever read."""
+    for name in os.listdir(root):
+        entry = os.path.join(root, name)
+        if entry == keep:
+            continue
+        try:
+            with open(os.path.join(entry, _SOURCE)) as file:
+                source = json.load(file)
+        except (OSError, ValueError):
+            continue
+        try:
+            stale = file_identity(source["path"]) != source["identity"]
+        except OSError:
+            stale = True
+        except (KeyError, TypeError):
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _family(file: GGUFFile) -> str:
