@@ -13,8 +13,8 @@ How a product runs:
   GROUPED_MAX_ROWS rows through w8a16_grouped (one group of K columns), past them dequantized in one
   Triton pass (kernels/dequant8.py) for cuBLAS;
 - larger batches on CUDA with int8 activations: the activations quantized per token (or by the static
-  scale), then kernels/fp8_gemm.py's row-wise-scaled GEMM on int8 operands (int8 tensor cores, exact
-  int32 sums; cuBLAS's torch._int_mm would want the weight transposed, see there);
+  scale) in one launch (kernels/fp8_quant.py), then kernels/fp8_gemm.py's row-wise-scaled GEMM on int8
+  operands (int8 tensor cores, exact int32 sums; why not cuBLAS's torch._int_mm: see there);
 - everywhere else (the CPU): the reference, the library's fake-quantized arithmetic in fp32:
   (x_q * x_scale) @ (w_q * w_scale)^T.
 """
