@@ -392,6 +392,22 @@ def int8_rows_case(name: str, rows: int) -> dict:
     return result
 
 
+def ranked_configs(configs, call, copies: int, budget_s: float) -> list[tuple]:
+    """[(config, us)] fastest first for call(c, config) over `configs` until budget_s runs out; a config
+    that does not compile or whose call raises (a wrong result, say) is skipped with a line on stderr."""
+    deadline = time.monotonic() + budget_s
+    found = {}
+    for config in configs:
+        if time.monotonic() > deadline:
+            break
+        try:
+            call(0, config)
+            found[config] = timed(lambda c, cfg=config: call(c, cfg), copies)
+        except Exception as error:  # noqa: BLE001 - the rest go on
+            print(f"skip {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    return sorted(found.items(), key=lambda kv: kv[1])
+
+
 FP8_GEMM_CONFIGS = [
     Fp8GemmConfig(bm, bn, 128, warps, stages)
     for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4, 5)
@@ -454,19 +470,10 @@ def fp8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
     result["triton_default_us"] = timed(
         lambda c: fp8_rowwise_gemm(x_q, x_scale, *fp8[c], None, torch.bfloat16), copies
     )
-    deadline = time.monotonic() + budget_s
-    found = {}
-    for config in FP8_GEMM_CONFIGS:
-        if time.monotonic() > deadline:
-            break
-        try:
-            found[config] = timed(
-                lambda c, cfg=config: fp8_rowwise_gemm(x_q, x_scale, *fp8[c], None, torch.bfloat16, cfg),
-                copies,
-            )
-        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"skip {config}: {type(error).__name__}: {error}", file=sys.stderr)
-    ranked = sorted(found.items(), key=lambda kv: kv[1]) or [(fp8_default_config(rows, n, k), None)]
+    ranked = ranked_configs(
+        FP8_GEMM_CONFIGS, lambda c, cfg: fp8_rowwise_gemm(x_q, x_scale, *fp8[c], None, torch.bfloat16, cfg),
+        copies, budget_s,
+    ) or [(fp8_default_config(rows, n, k), None)]  # fmt: skip
     if ranked[0][1] is None:  # no sweep (--budget-s 0): the default tiles stand for the best
         ranked = [(ranked[0][0], result["triton_default_us"])]
     result["triton_best"] = list(ranked[0][0])
@@ -493,12 +500,8 @@ def int8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
     [N, K] weight's transposed view and on a [K, N] copy, each checked for exact int32 sums."""
     from tokenmill.kernels.fp8_quant import quantize_int8_per_row
 
-    n, k = SHAPES[name]
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    n, k, gen, _, bf16_copies, x, w = bf16_operands(name, rows)
     result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
-    bf16_copies = max(1, math.ceil(POOL_BYTES / (n * k * 2)))
-    w = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(bf16_copies)]
     result["bf16_cublas_us"] = timed(lambda c: F.linear(x, w[c]), bf16_copies)
     w.clear()
     copies = max(1, math.ceil(POOL_BYTES / (n * k + n * 4)))
@@ -532,19 +535,11 @@ def int8_gemm_case(name: str, rows: int, budget_s: float) -> dict:
             )
         except Exception as error:  # noqa: BLE001 - a shape or version cuBLAS refuses is reported
             result[f"{label}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-    deadline = time.monotonic() + budget_s
-    found = {}
-    for config in INT8_GEMM_CONFIGS:
-        if time.monotonic() > deadline:
-            break
-        try:
-            found[config] = timed(
-                lambda c, cfg=config: fp8_rowwise_gemm(x_q, x_scale, *weights[c], None, torch.bfloat16, cfg),
-                copies,
-            )
-        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"skip {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-    ranked = sorted(found.items(), key=lambda kv: kv[1])
+
+    def gemm(c: int, config: Fp8GemmConfig) -> torch.Tensor:
+        return fp8_rowwise_gemm(x_q, x_scale, *weights[c], None, torch.bfloat16, config)
+
+    ranked = ranked_configs(INT8_GEMM_CONFIGS, gemm, copies, budget_s)
     if ranked:
         result["triton_best"] = list(ranked[0][0])
         result["triton_best_us"] = ranked[0][1]
@@ -570,23 +565,16 @@ def grouped_sweep_case(name: str, rows: int, budget_s: float) -> dict:
     want = x.float() @ quant_reference.dequantize_8bit_groups(*weights[0], GROUP, torch.float32).t()
     result["default_us"] = timed(lambda c: w8a16_grouped(x, *weights[c], GROUP), copies)
     result["default_rel_err"] = rel_err(w8a16_grouped(x, *weights[0], GROUP), want)
-    deadline = time.monotonic() + budget_s
-    found = {}
     candidates = [SkinnyConfig(bn, bk, sk, warps, stages) for bn in (32, 64, 128) for bk in (64, 128)
                   for sk in (1, 2, 4, 8) for warps in (4, 8) for stages in (2, 3, 4)]  # fmt: skip
-    for config in candidates:
-        if time.monotonic() > deadline:
-            break
-        try:
-            got = w8a16_grouped(x, *weights[0], GROUP, config=config)
-            if rel_err(got, want) > 2e-2:
-                raise ValueError(f"rel_err {rel_err(got, want):.3g}")
-            found[config] = timed(
-                lambda c, cfg=config: w8a16_grouped(x, *weights[c], GROUP, config=cfg), copies
-            )
-        except Exception as error:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"skip {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-    ranked = sorted(found.items(), key=lambda kv: kv[1])
+
+    def checked(c: int, config: SkinnyConfig) -> torch.Tensor:
+        got = w8a16_grouped(x, *weights[c], GROUP, config=config)
+        if c == 0 and rel_err(got, want) > 2e-2:
+            raise ValueError(f"rel_err {rel_err(got, want):.3g}")
+        return got
+
+    ranked = ranked_configs(candidates, checked, copies, budget_s)
     if ranked:
         result["best"] = list(ranked[0][0])
         result["best_us"] = ranked[0][1]
