@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -145,6 +148,33 @@ def hf_model_dirs(tmp_path_factory):
     return models
 
 
+_GGUF_READERS: dict = {}
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF loading parses the file's metadata at each step (config, tokenizer, weights: ~4 s
+    each for SmolLM2's 49k-token vocabulary) and builds gguf's tensor-name map once per tensor (~5 s).
+    Inside this block the gguf package hands transformers one parsed reader a file (read-only: a memory
+    map and its fields) and one name map per (architecture, layers): the same objects it would build, so
+    the reference is still transformers' own load, in about half the time."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        key = (os.path.abspath(path), mode)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = reader_class(path, mode)
+        return _GGUF_READERS[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 @pytest.fixture(scope="session")
 def transformers_gguf_tokenizer():
     """transformers' own GGUF load of the embedded SmolLM2 tokenizer, shared: the GGUF tests and the
@@ -154,7 +184,8 @@ def transformers_gguf_tokenizer():
     from tokenmill.loader.default_model import default_model_path
 
     folder, name = os.path.split(default_model_path())
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with _gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 @pytest.fixture(scope="session")
@@ -166,4 +197,5 @@ def transformers_gguf_model():
     from tokenmill.loader.default_model import default_model_path
 
     folder, name = os.path.split(default_model_path())
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
