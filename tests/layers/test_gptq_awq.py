@@ -130,6 +130,7 @@ def test_gptq_8_bit_checkpoints_match_the_dequantized_model(arch: str, sym: bool
     llm = load(tmp_path)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.qweight.dtype == torch.int8 and m.qweight.shape[1] % 32 == 0 for m in linears)
+    assert all(m.zeros_in_use != sym for m in linears)
     prompt_logprobs_match(llm, logits)
 
 
@@ -197,7 +198,11 @@ def test_groups_that_do_not_divide_the_rows_per_channel_and_symmetric(
     monkeypatch.setitem(ARCHITECTURES, "awkward", "LlamaForCausalLM")
     monkeypatch.setitem(AWKWARD_CONFIGS, "awkward", AWKWARD_SHAPES)
     logits = make_checkpoint("awkward", method, group, tmp_path, **options)
-    prompt_logprobs_match(load(tmp_path), logits)
+    llm = load(tmp_path)
+    prompt_logprobs_match(llm, logits)
+    # GPTQ's symmetric zero points are all zero as held: its kernels take none (AWQ's are real).
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.zeros_in_use != bool(options.get("sym")) for m in linears)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

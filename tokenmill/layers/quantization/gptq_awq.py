@@ -225,11 +225,19 @@ class GptqAwqLinearMethod(LinearMethodBase):
     def after_loading(self, layer: nn.Module) -> None:
         if not self.awq:
             order_input_columns(layer, "qweight", "quantization_config.desc_act")
+        # GPTQ's symmetric checkpoints (`sym: true`, the quantizers' default) store every zero point at
+        # the middle of the range, which is zero as held here: the kernels then take no zero points (one
+        # load a tile and one subtraction a value fewer; per channel at decode's rows, the skinny W8A16
+        # kernel). A layer whose shard has any other zero keeps them all.
+        layer.zeros_in_use = bool(layer.qzeros.any())
+
+    def _zeros(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.qzeros if getattr(layer, "zeros_in_use", True) else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = ordered_input(layer, x)
         matmul = int8_grouped_linear if self.bits == 8 else int4_matmul
-        return matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias)
+        return matmul(x, layer.qweight, layer.scales, self._zeros(layer), layer.int4_group_size, bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return dequantize_in_order(layer, layer.qweight, layer.scales, layer.qzeros)
@@ -241,4 +249,6 @@ class GptqAwqLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
     ) -> torch.Tensor:
         x = ordered_input(layer, x)
-        return int4_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group_size, bias, fusion)
+        return int4_matmul(
+            x, layer.qweight, layer.scales, self._zeros(layer), layer.int4_group_size, bias, fusion
+        )

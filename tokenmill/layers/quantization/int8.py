@@ -111,11 +111,16 @@ def int8_grouped_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; per channel with group_size K; dequantize_8bit_groups
-    says how): batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/skinny_gemm.py's
+    says how): per channel without zero points, decode's rows take INT8 weight-only's skinny kernels;
+    otherwise batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/skinny_gemm.py's
     w8a16_grouped (the weight read once a block of rows, a byte a value); larger ones (prefill) dequantize
     the weight into x's dtype in one Triton pass (kernels/dequant8.py) for cuBLAS; the CPU does the same
     through the torch reference."""
     rows = x.numel() // max(x.shape[-1], 1)
+    if zero is None and scale.shape[1] == 1:  # per channel, symmetric: INT8 weight-only's one-row kernels
+        skinny = skinny_kernel(x, "w8a16_skinny")
+        if skinny is not None:
+            return skinny(x, w_q, scale, bias)
     if x.is_cuda and rows <= GROUPED_MAX_ROWS and group_size % 16 == 0:
         grouped = triton_kernel("skinny_gemm", "w8a16_grouped")
         if grouped is not None:
