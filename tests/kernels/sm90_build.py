@@ -25,6 +25,7 @@ from tokenmill.kernels import (
     StepRotary,
     activation,
     attention,
+    dequant8,
     fused_moe,
     fused_moe_quant,
     gemv,
@@ -214,6 +215,9 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             skinny_gemm.w8a16_grouped(torch.empty(rows, k, dtype=dtype), int8, scale, None, 128)
         # INT8 weight-only per channel (one group of K columns, the scale at the end).
         skinny_gemm.w8a16_grouped(torch.empty(64, k, dtype=dtype), int8, w_scale, None, k)
+        # GPTQ 8-bit and INT8 weight-only prefill: the weight dequantized for cuBLAS.
+        dequant8.dequantize_8bit_groups(int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128, dtype)
+        dequant8.dequantize_8bit_groups(int8, w_scale, None, k, dtype)
         # One row of fp32 activations: the fp32 one-row kernel (16-bit ones take the packed-fp16 one).
         skinny_gemm.w4a16_skinny(torch.empty(1, k), packed, scale.float(), None, 128)
         # The INT4 linears' tensor-core launches (int4_gemm.w4a16_linear) at 2-128 rows (16, 64 and 2 x 64
@@ -305,6 +309,7 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (skinny_dot, "w8a16_group_dequant_kernel"),
         (w4a16_mma, "_w4a16_mma_kernel"),
         (int4_gemm, "_dequantize_kernel"),
+        (dequant8, "_dequantize_kernel"),
         (kv_cache, "_write_kv_cache_kernel"),
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),

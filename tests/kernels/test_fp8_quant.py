@@ -28,6 +28,19 @@ def test_matches_the_reference_bit_for_bit(rows: int, columns: int, dtype: torch
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_static_scale_matches_the_reference(dtype: torch.dtype) -> None:
+    """A checkpoint's per-tensor input scale: every row at it, values past 448 steps saturated."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 900, generator=gen) * torch.logspace(-1, 2, 5)[:, None]).to(DEVICE, dtype)
+    static = torch.tensor([0.02], device=DEVICE)
+    q, scale = quantize_fp8_per_row(x, static)
+    want_q, want_scale = quant_reference.quantize_fp8_per_row(x, static)
+    assert torch.equal(scale, want_scale) and scale.shape == (5, 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert q.float().abs().max() == 448.0  # the large rows saturate
+
+
 def test_strided_rows_and_no_rows() -> None:
     x = torch.randn(4, 64, device=DEVICE)[:, :48]
     q, scale = quantize_fp8_per_row(x)

@@ -36,20 +36,34 @@ def _dequantize_kernel(
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rn < N)[:, None] & (rk < K)[None, :]
+    n_ok = rn < N
+    ok = n_ok[:, None] & (rk < K)[None, :]
     rows = rn.to(tl.int64)[:, None]
     q = tl.load(w_q + rows * stride_wn + rk[None, :], mask=ok).to(tl.float32)  # (masked: not stored)
-    if GROUP % BLOCK_K == 0:  # the tile inside one group: a scale (and zero point) a row
-        group = (tl.program_id(1) * BLOCK_K) // GROUP
-        s = tl.load(scale + rows * stride_sn + group, mask=rows < N, other=0.0).to(tl.float32)
+    w = scale_by_group(q, scale, zero, rn, n_ok, rk, ok, tl.program_id(1) * BLOCK_K, stride_sn, stride_zn,
+                       GROUP, BLOCK_K, HAS_ZERO)  # fmt: skip
+    tl.store(out + rows * stride_on + rk[None, :], w.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def scale_by_group(
+    q, scale, zero, rn, n_ok, rk, ok, first, stride_sn, stride_zn,
+    GROUP: tl.constexpr, TILE: tl.constexpr, HAS_ZERO: tl.constexpr,
+):  # fmt: skip
+    """(q - zero) * scale in fp32 for a tile of values q [rows rn, TILE columns rk from `first`]: one
+    scale (and zero point) a row where the tile lies inside one group, else each column's own (the
+    4-bit dequantization, kernels/int4_gemm.py, takes it too)."""
+    if GROUP % TILE == 0:
+        group = first // GROUP
+        s = tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if HAS_ZERO:
-            q -= tl.load(zero + rows * stride_zn + group, mask=rows < N, other=0).to(tl.float32)
+            q -= tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)[:, None]
     else:
-        groups = (rk // GROUP)[None, :]
-        s = tl.load(scale + rows * stride_sn + groups, mask=ok, other=0.0).to(tl.float32)
+        groups = rk // GROUP
+        s = tl.load(scale + rn[:, None] * stride_sn + groups[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            q -= tl.load(zero + rows * stride_zn + groups, mask=ok, other=0).to(tl.float32)
-    tl.store(out + rows * stride_on + rk[None, :], (q * s).to(out.dtype.element_ty), mask=ok)
+            q -= tl.load(zero + rn[:, None] * stride_zn + groups[None, :], mask=ok, other=0).to(tl.float32)
+    return q * s
 
 
 def dequantize_8bit_groups(

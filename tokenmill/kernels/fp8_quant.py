@@ -54,9 +54,12 @@ def _quantize_rows_kernel(
     tl.store(scale + row, row_scale)
 
 
-def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448."""
-    return _quantize_per_row(x, torch.float8_e4m3fn)
+def quantize_fp8_per_row(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448; or,
+    given a per-tensor static_scale (one value), every row at that scale (saturating at 448)."""
+    return _quantize_per_row(x, torch.float8_e4m3fn, static_scale)
 
 
 def quantize_int8_per_row(

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import gemv, k_splits, skinny_gemm, w4a16_mma
+from tokenmill.kernels import dequant8, gemv, k_splits, skinny_gemm, w4a16_mma
 from tokenmill.kernels.interpreter import INTERPRETED
 
 PACK = 8
@@ -173,17 +173,9 @@ def _dequantize_kernel(
     q = w4a16_mma.natural_order(planes, BLOCK_N, WORDS).to(tl.float32)
     rk = tl.program_id(1) * WORDS * 8 + tl.arange(0, WORDS * 8)
     ok = n_ok[:, None] & (rk < K)[None, :]
-    if GROUP % (WORDS * 8) == 0:  # one group across the tile: one scale (and zero) a row
-        group = (tl.program_id(1) * WORDS * 8) // GROUP
-        s = tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if HAS_ZERO:
-            q -= tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)[:, None]
-    else:
-        groups = rk // GROUP
-        s = tl.load(scale + rn[:, None] * stride_sn + groups[None, :], mask=ok, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            q -= tl.load(zero + rn[:, None] * stride_zn + groups[None, :], mask=ok, other=0).to(tl.float32)
-    tl.store(out + rn[:, None] * stride_on + rk[None, :], (q * s).to(out.dtype.element_ty), mask=ok)
+    w = dequant8.scale_by_group(q, scale, zero, rn, n_ok, rk, ok, tl.program_id(1) * WORDS * 8, stride_sn,
+                                stride_zn, GROUP, WORDS * 8, HAS_ZERO)  # fmt: skip
+    tl.store(out + rn[:, None] * stride_on + rk[None, :], w.to(out.dtype.element_ty), mask=ok)
 
 
 def dequantize(

@@ -94,9 +94,15 @@ def w8a16_gemm(
 # ---- FP8 activations ---------------------------------------------------------------------------------
 
 
-def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+def quantize_fp8_per_row(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at 448; or,
+    given a per-tensor static_scale (one value: a checkpoint's input scale), every row at that scale."""
+    if static_scale is not None:
+        scale = static_scale.reshape(1, 1).float().expand(x.shape[0], 1).contiguous()
+    else:
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -284,15 +284,13 @@ def w8a16_grouped(
     zero_arg = zero if zero is not None else scale
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
-        args = (x2, w_q, scale, zero_arg, out, m, n, k, x2.stride(0), w_q.stride(0), scale.stride(0),
-                zero.stride(0) if zero is not None else 0, out.stride(0))  # fmt: skip
-        common = dict(GROUP=group_size, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                      BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
-                      num_warps=config.num_warps, num_stages=config.num_stages,
-                      **pdl.launch_args(x2))  # fmt: skip
         skinny_dot.w8a16_group_dequant_kernel[(*grid, triton.cdiv(m, block_m))](
-            *args, ONE_GROUP=group_size >= k, **common
-        )
+            x2, w_q, scale, zero_arg, out, m, n, k, x2.stride(0), w_q.stride(0), scale.stride(0),
+            zero.stride(0) if zero is not None else 0, out.stride(0),
+            GROUP=group_size, HAS_ZERO=zero is not None, ONE_GROUP=group_size >= k, BLOCK_M=block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x2),
+        )  # fmt: skip
 
     return launch_over_rows(x, m, n, config, launch, bias)
 

@@ -35,14 +35,17 @@ def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") ->
         )
 
 
-def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at FP8_MAX:
-    one Triton launch on CUDA (kernels/fp8_quant.py), the torch reference elsewhere."""
+def quantize_per_row(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]) with x ~= q * scale, each row's amax at FP8_MAX (or
+    every row at a per-tensor static_scale): one Triton launch on CUDA (kernels/fp8_quant.py), the torch
+    reference elsewhere."""
     if x.is_cuda and x.dim() == 2:
         fused = triton_kernel("fp8_quant", "quantize_fp8_per_row")
         if fused is not None:
-            return fused(x)
-    return quantize_fp8_per_row(x)
+            return fused(x, static_scale)
+    return quantize_fp8_per_row(x, static_scale)
 
 
 def fp8_linear_reference(
@@ -79,11 +82,7 @@ def fp8_linear(
         return skinny(x, w_q, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if input_scale is None:
-        x_q, x_scale = quantize_per_row(x2)
-    else:
-        x_q = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    x_q, x_scale = quantize_per_row(x2, input_scale)
     triton_gemm = _triton_fp8_gemm(x2)
     if triton_gemm is not None:
         y = triton_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)

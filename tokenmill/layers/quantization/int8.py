@@ -74,11 +74,11 @@ def int8_linear(
     """y = x W^T + b with W stored as (w_q int8 [N, K], w_scale fp32 [N, 1]); x [..., K] quantized per
     token (input_scheme "token"), by the per-tensor input_scale ("tensor"), or not at all (None:
     weight-only, W8A16). See the module's docstring for which path takes a call."""
+    if input_scheme is None:  # weight-only: one group of K columns (int8_grouped_linear's skinny path too)
+        return int8_grouped_linear(x, w_q, w_scale.reshape(-1, 1), None, w_q.shape[1], bias)
     skinny = skinny_kernel(x, "w8a16_skinny")
     if skinny is not None:
         return skinny(x, w_q, w_scale, bias)
-    if input_scheme is None:  # weight-only: one group of K columns, up to GROUPED_MAX_ROWS on CUDA
-        return int8_grouped_linear(x, w_q, w_scale.reshape(-1, 1), None, w_q.shape[1], bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x_q, x_scale = quantize_int8_per_row(x2, None if input_scheme == "token" else input_scale)
