@@ -121,8 +121,9 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # The INT8 W8A8 GEMM's tiles past 16 rows beside cuBLAS's int8 GEMM; GPTQ 8-bit's grouped kernel's tiles.
     int8-gemm) timeout 190 $py benchmarks/gpu/bench_quant_gemm.py --int8-gemm --rows 32,128,256,2048 --budget-s 110 \
                  --out "$out/int8_gemm.json" 2>&1 >/dev/null | tail -2 | cut -c1-400 ;;
-    grouped-sweep) timeout 170 $py benchmarks/gpu/bench_quant_gemm.py --grouped-sweep --rows 1,4,16,64,128 \
-                     --budget-s 110 --out "$out/grouped_sweep.json" 2>&1 >/dev/null | tail -2 | cut -c1-400 ;;
+    grouped-sweep) timeout 420 $py benchmarks/gpu/bench_quant_gemm.py --grouped-sweep --rows 16,64,128,256,1024 \
+                     --shapes gate_up,o,down --budget-s 300 --out "$out/grouped_sweep.json" 2>"$out/grouped_sweep.err" >/dev/null
+                   tail -2 "$out/grouped_sweep.err" | cut -c1-400 ;;
     int8-tests) timeout 120 $py -m pytest -q -p no:cacheprovider tests/kernels/test_dequant8.py \
                   tests/kernels/test_fp8_quant.py tests/layers/test_int8.py 2>&1 | tail -4 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;

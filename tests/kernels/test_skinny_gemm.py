@@ -9,6 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tokenmill.kernels import gemv  # noqa: E402
 from tokenmill.kernels.quant_reference import dequantize_int4, w8a16_gemm  # noqa: E402
 from tokenmill.kernels.reference import FP8_DTYPE  # noqa: E402
 from tokenmill.kernels.skinny_gemm import (  # noqa: E402
@@ -362,18 +366,25 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("rows", "n", "k", "group", "split"),
+    ("rows", "n", "k", "group", "split", "block_m", "swap"),
     [
-        (1, 40, 96, 32, 1), (5, 70, 160, 32, 2), (16, 33, 144, 48, 3), (3, 64, 100, 32, 1),
-        (17, 40, 96, 32, 2), (70, 24, 64, 64, 1),  # 32 and 64 rows a program, several row blocks
+        (1, 40, 96, 32, 1, 0, False), (5, 70, 160, 32, 2, 0, False), (16, 33, 144, 48, 3, 0, False),
+        (3, 64, 100, 32, 1, 0, False),
+        (17, 40, 96, 32, 2, 0, False), (70, 24, 64, 64, 1, 0, False),  # 32 and 64 rows a program
+        # The weight's tile as the dot's first operand; a block of rows named by the config.
+        (5, 70, 160, 32, 2, 0, True), (70, 40, 100, 32, 1, 0, True), (150, 33, 96, 48, 2, 128, True),
+        (20, 40, 64, 64, 1, 0, True),  # per channel, swapped
+        (40, 40, 96, 32, 1, 16, False),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, split, zeros, dtype) -> None:
+def test_the_grouped_kernel_matches_dequantize_then_matmul(
+    rows, n, k, group, split, block_m, swap, zeros, dtype
+) -> None:
     """kernels/skinny_gemm.py's w8a16_grouped (GPTQ's 8-bit groups) against the dequantized product:
     columns past a tile, K split across programs, a short last group (K = 100 in groups of 32), rows in
-    blocks of 16, 32 and 64 (per channel: one group of K)."""
+    blocks of 16, 32 and 64 or the config's (per channel: one group of K), the operands swapped."""
     from tokenmill.kernels import skinny_gemm
     from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
@@ -385,10 +396,59 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(rows, n, k, group, sp
     zero = torch.randint(-20, 20, (n, groups), generator=gen, dtype=torch.int8) if zeros else None
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    config = skinny_gemm.SkinnyConfig(32, 16, split, 4, 2)
+    config = skinny_gemm.SkinnyConfig(32, 16, split, 4, 2, block_m=block_m, swap_ab=swap)
     args = [t.to(device) if t is not None else None for t in (x, w_q, scale, zero)]
     got = skinny_gemm.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
     want = x.double() @ dequantize_8bit_groups(w_q, scale, zero, group, torch.float64).t() + bias.double()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),  # tiles: (swap_ab, split_k, block_m) as grouped_config picks them
+    [
+        (40, 16400, 256, (True, 1, 0)), (100, 16400, 256, (True, 1, 128)), (40, 48, 8192, (True, 4, 0)),
+        (100, 48, 8192, (False, 2, 128)), (100, 40, 256, (False, 1, 128)), (20, 40, 256, (False, 1, 0)),
+        (40, 40, 256, (False, 1, 0)),
+        (100, 400, 256, (False, 1, 0)),  # past one wave of programs (the CPU counts 8 SMs): blocks of 64
+    ],
+)  # fmt: skip
+def test_the_grouped_kernel_at_its_default_tiles_past_32_rows(rows, n, k, tiles) -> None:
+    """w8a16_grouped's own tiles past 32 rows (grouped_config: a wide weight as the dot's first operand,
+    a long K split, blocks of 128 rows) against the dequantized product, with zero points."""
+    from tokenmill.kernels import skinny_gemm
+    from tokenmill.kernels.quant_reference import dequantize_8bit_groups
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, k // 128, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+    zero = torch.randint(-20, 20, (n, k // 128), generator=gen, dtype=torch.int8)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    config = skinny_gemm.grouped_config(rows, n, k, 128, 64, torch.device("cpu"))
+    assert (config.swap_ab, config.split_k, config.block_m) == tiles
+    got = skinny_gemm.w8a16_grouped(*(t.to(DEVICE) for t in (x, w_q, scale, zero)), 128).cpu()
+    want = x.double() @ dequantize_8bit_groups(w_q, scale, zero, 128, torch.float64).t()
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@triton.jit
+def widen_kernel(src, dst):
+    offsets = tl.arange(0, 256)
+    tl.store(dst + offsets, gemv.widen(tl.load(src + offsets)))
+
+
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int8])
+def test_widen_gives_every_8bit_value_exactly(dtype) -> None:
+    """gemv.widen (int8 by bit operations, no conversion instruction) against torch's conversion, for
+    every bit pattern: int8 from -128 to 127; e4m3's subnormals, zeros of both signs and extremes (not
+    NaN)."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = bits.view(dtype)
+    got = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    widen_kernel[(1,)](values.to(DEVICE), got)
+    want = values.float()
+    real = ~want.isnan()
+    assert real.sum() >= 254
+    torch.testing.assert_close(got.cpu()[real], want[real], rtol=0, atol=0)
+    assert torch.equal(got.cpu()[real].view(torch.int32), want[real].view(torch.int32))  # -0.0 stays -0.0

@@ -30,6 +30,31 @@ MAGIC = 0x4B000000
 
 
 @triton.jit
+def widen(wt):
+    """A weight tile as fp32; int8 by bit operations, exactly, not by the int-to-float conversion, which
+    runs at a quarter of the FMA rate (one a value: in sm_90 SASS the one-row int8 kernel's I2Fs
+    outnumbered its FFMAs): q with its sign bit flipped, ORed into 2^23's pattern, is the fp32
+    2^23 + 128 + q (one XOR does both), less 2^23 + 128. e4m3 stays with the hardware's conversion,
+    F2FP, two values an instruction: placing its fields in fp32's by shifts and masks took some six
+    integer instructions a value in the SASS, more than that costs."""
+    if wt.dtype == tl.int8:
+        return int8_biased(wt) - INT8_BIAS
+    else:
+        return wt.to(tl.float32)
+
+
+INT8_BIAS = tl.constexpr(8388736.0)  # 2^23 + 128
+
+
+@triton.jit
+def int8_biased(wt):
+    """An int8 tile q as the fp32 INT8_BIAS + q, exact, by one XOR (widen's trick, its subtraction left
+    to the caller, which may fold a zero point into it)."""
+    b = wt.to(tl.uint8, bitcast=True).to(tl.uint32)
+    return (b ^ 0x4B000080).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K: tl.constexpr):
     """result [BLOCK_M, BLOCK_N] into out's rows rm and columns rn: stored, or with split K added to the
     fp32 partial sums of the other programs."""
@@ -239,7 +264,7 @@ def _w8_step(wt, x, stride_xm, rk, hi, accs, ROWS: tl.constexpr, BLOCK_N: tl.con
              VEC: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     """One step of w8a16_gemv_kernel: the weight tile wt [BLOCK_N, BLOCK_K] (columns rk) in fp32, times
     each row's activations, summed into that row's accumulator; returns the accumulators."""
-    w32 = wt.to(tl.float32)
+    w32 = widen(wt)
     new_accs = ()
     for r in tl.static_range(ROWS):
         # x is loaded as a [BLOCK_N, BLOCK_K] tile (each thread reads the x values of its own weight

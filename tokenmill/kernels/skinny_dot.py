@@ -95,7 +95,9 @@ def w8a16_dot_kernel(
     PDL: tl.constexpr,
 ):
     """2-16 rows of x: the e4m3 (or int8) tile goes to x's dtype and through tl.dot; the row scale at the
-    end. int8 widens through fp32 (exact either way; the interpreter's int8 -> bf16 cast is wrong)."""
+    end. int8 widens through fp32 (exact either way; the interpreter's int8 -> bf16 cast is wrong; on
+    sm_90 Triton makes int8 -> fp32 -> bf16 a few integer instructions without a conversion, fewer
+    than gemv.widen's, seen in the SASS)."""
     pdl.start(PDL)
     rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
     lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
@@ -136,6 +138,7 @@ def w8a16_group_dequant_kernel(
     SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """BLOCK_M rows of x (the third grid dimension's block) over int8 weights with a scale (and zero
     point) per row and group of GROUP input columns (GPTQ's 8-bit; per channel, ONE_GROUP: GROUP >= K).
@@ -144,25 +147,40 @@ def w8a16_group_dequant_kernel(
     batches rounds it, before a tl.dot that adds into one accumulator; per channel (q - zero) stays exact
     and the scale comes at the end. (Scaling each tile's sums instead made each tile wait on its MMA, and
     x, read for the dot and for the zero point's sum, left Triton's pipelined loads: 0.80-0.95x bf16 on
-    an H100 where this runs at 1.02-1.44x, docs/performance.md 2026-12-06.)"""
+    an H100 where this runs at 1.02-1.44x, docs/performance.md 2026-12-06.) SWAP_AB computes the
+    transposed product, W's tile the dot's first operand: Hopper's wgmma takes that one from registers,
+    where the dequantized tile already is, and only x's from shared memory."""
     pdl.start(PDL)
     rn, n_ok, rm, m_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
     rm = tl.program_id(2) * BLOCK_M + rm
     m_ok = rm < M
     lo, hi = gemv.span(K, tl.program_id(1), SPLIT_K, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K  # (spans are whole tiles: only a tile across K's end has columns past it)
         wt = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         xk = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wf = wt.to(tl.float32)  # (int8 through fp32: the interpreter's int8 -> bf16 cast is wrong)
+        # q - zero in one subtraction from gemv.int8_biased's INT8_BIAS + q (no int-to-float conversion).
         group = k0 // GROUP
         if HAS_ZERO:
-            wf -= tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)[:, None]
+            z = tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)
+            wf = gemv.int8_biased(wt) - (z + gemv.INT8_BIAS)[:, None]
+        else:
+            wf = gemv.int8_biased(wt) - gemv.INT8_BIAS
         if not ONE_GROUP:
             wf *= tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        acc = tl.dot(xk, tl.trans(wf.to(xk.dtype)), acc, input_precision=PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(wf.to(xk.dtype), tl.trans(xk), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(xk, tl.trans(wf.to(xk.dtype)), acc, input_precision=PRECISION)
+    if SWAP_AB:
+        result = tl.trans(acc)
+    else:
+        result = acc
     if ONE_GROUP:
-        acc *= tl.load(scale + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    gemv.store(out, acc, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)
+        result *= tl.load(scale + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    gemv.store(out, result, rm, rn, m_ok, n_ok, stride_om, SPLIT_K)

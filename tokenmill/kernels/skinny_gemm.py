@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
 from tokenmill.kernels import (
-    GROUPED_MAX_ROWS,
     GemvFusion,
     gemv,
     gemv_f16x2,
@@ -35,7 +35,6 @@ from tokenmill.kernels import (
     skinny_dot,
     sm_count,
 )
-from tokenmill.kernels import SKINNY_MAX_ROWS as MAX_ROWS
 from tokenmill.kernels.interpreter import INTERPRETED
 
 
@@ -47,6 +46,8 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
     unroll: int = 1  # one row: K-loop iterations unrolled, so that their loads are in flight together
     prefetch: bool = False  # one row, 4-bit, 16-bit x: each step's loads issued a step ahead (registers)
+    block_m: int = 0  # w8a16_grouped: rows a program (0: by the rows, 16, 32 or 64)
+    swap_ab: bool = False  # w8a16_grouped: the weight's tile the dot's first operand (wgmma's from registers)
 
 
 def default_config(m: int, n: int, k: int, bits: int, device: torch.device) -> SkinnyConfig:
@@ -249,6 +250,36 @@ def w8a16_skinny(
     return launch_over_rows(x, m, n, config, launch, bias, fused)
 
 
+def grouped_config(
+    m: int, n: int, k: int, group_size: int, block_m: int, device: torch.device
+) -> SkinnyConfig:
+    """w8a16_grouped's tiles for m rows of a [n, k] weight. Up to 32 rows: 32 columns a program, three
+    stages, K split to fill the SMs (an H100 sweep of 2026-12-06, Llama-3.1-8B's linears: gate+up 64.0 ->
+    54.6 us at one row against 64 columns and two stages). Past 32 rows, the sweep of bench_quant_gemm.py
+    --grouped-sweep at 64 and 128 rows on an H100 (2026-12-06; us against the first rule's): a wide
+    weight (gate+up) as the dot's first operand over 128 columns, or 64 and a block of 128 rows (97 ->
+    87, 180 -> 108); a long K (down) that, over 64 columns in four splits, or 32 in two and a block of
+    128 rows (85 -> 58, 150 -> 77); a narrow weight (O) below. The rest (QKV) by the first rule."""
+    block_k = math.gcd(group_size, 128)
+    if m > 32 and block_k == 128:
+        if n >= 16384:
+            if m <= 64:
+                return SkinnyConfig(128, 128, 1, num_warps=4, num_stages=3, swap_ab=True)
+            return SkinnyConfig(64, 128, 1, num_warps=4, num_stages=3, block_m=128, swap_ab=True)
+        if k >= 8192:
+            if m <= 64:
+                return SkinnyConfig(64, 128, 4, num_warps=4, num_stages=3, swap_ab=True)
+            return SkinnyConfig(32, 128, 2, num_warps=4, num_stages=3, block_m=128)
+        if triton.cdiv(n, 32) <= sm_count(device):
+            # Where a block of rows' programs are one wave (O's 128): no K split, four stages, blocks of 128
+            # rows past 64 (31 -> 22 us at 64 rows, 47 -> 26 at 128). Not QKV's 192 programs: 50 us in
+            # blocks of 128 and 58 at four stages in blocks of 64 against the first rule's 41 at 128 rows
+            # (three stages leave room for three programs an SM, all 384 in one wave), 31 against 30 at 64.
+            return SkinnyConfig(32, 128, 1, num_warps=4, num_stages=4, block_m=128 if m > 64 else 0)
+    tiles = triton.cdiv(n, 32) * triton.cdiv(max(m, 1), block_m)
+    return SkinnyConfig(32, block_k, k_splits(tiles, k, block_k, device, limit=16), num_warps=4, num_stages=3)
+
+
 def w8a16_grouped(
     x: torch.Tensor,
     w_q: torch.Tensor,
@@ -258,29 +289,22 @@ def w8a16_grouped(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (at most GROUPED_MAX_ROWS rows) @ W^T -> [..., N] in x's dtype, W = (w_q - zero) *
-    scale by row and group: w_q int8 [N, K], scale [N, groups], zero int8 [N, groups] or None;
-    group_size a multiple of 16 (tl.dot's least K), the K tile a power of two dividing it. Rows go 16,
-    32 or 64 to a program (a third grid dimension past them), so that every weight tile is read once for
-    each block of rows."""
+    """x [..., K] @ W^T -> [..., N] in x's dtype, W = (w_q - zero) * scale by row and group: w_q int8
+    [N, K], scale [N, groups], zero int8 [N, groups] or None; group_size a multiple of 16 (tl.dot's
+    least K), the K tile a power of two dividing it. Rows go 16, 32 or 64 to a program (config.block_m
+    where it names one; a third grid dimension past them), so that every weight tile is read once for
+    each block of rows. The layers send it up to GROUPED_MAX_ROWS rows."""
     x2 = as_rows(x)
     m = x2.shape[0]
     n, k = w_q.shape
-    if m > GROUPED_MAX_ROWS:
-        raise ValueError(f"w8a16_grouped takes at most {GROUPED_MAX_ROWS} rows")
     block_m = MAX_ROWS if m <= MAX_ROWS else 32 if m <= 32 else 64
     if group_size % 16:
         raise ValueError(f"w8a16_grouped takes groups of a multiple of 16 columns, got {group_size}")
     if config is None:
-        # 32 columns a program, three stages: the sweep on an H100 (Llama-3.1-8B's linears at 1, 16 and 64
-        # rows, 2026-12-06; gate+up 64.0 -> 54.6 us at one row, O at 64 rows 36.5 -> 23.6 against 64
-        # columns and two stages).
-        block_k = math.gcd(group_size, 128)
-        config = SkinnyConfig(32, block_k, 1, num_warps=4, num_stages=3)
-        tiles = triton.cdiv(n, 32) * triton.cdiv(max(m, 1), block_m)
-        config = config._replace(split_k=k_splits(tiles, k, block_k, x.device, limit=16))
+        config = grouped_config(m, n, k, group_size, block_m, x.device)
     if group_size % config.block_k:
         raise ValueError(f"w8a16_grouped: block_k {config.block_k} does not divide the group {group_size}")
+    block_m = config.block_m or block_m
     zero_arg = zero if zero is not None else scale
 
     def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
@@ -289,7 +313,8 @@ def w8a16_grouped(
             zero.stride(0) if zero is not None else 0, out.stride(0),
             GROUP=group_size, HAS_ZERO=zero is not None, ONE_GROUP=group_size >= k, BLOCK_M=block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k, PRECISION=_precision(x),
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(x2),
+            SWAP_AB=config.swap_ab, num_warps=config.num_warps, num_stages=config.num_stages,
+            **pdl.launch_args(x2),
         )  # fmt: skip
 
     return launch_over_rows(x, m, n, config, launch, bias)
