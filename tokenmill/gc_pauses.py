@@ -20,6 +20,17 @@ _MAX_KEPT = 256
 SERVER_LOG_OVER_S = 0.05
 
 
+def freeze_startup() -> None:
+    """Collect, then move every object alive to the collector's permanent generation, which it never
+    walks again: for a process whose model and engine, built at start-up, live as long as it does (the
+    engine core, an API process), or as long as an offline LLM, which thaws them when it is dropped
+    (frozen objects in reference cycles are never collected: each LLM built and dropped in one process
+    kept its model, some 0.5 GB for the embedded one, until exit). Unfrozen, each full collection walked
+    them: 4 ms of a 256-request step's host time on a CPU."""
+    gc.collect()
+    gc.freeze()
+
+
 class GCPauses:
     def __init__(self, name: str, log_over_s: float | None = None, keep_over_s: float = 0.01) -> None:
         """name: the process, in log lines. log_over_s: pauses at least this long are logged as warnings

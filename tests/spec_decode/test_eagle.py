@@ -327,7 +327,7 @@ def test_eagle_on_the_gpu(kind, target, tmp_path) -> None:
     path, _ = target
     prompts = random_prompts([5, 30, 17, 2, 21], seed=2)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    # Engines stay allocated after use (the engine freezes the garbage collector): a share each.
+    # A dropped engine's memory comes back only at the next full garbage collection: a share each.
     plain = make_llm(path, block_size=16, gpu_memory_utilization=0.2)
     want = [o.outputs[0].token_ids for o in plain.generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]  # fmt: skip

@@ -400,8 +400,8 @@ def test_every_method_on_the_gpu(hf_model_dirs) -> None:
     prompts = copying_prompts()
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     target = hf_model_dirs["llama"][0]
-    # Engines stay allocated after use (the engine freezes the garbage collector), and other tests' engines
-    # in this process too: a fixed number of KV blocks each, not a share of what is free.
+    # A dropped engine's memory comes back only at the next full garbage collection, and other tests'
+    # engines in this process hold theirs: a fixed number of KV blocks each, not a share of what is free.
     engine_args = dict(block_size=16, max_model_len=256, num_kv_blocks=160)
     want = [o.outputs[0].token_ids for o in make_llm(target, **engine_args).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -11,6 +12,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.generation_config import default_sampling_params, describe
+from tokenmill.gc_pauses import freeze_startup
 from tokenmill.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.chat_encoder import ChatEncoder
@@ -28,10 +30,17 @@ class LLM:
         if self._default_sampling:
             logger.info(describe(self._default_sampling))
         self.engine = LLMEngine(self.config)
+        # The model and the engine live as long as this LLM: frozen until it is dropped (__del__).
+        freeze_startup()
         self._request_counter = itertools.count()
         # chat() tokenizes conversations from cached pieces: a shared system prompt once.
         tokenizer = self.engine.tokenizer
         self._chat_encoder = ChatEncoder(tokenizer) if tokenizer is not None else None
+
+    def __del__(self) -> None:
+        # Thawed, the engine's reference cycles (and whatever else was frozen since) can be collected
+        # again: its model's memory comes back at the next full collection, not at exit.
+        gc.unfreeze()
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -20,7 +20,7 @@ from tokenmill.core.engine import EngineCore
 from tokenmill.core.kv_transfer import RemotePrefill
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses
+from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses, freeze_startup
 from tokenmill.serving.core_protocol import (
     AbortRequests,
     AddRequest,
@@ -319,6 +319,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     try:
         _limit_cpu_threads(config)
         parts = create_engine(config)
+        freeze_startup()  # the model and the engine live as long as this process
         GCPauses("engine core", log_over_s=SERVER_LOG_OVER_S).install()
         hf_config = parts.source.hf_config
         send_all(

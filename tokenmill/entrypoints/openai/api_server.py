@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import signal
 import socket
@@ -28,7 +27,7 @@ from starlette.responses import Response
 from tokenmill import __version__
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.generation_config import default_sampling_params, describe
-from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses
+from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses, freeze_startup
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import render_prompt
@@ -273,8 +272,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         engine.tokenizer.chat_template = chat_template  # this process's tokenizer: chat and /tokenize
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
-    gc.collect()
-    gc.freeze()
+    freeze_startup()
     pauses = GCPauses(f"API process {attach.index if attach else 0}", log_over_s=SERVER_LOG_OVER_S).install()
     try:
         state = ServerState(
