@@ -567,9 +567,9 @@ def grouped_candidates(rows: int) -> list[SkinnyConfig]:
 
 
 def grouped_sweep_case(name: str, rows: int, budget_s: float) -> dict:
-    """--grouped-sweep: skinny_gemm.w8a16_grouped (GPTQ 8-bit, groups of 128 with zero points) at its
+    """--grouped-sweep: grouped_w8a16.w8a16_grouped (GPTQ 8-bit, groups of 128 with zero points) at its
     default tiles and over tile sizes, K splits, warps and stages, beside bf16 cuBLAS."""
-    from tokenmill.kernels.skinny_gemm import w8a16_grouped
+    from tokenmill.kernels.grouped_w8a16 import w8a16_grouped
 
     n, k, gen, bf16_bytes, copies, x, w = bf16_operands(name, rows)
     result: dict = {"shape": name, "n": n, "k": k, "rows": rows}

@@ -30,6 +30,7 @@ from tokenmill.kernels import (
     fused_moe_quant,
     gemv,
     gemv_f16x2,
+    grouped_w8a16,
     host_wait,
     int4_gemm,
     kv_cache,
@@ -208,21 +209,21 @@ def _skinny_launches(dtype: torch.dtype) -> None:
             skinny_gemm.w8a16_skinny(x, w_q, w_scale)
             skinny_gemm.w8a16_skinny(x, torch.empty(n, k, dtype=torch.int8), w_scale)  # INT8 checkpoints
             int8 = torch.empty(n, k, dtype=torch.int8)  # GPTQ's 8-bit groups, with zero points
-            skinny_gemm.w8a16_grouped(x, int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128)
+            grouped_w8a16.w8a16_grouped(x, int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128)
         # GPTQ 8-bit and INT8 weight-only past 16 rows: 32, 64 and 128 rows a program (grouped_config).
         for rows in (32, 64, 128):
             int8 = torch.empty(n, k, dtype=torch.int8)
-            skinny_gemm.w8a16_grouped(torch.empty(rows, k, dtype=dtype), int8, scale, None, 128)
+            grouped_w8a16.w8a16_grouped(torch.empty(rows, k, dtype=dtype), int8, scale, None, 128)
         # A wide weight (gate+up) past 32 rows: its tile the dot's first operand.
         if n == 6144:
             wide = torch.empty(28672, k, dtype=torch.int8)
             for rows in (64, 128):
-                skinny_gemm.w8a16_grouped(
+                grouped_w8a16.w8a16_grouped(
                     torch.empty(rows, k, dtype=dtype), wide, torch.empty(28672, k // 128, dtype=dtype),
                     torch.empty(28672, k // 128, dtype=torch.int8), 128,
                 )  # fmt: skip
         # INT8 weight-only per channel (one group of K columns, the scale at the end).
-        skinny_gemm.w8a16_grouped(torch.empty(64, k, dtype=dtype), int8, w_scale, None, k)
+        grouped_w8a16.w8a16_grouped(torch.empty(64, k, dtype=dtype), int8, w_scale, None, k)
         # GPTQ 8-bit and INT8 weight-only prefill: the weight dequantized for cuBLAS.
         dequant8.dequantize_8bit_groups(int8, scale, torch.empty(n, k // 128, dtype=torch.int8), 128, dtype)
         dequant8.dequantize_8bit_groups(int8, w_scale, None, k, dtype)

@@ -382,10 +382,10 @@ def test_a_fusion_the_kernel_cannot_take_is_refused() -> None:
 def test_the_grouped_kernel_matches_dequantize_then_matmul(
     rows, n, k, group, split, block_m, swap, zeros, dtype
 ) -> None:
-    """kernels/skinny_gemm.py's w8a16_grouped (GPTQ's 8-bit groups) against the dequantized product:
+    """kernels/grouped_w8a16.py's w8a16_grouped (GPTQ's 8-bit groups) against the dequantized product:
     columns past a tile, K split across programs, a short last group (K = 100 in groups of 32), rows in
     blocks of 16, 32 and 64 or the config's (per channel: one group of K), the operands swapped."""
-    from tokenmill.kernels import skinny_gemm
+    from tokenmill.kernels import grouped_w8a16, skinny_gemm
     from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
     device = DEVICE
@@ -398,7 +398,7 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(
     bias = torch.randn(n, generator=gen).to(dtype)
     config = skinny_gemm.SkinnyConfig(32, 16, split, 4, 2, block_m=block_m, swap_ab=swap)
     args = [t.to(device) if t is not None else None for t in (x, w_q, scale, zero)]
-    got = skinny_gemm.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
+    got = grouped_w8a16.w8a16_grouped(*args, group, bias.to(device), config=config).cpu()
     want = x.double() @ dequantize_8bit_groups(w_q, scale, zero, group, torch.float64).t() + bias.double()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert got.shape == (rows, n) and got.dtype == dtype
@@ -417,7 +417,7 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(
 def test_the_grouped_kernel_at_its_default_tiles_past_32_rows(rows, n, k, tiles) -> None:
     """w8a16_grouped's own tiles past 32 rows (grouped_config: a wide weight as the dot's first operand,
     a long K split, blocks of 128 rows) against the dequantized product, with zero points."""
-    from tokenmill.kernels import skinny_gemm
+    from tokenmill.kernels import grouped_w8a16
     from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
     gen = torch.Generator().manual_seed(rows + n + k)
@@ -425,9 +425,9 @@ def test_the_grouped_kernel_at_its_default_tiles_past_32_rows(rows, n, k, tiles)
     scale = (torch.rand(n, k // 128, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
     zero = torch.randint(-20, 20, (n, k // 128), generator=gen, dtype=torch.int8)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-    config = skinny_gemm.grouped_config(rows, n, k, 128, 64, torch.device("cpu"))
+    config = grouped_w8a16.grouped_config(rows, n, k, 128, 64, torch.device("cpu"))
     assert (config.swap_ab, config.split_k, config.block_m) == tiles
-    got = skinny_gemm.w8a16_grouped(*(t.to(DEVICE) for t in (x, w_q, scale, zero)), 128).cpu()
+    got = grouped_w8a16.w8a16_grouped(*(t.to(DEVICE) for t in (x, w_q, scale, zero)), 128).cpu()
     want = x.double() @ dequantize_8bit_groups(w_q, scale, zero, 128, torch.float64).t()
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 

@@ -169,13 +169,13 @@ def w8a16_group_dequant_kernel(
         # instructions (the XOR's subtraction and repacking made INT8 weight-only 12-23% slower at 17 rows
         # on an H100, 2026-12-06).
         group = k0 // GROUP
-        if ONE_GROUP and not HAS_ZERO:
-            wf = wt.to(tl.float32)
-        elif HAS_ZERO:
+        if HAS_ZERO:
             z = tl.load(zero + rn * stride_zn + group, mask=n_ok, other=0).to(tl.float32)
             wf = gemv.int8_biased(wt) - (z + gemv.INT8_BIAS)[:, None]
+        elif ONE_GROUP:
+            wf = wt.to(tl.float32)
         else:
-            wf = gemv.int8_biased(wt) - gemv.INT8_BIAS
+            wf = gemv.widen(wt)
         if not ONE_GROUP:
             wf *= tl.load(scale + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if SWAP_AB:

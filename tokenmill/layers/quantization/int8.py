@@ -112,7 +112,7 @@ def int8_grouped_linear(
 ) -> torch.Tensor:
     """y = x W^T + b, W int8 in groups (GPTQ's 8-bit; per channel with group_size K; dequantize_8bit_groups
     says how): per channel without zero points, decode's rows take INT8 weight-only's skinny kernels;
-    otherwise batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/skinny_gemm.py's
+    otherwise batches of up to GROUPED_MAX_ROWS rows on CUDA through kernels/grouped_w8a16.py's
     w8a16_grouped (the weight read once a block of rows, a byte a value); larger ones (prefill) dequantize
     the weight into x's dtype in one Triton pass (kernels/dequant8.py) for cuBLAS; the CPU does the same
     through the torch reference."""
@@ -122,7 +122,7 @@ def int8_grouped_linear(
         if skinny is not None:
             return skinny(x, w_q, scale, bias)
     if x.is_cuda and rows <= GROUPED_MAX_ROWS and group_size % 16 == 0:
-        grouped = triton_kernel("skinny_gemm", "w8a16_grouped")
+        grouped = triton_kernel("grouped_w8a16", "w8a16_grouped")
         if grouped is not None:
             return grouped(x, w_q, scale, zero, group_size, bias)
     dequantize = dequantize_8bit_groups
