@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 from tokenmill.entrypoints.cli import build_parser, main
 
@@ -20,6 +22,19 @@ def test_serve_options():
         30.0,
         True,
     )
+
+
+def test_the_api_process_starts_the_core_before_it_imports_torch():
+    """The API server's modules, the core's entry point among them, import neither torch nor transformers:
+    the core process is started first and imports them (seconds) while the API process loads the
+    tokenizer beside it, not after."""
+    script = (
+        "import sys, tokenmill.entrypoints.openai.api_server, tokenmill.serving.core_link;"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 def test_taken_port_fails_before_the_model_loads(capsys):

@@ -34,7 +34,6 @@ from tokenmill.serving.core_protocol import (
     UtilityResult,
     request_decoder,
 )
-from tokenmill.serving.engine_setup import create_engine
 from tokenmill.serving.kv_transfer import KVClient, KVServer
 from tokenmill.serving.step_trace import StepTrace
 
@@ -317,6 +316,10 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str], output_add
     exit_code = 0
     parts = kv_server = kv_client = None
     try:
+        # Imported here, not at the top: an API process imports this module to start the core, and
+        # the model's modules (torch, transformers: seconds) are the core's to import.
+        from tokenmill.serving.engine_setup import create_engine
+
         _limit_cpu_threads(config)
         parts = create_engine(config)
         freeze_startup()  # the model and the engine live as long as this process
