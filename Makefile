@@ -25,11 +25,18 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tokenmill serve --model $(MODEL) --port $(PORT)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; a worker that runs out of tests takes half of
+# another's), each with one OpenMP thread: torch's threads spin while they wait, so two workers with two
+# threads each (and the servers they start) would fight over a two-core machine. 17 -> 10.5 minutes on
+# the project's two-core VM. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 test-all: $(STAMP)
-	$(VENV)/bin/pytest -q tests
+	$(PYTEST) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tokenmill tests benchmarks
