@@ -38,8 +38,9 @@ class LLM:
         self._chat_encoder = ChatEncoder(tokenizer) if tokenizer is not None else None
 
     def __del__(self) -> None:
-        # Thawed, the engine's reference cycles (and whatever else was frozen since) can be collected
-        # again: its model's memory comes back at the next full collection, not at exit.
+        # Thawed, the engine's reference cycles can be collected again: its model's memory comes back at
+        # the next full collection, not at exit. (The thaw is the whole process's: another LLM still
+        # alive is walked by full collections again until it is rebuilt or dropped.)
         gc.unfreeze()
 
     @property
