@@ -103,6 +103,24 @@ def test_unsupported_variants_name_the_field(change: dict, message: str, tmp_pat
     assert_config_change_refused(tmp_path, change, message)
 
 
+@pytest.mark.parametrize(
+    ("tensor", "dtype", "kind"),
+    [("weight", torch.bfloat16, "float8_e4m3fn"), ("weight_scale_inv", torch.int32, "floating-point")],
+)
+def test_a_tensor_of_the_wrong_kind_of_dtype_names_itself(tensor, dtype, kind, tmp_path) -> None:
+    """A weight dequantized to bf16 beside its scales (or an e5m2 one) would be cast to e4m3 and scaled
+    again: nonsense, so it is refused by name."""
+    from safetensors.torch import load_file
+
+    make_checkpoint("llama", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = f"model.layers.0.mlp.up_proj.{tensor}"
+    tensors[name] = tensors[name].float().to(dtype)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{name}': dtype .* is not the expected {kind} dtype"):
+        load(tmp_path)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_gpu_in_bf16(tmp_path) -> None:

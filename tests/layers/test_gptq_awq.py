@@ -295,3 +295,42 @@ def test_gptq_dynamic_rules_leave_modules_unquantized(tmp_path) -> None:
         ValueError, match=r"dynamic\['\+:\.\*down_proj'\] quantizes model.layers.0.mlp.down_proj"
     ):
         load(tmp_path)
+
+
+def test_zero_biases_beside_the_quantized_linears_are_passed_over(tmp_path) -> None:
+    """GPTQ-for-LLaMa and early AutoGPTQ saved a zero bias beside every quantized linear of a Llama (whose
+    linears have none): such a checkpoint loads as without them; a bias that is not zero is refused."""
+    from safetensors.torch import load_file
+
+    logits = make_checkpoint("llama", "gptq", 32, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        tensors[name.replace(".qweight", ".bias")] = torch.zeros(tensors[name].shape[1], dtype=torch.float16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    prompt_logprobs_match(load(tmp_path), logits)
+    tensors["model.layers.0.mlp.down_proj.bias"][0] = 1.0
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj.bias' matches no parameter"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("method", "tensor", "dtype", "kind"),
+    [
+        ("gptq", "qweight", torch.float16, "integer"),
+        ("gptq", "scales", torch.int32, "floating-point"),
+        ("gptq", "g_idx", torch.float32, "integer"),
+        ("awq", "qzeros", torch.float32, "integer"),
+    ],
+)
+def test_a_tensor_of_the_wrong_kind_of_dtype_names_itself(method, tensor, dtype, kind, tmp_path) -> None:
+    """Packed integers stored as floats (or scales as integers) would be cast by the copy into nonsense."""
+    from safetensors.torch import load_file
+
+    make_checkpoint("llama", method, 32, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = f"model.layers.1.self_attn.k_proj.{tensor}"
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{name}': dtype .* is not the expected {kind} dtype"):
+        load(tmp_path)

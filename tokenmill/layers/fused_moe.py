@@ -21,7 +21,7 @@ from tokenmill import distributed
 from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.kernels.quant_reference import PACK, QuantExperts, quantize_experts_fp8, quantize_experts_int4
 from tokenmill.kernels.reference import FP8_DTYPE
-from tokenmill.layers.linear import ShardId, divide
+from tokenmill.layers.linear import ShardId, check_dtype, divide
 
 # The checkpoint's per-expert projections and where they land: (our parameter, its name, part).
 _EXPERT_PROJECTIONS = (("w13", "gate_proj", "gate"), ("w13", "up_proj", "up"), ("w2", "down_proj", "down"))
@@ -190,8 +190,9 @@ class Experts(nn.Module):
             parts = [(name, loaded_weight.weight, PACK if self.fmt.int4 else 1)]
             group = self.fmt.group_size
             parts.append((f"{name}_scale", loaded_weight.scale, group))
-            if self.fmt.zero_points:
-                parts.append((f"{name}_zero", loaded_weight.zero, group))
+            if self.fmt.zero_points:  # integers held in the scales' dtype (_hold_quantized)
+                zero = loaded_weight.zero.to(getattr(self, f"{name}_zero").dtype)
+                parts.append((f"{name}_zero", zero, group))
         else:
             parts = [(name, loaded_weight, 1)]
         for target_name, tensor, unit in parts:
@@ -215,6 +216,7 @@ class Experts(nn.Module):
                 target = target[:size] if part == "gate" else target[size:]
         if target.shape != loaded.shape:
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(target.shape)}")
+        check_dtype(target.dtype, loaded)
         target.copy_(loaded)
 
 

@@ -43,11 +43,30 @@ def divide(numerator: int, tp_size: int, what: str) -> int:
     return numerator // tp_size
 
 
+_FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype in _FP8_DTYPES:
+        return str(dtype).removeprefix("torch.")  # each FP8 format its own: a copy between them rounds
+    return "floating-point" if dtype.is_floating_point else "integer"
+
+
+def check_dtype(want: torch.dtype, loaded: torch.Tensor) -> None:
+    """A ValueError where a checkpoint tensor is not of the kind its parameter holds (packed integers read
+    as floats, an FP8 weight stored in bf16 beside its scales): copy_ would cast it and load nonsense."""
+    if _dtype_kind(loaded.dtype) != _dtype_kind(want):
+        raise ValueError(
+            f"dtype {str(loaded.dtype).removeprefix('torch.')} is not the expected {_dtype_kind(want)} dtype"
+        )
+
+
 def load_shard(
     dest: torch.Tensor, loaded: torch.Tensor, dim: int | None, shard_rank: int, num_shards: int
 ) -> None:
     """Copy slice `shard_rank` of `loaded` cut into `num_shards` equal slices along `dim` (all of it when
-    dim is None) into `dest`, once `loaded` has proved to be exactly the full tensor."""
+    dim is None) into `dest`, once `loaded` has proved to be exactly the full tensor, of dest's kind."""
+    check_dtype(dest.dtype, loaded)
     expected = list(dest.shape)
     if dim is not None:
         expected[dim] *= num_shards

@@ -10,7 +10,7 @@ from torch import nn
 from tokenmill import distributed
 from tokenmill.layers.cpu_packed import packed_linear
 from tokenmill.layers.dense import dense_linear
-from tokenmill.layers.linear import ShardId, divide
+from tokenmill.layers.linear import ShardId, check_dtype, divide
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -63,6 +63,7 @@ class VocabParallelEmbedding(nn.Module):
         expected = (self.num_embeddings, *param.shape[1:])
         if tuple(loaded_weight.shape) != expected:
             raise ValueError(f"shape {tuple(loaded_weight.shape)} does not match the expected {expected}")
+        check_dtype(param.dtype, loaded_weight)
         num_rows = self.vocab_end_index - self.vocab_start_index
         param.data[:num_rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_end_index])
         param.data[num_rows:].zero_()

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import ShardId
+from tokenmill.layers.linear import ShardId, check_dtype
 
 # (our fused parameter's name part, the checkpoint's name part, shard id), e.g. (".qkv_proj", ".q_proj", "q").
 StackedParamsMapping = Sequence[tuple[str, str, ShardId]]
@@ -23,6 +23,7 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
         raise ValueError(
             f"shape {tuple(loaded_weight.shape)} does not match the expected {tuple(param.shape)}"
         )
+    check_dtype(param.dtype, loaded_weight)
     param.data.copy_(loaded_weight)
 
 
@@ -33,8 +34,8 @@ def load_model_weights(
     skip_substrs: Sequence[str] = (),
 ) -> None:
     """Load (checkpoint name, tensor) pairs. A ValueError names a tensor that matches no parameter, a
-    tensor of the wrong shape, or the tensors the checkpoint lacks; names containing any of
-    `skip_substrs` are passed over."""
+    tensor of the wrong shape or kind of dtype, or the tensors the checkpoint lacks; names containing any
+    of `skip_substrs` are passed over, and so is an all-zero bias of a layer built without one."""
     params = dict(model.named_parameters())
     loaded_shards: dict[str, set[ShardId]] = defaultdict(set)
     for name, tensor in weights:
@@ -46,6 +47,10 @@ def load_model_weights(
                 param_name, shard_id = name.replace(checkpoint_part, fused_part), stacked_shard_id
                 break
         param = params.get(param_name)
+        if param is None and name.endswith(".bias") and not tensor.any():
+            # GPTQ-for-LLaMa and early AutoGPTQ wrote a zero bias beside every quantized linear, biased in
+            # the architecture or not: nothing to add.
+            continue
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}.")
         weight_loader = getattr(param, "weight_loader", default_weight_loader)

@@ -24,6 +24,7 @@ from tokenmill.layers.linear import (
     RowParallelLinear,
     ShardId,
     WeightLoader,
+    check_dtype,
     load_shard,
 )
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod, not_converted
@@ -154,6 +155,7 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         offsets = [sum(block_rows[:i]) for i in range(len(block_rows))]
 
         def load_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            check_dtype(param.dtype, loaded)
             if row_parallel:  # this rank's columns: whole blocks (above)
                 load_shard(param.data, loaded, 1, layer.tp_rank, layer.tp_size)
                 return

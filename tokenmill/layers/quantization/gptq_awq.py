@@ -29,7 +29,7 @@ from torch import nn
 
 from tokenmill.kernels import GemvFusion
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
-from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
+from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader, check_dtype
 from tokenmill.layers.quantization.compressed_tensors import ignored_layer, not_converted
 from tokenmill.layers.quantization.int4 import (
     add_group_index,
@@ -180,6 +180,7 @@ class GptqAwqLinearMethod(LinearMethodBase):
 
             def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
                 # Checked as stored: converted, a wrong shape would be reported transposed or unpacked.
+                check_dtype(param.dtype if name == "scales" else torch.int32, loaded)
                 expected = stored_shape(name, checkpoint_rows(layer, shard_id, output_size))
                 if tuple(loaded.shape) != expected:
                     grouped = (

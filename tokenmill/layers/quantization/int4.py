@@ -30,7 +30,7 @@ from tokenmill.kernels.quant_reference import (
     unpack_int4,
     w4a16_gemm,
 )
-from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader
+from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader, check_dtype
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
@@ -71,6 +71,7 @@ class Int4W4A16LinearMethod(LinearMethodBase):
             # line up with the weight's for the fused layers' loaders.
             def load_zero(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
                 # Packed eight rows a word, the last word padded where the rows are not a multiple of 8.
+                check_dtype(torch.int32, loaded)
                 unpacked = unpack_int4(loaded.t().contiguous(), loaded.shape[0] * PACK).t()
                 rows_stored = checkpoint_rows(layer, shard_id, output_size)
                 if unpacked.shape[0] - PACK < rows_stored <= unpacked.shape[0]:
@@ -176,6 +177,7 @@ def add_group_index(layer: nn.Module, name: str, columns: int, field: str, group
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if tuple(loaded.shape) != (columns,):
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected ({columns},)")
+        check_dtype(torch.int64, loaded)
         loaded = loaded.to(torch.int64).cpu()
         earlier = getattr(layer, "group_index", None)
         if earlier is not None and not torch.equal(earlier, loaded):
