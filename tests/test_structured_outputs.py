@@ -47,6 +47,25 @@ def test_json_schema_with_nested_objects_arrays_and_enums(llm) -> None:
     assert texts[4] == alone[0]
 
 
+def test_requests_that_leave_no_token_allowed_end_and_the_engine_serves_on(llm) -> None:
+    """allowed_token_ids outside the constraint's tokens, or only EOS while min_tokens bans it: every
+    logit of the row is -inf. Such a request ends (token 0 breaks its grammar, or is SmolLM2's EOS) and the
+    requests beside it and after it are answered as alone."""
+    tokenizer = llm.get_tokenizer()
+    maybe = tokenizer.encode("maybe", add_special_tokens=False)
+    stuck = [
+        SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=maybe,
+                       structured_outputs={"choice": ["yes", "no"]}),
+        SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=[tokenizer.eos_token_id], min_tokens=3,
+                       logprobs=1),
+    ]  # fmt: skip
+    free = SamplingParams(max_tokens=12, temperature=0)
+    alone = chat(llm, "Is water wet?", free)
+    texts = chat(llm, "Is water wet?", [*stuck, free], n=3)
+    assert texts[2] == alone[0]
+    assert chat(llm, "Is water wet?", free) == alone
+
+
 def test_regex_choice_grammar_and_json_object(llm) -> None:
     params = [
         SamplingParams(

@@ -46,6 +46,7 @@ def batch_of(params: list[SamplingParams], outputs=None, prompts=None, runner=No
             num_computed_tokens=0,
             output_token_ids=list((outputs or {}).get(i, [])),
         )
+        state.num_pending_tokens = 1  # the step's own token, as input_batch.prepare leaves a sampling row
         runner.input_batch.requests[state.req_id] = state
         req_ids.append(state.req_id)
     inputs = SimpleNamespace(req_ids=req_ids, samples=[True] * len(req_ids), pending_src_req_ids=[])
@@ -114,6 +115,26 @@ def test_sampling_never_draws_a_token_without_mass_and_matches_the_masses():
     assert _random_sample(only, {}).tolist() == [4098, 4098]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=1.0, logprobs=2),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=3, min_p=0.1, logprobs=2),
+        SamplingParams(temperature=1.0, seed=4, logprobs=2),
+    ],
+)
+def test_a_row_with_every_token_masked_gives_token_0(params: SamplingParams):
+    """allowed_token_ids that a grammar's mask or min_tokens' ban leaves empty: the row is all -inf. It
+    gives token 0, as torch.argmax and kernels/sample.py do (and a token of the vocabulary, so the
+    embedding and the logprobs do not index past it); the row beside it samples as it would."""
+    logits = torch.full((2, VOCAB), float("-inf"))
+    logits[1, 5] = 0.0
+    tokens, logprobs = Sampler()(logits, batch_of([params, params]))
+    assert tokens.tolist() == [0, 5]
+    assert logprobs.tolist([2, 2])[1].logprob == 0.0
+
+
 def test_seed_gives_same_tokens_whatever_the_batch():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     seeded = SamplingParams(temperature=1.0, seed=42)
@@ -173,12 +194,23 @@ def test_min_tokens_counts_the_outputs_as_they_were_when_the_batch_was_built():
         "r0", [0], SamplingParams(temperature=0, min_tokens=3), frozenset({1}),
         block_ids=[], num_computed_tokens=0, output_token_ids=[4, 4],
     )  # fmt: skip
+    state.num_pending_tokens = 1  # this step's own token (input_batch.prepare counts it)
     runner.input_batch.requests["r0"] = state
     inputs = SimpleNamespace(req_ids=["r0"], samples=[True], pending_src_req_ids=[])
     batch = runner._sampling_batch(inputs, VOCAB)
     state.num_pending_tokens += 1  # the next step, prepared before this one samples
     tokens, _ = Sampler()(peaked(1), batch)
     assert tokens.item() != 1
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2, 3])
+def test_min_tokens_lets_eos_come_only_after_that_many_tokens(min_tokens):
+    """vLLM's rule: EOS and the stop tokens are banned while fewer than min_tokens tokens came out, so
+    the earliest EOS is token min_tokens + 1."""
+    params = SamplingParams(temperature=0, min_tokens=min_tokens)
+    for before in range(min_tokens + 2):
+        tokens, _ = sample(peaked(1), [params], outputs={0: [4] * before})
+        assert (tokens.item() == 1) == (before >= min_tokens), before
 
 
 def test_min_tokens_masks_eos_and_logit_bias_shifts():

@@ -90,7 +90,9 @@ def _random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) 
         for row, generator in generators.items():
             u[row] = torch.rand((), dtype=probs.dtype, generator=generator)
         cdf = probs.cumsum(dim=-1)
-        return torch.searchsorted(cdf, (1 - u) * cdf[:, -1:])[:, 0]
+        picked = torch.searchsorted(cdf, (1 - u) * cdf[:, -1:])[:, 0]
+        # A row with every token masked (NaN mass) gives token 0, as argmax and kernels/sample.py do.
+        return picked.masked_fill(picked >= probs.shape[-1], 0)
     # Exponential race (Gumbel-max in disguise): argmax(p / q), q ~ Exp(1), samples from p with no sync.
     q = torch.empty_like(probs).exponential_()
     for row, generator in generators.items():

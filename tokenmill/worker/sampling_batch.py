@@ -36,8 +36,9 @@ class SamplingBatch:
     # requests): a grammar step samples after the step before it landed, and the token that was pending
     # then (counted through pending_tokens) must not count again from the host's list.
     output_lens: dict[str, int] = field(default_factory=dict)
-    # request -> its output tokens (pending ones included) when the batch was built, for min_tokens: the
-    # next step's host half may count its own pending token before a grammar step samples.
+    # request -> its output tokens before the step's own (earlier steps' pending ones included) when the
+    # batch was built, for min_tokens: the next step's host half may count its own pending token before a
+    # grammar step samples.
     output_counts: dict[str, int] = field(default_factory=dict)
     # Speculative verification, per logit row: the drafts before this row's position, which count as
     # output tokens there if they stand (penalties and min_tokens see them). None outside verification.
@@ -107,12 +108,17 @@ def build_sampling_batch(
     def flagged(bit: int) -> list[CachedRequestState]:
         return [r for r, (_, row_flags) in zip(requests, rows) if row_flags & bit] if flags & bit else []
 
-    # What penalties and min_tokens count, as it stands now: a grammar step samples later.
+    # What penalties and min_tokens count, as it stands now: a grammar step samples later. The tokens
+    # before this step's own, which input_batch.prepare has already counted as pending in a row that keeps
+    # its sample.
     output_lens = {r.req_id: len(r.output_token_ids) for r in flagged(_PENALTIES)}
-    with_min_tokens = flagged(_MIN_TOKENS)
-    output_counts = {r.req_id: r.num_output_tokens for r in with_min_tokens}
+    output_counts = {
+        r.req_id: r.num_output_tokens - keeps
+        for r, keeps, (_, row_flags) in zip(requests, samples, rows)
+        if row_flags & _MIN_TOKENS
+    }
     needs_logit_edits = bool(flags & _BIAS) or any(
-        r.num_output_tokens < r.sampling_params.min_tokens for r in with_min_tokens
+        output_counts[r.req_id] < r.sampling_params.min_tokens for r in flagged(_MIN_TOKENS)
     )
     logprob_counts = [r.sampling_params.logprobs for r in flagged(_LOGPROBS)]
     return SamplingBatch(

@@ -7,7 +7,7 @@ import pytest
 
 from tests.entrypoints.openai.conftest import ServerProcess
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter
+from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter, check_reasoning_tokens
 from tokenmill.entrypoints.openai.serving_chat import ToolAnswer
 from tokenmill.thinking import CLOSED, OPEN
 
@@ -245,3 +245,17 @@ def test_a_message_of_thinking_and_calls_streamed_or_not(
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
     assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == calls
+
+
+def test_a_parser_is_refused_for_a_tokenizer_without_the_tags() -> None:
+    """SmolLM2's tokenizer has no `<think>` token: its answers would all be filed as reasoning."""
+    from tokenmill.loader import resolve_model
+
+    tokenizer = resolve_model("default").load_tokenizer()
+    check_reasoning_tokens(None, tokenizer)
+    with pytest.raises(ValueError, match=r"--reasoning-parser deepseek_r1: .* no <think> or </think> token"):
+        check_reasoning_tokens("deepseek_r1", tokenizer)
+    with pytest.raises(ValueError, match="--skip-tokenizer-init"):
+        check_reasoning_tokens("qwen3", None)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    check_reasoning_tokens("qwen3", tokenizer)

@@ -37,6 +37,7 @@ from .disagg import PrefillPeers, kv_address
 from .errors import bad_request, install_error_handlers, unavailable
 from .middleware import ApiKeyCheck, BodySizeLimit
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning import check_reasoning_tokens
 from .serving_chat import ChatServing, render_chat
 from .serving_completion import CompletionServing
 from .serving_embedding import EmbeddingServing
@@ -270,6 +271,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         if engine.tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer: drop --skip-tokenizer-init")
         engine.tokenizer.chat_template = chat_template  # this process's tokenizer: chat and /tokenize
+    check_reasoning_tokens(getattr(args, "reasoning_parser", None), engine.tokenizer)
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     freeze_startup()
