@@ -53,11 +53,11 @@ def test_requests_that_leave_no_token_allowed_end_and_the_engine_serves_on(llm) 
     requests beside it and after it are answered as alone."""
     tokenizer = llm.get_tokenizer()
     maybe = tokenizer.encode("maybe", add_special_tokens=False)
+    eos = [tokenizer.eos_token_id]
     stuck = [
         SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=maybe,
                        structured_outputs={"choice": ["yes", "no"]}),
-        SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=[tokenizer.eos_token_id], min_tokens=3,
-                       logprobs=1),
+        SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=eos, min_tokens=3, logprobs=1),
     ]  # fmt: skip
     free = SamplingParams(max_tokens=12, temperature=0)
     alone = chat(llm, "Is water wet?", free)
