@@ -69,6 +69,9 @@ word-or-number ::= [a-z]{2,5} | [0-9]+
         (SQL_GBNF, ["SELECT col_1  from table_2  where col_2 = 1 "], ["SELECT col_3  from table_2 "]),
         (LIST_GBNF, ["[ab, 12,xyz]\n", "[42]\n"], ["[a]\n", "[ab, cd, ef, gh]\n"]),
         ('root ::= ("yes" | "no")', ["yes", "no"], ["maybe"]),
+        # llama.cpp's \u and \U escapes (a code point by 4 or 8 hex digits), in strings and classes.
+        (r'root ::= "caf\u00e9 " [\u00e0-\u00ff]+ "\u4e2d\U0001F600"', ["café àÿ中😀"], ["cafe à中😀"]),
+        (r'root ::= "\u0022" [\u005d\u002d]+ "\\u0041"', ['"]-]\\u0041'], ['"]-]A']),
         ('start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"', ["The answer is no."], ["no"]),
     ],
 )

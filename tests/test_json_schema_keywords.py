@@ -103,6 +103,53 @@ def test_a_keyword_llguidance_would_ignore_is_refused_where_it_sits(structured, 
     assert refused in str(error.value) and "the output could break the schema" in str(error.value)
 
 
+INTS = {"type": "integer"}
+
+
+@pytest.mark.parametrize(
+    ("schema", "refused"),
+    [
+        ({"type": "object", "additionalProperties": INTS, "minProperties": 2}, "#"),  # dict[str, int], min 2
+        ({"type": "object", "minProperties": 3}, "#"),
+        (
+            {"type": "object", "patternProperties": {"^x": INTS}, "minProperties": 2, "required": []},
+            "#",
+        ),
+        (
+            tags(
+                {
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": INTS,
+                        "minProperties": 4,
+                        "properties": {"a": INTS, "b": INTS},
+                        "required": ["a", "b"],
+                    }
+                }
+            ),
+            "#/properties/tags/items",
+        ),  # fmt: skip
+    ],
+)
+def test_min_properties_over_keys_that_may_repeat_is_refused(structured, accepts, schema, refused) -> None:
+    """llguidance counts free keys without keeping them apart: under {additionalProperties: int,
+    minProperties: 2} the embedded model wrote {"a": 9, "a": 9}, one key once parsed."""
+    with pytest.raises(ValueError, match="structured_outputs json: ") as error:
+        structured.compiled(StructuredOutputsParams(json=schema))
+    assert f"'minProperties' (at {refused}) is counted by llguidance over keys" in str(error.value)
+
+
+def test_min_properties_the_required_keys_and_one_free_key_make_up_is_honoured(accepts) -> None:
+    at_least_one = {"type": "object", "additionalProperties": INTS, "minProperties": 1}
+    assert accepts(at_least_one, '{"a": 1}') and not accepts(at_least_one, "{}")
+    named = {
+        "type": "object", "properties": {"a": INTS}, "required": ["a"], "additionalProperties": INTS,
+        "minProperties": 2,
+    }  # fmt: skip
+    assert accepts(named, '{"a": 1, "b": 2}')
+    assert not accepts(named, '{"a": 1}') and not accepts(named, '{"a": 1, "a": 2}')
+
+
 def test_a_structural_tags_schema_is_refused_too(structured) -> None:
     tag = {
         "triggers": ["<f>"],
@@ -173,3 +220,25 @@ def test_annotations_and_formats_llguidance_does_not_know_are_left_alone(accepts
     assert accepts(schema, '{"u": "any text"}')
     assert accepts({"type": "string", "format": "date"}, '"2024-02-29"')
     assert not accepts({"type": "string", "format": "date"}, '"2024-02-30"')
+
+
+@pytest.mark.parametrize(
+    ("schema", "refused"),
+    [
+        ({"type": "integer", "minimum": 1e20, "maximum": 1e20 + 5}, "'minimum' (at #)"),
+        (
+            tags({"items": {"type": ["integer", "null"], "exclusiveMaximum": -(2**64)}}),
+            "'exclusiveMaximum' (at ",
+        ),
+    ],
+)
+def test_integer_bounds_past_64_bits_are_refused(structured, schema, refused) -> None:
+    """llguidance clamps an integer's range to 64 bits: minimum 1e20 and maximum 1e20 + 5 wrote
+    9223372036854775807. A bound past them on the side that keeps every output valid is honoured."""
+    with pytest.raises(ValueError, match="structured_outputs json: ") as error:
+        structured.compiled(StructuredOutputsParams(json=schema))
+    assert f"{refused}" in str(error.value) and "past the 64-bit integers" in str(error.value)
+
+
+def test_an_integer_bound_past_64_bits_that_every_output_keeps_is_honoured(accepts) -> None:
+    assert accepts({"type": "integer", "maximum": 1e20}, "5")

@@ -219,6 +219,21 @@ def one_of_refs_inlined(schema: object) -> object:
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=", re.MULTILINE)
 
 
+# llama.cpp's GBNF escapes of a code point by 4 or 8 hex digits, after any escaped backslashes.
+_GBNF_UNICODE_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+
+
+def _code_point(match: re.Match) -> str:
+    """An escape llguidance's converter (1.9) would cut short (\\u00e9 -> \\ue9, another code point with
+    what follows) as one it keeps: \\xHH below 256 (the characters GBNF gives a meaning to are among them),
+    else the character itself."""
+    digits = match.group(1) or match.group(2)
+    if digits is None:  # an escaped backslash, left as it is
+        return match.group(0)
+    code = int(digits, 16)
+    return f"\\x{code:02x}" if code < 0x100 else chr(code)
+
+
 def lark(grammar: str) -> str:
     """A grammar as Lark: GBNF (llama.cpp's, which xgrammar, vLLM's default backend, reads as EBNF, so
     vLLM's users send `root ::= ...`) converted by llguidance, Lark as it is; ValueError for a GBNF
@@ -228,7 +243,7 @@ def lark(grammar: str) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
-        return gbnf_to_lark(grammar)
+        return gbnf_to_lark(_GBNF_UNICODE_ESCAPE.sub(_code_point, grammar))
     except Exception as exc:  # the converter raises its own error classes
         raise ValueError(f"GBNF grammar: {exc}") from None
 
@@ -241,6 +256,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     try:
         if kind == "json":
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            _check_integer_bounds(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(closed(one_of_refs_inlined(schema))), defaults=json_options(params)
             )
@@ -298,6 +314,14 @@ def refused_keywords(warnings: list[str], schemas: list[object]) -> str | None:
     where = {name: _where(schemas, name) for name in reasons}
     if any(where.values()):  # one warning names both min/maxProperties: the schema says which it holds
         reasons = {name: reason for name, reason in reasons.items() if where[name] or not reason}
+    repeatable = _where(schemas, "minProperties", test=_min_properties_over_repeatable_keys)
+    if repeatable and "minProperties" not in reasons:
+        reasons["minProperties"] = (
+            "counted by llguidance over keys it does not keep apart (one free key written twice counts "
+            "twice, and parses as one): name the properties and require them, or ask for at most one more "
+            "than the required ones"
+        )
+        where["minProperties"] = repeatable
     if not reasons:
         return None
     by_reason: dict[str, list[str]] = {}
@@ -316,14 +340,54 @@ def refused_keywords(warnings: list[str], schemas: list[object]) -> str | None:
     )
 
 
-def _where(schemas: list[object], keyword: str, limit: int = 3) -> list[str]:
-    """JSON pointers to the subschemas of `schemas` that hold `keyword` (at most `limit`)."""
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _check_integer_bounds(schema: object) -> None:
+    """A ValueError for an integer's bound past the 64-bit integers llguidance's ranges hold: it clamps
+    them, so that minimum 1e20 with maximum 1e20 + 5 wrote 9223372036854775807."""
+
+    def past(keyword: str, node: dict) -> bool:
+        kinds = node.get("type")
+        value = node.get(keyword)
+        if "integer" not in (kinds if isinstance(kinds, list) else [kinds]) or isinstance(value, bool):
+            return False
+        if not isinstance(value, (int, float)):
+            return False
+        return value > _INT64[1] if "inimum" in keyword else value < _INT64[0]
+
+    for keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        found = _where([schema], keyword, test=lambda node, keyword=keyword: past(keyword, node))
+        if found:
+            raise ValueError(
+                f"'{keyword}' (at {', '.join(found)}) is past the 64-bit integers (-2**63 to 2**63 - 1) that "
+                "llguidance's integer ranges hold"
+            )
+
+
+def _min_properties_over_repeatable_keys(node: dict) -> bool:
+    """An object whose minProperties its required properties and one free key do not make up. Its free
+    keys (additionalProperties, patternProperties; an object that lists no properties stays open) may
+    repeat one another in llguidance's grammar, so only the required names and one free key are sure to
+    be distinct keys of the parsed object."""
+    count, required = node.get("minProperties"), node.get("required")
+    names = set(required) if isinstance(required, list) else set()
+    extra = node.get("additionalProperties")
+    free = bool(node.get("patternProperties")) or (
+        extra is not False and (extra is not None or not isinstance(node.get("properties"), dict))
+    )
+    return free and isinstance(count, int) and count > len(names) + 1
+
+
+def _where(schemas: list[object], keyword: str, limit: int = 3, test=None) -> list[str]:
+    """JSON pointers to the subschemas of `schemas` that hold `keyword` (at most `limit`), those that also
+    pass `test` where one is given."""
     found: list[str] = []
 
     def visit(node: object, pointer: str) -> None:
         if not isinstance(node, dict) or len(found) >= limit:
             return
-        if keyword in node:
+        if keyword in node and (test is None or test(node)):
             found.append(f"#{pointer}")
         for step, sub in _subschemas(node):
             visit(sub, f"{pointer}/{step}")

@@ -218,12 +218,13 @@ def test_structural_tags(client, server) -> None:
 
 def test_vllms_structured_outputs_object_sent_whole(client, server) -> None:
     """A client that sends vLLM's StructuredOutputsParams whole (dataclasses.asdict: every field, nulls
-    for those unset): nulls are defaults. A flag that is no bool is a 400 naming the field; both had
-    failed the engine core's decoding, which took the server down."""
+    for those unset): nulls are defaults, and the fields that pick one of vLLM's backends say nothing
+    here. A flag that is no bool is a 400 naming the field; both had failed the engine core's decoding,
+    which took the server down."""
     whole = {
         "json": None, "regex": None, "choice": ["yes", "no"], "grammar": None, "json_object": None,
-        "disable_any_whitespace": False, "disable_additional_properties": False,
-        "whitespace_pattern": None, "structural_tag": None,
+        "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,
+        "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False,
     }  # fmt: skip
     answer = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=5, temperature=0,

@@ -15,6 +15,9 @@ STRUCTURED_OUTPUTS_KEYS = {
     "json", "json_object", "regex", "choice", "grammar", "structural_tag",
     "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
 }  # fmt: skip
+# vLLM's StructuredOutputsParams fields that choose among its backends, not what the output may be: a
+# client sending the dataclass whole (dataclasses.asdict) sends them too, and vLLM's server takes them.
+BACKEND_KEYS = {"_backend", "_backend_was_auto", "disable_fallback"}
 GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 
 
@@ -64,8 +67,9 @@ def one_constraint(
     if len(found) > 1:
         raise ParamError(found[1][0], f"give one output constraint, got {', '.join(f for f, _ in found)}")
     field_name, fields = found[0]
-    # A null is the default, as for the request's own fields (a client sending vLLM's dataclass whole).
-    fields = {key: value for key, value in fields.items() if value is not None}
+    # A null is the default, as for the request's own fields (a client sending vLLM's dataclass whole,
+    # whose backend fields say nothing here).
+    fields = {key: value for key, value in fields.items() if value is not None and key not in BACKEND_KEYS}
     unknown = sorted(set(fields) - STRUCTURED_OUTPUTS_KEYS)
     if unknown:
         raise ParamError(field_name, f"unknown key(s) {unknown}; known: {sorted(STRUCTURED_OUTPUTS_KEYS)}")
