@@ -78,7 +78,7 @@ def chat_encoder(state, request: ChatCompletionRequest) -> Callable[[str], list[
 class ToolAnswer:
     """A choice's text as the answer tool_choice asks for: plain content, or tool calls (a grammar's
     output under required or a named function, a parser's find under auto) with finish_reason
-    tool_calls."""
+    tool_calls, but `stop` under a named function, as OpenAI's API answers (streamed or not)."""
 
     def __init__(
         self,
@@ -131,10 +131,11 @@ class ToolAnswer:
         calls = calls if self.parallel else calls[:1]
         message = {"role": self.role, "content": content, **thinking}
         message["tool_calls"] = [c.to_openai(self.parser_name) for c in calls]
-        return {
-            "message": message,
-            "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason,
-        }
+        return {"message": message, "finish_reason": self.finish_reason(finish_reason)}
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """A choice's finish_reason once it holds calls."""
+        return "tool_calls" if engine_reason == "stop" and self.mode != "named" else engine_reason
 
 
 def _usage(final: RequestOutput) -> dict:
@@ -290,8 +291,8 @@ class ChatServing:
                         finished.add(c.index)
                         finish_reason = c.finish_reason
                         calls = streams[c.index].calls if c.index in streams else 0
-                        if calls and finish_reason == "stop":
-                            finish_reason = "tool_calls"
+                        if calls:
+                            finish_reason = tools.finish_reason(finish_reason)
                         yield chunk(
                             [{**choice(c.index, {}, None, finish_reason), "stop_reason": c.stop_reason}],
                             len(c.token_ids),
