@@ -121,6 +121,25 @@ def test_whitespace_pattern_is_the_whitespace_json_may_hold(accepts) -> None:
     assert not accepts(params, '{"a": 1, "b": 2}')
 
 
+@pytest.mark.parametrize("pattern", [r"[\n\t ]*", r"( |\r\n)?", " {0,4}", r"\n?[ ]*"])
+def test_a_whitespace_pattern_over_jsons_whitespace_is_taken(accepts, pattern) -> None:
+    assert accepts(StructuredOutputsParams(json=SCHEMA, whitespace_pattern=pattern), '{"a":1}')
+
+
+@pytest.mark.parametrize("pattern", ["x", r"\s*", "(ab)?", r"[ /]?", r"\u00a0?"])
+def test_a_whitespace_pattern_past_jsons_whitespace_is_refused(pattern) -> None:
+    """Put between the JSON's tokens, such a pattern breaks the JSON ({x"a"x:x3x}); Unicode's \\s holds
+    spaces JSON does not take."""
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import StructuredOutputs
+
+    structured = StructuredOutputs(
+        resolve_model("default").load_tokenizer, 49152, mask_threads=1, max_families=1
+    )
+    with pytest.raises(ValueError, match="structured_outputs whitespace_pattern .* matches more than JSON's"):
+        structured.compiled(StructuredOutputsParams(json=SCHEMA, whitespace_pattern=pattern))
+
+
 @pytest.mark.parametrize(
     ("fields", "words"),
     [

@@ -170,6 +170,8 @@ class StructuredOutputs:
         import llguidance
 
         text = grammar_text(params)  # its ValueError names the field already
+        if params.whitespace_pattern is not None:
+            self._check_whitespace(params.whitespace_pattern)
         try:
             matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
         except (ValueError, RuntimeError) as exc:
@@ -181,6 +183,28 @@ class StructuredOutputs:
         if refused:
             raise ValueError(f"structured_outputs {params.kind}: {refused}")
         return matcher
+
+    def _check_whitespace(self, pattern: str) -> None:
+        """A ValueError for a whitespace_pattern that matches anything but JSON's whitespace (space, tab,
+        newline, carriage return): put between the JSON's tokens, it would break the JSON. llguidance
+        decides it: the pattern's language less JSON's whitespace leaves a matcher nothing to take."""
+        import llguidance
+
+        lexeme = llguidance.regex_to_lark(pattern)
+        grammar = f"start: OUTSIDE\nOUTSIDE: /(?:{lexeme})/ & ~/[ \\t\\n\\r]*/\n"
+        try:
+            outside = llguidance.LLMatcher(
+                self.ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"structured_outputs whitespace_pattern: {exc}") from None
+        outside.compute_bitmask()  # an empty language shows as an error once a mask is asked for
+        if not outside.is_error():
+            raise ValueError(
+                f"structured_outputs whitespace_pattern {pattern!r} matches more than JSON's whitespace "
+                "(space, tab, newline, carriage return; \\s is Unicode's), which would break the JSON: use "
+                "a pattern over [ \\t\\n\\r]"
+            )
 
     def compiled(self, params: StructuredOutputsParams) -> _Families:
         """The constraint compiled against the tokenizer (a ValueError naming the field when llguidance
