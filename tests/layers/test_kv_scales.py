@@ -119,3 +119,26 @@ def test_bad_kv_schemes_and_scales_are_clear_errors(tmp_path) -> None:
     save_file(tensors, weights_file)
     with pytest.raises(ValueError, match="only one of layer 1's k_scale and v_scale"):
         load(path, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_dense_prefill_attends_over_what_an_fp8_cache_stored(arch: str, tmp_path) -> None:
+    """A CUDA step holding one whole prompt attends densely over the step's keys and values; under an FP8
+    cache it must see them as the cache holds them (rounded to e4m3 under the scales), as a prompt batched
+    with another reads them through the paged kernels: the same log-probabilities either way (it had seen
+    them unrounded, 0.25 apart on a random model)."""
+    path = tmp_path / "kv-scales"
+    save_with_kv_scheme(small_kv_model(arch), path)
+    other = [5, 9, 14, 2, 77, 31, 8]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    def logprobs(llm, prompts) -> torch.Tensor:
+        out = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[0]
+        return torch.tensor([entry[t].logprob for t, entry in zip(PROMPT[1:], out.prompt_logprobs[1:])])
+
+    llm = load(path, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    llm.engine.runner.dense_prefill_ok = True  # what a CUDA runner takes (the CPU's SDPA runs it)
+    alone, batched = logprobs(llm, [PROMPT]), logprobs(llm, [PROMPT, other])
+    exact = logprobs(load(path, enable_prefix_caching=False), [PROMPT])
+    torch.testing.assert_close(alone, batched, atol=1e-4, rtol=0)
+    assert (alone - exact).abs().max() > 1e-4  # the rounding is there to see

@@ -23,6 +23,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 
 
+def as_stored_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """x as an FP8 KV cache holds it and its readers see it: x / scale saturated to e4m3 and rounded, times
+    scale, in x's dtype (the dense prefill attends over this, as the paged kernels over the cache)."""
+    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale).to(x.dtype)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,

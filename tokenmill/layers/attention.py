@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenmill.kernels import Kernels, StepRotary, get_kernels
+from tokenmill.kernels.reference import FP8_DTYPE, as_stored_fp8
 from tokenmill.layers.rotary import RotaryEmbedding
 
 # Whether a decode step's attention rotates q and k and stores K/V in its own launch (paged_attention's
@@ -125,6 +126,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if attn_metadata.dense_prefill:
             q, k = self.store_kv(q, k, v, attn_metadata, positions)
+            if self.k_cache.dtype == FP8_DTYPE:  # read as the paged kernels read what was just stored
+                k, v = as_stored_fp8(k, self.k_scale), as_stored_fp8(v, self.v_scale)
             # reshape: the [T, H, D] view is contiguous from cuDNN (bf16/fp16), not from the fp32 backends.
             return dense_causal_attention(q, k, v, self.scale).reshape(
                 num_tokens, self.num_heads * self.head_dim
