@@ -89,3 +89,19 @@ def test_the_engine_stops_speculating_when_drafts_do_not_pay(hf_model_dirs) -> N
     assert run(replay, prompts, params) == expected
     assert replay.engine.scheduler.spec.policy.tau > 4
     assert replay.engine.scheduler.spec.num_accepted_tokens > 100
+
+
+def test_the_policy_plans_the_weights_and_kv_cache_as_the_engine_holds_them() -> None:
+    """An FP8 KV cache reads half the bytes a token: verification stays cheaper against it at long
+    context; the engine names its weights' dtype from the loaded linears' bytes, however quantized."""
+    from tokenmill import LLM
+    from tokenmill.serving.engine_setup import _stored_as
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+    bf16 = batch_limit_for(config, "NVIDIA H200", 4, 0.0, 256, 32768)
+    fp8 = batch_limit_for(config, "NVIDIA H200", 4, 0.0, 256, 32768, weight_dtype="fp8", kv_dtype="fp8")
+    assert fp8._costs(32768)[63] != bf16._costs(32768)[63]
+    for quantization, expected in ((None, "bf16"), ("fp8", "fp8"), ("int4", "int4")):
+        llm = LLM("default", quantization=quantization, max_model_len=256, num_kv_blocks=16)
+        assert _stored_as(llm.engine.runner.model) == expected

@@ -172,7 +172,8 @@ def create_engine(config: EngineConfig) -> EngineParts:
         spec_policy = batch_limit_for(
             source.hf_config, torch.cuda.get_device_name(runner.device), spec.num_speculative_tokens,
             runner.drafter.draft_cost(), config.max_num_seqs, max_model_len,
-            weight_dtype={"fp8": "fp8", "int4": "int4"}.get(config.quantization or "", "bf16"),
+            weight_dtype=_stored_as(runner.model),
+            kv_dtype="fp8" if runner.kv_dtype == torch.float8_e4m3fn else "bf16",
         )  # fmt: skip
     structured = None
     if not config.skip_tokenizer_init and pooling_type is None:
@@ -201,3 +202,25 @@ def create_engine(config: EngineConfig) -> EngineParts:
 
         warm_up(parts)
     return parts
+
+
+def _stored_as(model: torch.nn.Module) -> str:
+    """The planner's weight dtype (plan/memory.py WEIGHT_DTYPES) of the model as loaded, whichever way its
+    linears were quantized (online or by the checkpoint): from their bytes a weight, over every tensor of
+    each layer's shard (scales and zero points too), and FP8 told from INT8 by the dtype."""
+    from tokenmill.layers.linear import LinearBase
+
+    weights = stored = 0
+    fp8 = False
+    for layer in model.modules():
+        if isinstance(layer, LinearBase):
+            weights += layer.input_size_per_partition * layer.output_size_per_partition
+            for tensor in layer.parameters(recurse=False):
+                stored += tensor.numel() * tensor.element_size()
+                fp8 = fp8 or tensor.dtype == torch.float8_e4m3fn
+    per_weight = stored / weights if weights else 2.0
+    if per_weight < 0.75:
+        return "int4"
+    if per_weight < 1.5:
+        return "fp8" if fp8 else "int8"
+    return "bf16"

@@ -84,9 +84,11 @@ class BatchLimit:
 
 
 def batch_limit_for(hf_config, device_name: str, k: int, draft_cost: float, max_batch: int,
-                    max_model_len: int, weight_dtype: str = "bf16") -> BatchLimit | None:  # fmt: skip
+                    max_model_len: int, weight_dtype: str = "bf16",
+                    kv_dtype: str = "bf16") -> BatchLimit | None:  # fmt: skip
     """The planner's policy for this model on this GPU, or None (no limit) when the planner does not
-    know the card or cannot read the model's shape."""
+    know the card or cannot read the model's shape; weight_dtype and kv_dtype as the engine holds them
+    (plan/memory.py's names)."""
     from tokenmill.plan.gpus import MEASURED, ceilings_for, resolve_gpu
     from tokenmill.plan.memory import Deployment
     from tokenmill.plan.model_shape import from_hf_config
@@ -100,7 +102,9 @@ def batch_limit_for(hf_config, device_name: str, k: int, draft_cost: float, max_
         return None
     ceilings = ceilings_for(gpu, weight_dtype, measured=gpu.name in MEASURED)
     contexts = [c for c in CONTEXTS if c < max_model_len] + [max_model_len]
-    deployment = Deployment(shape, gpu, weight_dtype=weight_dtype, context_len=max_model_len)
+    deployment = Deployment(
+        shape, gpu, weight_dtype=weight_dtype, kv_dtype=kv_dtype, context_len=max_model_len
+    )
     costs = {
         context: verify_costs(deployment, ceilings, 1, context, k, max_batch, STEP_OVERHEAD_S)
         for context in contexts
