@@ -354,7 +354,7 @@ def _check_integer_bounds(schema: object) -> None:
             return False
         if not isinstance(value, (int, float)):
             return False
-        return value > _INT64[1] if "inimum" in keyword else value < _INT64[0]
+        return value > _INT64[1] if keyword in ("minimum", "exclusiveMinimum") else value < _INT64[0]
 
     for keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         found = _where([schema], keyword, test=lambda node, keyword=keyword: past(keyword, node))
