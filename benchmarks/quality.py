@@ -3,7 +3,8 @@ tokens of plain prose written for this project) under each scheme and dtype, and
 unquantized model in the same dtype. Prints JSON.
 INT4 is a compressed-tensors W4A16 checkpoint (group 64, zero points, round-to-nearest) that this script
 makes from the embedded model with the compressed-tensors library (tokenmill/bench/quant_checkpoints.py).
-fp8-kv is the unquantized model with an FP8 KV cache. int4-gptq (not in the default list: about 13
+fp8-kv is the unquantized model with an FP8 KV cache; int4-online is `--quantization int4` (symmetric
+groups of 128 made at load, no calibration). int4-gptq (not in the default list: about 13
 minutes on two AVX2 cores, 2-3 of them writing the calibration text) is a GPTQ-format checkpoint, group 128,
 zero points, desc_act false: AWQ input scaling, then true-sequential GPTQ (each sublayer calibrated on
 inputs through the ones before it quantized) with act-order over static groups whose ranges come from a
@@ -24,6 +25,7 @@ from tokenmill import LLM
 from tokenmill.bench.perplexity import perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
+SCHEMES = ("none", "fp8", "fp8-kv", "int4", "int4-online", "int4-gptq")
 
 
 def main() -> None:
@@ -31,13 +33,16 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--schemes", default="none,fp8,fp8-kv,int4")
     args = parser.parse_args()
+    unknown = sorted(set(args.schemes.split(",")) - set(SCHEMES))
+    if unknown:
+        parser.error(f"--schemes: unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}")
     rows = []
     token_ids = None
     checkpoints: dict[str, str] = {}
     for dtype in args.dtypes.split(","):
         baseline = None
         for scheme in args.schemes.split(","):
-            quantization = None if scheme in ("none", "int4", "int4-gptq", "fp8-kv") else scheme
+            quantization = {"fp8": "fp8", "int4-online": "int4"}.get(scheme)
             options = dict(max_model_len=4096, num_kv_blocks=300, dtype=dtype, quantization=quantization)
             if scheme == "fp8-kv":
                 options["kv_cache_dtype"] = "fp8"
