@@ -334,3 +334,23 @@ def test_a_tensor_of_the_wrong_kind_of_dtype_names_itself(method, tensor, dtype,
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"'{name}': dtype .* is not the expected {kind} dtype"):
         load(tmp_path)
+
+
+def test_gptq_8_bit_zero_point_0_stored_as_0xff_reads_as_256(tmp_path) -> None:
+    """GPTQ stores zero - 1: a group whose weights are all >= 0 (zero point 0) has byte 0xFF, which
+    AutoGPTQ's and vLLM's readers take back as 256. The layer holds that one in int16 (int8 holds 127 at
+    most); a layer without such a zero keeps int8."""
+    from safetensors.torch import load_file
+
+    make_checkpoint("llama", "gptq", 32, tmp_path, bits=8)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    tensors[f"{name}.qzeros"].view(torch.uint8)[0, 0] = 0xFF  # row 0, group 0
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    llm = load(tmp_path)
+    layers = llm.engine.runner.model.model.layers
+    down, up = layers[0].mlp.down_proj, layers[1].mlp.down_proj
+    assert down.qzeros.dtype == torch.int16 and up.qzeros.dtype == torch.int8
+    q = tensors[f"{name}.qweight"][:, 0].contiguous().view(torch.uint8)[:32].float()  # row 0's first group
+    expected = (q - 256) * tensors[f"{name}.scales"][0, 0].float()
+    torch.testing.assert_close(down.quant_method.dequantize(down)[0, :32], expected)

@@ -16,7 +16,9 @@ Triton W4A16 GEMM and reference as compressed-tensors' pack-quantized checkpoint
 
 GPTQ with `bits: 8` packs four 8-bit values a word the same ways (qweight [K/4, N] along K, qzeros
 [K/group, N/4] along N, each stored as zero - 1; values unsigned 0..255): they load unpacked, int8
-q - 128 [N, K] and zero points int8 [N, groups], and run through int8.py's int8_grouped_linear.
+q - 128 [N, K] and zero points int8 [N, groups] (int16 in a layer where one is 256: a zero point of 0,
+stored as byte 0xFF, which GPTQ's readers take back as 256), and run through int8.py's
+int8_grouped_linear.
 """
 
 from __future__ import annotations
@@ -204,9 +206,11 @@ class GptqAwqLinearMethod(LinearMethodBase):
             return loaded.t().contiguous()  # [K/8, n] along K: word for word our layout, transposed
 
         def qzeros(loaded: torch.Tensor) -> torch.Tensor:
-            if self.bits == 8:  # [groups, n/4] along N, each zero - 1 -> zero - 128, int8 [n, groups]
+            if self.bits == 8:  # [groups, n/4] along N, each zero - 1 -> zero - 128, int16 [n, groups]
+                # A zero point of 0 was stored as byte 0xFF (0 - 1) and every GPTQ reader takes it back as
+                # 256: zero - 128 = 128, past int8 until after_loading finds none such.
                 zeros = unpack_int8(loaded, loaded.shape[1] * 4).to(torch.int16) + 1
-                return zeros.clamp(-128, 127).t().to(torch.int8).contiguous()
+                return zeros.t().contiguous()
             zeros = _unpack_columns(loaded, awq=awq) + (0 if awq else 1)  # GPTQ stores zero - 1
             return (zeros - 8).t().to(torch.int8).contiguous()
 
@@ -214,7 +218,8 @@ class GptqAwqLinearMethod(LinearMethodBase):
             add("qweight", torch.zeros(rows, columns, dtype=torch.int8), qweight)
         else:
             add("qweight", torch.zeros(rows, columns // PACK, dtype=torch.int32), qweight)
-        add("qzeros", torch.zeros(rows, num_groups, dtype=torch.int8), qzeros)
+        zero_dtype = torch.int16 if self.bits == 8 else torch.int8
+        add("qzeros", torch.zeros(rows, num_groups, dtype=zero_dtype), qzeros)
         add("scales", torch.zeros(rows, num_groups, dtype=params_dtype or torch.get_default_dtype()),
             lambda loaded: loaded.t().contiguous())  # fmt: skip
         if not awq:
@@ -231,6 +236,10 @@ class GptqAwqLinearMethod(LinearMethodBase):
         # load a tile and one subtraction a value fewer; per channel at decode's rows, the skinny W8A16
         # kernel). A layer whose shard has any other zero keeps them all.
         layer.zeros_in_use = bool(layer.qzeros.any())
+        if layer.qzeros.dtype == torch.int16 and int(layer.qzeros.max()) <= 127:
+            # 8-bit zero points in int8, as the kernels have been tested with, unless one is 256 (above):
+            # the kernels read them as numbers either way.
+            layer.qzeros = nn.Parameter(layer.qzeros.data.to(torch.int8), requires_grad=False)
 
     def _zeros(self, layer: nn.Module) -> torch.Tensor | None:
         return layer.qzeros if getattr(layer, "zeros_in_use", True) else None
