@@ -225,7 +225,36 @@ PARSER_CASES = [
         "Let me check. ",
         [("f", {"a": 1})],
     ),
-]
+    # A JSON answer with a "name" is no call without arguments (vLLM's parsers: content).
+    (Llama3JsonParser(), '{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),
+    (HermesParser(), '<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
+    (MistralParser(), '[TOOL_CALLS] [{"name": "f"}]', '[TOOL_CALLS] [{"name": "f"}]', []),
+    # One block or item that is no call makes the whole answer content, not the others' calls alone.
+    (HermesParser(), f"<tool_call>{F0}</tool_call><tool_call>{{bad</tool_call>",
+     f"<tool_call>{F0}</tool_call><tool_call>{{bad</tool_call>", []),
+    (HermesParser(), f"<tool_call>{F0}</tool_call><tool_call>{{\"name\": \"g\", \"argu",
+     f"<tool_call>{F0}</tool_call><tool_call>{{\"name\": \"g\", \"argu", []),
+    (MistralParser(), f"[TOOL_CALLS] [{F0}, {{\"nom\": 1}}]", f"[TOOL_CALLS] [{F0}, {{\"nom\": 1}}]", []),
+    # Calls separated by a carriage return and newline.
+    (Llama3JsonParser(), '{"name": "f", "parameters": {}};\r\n{"name": "g", "parameters": {"c": 2}}', None,
+     [("f", {}), ("g", {"c": 2})]),
+]  # fmt: skip
+
+
+def test_auto_keeps_the_special_token_markers_in_the_text() -> None:
+    """Mistral's [TOOL_CALLS] (and some Hermes models' <tool_call>) is a special token: skipped by the
+    detokenizer, the calls would come back as content. llama3_json's <|python_tag|> needs nothing."""
+    from tokenmill.entrypoints.openai.tool_calls import keep_marker
+    from tokenmill.sampling_params import SamplingParams
+
+    for mode, parser, kept in [
+        ("auto", "mistral", True), ("auto", "hermes", True), ("auto", "llama3_json", False),
+        ("required", "mistral", False), ("named", "hermes", False), ("none", "mistral", False),
+        ("auto", None, False),
+    ]:  # fmt: skip
+        params = SamplingParams()
+        keep_marker(params, mode, parser)
+        assert params.skip_special_tokens is not kept, (mode, parser)
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), PARSER_CASES)

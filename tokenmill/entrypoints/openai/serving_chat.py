@@ -36,6 +36,7 @@ from .tool_calls import (
     PARSERS,
     ToolStream,
     calls_from_constrained,
+    keep_marker,
     tool_constraint,
 )
 
@@ -179,6 +180,7 @@ class ChatServing:
             defaults.get("max_tokens"),  # type: ignore[arg-type]
         )  # fmt: skip
         params = request.sampling_params(max_tokens, request.num_logprobs, request.prompt_logprobs, defaults)
+        keep_marker(params, mode, state.tool_call_parser)
         if mode in ("required", "named"):
             params.structured_outputs = tool_constraint(
                 request.tools, request.tool_choice, request.parallel_tool_calls

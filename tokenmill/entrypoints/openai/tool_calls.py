@@ -191,9 +191,14 @@ class _MarkerParser:
 
 
 def _call_from_object(item: object, arguments_key: str) -> ToolCall | None:
+    """A call from a parsed JSON item, None unless it names a function and gives its arguments (a JSON
+    answer with a "name" key is no call: vLLM's parsers take it as content too)."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
-    arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", {})))
+    key = next((k for k in (arguments_key, "arguments", "parameters") if k in item), None)
+    if key is None:
+        return None
+    arguments = item[key]
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -208,17 +213,21 @@ class HermesParser(_MarkerParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them kept."""
 
     marker = "<tool_call>"
+    marker_is_special = True  # in some Hermes models' tokenizers
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The calls, or none and the whole text as content where any block is no call (as vLLM's parser:
+        a malformed or cut block is not dropped while the others pass)."""
         calls = []
         for body in self._block.findall(text):
             try:
                 call = _call_from_object(json.loads(body), "arguments")
             except json.JSONDecodeError:
                 call = None
-            if call is not None:
-                calls.append(call)
+            if call is None:
+                return text, []
+            calls.append(call)
         if not calls:
             return text, []
         # The text before the calls as written (as a stream sends it, and as vLLM returns it).
@@ -261,7 +270,7 @@ class Llama3JsonParser:
                 return text, []
             calls.append(call)
             position = end
-            while position < len(body) and body[position] in " \n\t;":
+            while position < len(body) and body[position] in " \r\n\t;":
                 position += 1
         return None, calls
 
@@ -270,8 +279,10 @@ class MistralParser(_MarkerParser):
     """`[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, text before it kept."""
 
     marker = "[TOOL_CALLS]"
+    marker_is_special = True  # in Mistral's tokenizers
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The calls, or none and the whole text as content where any item is no call."""
         if self.marker not in text:
             return text, []
         head, tail = text.split(self.marker, 1)
@@ -280,13 +291,21 @@ class MistralParser(_MarkerParser):
         except json.JSONDecodeError:
             return text, []
         items = items if isinstance(items, list) else [items]
-        calls = [c for c in (_call_from_object(i, "arguments") for i in items) if c is not None]
-        if not calls:
+        calls = [_call_from_object(i, "arguments") for i in items]
+        if not calls or None in calls:
             return text, []
         return head or None, calls
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
+def keep_marker(params, mode: str, parser_name: str | None) -> None:
+    """Under `auto`, a parser whose marker may be a special token of the model's tokenizer (Mistral's
+    [TOOL_CALLS], some Hermes models' <tool_call>) needs it kept in the text: skip_special_tokens off, as
+    vLLM's parsers of these names set it."""
+    if mode == "auto" and getattr(PARSERS.get(parser_name or ""), "marker_is_special", False):
+        params.skip_special_tokens = False
 
 
 # ---- streaming ----------------------------------------------------------------------------------
