@@ -235,6 +235,11 @@ PARSER_CASES = [
     (HermesParser(), f"<tool_call>{F0}</tool_call><tool_call>{{\"name\": \"g\", \"argu",
      f"<tool_call>{F0}</tool_call><tool_call>{{\"name\": \"g\", \"argu", []),
     (MistralParser(), f"[TOOL_CALLS] [{F0}, {{\"nom\": 1}}]", f"[TOOL_CALLS] [{F0}, {{\"nom\": 1}}]", []),
+    # Mistral's newer tokenizers (v11+): name[ARGS]{...} a call, each after its marker.
+    (MistralParser(), 'Sure. [TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[CALL_ID]a1B2c3D4e[ARGS]{}',
+     "Sure. ", [("f", {"a": [1, 2]}), ("g", {})]),
+    (MistralParser(), "[TOOL_CALLS]f[ARGS]{broken", "[TOOL_CALLS]f[ARGS]{broken", []),
+    (MistralParser(), "[TOOL_CALLS]f", "[TOOL_CALLS]f", []),
     # Calls separated by a carriage return and newline.
     (Llama3JsonParser(), '{"name": "f", "parameters": {}};\r\n{"name": "g", "parameters": {"c": 2}}', None,
      [("f", {}), ("g", {"c": 2})]),
@@ -320,6 +325,7 @@ OUTPUTS = [
     ("mistral",
      f'Checking. [TOOL_CALLS] [{{"name": "f", "arguments": {ODD}}}, '
      '{"name": "g", "arguments": {}, "id": "a1B2c3D4e"}]'),
+    ("mistral", f'Checking. [TOOL_CALLS]f[ARGS]{ODD}[TOOL_CALLS]g[ARGS]{{}}'),
 ]  # fmt: skip
 
 

@@ -276,7 +276,9 @@ class Llama3JsonParser:
 
 
 class MistralParser(_MarkerParser):
-    """`[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, text before it kept."""
+    """`[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or the form of Mistral's newer tokenizers
+    (v11+: Mistral Small 3.2, Magistral, Devstral), `[TOOL_CALLS]name[ARGS]{...}` a call, each with its
+    marker (a `[CALL_ID]id` after the name passed over); text before the first marker kept."""
 
     marker = "[TOOL_CALLS]"
     marker_is_special = True  # in Mistral's tokenizers
@@ -286,6 +288,9 @@ class MistralParser(_MarkerParser):
         if self.marker not in text:
             return text, []
         head, tail = text.split(self.marker, 1)
+        if not tail.lstrip().startswith(("[", "{")):
+            calls = [_named_args_call(part) for part in tail.split(self.marker)]
+            return (text, []) if None in calls else (head or None, calls)  # type: ignore[return-value]
         try:
             items = json.JSONDecoder().raw_decode(tail.strip())[0]
         except json.JSONDecodeError:
@@ -295,6 +300,21 @@ class MistralParser(_MarkerParser):
         if not calls or None in calls:
             return text, []
         return head or None, calls
+
+
+def _named_args_call(part: str) -> ToolCall | None:
+    """One `name[ARGS]{...}` call of Mistral's newer form (`name[CALL_ID]id[ARGS]{...}` too)."""
+    name, found, arguments = part.partition("[ARGS]")
+    name = name.partition("[CALL_ID]")[0].strip()
+    if not found or not name:
+        return None
+    try:
+        item, end = json.JSONDecoder().raw_decode(arguments.strip())
+    except json.JSONDecodeError:
+        return None
+    if arguments.strip()[end:].strip():
+        return None
+    return _call_from_object({"name": name, "arguments": item}, "arguments")
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
