@@ -112,11 +112,15 @@ def build_sampling_batch(
     # before this step's own, which input_batch.prepare has already counted as pending in a row that keeps
     # its sample.
     output_lens = {r.req_id: len(r.output_token_ids) for r in flagged(_PENALTIES)}
-    output_counts = {
-        r.req_id: r.num_output_tokens - keeps
-        for r, keeps, (_, row_flags) in zip(requests, samples, rows)
-        if row_flags & _MIN_TOKENS
-    }
+    output_counts = (
+        {
+            r.req_id: r.num_output_tokens - keeps
+            for r, keeps, (_, row_flags) in zip(requests, samples, rows)
+            if row_flags & _MIN_TOKENS
+        }
+        if flags & _MIN_TOKENS
+        else {}
+    )
     needs_logit_edits = bool(flags & _BIAS) or any(
         output_counts[r.req_id] < r.sampling_params.min_tokens for r in flagged(_MIN_TOKENS)
     )
