@@ -21,8 +21,8 @@ from tokenmill.entrypoints.openai.tool_calls import (
     Llama3JsonParser,
     MistralParser,
     ToolCall,
-    ToolStream,
 )
+from tokenmill.entrypoints.openai.tool_stream import ToolStream
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 

@@ -32,13 +32,8 @@ from .errors import bad_request, to_openai_error
 from .logprobs import chat_logprobs, reported_logprobs, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessage
 from .reasoning import ReasoningParser, StreamSplitter
-from .tool_calls import (
-    PARSERS,
-    ToolStream,
-    calls_from_constrained,
-    keep_marker,
-    tool_constraint,
-)
+from .tool_calls import PARSERS, calls_from_constrained, keep_marker, tool_constraint
+from .tool_stream import ToolStream
 
 
 def render_chat(
