@@ -1,4 +1,4 @@
-"""JSON Schema keywords against llguidance (tokenmill/grammars.py): a keyword it would ignore, so that the
+"""JSON Schema keywords against llguidance (tokenmill/json_schemas.py): a keyword it would ignore, so that the
 output could break the schema, is a ValueError naming the keyword and where it sits; the ones it lacks but
 that say what a keyword it has says (or nothing) are honoured; annotations and formats it does not know
 are left alone."""

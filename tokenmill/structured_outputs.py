@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.grammars import constraint_schemas, grammar_text, refused_keywords
+from tokenmill.grammars import constraint_schemas, grammar_text
+from tokenmill.json_schemas import refused_keywords
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.thinking import CLOSED, END, START, starts_inside
 
