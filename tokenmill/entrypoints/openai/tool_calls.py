@@ -308,11 +308,12 @@ def _named_args_call(part: str) -> ToolCall | None:
     name = name.partition("[CALL_ID]")[0].strip()
     if not found or not name:
         return None
+    arguments = arguments.strip()
     try:
-        item, end = json.JSONDecoder().raw_decode(arguments.strip())
+        item, end = json.JSONDecoder().raw_decode(arguments)
     except json.JSONDecodeError:
         return None
-    if arguments.strip()[end:].strip():
+    if arguments[end:].strip():
         return None
     return _call_from_object({"name": name, "arguments": item}, "arguments")
 
