@@ -212,9 +212,24 @@ def test_the_cpu_and_disk_tiers_under_tensor_parallelism() -> None:
 
 
 DEAD_RANK_RUN = """
-import sys
+import os, sys
+from pathlib import Path
+import torch.distributed
 from tokenmill import LLM, SamplingParams
 from tokenmill.worker.tp_executor import RankDiedError
+
+def ranks_alive():
+    mine = str(os.getpid())
+    return [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and (p / "stat").exists()
+            and (p / "stat").read_text().rsplit(")", 1)[-1].split()[1] == mine]
+
+# Refused as every rank builds its layers (GPTQ groups of 64 over o_proj's 32 columns a rank): the
+# ranks and the group go with it.
+try:
+    LLM(sys.argv[2], skip_tokenizer_init=True, dtype="float32", max_model_len=256, tensor_parallel_size=2)
+except ValueError as exc:
+    print("start refused:", exc)
+print("left behind:", torch.distributed.is_initialized(), ranks_alive())
 llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=256, tensor_parallel_size=2)
 (process,) = llm.engine.core.executor.ranks.processes
 process.kill()
@@ -226,8 +241,16 @@ except RankDiedError as exc:
 """
 
 
-def test_a_dead_rank_fails_the_next_step_instead_of_hanging(hf_model_dirs) -> None:
-    done = python(DEAD_RANK_RUN, hf_model_dirs["llama"][0], timeout=120)
+def test_a_dead_rank_fails_the_next_step_instead_of_hanging(hf_model_dirs, tmp_path) -> None:
+    """And first a start refused after its ranks started: nothing is left behind (the ranks, the process
+    group; both were, and the next engine of the process could not start), and the next engine starts."""
+    from tests.layers import test_gptq_awq
+
+    test_gptq_awq.make_checkpoint("llama", "gptq", 64, tmp_path)
+    done = python(DEAD_RANK_RUN, hf_model_dirs["llama"][0], str(tmp_path), timeout=120)
+    refused = "start refused: quantization_config.group_size 64 does not divide"
+    assert refused in done.stdout, done.stderr[-2000:]
+    assert "left behind: False []" in done.stdout, done.stdout
     assert "refused: tensor-parallel rank 1 exited (code -9)." in done.stdout, done.stderr[-2000:]
 
 

@@ -101,6 +101,18 @@ def create_engine(config: EngineConfig) -> EngineParts:
 
         check_tensor_parallel(source.hf_config, config.tensor_parallel_size, config.enable_expert_parallel)
         ranks = start_ranks(config, config.tensor_parallel_size, resolve_device(config.device))
+    try:
+        return _build_engine(config, source, max_model_len, pooling_type, ranks)
+    except BaseException:
+        # A refusal after the ranks started (a layer the ranks cannot split, the KV cache too small): they
+        # and the process group go with it, so this process can build another engine.
+        if ranks is not None:
+            ranks.stop()
+        raise
+
+
+def _build_engine(config: EngineConfig, source, max_model_len: int, pooling_type, ranks) -> EngineParts:
+    if ranks is not None:
         ranks.send("build", max_model_len, pooling_type)
     runner = ModelRunner(config, source, max_model_len, pooling_type)
     executor = None

@@ -22,6 +22,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import traceback
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -166,6 +167,7 @@ class _Ranks:
 class _Subprocesses(_Ranks):
     def __init__(self, conns: list[Connection], processes: list[subprocess.Popen]) -> None:
         self.conns, self.processes = conns, processes
+        self.stopped = False
 
     def send(self, op: str, *args) -> None:
         # A rank that died would leave the others waiting in their next collective: fail instead.
@@ -180,6 +182,9 @@ class _Subprocesses(_Ranks):
             raise RankDiedError(f"a tensor-parallel rank is gone ({exc}).") from None
 
     def stop(self) -> None:
+        if self.stopped:  # a failed start stops the ranks, and the executor's finalizer again
+            return
+        self.stopped = True
         for conn in self.conns:
             try:
                 conn.send_bytes(pickle.dumps(("stop", ())))
@@ -198,6 +203,7 @@ class _RayActors(_Ranks):
     def __init__(self, actors: list, placement) -> None:
         self.actors, self.placement = actors, placement
         self.pending: list = []  # calls not yet seen to finish: an actor's error surfaces at the next send
+        self.stopped = False
 
     def send(self, op: str, *args) -> None:
         import ray
@@ -209,6 +215,9 @@ class _RayActors(_Ranks):
     def stop(self) -> None:
         import ray
 
+        if self.stopped:
+            return
+        self.stopped = True
         distributed.destroy()
         for actor in self.actors:
             ray.kill(actor)
@@ -282,8 +291,9 @@ def _serve(address: str, authkey: bytes, rank: int) -> None:
     host, port = address.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=authkey)
     conn.send(rank)
-    worker = RankWorker(*conn.recv())
+    code = 0
     try:
+        worker = RankWorker(*conn.recv())
         while True:
             op, args = pickle.loads(conn.recv_bytes())
             if op == "stop":
@@ -291,10 +301,14 @@ def _serve(address: str, authkey: bytes, rank: int) -> None:
             getattr(worker, op)(*args)
     except EOFError:  # rank 0 is gone
         pass
-    # Nothing to keep: skip the interpreter's teardown of torch and the group (seconds).
+    except BaseException:  # its own failure (a build refused): rank 0 sees it exited at its next order
+        traceback.print_exc()
+        code = 1
+    # Nothing to keep: skip the interpreter's teardown of torch and the group (seconds; with a live group
+    # it may never end).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
