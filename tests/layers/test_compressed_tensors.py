@@ -238,6 +238,23 @@ def test_unsupported_schemes_name_the_field(tmp_path) -> None:
         (tmp_path / "config.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=message):
             load(tmp_path)
+    # What changes the linears' arithmetic beyond their quantization (compressed-tensors writes both
+    # keys beside config_groups): online rotations, weights stored sparse. A dense sparsity_config (a
+    # pruned model stored whole) loads.
+    transform = {"config_groups": {"v": {"type": "hadamard", "apply": [{"targets": ["Linear"]}]}}}
+    for key, value, message in [
+        ("transform_config", transform, r"quantization_config.transform_config \(online rotations\) is not"),
+        ("sparsity_config", {"format": "sparse-24-bitmask"}, "sparsity_config.format 'sparse-24-bitmask'"),
+        ("sparsity_config", {"format": "dense", "global_sparsity": 0.5}, None),
+    ]:
+        (tmp_path / "config.json").write_text(
+            json.dumps({**config, "quantization_config": {**config["quantization_config"], key: value}})
+        )
+        if message is None:
+            load(tmp_path)
+            continue
+        with pytest.raises(ValueError, match=message):
+            load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         LLM(str(tmp_path), skip_tokenizer_init=True, quantization="fp8", num_kv_blocks=16, max_model_len=64)

@@ -178,6 +178,25 @@ def test_sizes_that_do_not_split_are_refused() -> None:
         RowParallelLinear(36, 23, tp_size=2, tp_rank=2)
 
 
+def test_quantization_groups_that_do_not_split_name_the_field_and_the_flag() -> None:
+    """A row-parallel layer's columns a rank against the checkpoint's groups or blocks."""
+    from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
+    from tokenmill.layers.quantization.fp8_block import Fp8BlockLinearMethod
+
+    weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 64, "symmetric": True}
+    group = {"targets": ["Linear"], "weights": {**weights, "dynamic": False}}
+    config = {"format": "pack-quantized", "config_groups": {"group_0": group}}
+    int4 = CompressedTensorsConfig(config).linear_method()
+    field = "quantization_config.config_groups.group_0.weights.group_size 64 does not divide the 96 input"
+    with pytest.raises(
+        ValueError, match=field + r" columns of each of the 2 ranks \(--tensor-parallel-size\)"
+    ):
+        RowParallelLinear(192, 8, tp_size=2, quant_method=int4)
+    block = r"weight_block_size \[128, 128\]: the block's 128 columns do not divide the 64 input columns"
+    with pytest.raises(ValueError, match=block):
+        RowParallelLinear(128, 8, tp_size=2, quant_method=Fp8BlockLinearMethod(128, 128))
+
+
 class ScaledLinearMethod(LinearMethodBase):
     """A stand-in for a quantized method: its own parameter layout and its own apply."""
 

@@ -24,7 +24,8 @@ KNOBS = {
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True, rope_scaling=None)),
     "stray-biases": ("mistral", dict(attention_bias=True, mlp_bias=True)),  # Mistral's classes read neither
     "moe-sparse-step": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=True)),
-    "mixtral-top1": ("mixtral", dict(num_experts_per_tok=1, head_dim=16)),
+    # A stray moe_intermediate_size, which Mixtral's classes do not read: the experts are intermediate_size.
+    "mixtral-top1": ("mixtral", dict(num_experts_per_tok=1, head_dim=16, moe_intermediate_size=40)),
 }
 
 

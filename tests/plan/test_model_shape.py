@@ -79,6 +79,7 @@ TINY_CONFIGS = {
         intermediate_size=88,
         num_local_experts=5,
         num_experts_per_tok=2,
+        moe_intermediate_size=40,  # stray: Mixtral's classes do not read it
     ),
     "Qwen3MoeConfig": dict(
         hidden_size=64,

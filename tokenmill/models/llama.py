@@ -67,9 +67,11 @@ class ArchFlags:
                     f"hidden_act {self.hidden_act!r}: the experts run SiLU only (supported: silu)."
                 )
             self.top_k = config.num_experts_per_tok
+            # Mixtral's experts are intermediate_size wide (transformers reads no other key for them).
             self.moe_intermediate_size = (
-                getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-            )
+                config.intermediate_size if self.mixtral
+                else getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            )  # fmt: skip
             self.renormalize = self.mixtral or bool(getattr(config, "norm_topk_prob", False))
             self._dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
             self._sparse_step = getattr(config, "decoder_sparse_step", 1) or 1

@@ -172,8 +172,10 @@ def from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
             or config.get("num_local_experts")
             or 0
         )
-        # Mixtral sizes its experts with intermediate_size; the others give moe_intermediate_size.
-        moe_width = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
+        # Mixtral sizes its experts with intermediate_size (a moe_intermediate_size beside it is not read);
+        # the others give moe_intermediate_size.
+        moe_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
+        moe_width = int(config.get(moe_key) or config.get("intermediate_size") or 0)
         shared_width = int(config.get("shared_expert_intermediate_size") or 0)
         if config.get("n_shared_experts"):
             shared_width = int(config["n_shared_experts"]) * moe_width

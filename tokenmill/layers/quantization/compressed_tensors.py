@@ -43,6 +43,15 @@ class CompressedTensorsConfig:
 
     def __init__(self, config: dict) -> None:
         where = "quantization_config"
+        # A transform (QuIP's or SpinQuant's rotations, applied online to the linears' inputs) or sparse
+        # weights (2:4, bitmask) change what the linears compute: refused, not loaded as dense weights.
+        if config.get("transform_config"):
+            raise ValueError(f"{where}.transform_config (online rotations) is not supported.")
+        sparse = (config.get("sparsity_config") or {}).get("format") or "dense"
+        if sparse != "dense":
+            raise ValueError(
+                f"{where}.sparsity_config.format {sparse!r} is not supported (supported: dense)."
+            )
         groups = config.get("config_groups") or {}
         kv_scales = _kv_cache_scheme(config.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
         if not groups and kv_scales:  # the KV cache's scales only; the linears as they are
@@ -58,7 +67,7 @@ class CompressedTensorsConfig:
         if len(groups) != 1:
             raise ValueError(f"{where}.config_groups: one group is supported, got {len(groups)}.")
         ((name, group),) = groups.items()
-        where = f"{where}.config_groups.{name}"
+        where = self.where = f"{where}.config_groups.{name}"
         targets = group.get("targets") or []
         if targets != ["Linear"]:
             raise ValueError(f"{where}.targets {targets!r} is not supported (supported: ['Linear']).")
@@ -134,11 +143,14 @@ class CompressedTensorsConfig:
                 self.input_scheme, packed=self.format == "pack-quantized"
             )
         if self.format == "pack-quantized":
-            return Int4W4A16LinearMethod(self.group_size, self.symmetric, self.group_order)
+            return Int4W4A16LinearMethod(
+                self.group_size, self.symmetric, self.group_order, f"{self.where}.weights.group_size"
+            )
         if self.input_scheme == "group":
             from tokenmill.layers.quantization.fp8_block import Fp8BlockLinearMethod  # it imports this
 
-            return Fp8BlockLinearMethod(*self.block, scale_name="weight_scale")
+            field = f"{self.where}.weights.block_structure"
+            return Fp8BlockLinearMethod(*self.block, scale_name="weight_scale", field=field)
         return CompressedTensorsFp8LinearMethod(self.input_scheme)
 
     def is_ignored(self, prefix: str) -> bool:

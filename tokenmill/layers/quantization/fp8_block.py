@@ -113,10 +113,17 @@ def fp8_block_linear(
 
 
 class Fp8BlockLinearMethod(LinearMethodBase):
-    def __init__(self, block_n: int, block_k: int, scale_name: str = "weight_scale_inv") -> None:
+    def __init__(
+        self,
+        block_n: int,
+        block_k: int,
+        scale_name: str = "weight_scale_inv",
+        field: str = "quantization_config.weight_block_size",
+    ) -> None:
         """scale_name: the block scales' tensor name (compressed-tensors' FP8_BLOCK calls it
-        weight_scale; the same numbers, w = weight * scale)."""
-        self.block_n, self.block_k, self.scale_name = block_n, block_k, scale_name
+        weight_scale; the same numbers, w = weight * scale). field: the config field of the block, for
+        errors."""
+        self.block_n, self.block_k, self.scale_name, self.field = block_n, block_k, scale_name, field
 
     def create_weights(
         self,
@@ -140,7 +147,11 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         block_n = math.gcd(self.block_n, *parts)
         layer.fp8_block_n = block_n
         if row_parallel and layer.tp_size > 1 and columns % self.block_k:
-            raise ValueError(f"input size per rank {columns} is not a multiple of the block ({self.block_k})")
+            raise ValueError(
+                f"{self.field} [{self.block_n}, {self.block_k}]: the block's {self.block_k} columns do not "
+                f"divide the {columns} input columns of each of the {layer.tp_size} ranks "
+                "(--tensor-parallel-size) of this layer"
+            )
         weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE), requires_grad=False)
         weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
         layer.register_parameter("weight", weight)

@@ -34,10 +34,12 @@ from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
-    def __init__(self, group_size: int, symmetric: bool, group_order: str | None = None) -> None:
+    def __init__(
+        self, group_size: int, symmetric: bool, group_order: str | None = None, field: str = "group_size"
+    ) -> None:
         """group_order: the config field of a checkpoint whose layers store `weight_g_idx` (actorder
-        "group"), else None."""
-        self.group_size = group_size
+        "group"), else None. field: the config field of the group size, for errors."""
+        self.group_size, self.field = group_size, field
         self.symmetric = symmetric
         self.group_order = group_order
 
@@ -54,7 +56,10 @@ class Int4W4A16LinearMethod(LinearMethodBase):
         rows, columns = sum(output_partition_sizes), input_size_per_partition
         group = self.group_size if self.group_size > 0 else columns
         if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and columns % group:
-            raise ValueError(f"input size per rank {columns} is not a multiple of the group size {group}")
+            raise ValueError(
+                f"{self.field} {group} does not divide the {columns} input columns of each of the "
+                f"{layer.tp_size} ranks (--tensor-parallel-size) of this layer"
+            )
         num_groups = math.ceil(columns / group)
         column_parallel = not isinstance(layer, RowParallelLinear)
         packed = _param(torch.zeros(rows, math.ceil(columns / PACK), dtype=torch.int32), 0, 1, weight_loader)
