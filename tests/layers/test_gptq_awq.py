@@ -152,6 +152,11 @@ def test_gptq_8_bit_awkward_groups_act_order_and_per_channel(
         ({"checkpoint_format": "gptq_v2"}, "checkpoint_format 'gptq_v2'"),
         # A group size unlike the tensors': the shape error names the field.
         ({"group_size": 64}, r"layout of qzeros for this layer with quantization_config.group_size 64"),
+        ({"group_size": 0}, r"group_size 0 must be positive or -1"),
+        ({"group_size": "32"}, r"group_size '32' must be an integer"),
+        # Missing (None: the key removed): transformers' default of 128, unlike these tensors' 32 (it was
+        # read as -1).
+        ({"group_size": None}, r"layout of qzeros for this layer with quantization_config.group_size 128"),
     ],
 )
 def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tmp_path) -> None:
@@ -165,6 +170,7 @@ def test_unsupported_gptq_variants_name_the_field(change: dict, message: str, tm
     make_checkpoint("llama", "gptq", 32, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"].update(change)
+    config["quantization_config"] = {k: v for k, v in config["quantization_config"].items() if v is not None}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load(tmp_path)

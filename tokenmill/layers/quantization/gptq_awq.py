@@ -61,7 +61,11 @@ class GptqAwqConfig:
             raise ValueError(
                 f"{where}.bits {self.bits!r} is not supported (supported: {', '.join(map(str, supported))})."
             )
-        self.group_size = int(config.get("group_size") or -1)
+        # Missing: 128, transformers' default for both (GPTQConfig, AwqConfig), as it loads such a config.
+        group_size = config.get("group_size", 128)
+        if not isinstance(group_size, int) or isinstance(group_size, bool):
+            raise ValueError(f"{where}.group_size {group_size!r} must be an integer (a positive one or -1).")
+        self.group_size = group_size
         if self.group_size == 0 or self.group_size < -1:
             raise ValueError(f"{where}.group_size {config.get('group_size')!r} must be positive or -1.")
         if self.method == "gptq":
