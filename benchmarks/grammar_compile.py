@@ -99,6 +99,7 @@ def main() -> None:
             # An empty cache each time; the converted tokenizer is shared, as in a running server.
             structured = StructuredOutputs(lambda: tokenizer, vocab)
             structured._ll_tokenizer, structured._executor = base._ll_tokenizer, base._executor
+            structured._ll_tokenizers = base._ll_tokenizers
             start = time.perf_counter()
             mask = structured.fill_bitmask([structured.matcher(params)[0]])
             times.append((time.perf_counter() - start) * 1e3)

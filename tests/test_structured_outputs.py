@@ -66,6 +66,57 @@ def test_requests_that_leave_no_token_allowed_end_and_the_engine_serves_on(llm) 
     assert chat(llm, "Is water wet?", free) == alone
 
 
+def test_special_tokens_texts_in_a_constraint_are_written_as_text(llm) -> None:
+    """A constraint's fixed text holding a special token's text: llguidance's tokenizer made it that token,
+    which the grammar then refused; the answer ended there, "stop" and broken. Written as text now."""
+    tokenizer = llm.get_tokenizer()
+    special = set(tokenizer.all_special_ids)
+    schema = {"type": "object", "properties": {"tag": {"const": "end<|im_end|>"}}, "required": ["tag"]}
+    params = [
+        {"choice": ["A<|im_end|>", "B<|im_end|>"]},
+        {"json": schema},
+        {"regex": r"ok<\|im_start\|>[0-9]"},
+        {"choice": ["a<repo_name>b"]},
+        {"grammar": 'start: "x" "<|endoftext|>" "y"'},
+    ]
+    outs = llm.generate(
+        ["Answer:"] * len(params),
+        [SamplingParams(max_tokens=30, temperature=0, structured_outputs=p) for p in params],
+        use_tqdm=False,
+    )
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[0] in ("A<|im_end|>", "B<|im_end|>")
+    assert json.loads(texts[1]) == {"tag": "end<|im_end|>"}
+    assert re.fullmatch(r"ok<\|im_start\|>[0-9]", texts[2])
+    assert texts[3:] == ["a<repo_name>b", "x<|endoftext|>y"]
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop" and not special & set(out.outputs[0].token_ids), out
+
+
+def test_a_constraint_no_text_meets_is_refused(llm) -> None:
+    for constraint in ({"regex": r"[^\s\S]"}, {"grammar": "start: A\nA: /[a]/ & /[b]/"}):
+        with pytest.raises(ValueError, match="no text satisfies the constraint"):
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=constraint), use_tqdm=False)
+
+
+def test_a_grammar_that_fails_midway_fails_its_request(llm, monkeypatch) -> None:
+    """llguidance refusing a token its own mask let through (what the special tokens' texts did, made
+    to happen again here on the tokenizer without the fix) fails the request, not a "stop" that looks
+    complete; the engine serves on."""
+    from tokenmill.grammar_tokenizers import GrammarTokenizers
+
+    monkeypatch.setattr(GrammarTokenizers, "for_grammar", lambda self, text: self.fast)
+    constraint = {"choice": ["q<file_sep>z"]}  # not compiled before in this module
+    params = SamplingParams(max_tokens=10, temperature=0, structured_outputs=constraint)
+    (out,) = llm.generate(["Answer:"], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort"
+    # q, then <file_sep> as one token, which the grammar refused.
+    assert out.outputs[0].token_ids[1] == llm.get_tokenizer().convert_tokens_to_ids("<file_sep>")
+    assert out.error.startswith("structured_outputs: the grammar failed with the answer's first 2 tokens")
+    (after,) = llm.generate(["Answer:"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert after.outputs[0].finish_reason == "length"
+
+
 def test_regex_choice_grammar_and_json_object(llm) -> None:
     params = [
         SamplingParams(

@@ -19,7 +19,6 @@ the stealing's balance counts for more (docs/performance.md, twenty-ninth sessio
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import os
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.grammar_tokenizers import GrammarTokenizers
 from tokenmill.grammars import constraint_schemas, grammar_text
 from tokenmill.json_schemas import refused_keywords
 from tokenmill.sampling_params import StructuredOutputsParams
@@ -41,31 +41,6 @@ _MAX_COMPILED = 1024
 # llguidance's own default: 80% of the CPUs this process may run on, up to 32.
 MASK_THREADS = max(1, min(32, int(0.8 * len(os.sched_getaffinity(0)))))
 MAX_FAMILIES = 64
-
-
-def _tokenizer_json(hf_tokenizer) -> str:
-    """The fast tokenizer's JSON as llguidance reads it. llguidance maps tokens to bytes through a byte
-    level decoder only when the decoder is exactly ByteLevel; transformers' GGUF conversion (the embedded
-    model's) writes a Sequence ending in ByteLevel over a ByteLevel pre-tokenizer, which it would read
-    as text ("Ġyes" for " yes"). Such a tokenizer gets the plain ByteLevel decoder its tokens use."""
-    backend = copy.copy(hf_tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    data = json.loads(backend.to_str())
-    pre = data.get("pre_tokenizer") or {}
-    decoder = data.get("decoder") or {}
-    if (
-        pre.get("type") == "ByteLevel"
-        and decoder.get("type") == "Sequence"
-        and any(d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
-    ):
-        data["decoder"] = {
-            "type": "ByteLevel",
-            "add_prefix_space": False,
-            "trim_offsets": False,
-            "use_regex": True,
-        }
-    return json.dumps(data)
 
 
 def _key(params: StructuredOutputsParams) -> str:
@@ -81,7 +56,7 @@ class AfterThinking:
     template opened the thinking (prompt_thinking "open"), and under deepseek_r1 where the prompt says
     nothing, the output starts inside it; under qwen3 the model opens it with its first token or not at
     all (that token's mask: the grammar's, and `<think>`). A prompt that closed the thinking gets no gate
-    (StructuredOutputs.matcher). Takes a matcher's place for the engine (consume_token, is_stopped);
+    (StructuredOutputs.matcher). Takes a matcher's place for the engine (consume_token, is_stopped, is_error);
     bitmask_fill fills its row."""
 
     __slots__ = ("matcher", "start", "end", "thinking", "first")
@@ -104,6 +79,12 @@ class AfterThinking:
 
     def is_stopped(self) -> bool:
         return not self.thinking and self.matcher.is_stopped()
+
+    def is_error(self) -> bool:
+        return not self.thinking and self.matcher.is_error()
+
+    def get_error(self) -> str:
+        return self.matcher.get_error()
 
 
 class _Families:
@@ -143,6 +124,7 @@ class StructuredOutputs:
         self.max_families = max_families
         self.slices = slices
         self._ll_tokenizer = None
+        self._ll_tokenizers: GrammarTokenizers | None = None
         self._thinking_tags: tuple[int, ...] | None = None
         self._executor = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
@@ -157,13 +139,8 @@ class StructuredOutputs:
             if self._ll_tokenizer is None:
                 import llguidance
 
-                hf_tokenizer = self.load_tokenizer()
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    _tokenizer_json(hf_tokenizer),
-                    n_vocab=self.vocab_size,
-                    eos_token=hf_tokenizer.eos_token_id,
-                    slices=self.slices,
-                )
+                self._ll_tokenizers = GrammarTokenizers(self.load_tokenizer(), self.vocab_size, self.slices)
+                self._ll_tokenizer = self._ll_tokenizers.fast
                 self._executor = llguidance.LLExecutor(self.mask_threads)
             return self._ll_tokenizer
 
@@ -173,8 +150,10 @@ class StructuredOutputs:
         text = grammar_text(params)  # its ValueError names the field already
         if params.whitespace_pattern is not None:
             self._check_whitespace(params.whitespace_pattern)
+        self.ll_tokenizer  # noqa: B018 (built on first use)
+        tokenizer = self._ll_tokenizers.for_grammar(text)
         try:
-            matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
+            matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"structured_outputs {params.kind}: {exc}") from None
         if matcher.is_error():
@@ -184,6 +163,14 @@ class StructuredOutputs:
         if refused:
             raise ValueError(f"structured_outputs {params.kind}: {refused}")
         return matcher
+
+    def _check_satisfiable(self, matcher, params: StructuredOutputsParams) -> None:
+        r"""A ValueError for a constraint no text meets (a regex `[^\s\S]`, a Lark intersection of
+        disjoint sets): llguidance compiles it, and its first mask, which allows nothing, sets the error."""
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(f"structured_outputs {params.kind}: no text satisfies the constraint.")
 
     def _check_whitespace(self, pattern: str) -> None:
         """A ValueError for a whitespace_pattern that matches anything but JSON's whitespace (space, tab,
@@ -215,7 +202,9 @@ class StructuredOutputs:
         if families is not None:
             self._compiled.move_to_end(key)
             return families
-        families = _Families(self._compile(params), next(self._family_ids))
+        first = self._compile(params)
+        self._check_satisfiable(first, params)
+        families = _Families(first, next(self._family_ids))
         self._compiled[key] = families
         self._family_of[families.ids[0]] = (families, 0)
         self.num_compiled += 1

@@ -76,7 +76,7 @@ class _FillingMasks:
     def __init__(self, awaiting: AwaitingGrammar, masks: Future) -> None:
         self.awaiting, self.masks = awaiting, masks
         self.pending: PendingOutput | None = None
-        self.grammar_stopped: frozenset[str] = frozenset()
+        self.grammar_stopped: dict[str, str | None] = {}
 
     def launch(self) -> PendingOutput:
         if self.pending is None:
@@ -95,7 +95,7 @@ class _DeviceWaitsForMasks:
 
     def __init__(self, pending: PendingOutput, filled: Future, masks: HostMasks) -> None:
         self.pending, self.filled, self.masks = pending, filled, masks
-        self.grammar_stopped: frozenset[str] = frozenset()
+        self.grammar_stopped: dict[str, str | None] = {}
 
     def result(self) -> ModelRunnerOutput:
         _, self.grammar_stopped = self.filled.result()
@@ -231,7 +231,7 @@ class EngineCore:
                 published.append(True)
                 masks.publish()
 
-        def run() -> tuple[np.ndarray, frozenset[str]]:
+        def run() -> tuple[np.ndarray, dict[str, str | None]]:
             started.set()
             try:
                 return fill(publish, consumed.set)  # llguidance lets the GIL go
@@ -260,5 +260,5 @@ class EngineCore:
         start = time.perf_counter()
         output = pending.result()
         self.seconds_on_tokens += time.perf_counter() - start
-        stopped: frozenset[str] = getattr(pending, "grammar_stopped", frozenset())
+        stopped: dict[str, str | None] = getattr(pending, "grammar_stopped", {})
         return self.scheduler.update_from_output(scheduler_output, output, stopped)

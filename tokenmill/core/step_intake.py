@@ -5,8 +5,10 @@ steps); a mixin of Scheduler, whose state it reads and moves."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,6 +16,9 @@ import numpy as np
 from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import SchedulerOutput
+
+logger = logging.getLogger("tokenmill")
+_NONE_STOPPED: Mapping[str, str | None] = MappingProxyType({})
 
 if TYPE_CHECKING:
     from tokenmill.core.kv_cache import KVCacheManager
@@ -25,8 +30,8 @@ class GrammarFill:
     """A step's mask fill for the helper thread (StepIntake.grammar_fill): call it with the function that
     publishes the masks to whoever waits for them, and one it calls once the grammars have their tokens.
     It fills, publishes, and then (off the masks' path) asks the matchers which are stopped. Returns
-    (masks, the ids of the requests whose grammar is complete or in error), the second for
-    update_from_output."""
+    (masks, {request id: None where its grammar is complete, llguidance's error where it failed}), the
+    second for update_from_output."""
 
     def __init__(
         self,
@@ -56,17 +61,17 @@ class GrammarFill:
 
     def __call__(
         self, publish: Callable[[], None] = lambda: None, consumed: Callable[[], None] = lambda: None
-    ) -> tuple[np.ndarray, frozenset[str]]:
+    ) -> tuple[np.ndarray, dict[str, str | None]]:
         start = time.perf_counter()
         mask = self.fill_mask(consumed)
         self.intake.grammar_mask_seconds += time.perf_counter() - start - self.waited
         self.intake.grammar_mask_steps += 1
         publish()
-        stopped = frozenset(
-            request_id
+        stopped = {
+            request_id: matcher.get_error() if matcher.is_error() else None
             for request_id, matcher in zip(self.req_ids, self.matchers)
             if matcher is not None and matcher.is_stopped()
-        )
+        }
         return mask, stopped
 
 
@@ -88,10 +93,10 @@ class StepIntake:
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        grammar_stopped: frozenset[str] = frozenset(),
+        grammar_stopped: Mapping[str, str | None] = _NONE_STOPPED,
     ) -> list[EngineCoreOutput]:
-        """grammar_stopped: the requests whose grammar the step's fill found complete (or in error) once
-        it had the token before this step's (GrammarFill)."""
+        """grammar_stopped: the requests whose grammar the step's fill found complete (None) or failed
+        (llguidance's error) once it had the token before this step's (GrammarFill)."""
         outputs = []
         prompt_logprobs = runner_output.prompt_logprobs
         self.spec.begin_update()
@@ -128,11 +133,21 @@ class StepIntake:
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
             status = None
             appended = 0
+            error = None
             if request_id in grammar_stopped:
                 # Its grammar completed with the token before this one (consumed since, by this step's
-                # fill): that one was its last, and this step's token is dropped.
+                # fill): that one was its last, and this step's token is dropped. A grammar that failed
+                # (llguidance refused a token its own mask let through) ends the request as failed, not
+                # as an answer that looks complete.
                 status = RequestStatus.FINISHED_STOPPED
                 new_token_ids = []
+                failure = grammar_stopped[request_id]
+                if failure is not None:
+                    status = RequestStatus.FINISHED_ABORTED
+                    first_line = failure.split("\n", 1)[0]
+                    error = "structured_outputs: the grammar failed with the answer's first "
+                    error += f"{request.num_output_tokens} tokens ({first_line})"
+                    logger.warning("request %s: %s", request_id, error)
             for token_id in new_token_ids:  # a stop among accepted drafts ends the request there
                 request.append_output_token(token_id)
                 appended += 1
@@ -161,6 +176,7 @@ class StepIntake:
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    error=error,
                     prompt_logprobs=(
                         request.prompt_logprobs
                         if request.num_output_tokens == 1

@@ -25,8 +25,8 @@ from tokenmill.serving.core_link import (
     CoreWatch,
     EngineDeadError,
     EngineOverloadedError,
-    KVTransferError,
     connect,
+    request_failure,
     spawn_core,
 )
 from tokenmill.serving.core_protocol import (
@@ -309,10 +309,10 @@ class AsyncEngineClient:
                             reason, now - state.arrival_time, state.num_prompt_tokens,
                             len(completion.token_ids), now - state.first_output_time,
                         )  # fmt: skip
-            failure = output.error if output.finished else None  # so far only a KV transfer's
+            failure = output.error if output.finished else None  # a KV transfer's, or a grammar's
             if state.queued_since is None:
                 state.queued_since = now
-            state.queue.put_nowait(KVTransferError(failure) if failure is not None else output)
+            state.queue.put_nowait(request_failure(failure) if failure is not None else output)
         if self.metrics is not None:
             self.metrics.record_step(gaps, num_tokens)
         if self._trace is not None:

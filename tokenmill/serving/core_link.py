@@ -34,8 +34,17 @@ class EngineStartError(RuntimeError):
     a driver error); the core's own log has its traceback."""
 
 
-class KVTransferError(RuntimeError):
+class RequestFailedError(RuntimeError):
+    """The core ended the request as failed (EngineCoreOutput.error): its grammar failed mid-answer."""
+
+
+class KVTransferError(RequestFailedError):
     """Disaggregation: the request's KV never came from its prefill peer (the core ended it)."""
+
+
+def request_failure(error: str) -> RequestFailedError:
+    """The exception a failed request's stream raises, by what its EngineCoreOutput.error says."""
+    return RequestFailedError(error) if error.startswith("structured_outputs:") else KVTransferError(error)
 
 
 class EngineOverloadedError(RuntimeError):

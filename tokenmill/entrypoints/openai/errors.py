@@ -11,7 +11,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenmill.serving.core_link import EngineDeadError, EngineOverloadedError, KVTransferError
+from tokenmill.serving.core_link import (
+    EngineDeadError,
+    EngineOverloadedError,
+    KVTransferError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -64,6 +69,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return unavailable(str(exc), "engine_dead")
     if isinstance(exc, KVTransferError):
         return unavailable(f"the prompt's KV never came from the prefill peer ({exc})", "kv_transfer_failed")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, str(exc), "internal_error", code="request_failed")
     if isinstance(exc, ParamError):
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, ValueError):  # a check's ValueError names its knob where it knows it
