@@ -68,6 +68,22 @@ def test_unsupported_architecture_is_one_clean_line(tmp_path):
     assert "Traceback" not in output
 
 
+def test_a_refusal_after_the_core_started_exits(tmp_path):
+    """--reasoning-parser is checked against the tokenizer once the engine core runs: the refusal stops
+    the core, and the server exits (it waited for the core's process forever)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", "default",
+               "--port", "0", "--max-model-len", "256", "--num-kv-blocks", "32",
+               "--reasoning-parser", "deepseek_r1"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "error: --reasoning-parser deepseek_r1: the model's tokenizer has no <think>" in output
+    assert "Traceback" not in output
+
+
 def test_an_engine_that_fails_to_start_is_one_line(monkeypatch, capsys):
     """A start-up failure that is not a bad configuration (out of device memory, a driver error) is one
     error line and exit code 1 (the core's log has the traceback); any other RuntimeError is a bug and

@@ -266,12 +266,16 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, attach: AttachTo
         engine = await AsyncEngineClient.attach(
             config, metrics, attach.input_address, attach.output_address, attach.index, attach.core_pid
         )
-    metrics.record_cache_config(config.block_size, engine.num_kv_blocks, config.enable_prefix_caching)
-    if chat_template is not None:
-        if engine.tokenizer is None:
-            raise ValueError("--chat-template needs a tokenizer: drop --skip-tokenizer-init")
-        engine.tokenizer.chat_template = chat_template  # this process's tokenizer: chat and /tokenize
-    check_reasoning_tokens(getattr(args, "reasoning_parser", None), engine.tokenizer)
+    try:  # refusals that need the tokenizer: the core, started, goes with them (else exit waits for it)
+        metrics.record_cache_config(config.block_size, engine.num_kv_blocks, config.enable_prefix_caching)
+        if chat_template is not None:
+            if engine.tokenizer is None:
+                raise ValueError("--chat-template needs a tokenizer: drop --skip-tokenizer-init")
+            engine.tokenizer.chat_template = chat_template  # this process's tokenizer: chat and /tokenize
+        check_reasoning_tokens(getattr(args, "reasoning_parser", None), engine.tokenizer)
+    except BaseException:
+        await engine.shutdown(timeout=_STOP_S)
+        raise
     # What start-up built (modules, the tokenizer) lives as long as the server: frozen, the collector
     # stops walking it, both in the pauses it takes while streams run and in the final collection at exit.
     freeze_startup()
