@@ -48,15 +48,20 @@ def test_json_schema_with_nested_objects_arrays_and_enums(llm) -> None:
 
 
 def test_requests_that_leave_no_token_allowed_end_and_the_engine_serves_on(llm) -> None:
-    """allowed_token_ids outside the constraint's tokens, or only EOS while min_tokens bans it: every
-    logit of the row is -inf. Such a request ends (token 0 breaks its grammar, or is SmolLM2's EOS) and the
-    requests beside it and after it are answered as alone."""
+    """allowed_token_ids outside the constraint's tokens after its first, or only EOS while min_tokens bans
+    it: every logit of the row is -inf. Such a request ends (token 0 breaks its grammar, or is SmolLM2's
+    EOS) and the requests beside it and after it are answered as alone. allowed_token_ids outside the
+    constraint's first tokens is refused at once."""
     tokenizer = llm.get_tokenizer()
     maybe = tokenizer.encode("maybe", add_special_tokens=False)
+    (yes,) = tokenizer.encode("yes", add_special_tokens=False)  # "yesno": "yes", "no"
     eos = [tokenizer.eos_token_id]
+    refused = SamplingParams(allowed_token_ids=maybe, structured_outputs={"choice": ["yes", "no"]})
+    with pytest.raises(ValueError, match="allowed_token_ids holds none of the tokens the output constraint"):
+        llm.generate(["Is water wet?"], refused, use_tqdm=False)
     stuck = [
-        SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=maybe,
-                       structured_outputs={"choice": ["yes", "no"]}),
+        SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=[yes],
+                       structured_outputs={"choice": ["yesno"]}),
         SamplingParams(max_tokens=8, temperature=1.0, allowed_token_ids=eos, min_tokens=3, logprobs=1),
     ]  # fmt: skip
     free = SamplingParams(max_tokens=12, temperature=0)

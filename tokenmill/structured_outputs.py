@@ -164,6 +164,13 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs {params.kind}: {refused}")
         return matcher
 
+    def first_tokens(self, params: StructuredOutputsParams) -> np.ndarray:
+        """Whether the constraint allows each vocabulary entry as its first token (bool), from a copy of
+        its compiled matcher."""
+        probe = self.compiled(params).roots[0].deep_copy()
+        words = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+
     def _check_satisfiable(self, matcher, params: StructuredOutputsParams) -> None:
         r"""A ValueError for a constraint no text meets (a regex `[^\s\S]`, a Lark intersection of
         disjoint sets): llguidance compiles it, and its first mask, which allows nothing, sets the error."""

@@ -35,7 +35,17 @@ class InputProcessor:
             return
         if self.structured is None:
             raise ValueError("structured_outputs needs the model's tokenizer (skip_tokenizer_init is set).")
-        self.structured.compiled(params.structured_outputs)
+        constraint = params.structured_outputs
+        self.structured.compiled(constraint)
+        # allowed_token_ids apart from every token the constraint may start with: the request could only
+        # sample a token the grammar refuses (and fail). Under a reasoning parser the thinking comes first.
+        if params.allowed_token_ids is not None and constraint.reasoning is None:
+            first = self.structured.first_tokens(constraint)
+            if not any(first[t] for t in params.allowed_token_ids if t < len(first)):
+                raise KnobError(
+                    "allowed_token_ids",
+                    "allowed_token_ids holds none of the tokens the output constraint allows first.",
+                )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return render_prompt(self.tokenizer, prompt).token_ids
