@@ -31,6 +31,22 @@ def test_prompt_thinking(prompt, thinking) -> None:
     assert prompt_thinking(prompt) == thinking
 
 
+def test_tags_the_callers_messages_mention_open_nothing() -> None:
+    """A system or user message that mentions `<think>` is the caller's text, not the template's: with the
+    conversation given, only what the template wrote after it (and an assistant message it continues)
+    says whether the thinking is open."""
+    system = "Answer in JSON. You may reason inside <think> tags first."
+    user = [{"type": "text", "text": "Open with <think>"}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    rendered = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nOpen with <think><|im_end|>\n"
+    prompt = rendered + "<|im_start|>assistant\n"
+    assert prompt_thinking(prompt) == OPEN  # (read over the whole prompt)
+    assert prompt_thinking(prompt, messages) is None
+    assert prompt_thinking(prompt + "<think>\n", messages) == OPEN
+    continued = [*messages, {"role": "assistant", "content": "<think>\nFirst,"}]
+    assert prompt_thinking(prompt + "<think>\nFirst,", continued) == OPEN
+
+
 @pytest.mark.parametrize(
     ("parser", "thinking", "inside"),
     [

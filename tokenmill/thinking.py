@@ -10,19 +10,38 @@ START, END = "<think>", "</think>"
 OPEN, CLOSED = PROMPT_THINKING  # StructuredOutputsParams.prompt_thinking's values
 
 
-def prompt_thinking(prompt: str | None) -> str | None:
+def prompt_thinking(prompt: str | None, messages=None) -> str | None:
     """What the rendered prompt says about the output's thinking. OPEN when its last `<think>` comes after
     its last `</think>` (Qwen3-Thinking-2507's, QwQ's and DeepSeek-R1's templates end the generation prompt
     with `<think>\\n`: the output starts inside the thinking, with no opening tag); CLOSED when it ends,
     whitespace aside, with `</think>` (Qwen3's with enable_thinking false ends with
     `<think>\\n\\n</think>\\n\\n`: the output is all answer); None when it says neither (no tags, or a
     thinking closed in an earlier turn, before the generation prompt: the new turn may think again): the
-    parser's own rule then."""
+    parser's own rule then. messages: the conversation it was rendered from; OPEN is then read only after
+    its last message that is not the model's (a system or user message that mentions `<think>` opens
+    nothing; an assistant message left open for the model to continue may)."""
     if not prompt:
         return None
     if prompt.rstrip().endswith(END):
         return CLOSED
-    return OPEN if prompt.rfind(START) > prompt.rfind(END) else None
+    tail = prompt[_after_the_callers_text(prompt, messages) :]
+    return OPEN if tail.rfind(START) > tail.rfind(END) else None
+
+
+def _after_the_callers_text(prompt: str, messages) -> int:
+    """Where the rendered prompt's text after the last non-assistant message's content begins (0 where it
+    is not found as written, e.g. a template that rewrites it)."""
+    for message in reversed(list(messages or ())):
+        if message.get("role") == "assistant":
+            continue
+        content = message.get("content")
+        if isinstance(content, list):  # text parts: the last one
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = texts[-1] if texts else None
+        text = content.strip() if isinstance(content, str) else ""
+        at = prompt.rfind(text) if text else -1
+        return at + len(text) if at >= 0 else 0
+    return 0
 
 
 def starts_inside(reasoning_parser: str, thinking: str | None) -> bool:

@@ -200,7 +200,9 @@ class LLM:
         params_list = self._per_prompt(sampling_params, len(rendered), "sampling_params")
         outputs = self.generate(
             prompt_token_ids=[r.token_ids for r in rendered],
-            sampling_params=[_thinking_as_prompted(p, r.text) for p, r in zip(params_list, rendered)],
+            sampling_params=[
+                _thinking_as_prompted(p, r.text, c) for p, r, c in zip(params_list, rendered, conversations)
+            ],
             use_tqdm=use_tqdm,
         )
         for output, prompt in zip(outputs, rendered):
@@ -233,11 +235,11 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
 
-def _thinking_as_prompted(params: SamplingParams, prompt: str | None) -> SamplingParams:
+def _thinking_as_prompted(params: SamplingParams, prompt: str | None, conversation) -> SamplingParams:
     """A constraint held back while the model thinks (StructuredOutputsParams.reasoning) follows what the
     chat template did: opened the thinking, or closed it (prompt_thinking); else the parser's rule."""
     constraint = params.structured_outputs
-    thinking = prompt_thinking(prompt)
+    thinking = prompt_thinking(prompt, conversation)
     if constraint is None or constraint.reasoning is None or thinking is None:
         return params
     params = params.clone()

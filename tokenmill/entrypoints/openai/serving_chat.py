@@ -181,7 +181,8 @@ class ChatServing:
                 request.tools, request.tool_choice, request.parallel_tool_calls
             )
         # Whether the chat template opened the thinking or closed it: the split and the constraint follow.
-        thinking = prompt_thinking(prompt_text) if state.reasoning_parser else None
+        messages = [m.template_dict() for m in request.messages]
+        thinking = prompt_thinking(prompt_text, messages) if state.reasoning_parser else None
         if state.reasoning_parser and params.structured_outputs is not None:
             # The constraint is the answer's: the thinking before it goes free.
             params.structured_outputs = dataclasses.replace(
