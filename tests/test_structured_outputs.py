@@ -661,3 +661,34 @@ def test_the_prompt_decides_whether_the_grammar_waits(monkeypatch) -> None:
     assert not isinstance(closed, AfterThinking)
     assert (structured.fill_bitmask([closed])[0] == fresh).all()
     assert not closed.consume_token(letter)  # the grammar's first token, not a thinking's
+
+
+def test_allowed_token_ids_are_checked_against_what_may_come_first_under_a_reasoning_parser() -> None:
+    """Where the output starts inside the thinking, anything may come first; where the model may open it
+    (qwen3, a template that says nothing), `<think>` or the constraint's first tokens; where the template
+    closed it, the constraint's first tokens alone."""
+    from dataclasses import replace
+
+    from tokenmill.loader import resolve_model
+    from tokenmill.serving.input_processor import InputProcessor
+
+    tokenizer = resolve_model("default").load_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    think, a = tokenizer.convert_tokens_to_ids("<think>"), tokenizer.convert_tokens_to_ids("a")
+    processor = InputProcessor(tokenizer, 1024, 49216)
+    constraint = StructuredOutputsParams(json={"type": "object"})
+
+    def check(allowed: list[int], **thinking) -> None:
+        params = SamplingParams(allowed_token_ids=allowed)
+        params.structured_outputs = replace(constraint, **thinking)
+        processor.check_structured(params)
+
+    refused = "allowed_token_ids holds none of the tokens the output constraint allows first"
+    for thinking in ({}, {"reasoning": "qwen3", "prompt_thinking": "closed"}, {"reasoning": "qwen3"}):
+        with pytest.raises(ValueError, match=refused):
+            check([a], **thinking)
+    check([think], reasoning="qwen3")  # the model opens the thinking
+    check([a], reasoning="deepseek_r1")  # its output starts inside the thinking
+    check([a], reasoning="qwen3", prompt_thinking="open")
+    with pytest.raises(ValueError, match=refused):
+        check([think], reasoning="qwen3", prompt_thinking="closed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tokenmill.sampling_params import KnobError, SamplingParams
 from tokenmill.serving.prompt import render_prompt
 from tokenmill.structured_outputs import StructuredOutputs
+from tokenmill.thinking import CLOSED, starts_inside
 
 
 class InputProcessor:
@@ -38,9 +39,16 @@ class InputProcessor:
         constraint = params.structured_outputs
         self.structured.compiled(constraint)
         # allowed_token_ids apart from every token the constraint may start with: the request could only
-        # sample a token the grammar refuses (and fail). Under a reasoning parser the thinking comes first.
-        if params.allowed_token_ids is not None and constraint.reasoning is None:
+        # sample a token the grammar refuses (and fail). Where the output starts inside the thinking, the
+        # thinking is free; where the model may open it (qwen3), `<think>` is a first token too.
+        if params.allowed_token_ids is not None:
             first = self.structured.first_tokens(constraint)
+            gated = constraint.reasoning is not None and constraint.prompt_thinking != CLOSED
+            tags = self.structured.thinking_tags() if gated else None
+            if tags is not None:
+                if starts_inside(constraint.reasoning, constraint.prompt_thinking):
+                    return
+                first[tags[0]] = True
             if not any(first[t] for t in params.allowed_token_ids if t < len(first)):
                 raise KnobError(
                     "allowed_token_ids",

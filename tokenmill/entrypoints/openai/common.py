@@ -142,7 +142,11 @@ async def check_constraint(state: ServerState, request, params) -> None:
     try:
         await state.off_loop(state.engine.input_processor.check_structured, params)
     except ValueError as exc:
-        # A constraint the request gave names its field; one made from tools names them.
+        # A constraint the request gave names its field; one made from tools names them; a knob checked
+        # against the constraint (allowed_token_ids) names itself.
+        knob = getattr(exc, "param", None)
+        if knob is not None:
+            raise bad_request(str(exc), param=knob) from None
         field = request.constraint[0] if request.constraint else "tools"
         message, prefix = str(exc), f"structured_outputs {params.structured_outputs.kind}: "
         if field != "structured_outputs" and message.startswith(prefix):  # the field the client wrote
