@@ -23,10 +23,30 @@ THOUGHT = "<think>\nTwo and two.\n</think>\n\nIt is 4."
         ("qwen3", THOUGHT, "Two and two.\n", "It is 4."),
         ("qwen3", "Four.", None, "Four."),
         ("qwen3", "<think>unfinished", "unfinished", ""),
+        # Under qwen3 the model opens the thinking first or not at all: a later </think> is the answer's.
+        ("qwen3", "Plan it.</think>\n\nAnswer.", None, "Plan it.</think>\n\nAnswer."),
+        ("qwen3", "\n <think>Plan.</think>Ok.", "Plan.", "Ok."),
+        ("deepseek_r1", "\n <think>Plan.</think>Ok.", "Plan.", "Ok."),
     ],
 )
 def test_split(name, text, reasoning, content) -> None:
     assert ReasoningParser(name).split(text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize(
+    "text", ["Plan it.</think>\n\nAnswer.", "\n <think>Plan.</think>Ok.", THOUGHT, "  Four.", "\n\n"]
+)
+def test_a_stream_says_what_the_whole_message_says(name, text) -> None:
+    """Streamed a character at a time, the deltas add up to the split of the whole text (a stream cannot
+    take back content it sent: what may turn out to be thinking is never sent as content)."""
+    splitter, deltas = StreamSplitter(ReasoningParser(name)), []
+    for end in range(1, len(text) + 1):
+        deltas.append(splitter.delta(text[:end], final=False))
+    deltas.append(splitter.delta(text, final=True))
+    reasoning, content = ReasoningParser(name).split(text)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+    assert "".join(d.get("content", "") for d in deltas) == content
 
 
 @pytest.mark.parametrize(
@@ -245,6 +265,34 @@ def test_a_message_of_thinking_and_calls_streamed_or_not(
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
     assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == calls
+
+
+@pytest.mark.parametrize("text", ["<think>Plan, still", '<think>Plan.</think>{"a": 1}'])
+def test_a_named_call_streams_nothing_while_the_model_thinks(text) -> None:
+    """tool_choice naming a function under qwen3: the call's header goes out with the answer's first
+    text, not before the thinking (a message cut inside the thinking has no call)."""
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "f"}},
+    )  # fmt: skip
+    answer = ToolAnswer(request, None, "qwen3")
+    message = answer.message(text, "stop")["message"]
+    splitter, stream, deltas = StreamSplitter(answer.reasoning), answer.stream(), []
+    for end in range(1, len(text) + 1):
+        final = end == len(text)
+        thought = splitter.delta(text[:end], final).get("reasoning_content", "")
+        deltas += [{"reasoning_content": thought}] if thought else []
+        deltas += stream.feed(splitter.content, final)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    whole = message.get("tool_calls") or []
+    assert [c["function"]["name"] for c in calls if "name" in c["function"]] == [
+        c["function"]["name"] for c in whole
+    ]
+    assert "".join(c["function"]["arguments"] for c in calls) == "".join(
+        c["function"]["arguments"] for c in whole
+    )
+    if calls:  # the thinking first, then the call
+        assert "reasoning_content" in deltas[0] and "tool_calls" in deltas[-1]
 
 
 def test_a_parser_is_refused_for_a_tokenizer_without_the_tags() -> None:

@@ -56,14 +56,18 @@ class ReasoningParser:
         if not final:
             held = max(partial_suffix(text, END), partial_suffix(text, START))
             text = text[: len(text) - held]
+            if not self.starts_inside and not text.strip():  # what may come before a <think>: held
+                return None, ""
+        opened = text.lstrip().startswith(START)
+        # Thinking only where the prompt opened it or the output opens it: a model that answers without
+        # <think> answers (its constraint applied from its first token: AfterThinking), a </think> later
+        # in the answer included, so that a stream, which cannot take content back, says the same.
+        if not (opened or self.starts_inside):
+            return None, text
         if END in text:
             reasoning, content = text.split(END, 1)
             return reasoning.lstrip().removeprefix(START).lstrip() or None, content.lstrip()
-        if text.lstrip().startswith(START):  # thinking, not closed (yet)
-            return text.lstrip().removeprefix(START).lstrip() or None, ""
-        if self.starts_inside:  # the prompt opened <think>: all of it is thinking until </think>
-            return text.lstrip() or None, ""
-        return None, text
+        return text.lstrip().removeprefix(START).lstrip() or None, ""
 
 
 class StreamSplitter:

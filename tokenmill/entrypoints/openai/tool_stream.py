@@ -45,6 +45,8 @@ class ToolStream:
         return {"tool_calls": [call]}
 
     def _named(self, text: str) -> list[dict]:
+        if not text:  # nothing of the answer yet (the model may still be thinking): no call announced
+            return []
         out = []
         if self.calls == 0:
             out.append(self._call(self.name, ""))
