@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tokenmill.sampling_params import REASONING_PARSERS
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _RUNNERS = ("auto", "generate", "pooling")
@@ -98,6 +100,10 @@ class EngineConfig:
     # to read instead. override_generation_config's values go on top, whichever it is.
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # A reasoning model's <think>...</think> parser (deepseek_r1, qwen3), as vLLM's LLM takes it: offline,
+    # each request's output constraint applies to the answer after the thinking (the server's
+    # --reasoning-parser also splits the thinking out of its messages).
+    reasoning_parser: str | None = None
     # vLLM's knobs that hold here whatever their value says, taken so that vLLM's command lines run:
     # no code from a checkpoint ever runs (an architecture tokenmill lacks is refused either way), and
     # prompts longer than a step's token budget are always chunked (False, which vLLM can do, is refused).
@@ -118,6 +124,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}.")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}."
+            )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
         if self.max_model_len is not None:

@@ -48,3 +48,21 @@ def starts_inside(reasoning_parser: str, thinking: str | None) -> bool:
     """Whether the output starts inside the thinking: as the prompt says (`thinking`, prompt_thinking's
     answer), else as the parser assumes (deepseek_r1's templates open `<think>`, qwen3's model writes it)."""
     return thinking == OPEN if thinking else reasoning_parser == "deepseek_r1"
+
+
+def check_reasoning_tokens(name: str | None, tokenizer, knob: str = "--reasoning-parser") -> None:
+    """A ValueError at start-up where the reasoning parser (`knob`: the server's flag, or LLM's
+    reasoning_parser) names a parser the model's tokenizer cannot serve: without `<think>` and `</think>`
+    as tokens of their own the model does not think in them, and the parser would file its answers (a
+    constrained one too) under reasoning (vLLM refuses the same)."""
+    if not name:
+        return
+    if tokenizer is None:
+        raise ValueError(f"{knob} {name} reads the output's text: drop skip_tokenizer_init")
+    vocab = tokenizer.get_vocab()
+    missing = [tag for tag in (START, END) if tag not in vocab]
+    if missing:
+        raise ValueError(
+            f"{knob} {name}: the model's tokenizer has no {' or '.join(missing)} token, so the model does "
+            f"not write its thinking in those tags; drop {knob} for this model"
+        )

@@ -294,6 +294,30 @@ def test_chat_constraints_follow_what_the_template_did_with_the_thinking(tmp_pat
     assert answer("deepseek_r1", enable_thinking=False) == ("yes", "stop")
 
 
+def test_reasoning_parser_holds_every_constraint_until_the_thinking_ends(tmp_path):
+    """LLM(reasoning_parser=...), as vLLM's LLM takes it: constraints apply after the thinking without
+    each request saying so (deepseek_r1: the output starts inside it; the random model never closes it,
+    so no "yes" comes in 6 tokens, where without the parser "yes" comes at once). A tokenizer without
+    the tags, or a parser not known, is refused by the knob's name."""
+    from tests.entrypoints.openai.test_reasoning import thinking_model
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    path = thinking_model(tmp_path / "model")
+    params = SamplingParams(
+        temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes"])
+    )
+    llm = LLM(path, dtype="float32", max_model_len=1024, num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    (held,) = llm.generate(["Ok?"], params, use_tqdm=False)
+    assert held.outputs[0].finish_reason == "length" and "yes" not in held.outputs[0].text
+    assert params.structured_outputs.reasoning is None  # the caller's params are left as given
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        LLM(path, reasoning_parser="granite")
+    with pytest.raises(
+        ValueError, match="reasoning_parser deepseek_r1: the model's tokenizer has no <think>"
+    ):
+        LLM("default", load_format="dummy", max_model_len=64, num_kv_blocks=8, reasoning_parser="deepseek_r1")
+
+
 def test_a_dropped_llm_gives_its_engine_back() -> None:
     """An LLM dropped frees its engine and model (the collector, frozen at start-up while the LLM lives,
     is thawed): each LLM built and dropped in one process had kept its model, some 0.5 GB, until exit."""

@@ -14,6 +14,8 @@ from collections.abc import Callable, Collection
 from tokenmill.config import EngineConfig
 
 _HELP = {
+    "reasoning_parser": "deepseek_r1 | qwen3: output constraints apply to the answer after the model's "
+    "<think>...</think>",
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory or a .gguf file",
     "tokenizer": "tokenizer directory or .gguf file, if not the model's own",
     "load_format": "auto | safetensors | gguf | dummy (random weights of the model's shape, for benchmarks)",

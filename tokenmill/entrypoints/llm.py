@@ -18,7 +18,7 @@ from tokenmill.sampling_params import SamplingParams, pooling_request_params
 from tokenmill.serving.chat_encoder import ChatEncoder
 from tokenmill.serving.llm_engine import LLMEngine
 from tokenmill.serving.prompt import Message, render_prompt
-from tokenmill.thinking import prompt_thinking
+from tokenmill.thinking import check_reasoning_tokens, prompt_thinking
 
 logger = logging.getLogger("tokenmill.llm")
 
@@ -30,6 +30,7 @@ class LLM:
         if self._default_sampling:
             logger.info(describe(self._default_sampling))
         self.engine = LLMEngine(self.config)
+        check_reasoning_tokens(self.config.reasoning_parser, self.engine.tokenizer, "reasoning_parser")
         # The model and the engine live as long as this LLM: frozen until it is dropped (__del__).
         freeze_startup()
         self._request_counter = itertools.count()
@@ -47,6 +48,9 @@ class LLM:
     def llm_engine(self) -> LLMEngine:
         """vLLM's name for the engine under this LLM."""
         return self.engine
+
+    def _after_thinking(self, params: SamplingParams) -> SamplingParams:
+        return _constraint_after_thinking(params, self.config.reasoning_parser)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -135,7 +139,9 @@ class LLM:
         else:
             batch = [prompt_token_ids] if _is_token_ids(prompt_token_ids) else prompt_token_ids
             inputs, salts = [list(ids) for ids in batch], [None] * len(batch)
-        params_list = self._per_prompt(sampling_params, len(inputs), "sampling_params")
+        params_list = [
+            self._after_thinking(p) for p in self._per_prompt(sampling_params, len(inputs), "sampling_params")
+        ]
         priorities = list(priority) if priority is not None else [0] * len(inputs)
         if len(priorities) != len(inputs):
             raise ValueError(f"priority has {len(priorities)} entries for {len(inputs)} prompts.")
@@ -201,7 +207,8 @@ class LLM:
         outputs = self.generate(
             prompt_token_ids=[r.token_ids for r in rendered],
             sampling_params=[
-                _thinking_as_prompted(p, r.text, c) for p, r, c in zip(params_list, rendered, conversations)
+                _thinking_as_prompted(self._after_thinking(p), r.text, c)
+                for p, r, c in zip(params_list, rendered, conversations)
             ],
             use_tqdm=use_tqdm,
         )
@@ -233,6 +240,17 @@ class LLM:
                 if pending and not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished.")
         return [finished[request_id] for request_id in request_ids]
+
+
+def _constraint_after_thinking(params: SamplingParams, reasoning_parser: str | None) -> SamplingParams:
+    """Under LLM(reasoning_parser=...), a request's output constraint applies after the thinking, as the
+    server's does (StructuredOutputsParams.reasoning; one the caller set is kept)."""
+    constraint = params.structured_outputs
+    if reasoning_parser is None or constraint is None or constraint.reasoning is not None:
+        return params
+    params = params.clone()
+    params.structured_outputs = dataclasses.replace(constraint, reasoning=reasoning_parser)
+    return params
 
 
 def _thinking_as_prompted(params: SamplingParams, prompt: str | None, conversation) -> SamplingParams:

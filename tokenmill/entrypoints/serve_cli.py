@@ -162,7 +162,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request"
     )
-    add_engine_args(parser)
+    add_engine_args(parser, exclude=("reasoning_parser",))  # the server's own flag above (with its choices)
     parser.set_defaults(func=_run)
 
 

@@ -7,9 +7,9 @@ import pytest
 
 from tests.entrypoints.openai.conftest import ServerProcess
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter, check_reasoning_tokens
+from tokenmill.entrypoints.openai.reasoning import ReasoningParser, StreamSplitter
 from tokenmill.entrypoints.openai.serving_chat import ToolAnswer
-from tokenmill.thinking import CLOSED, OPEN
+from tokenmill.thinking import CLOSED, OPEN, check_reasoning_tokens
 
 THOUGHT = "<think>\nTwo and two.\n</think>\n\nIt is 4."
 
@@ -303,7 +303,7 @@ def test_a_parser_is_refused_for_a_tokenizer_without_the_tags() -> None:
     check_reasoning_tokens(None, tokenizer)
     with pytest.raises(ValueError, match=r"--reasoning-parser deepseek_r1: .* no <think> or </think> token"):
         check_reasoning_tokens("deepseek_r1", tokenizer)
-    with pytest.raises(ValueError, match="--skip-tokenizer-init"):
+    with pytest.raises(ValueError, match="drop skip_tokenizer_init"):
         check_reasoning_tokens("qwen3", None)
     tokenizer.add_tokens(["<think>", "</think>"])
     check_reasoning_tokens("qwen3", tokenizer)

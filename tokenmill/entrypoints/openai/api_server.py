@@ -31,13 +31,13 @@ from tokenmill.gc_pauses import SERVER_LOG_OVER_S, GCPauses, freeze_startup
 from tokenmill.serving.async_client import AsyncEngineClient
 from tokenmill.serving.metrics import ServerMetrics
 from tokenmill.serving.prompt import render_prompt
+from tokenmill.thinking import check_reasoning_tokens
 
 from .common import ServerState
 from .disagg import PrefillPeers, kv_address
 from .errors import bad_request, install_error_handlers, unavailable
 from .middleware import ApiKeyCheck, BodySizeLimit
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning import check_reasoning_tokens
 from .serving_chat import ChatServing, render_chat
 from .serving_completion import CompletionServing
 from .serving_embedding import EmbeddingServing

@@ -19,23 +19,6 @@ from tokenmill.thinking import CLOSED, END, START, starts_inside
 from .tool_calls import partial_suffix
 
 
-def check_reasoning_tokens(name: str | None, tokenizer) -> None:
-    """A ValueError at start-up where --reasoning-parser names a parser the model's tokenizer cannot serve:
-    without `<think>` and `</think>` as tokens of their own the model does not think in them, and the
-    parser would file its answers (a constrained one too) under reasoning (vLLM refuses the same)."""
-    if not name:
-        return
-    if tokenizer is None:
-        raise ValueError(f"--reasoning-parser {name} reads the output's text: drop --skip-tokenizer-init")
-    vocab = tokenizer.get_vocab()
-    missing = [tag for tag in (START, END) if tag not in vocab]
-    if missing:
-        raise ValueError(
-            f"--reasoning-parser {name}: the model's tokenizer has no {' or '.join(missing)} token, so the "
-            "model does not write its thinking in those tags; drop --reasoning-parser for this model"
-        )
-
-
 class ReasoningParser:
     """One request's parser: `prompt_thinking` is what its rendered prompt did (OPEN, CLOSED, or None to
     follow the parser's name)."""
