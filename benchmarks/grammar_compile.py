@@ -98,8 +98,7 @@ def main() -> None:
         for _ in range(args.repeats):
             # An empty cache each time; the converted tokenizer is shared, as in a running server.
             structured = StructuredOutputs(lambda: tokenizer, vocab)
-            structured._ll_tokenizer, structured._executor = base._ll_tokenizer, base._executor
-            structured._ll_tokenizers = base._ll_tokenizers
+            structured._tokenizers, structured._executor = base._tokenizers, base._executor
             start = time.perf_counter()
             mask = structured.fill_bitmask([structured.matcher(params)[0]])
             times.append((time.perf_counter() - start) * 1e3)

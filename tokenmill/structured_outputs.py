@@ -33,7 +33,7 @@ from tokenmill.grammar_tokenizers import GrammarTokenizers
 from tokenmill.grammars import constraint_schemas, grammar_text
 from tokenmill.json_schemas import refused_keywords
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.thinking import CLOSED, END, START, starts_inside
+from tokenmill.thinking import CLOSED, END, START, AfterThinking, finish_gated, starts_inside
 
 # Compiled constraints kept, by their text, and compiled matchers ("families") kept over all of them.
 _CACHE_SIZE = 512
@@ -50,51 +50,15 @@ def _key(params: StructuredOutputsParams) -> str:
     return "\0".join((params.kind, params.whitespace_pattern or "", text))
 
 
-class AfterThinking:
-    """A request's grammar held back while its model thinks (StructuredOutputsParams.reasoning): the
-    thinking's tokens go free and are not the grammar's; the answer after `</think>` is. Where the chat
-    template opened the thinking (prompt_thinking "open"), and under deepseek_r1 where the prompt says
-    nothing, the output starts inside it; under qwen3 the model opens it with its first token or not at
-    all (that token's mask: the grammar's, and `<think>`). A prompt that closed the thinking gets no gate
-    (StructuredOutputs.matcher). Takes a matcher's place for the engine (consume_token, is_stopped, is_error);
-    bitmask_fill fills its row."""
-
-    __slots__ = ("matcher", "start", "end", "thinking", "first")
-
-    def __init__(self, matcher, start: int, end: int, inside: bool) -> None:
-        self.matcher, self.start, self.end = matcher, start, end
-        self.thinking = inside
-        self.first = not inside  # the first token may open the thinking
-
-    def consume_token(self, token: int) -> bool:
-        if self.first:
-            self.first = False
-            if token == self.start:
-                self.thinking = True
-                return True
-        if self.thinking:
-            self.thinking = token != self.end
-            return True
-        return self.matcher.consume_token(token)
-
-    def is_stopped(self) -> bool:
-        return not self.thinking and self.matcher.is_stopped()
-
-    def is_error(self) -> bool:
-        return not self.thinking and self.matcher.is_error()
-
-    def get_error(self) -> str:
-        return self.matcher.get_error()
-
-
 class _Families:
     """The compiled matchers (never advanced) of one constraint, and how many live requests hold a copy
     of each."""
 
-    __slots__ = ("roots", "ids", "live")
+    __slots__ = ("roots", "ids", "live", "first_mask")
 
-    def __init__(self, root, family_id: int) -> None:
+    def __init__(self, root, family_id: int, first_mask: bytes) -> None:
         self.roots, self.ids, self.live = [root], [family_id], [0]
+        self.first_mask = first_mask  # the tokens the constraint allows first (llguidance's bitmask)
 
 
 class StructuredOutputs:
@@ -123,8 +87,7 @@ class StructuredOutputs:
         self.mask_threads = mask_threads
         self.max_families = max_families
         self.slices = slices
-        self._ll_tokenizer = None
-        self._ll_tokenizers: GrammarTokenizers | None = None
+        self._tokenizers: GrammarTokenizers | None = None
         self._thinking_tags: tuple[int, ...] | None = None
         self._executor = None
         self._compiled: OrderedDict[str, _Families] = OrderedDict()
@@ -134,15 +97,19 @@ class StructuredOutputs:
         self._lock = threading.Lock()
 
     @property
-    def ll_tokenizer(self):
+    def tokenizers(self) -> GrammarTokenizers:
+        """llguidance's views of the tokenizer (and the mask threads), built on first use."""
         with self._lock:
-            if self._ll_tokenizer is None:
+            if self._tokenizers is None:
                 import llguidance
 
-                self._ll_tokenizers = GrammarTokenizers(self.load_tokenizer(), self.vocab_size, self.slices)
-                self._ll_tokenizer = self._ll_tokenizers.fast
+                self._tokenizers = GrammarTokenizers(self.load_tokenizer(), self.vocab_size, self.slices)
                 self._executor = llguidance.LLExecutor(self.mask_threads)
-            return self._ll_tokenizer
+            return self._tokenizers
+
+    @property
+    def ll_tokenizer(self):
+        return self.tokenizers.fast
 
     def _compile(self, params: StructuredOutputsParams):
         import llguidance
@@ -150,8 +117,7 @@ class StructuredOutputs:
         text = grammar_text(params)  # its ValueError names the field already
         if params.whitespace_pattern is not None:
             self._check_whitespace(params.whitespace_pattern)
-        self.ll_tokenizer  # noqa: B018 (built on first use)
-        tokenizer = self._ll_tokenizers.for_grammar(text)
+        tokenizer = self.tokenizers.for_grammar(text)
         try:
             matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         except (ValueError, RuntimeError) as exc:
@@ -164,20 +130,29 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs {params.kind}: {refused}")
         return matcher
 
-    def first_tokens(self, params: StructuredOutputsParams) -> np.ndarray:
-        """Whether the constraint allows each vocabulary entry as its first token (bool), from a copy of
-        its compiled matcher."""
-        probe = self.compiled(params).roots[0].deep_copy()
-        words = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+    def first_tokens(self, params: StructuredOutputsParams) -> np.ndarray | None:
+        """Whether a request's first token may be each vocabulary entry (bool), as its matcher() masks it:
+        the constraint's first tokens, and `<think>` where the model may open the thinking (AfterThinking);
+        None where the output starts inside the thinking (anything may come first)."""
+        words = np.frombuffer(self.compiled(params).first_mask, dtype=np.uint8)
+        first = np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+        tags = self._thinking_gate(params)
+        if tags is not None:
+            if starts_inside(params.reasoning, params.prompt_thinking):
+                return None
+            first[tags[0]] = True
+        return first
 
-    def _check_satisfiable(self, matcher, params: StructuredOutputsParams) -> None:
-        r"""A ValueError for a constraint no text meets (a regex `[^\s\S]`, a Lark intersection of
-        disjoint sets): llguidance compiles it, and its first mask, which allows nothing, sets the error."""
+    @staticmethod
+    def _first_mask(matcher, params: StructuredOutputsParams) -> bytes:
+        r"""The compiled matcher's first mask, from a copy; a ValueError for a constraint no text meets (a
+        regex `[^\s\S]`, a Lark intersection of disjoint sets): llguidance compiles it, and its first mask,
+        which allows nothing, sets the error."""
         probe = matcher.deep_copy()
-        probe.compute_bitmask()
+        mask = probe.compute_bitmask()
         if probe.is_error():
             raise ValueError(f"structured_outputs {params.kind}: no text satisfies the constraint.")
+        return mask
 
     def _check_whitespace(self, pattern: str) -> None:
         """A ValueError for a whitespace_pattern that matches anything but JSON's whitespace (space, tab,
@@ -209,9 +184,8 @@ class StructuredOutputs:
         if families is not None:
             self._compiled.move_to_end(key)
             return families
-        first = self._compile(params)
-        self._check_satisfiable(first, params)
-        families = _Families(first, next(self._family_ids))
+        root = self._compile(params)
+        families = _Families(root, next(self._family_ids), self._first_mask(root, params))
         self._compiled[key] = families
         self._family_of[families.ids[0]] = (families, 0)
         self.num_compiled += 1
@@ -246,13 +220,18 @@ class StructuredOutputs:
             self._evict()
         families.live[turn] += 1
         matcher = families.roots[turn].deep_copy()
-        # A prompt that closed the thinking leaves none to hold the grammar back for.
-        if params.reasoning is not None and params.prompt_thinking != CLOSED:
-            tags = self.thinking_tags()
-            if tags is not None:
-                inside = starts_inside(params.reasoning, params.prompt_thinking)
-                matcher = AfterThinking(matcher, *tags, inside=inside)
+        tags = self._thinking_gate(params)
+        if tags is not None:
+            inside = starts_inside(params.reasoning, params.prompt_thinking)
+            matcher = AfterThinking(matcher, *tags, inside=inside)
         return matcher, families.ids[turn]
+
+    def _thinking_gate(self, params: StructuredOutputsParams) -> tuple[int, int] | None:
+        """`<think>` and `</think>`'s ids where a request's grammar waits for the thinking (AfterThinking):
+        under a reasoning parser, with tags of their own; a prompt that closed the thinking leaves none."""
+        if params.reasoning is None or params.prompt_thinking == CLOSED:
+            return None
+        return self.thinking_tags()
 
     def thinking_tags(self) -> tuple[int, int] | None:
         """The ids of `<think>` and `</think>` where the tokenizer has each as one token, else None (a
@@ -346,21 +325,10 @@ class StructuredOutputs:
             if rows:  # matchers exist only once ll_tokenizer (and the executor) were built
                 executor.unsafe_compute_mask_ptr(rows, mask.ctypes.data, self.words * 4, len(matchers))
             if gated:
-                _finish_gated(gated, mask)
+                finish_gated(gated, mask)
             return mask
 
         return fill
-
-
-def _finish_gated(gated: list[tuple[AfterThinking, int]], mask: np.ndarray) -> None:
-    """AfterThinking rows: everything while the model thinks; `<think>` allowed beside the grammar's
-    tokens where the first token may open the thinking."""
-    words = mask.view(np.uint32)
-    for gate, row in gated:
-        if gate.thinking:
-            mask[row] = -1
-        elif gate.first:
-            words[row, gate.start >> 5] |= np.uint32(1 << (gate.start & 31))
 
 
 def apply_bitmask(logits, rows, bitmask) -> None:

@@ -1,8 +1,10 @@
 """A reasoning model's `<think>...</think>` tags, and what a rendered chat prompt already did with them: a
 template may open the thinking for the model or close it (thinking off), which the reasoning parser and the
-constraint held back until the answer (structured_outputs.AfterThinking) both follow."""
+constraint held back until the answer (AfterThinking, below) both follow."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from tokenmill.sampling_params import PROMPT_THINKING
 
@@ -66,3 +68,51 @@ def check_reasoning_tokens(name: str | None, tokenizer, knob: str = "--reasoning
             f"{knob} {name}: the model's tokenizer has no {' or '.join(missing)} token, so the model does "
             f"not write its thinking in those tags; drop {knob} for this model"
         )
+
+
+class AfterThinking:
+    """A request's grammar held back while its model thinks (StructuredOutputsParams.reasoning): the
+    thinking's tokens go free and are not the grammar's; the answer after `</think>` is. Where the chat
+    template opened the thinking (prompt_thinking "open"), and under deepseek_r1 where the prompt says
+    nothing, the output starts inside it; under qwen3 the model opens it with its first token or not at
+    all (that token's mask: the grammar's, and `<think>`). A prompt that closed the thinking gets no gate
+    (StructuredOutputs.matcher). Takes a matcher's place for the engine (consume_token, is_stopped, is_error);
+    bitmask_fill fills its row."""
+
+    __slots__ = ("matcher", "start", "end", "thinking", "first")
+
+    def __init__(self, matcher, start: int, end: int, inside: bool) -> None:
+        self.matcher, self.start, self.end = matcher, start, end
+        self.thinking = inside
+        self.first = not inside  # the first token may open the thinking
+
+    def consume_token(self, token: int) -> bool:
+        if self.first:
+            self.first = False
+            if token == self.start:
+                self.thinking = True
+                return True
+        if self.thinking:
+            self.thinking = token != self.end
+            return True
+        return self.matcher.consume_token(token)
+
+    def is_stopped(self) -> bool:
+        return not self.thinking and self.matcher.is_stopped()
+
+    def is_error(self) -> bool:
+        return not self.thinking and self.matcher.is_error()
+
+    def get_error(self) -> str:
+        return self.matcher.get_error()
+
+
+def finish_gated(gated: list[tuple[AfterThinking, int]], mask: np.ndarray) -> None:
+    """AfterThinking rows: everything while the model thinks; `<think>` allowed beside the grammar's
+    tokens where the first token may open the thinking."""
+    words = mask.view(np.uint32)
+    for gate, row in gated:
+        if gate.thinking:
+            mask[row] = -1
+        elif gate.first:
+            words[row, gate.start >> 5] |= np.uint32(1 << (gate.start & 31))

@@ -6,7 +6,6 @@ from __future__ import annotations
 from tokenmill.sampling_params import KnobError, SamplingParams
 from tokenmill.serving.prompt import render_prompt
 from tokenmill.structured_outputs import StructuredOutputs
-from tokenmill.thinking import CLOSED, starts_inside
 
 
 class InputProcessor:
@@ -38,18 +37,11 @@ class InputProcessor:
             raise ValueError("structured_outputs needs the model's tokenizer (skip_tokenizer_init is set).")
         constraint = params.structured_outputs
         self.structured.compiled(constraint)
-        # allowed_token_ids apart from every token the constraint may start with: the request could only
-        # sample a token the grammar refuses (and fail). Where the output starts inside the thinking, the
-        # thinking is free; where the model may open it (qwen3), `<think>` is a first token too.
+        # allowed_token_ids apart from every token the request may start with: it could only sample a
+        # token its grammar refuses (and fail).
         if params.allowed_token_ids is not None:
             first = self.structured.first_tokens(constraint)
-            gated = constraint.reasoning is not None and constraint.prompt_thinking != CLOSED
-            tags = self.structured.thinking_tags() if gated else None
-            if tags is not None:
-                if starts_inside(constraint.reasoning, constraint.prompt_thinking):
-                    return
-                first[tags[0]] = True
-            if not any(first[t] for t in params.allowed_token_ids if t < len(first)):
+            if first is not None and not any(first[t] for t in params.allowed_token_ids if t < len(first)):
                 raise KnobError(
                     "allowed_token_ids",
                     "allowed_token_ids holds none of the tokens the output constraint allows first.",
