@@ -37,6 +37,11 @@ class ModelRunnerOutput:
         return self
 
 
+# How EngineCoreOutput.error begins for a request whose grammar failed mid-answer (its stream raises
+# RequestFailedError, not the KV transfer's error).
+GRAMMAR_FAILED = "structured_outputs: the grammar failed"
+
+
 @dataclass
 class EngineCoreOutput:
     request_id: str
@@ -51,5 +56,6 @@ class EngineCoreOutput:
     # tokens: an embedding request ends when its prompt has been computed.
     pooled: bytes | None = None
     # Why the engine failed the request, with finish reason "abort": a disaggregated request whose KV never
-    # came from its prefill peer. None for a request that ended normally or was aborted by its client.
+    # came from its prefill peer, or one whose grammar failed (starting GRAMMAR_FAILED). None for a request
+    # that ended normally or was aborted by its client.
     error: str | None = None

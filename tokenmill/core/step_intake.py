@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.core.outputs import GRAMMAR_FAILED, EngineCoreOutput, ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import SchedulerOutput
 
@@ -145,8 +145,8 @@ class StepIntake:
                 if failure is not None:
                     status = RequestStatus.FINISHED_ABORTED
                     first_line = failure.split("\n", 1)[0]
-                    error = "structured_outputs: the grammar failed with the answer's first "
-                    error += f"{request.num_output_tokens} tokens ({first_line})"
+                    error = f"{GRAMMAR_FAILED} with the answer's first {request.num_output_tokens} tokens"
+                    error += f" ({first_line})"
                     logger.warning("request %s: %s", request_id, error)
             for token_id in new_token_ids:  # a stop among accepted drafts ends the request there
                 request.append_output_token(token_id)

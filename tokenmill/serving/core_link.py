@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import GRAMMAR_FAILED
 from tokenmill.loader import resolve_model
 from tokenmill.serving.core_process import run_engine_core
 from tokenmill.serving.core_protocol import EngineDead, EngineReady, message_decoder
@@ -44,7 +45,7 @@ class KVTransferError(RequestFailedError):
 
 def request_failure(error: str) -> RequestFailedError:
     """The exception a failed request's stream raises, by what its EngineCoreOutput.error says."""
-    return RequestFailedError(error) if error.startswith("structured_outputs:") else KVTransferError(error)
+    return RequestFailedError(error) if error.startswith(GRAMMAR_FAILED) else KVTransferError(error)
 
 
 class EngineOverloadedError(RuntimeError):
