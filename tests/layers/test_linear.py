@@ -192,7 +192,7 @@ def test_quantization_groups_that_do_not_split_name_the_field_and_the_flag() -> 
         ValueError, match=field + r" columns of each of the 2 ranks \(--tensor-parallel-size\)"
     ):
         RowParallelLinear(192, 8, tp_size=2, quant_method=int4)
-    block = r"weight_block_size \[128, 128\]: the block's 128 columns do not divide the 64 input columns"
+    block = r"weight_block_size \[128, 128\] \(blocks of 128 columns\) does not divide the 64 input columns"
     with pytest.raises(ValueError, match=block):
         RowParallelLinear(128, 8, tp_size=2, quant_method=Fp8BlockLinearMethod(128, 128))
 

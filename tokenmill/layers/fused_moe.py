@@ -21,7 +21,7 @@ from tokenmill import distributed
 from tokenmill.kernels import Kernels, get_kernels
 from tokenmill.kernels.quant_reference import PACK, QuantExperts, quantize_experts_fp8, quantize_experts_int4
 from tokenmill.kernels.reference import FP8_DTYPE
-from tokenmill.layers.linear import ShardId, check_dtype, divide
+from tokenmill.layers.sharding import ShardId, check_dtype, divide
 
 # The checkpoint's per-expert projections and where they land: (our parameter, its name, part).
 _EXPERT_PROJECTIONS = (("w13", "gate_proj", "gate"), ("w13", "up_proj", "up"), ("w2", "down_proj", "down"))

@@ -10,7 +10,7 @@ from torch import nn
 from tokenmill import distributed
 from tokenmill.layers.cpu_packed import packed_linear
 from tokenmill.layers.dense import dense_linear
-from tokenmill.layers.linear import ShardId, check_dtype, divide
+from tokenmill.layers.sharding import ShardId, check_dtype, divide
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 

@@ -42,7 +42,7 @@ def check_tensor_parallel(config, tp_size: int, expert_parallel: bool = False) -
     """A ValueError naming the first width tp_size does not split, before any rank is started: the heads
     (as QKVParallelLinear splits them), the dense MLP's width, and the experts' width (or, with expert
     parallelism, their number)."""
-    from tokenmill.layers.linear import divide, heads_per_rank
+    from tokenmill.layers.sharding import divide, heads_per_rank
     from tokenmill.models.llama import ArchFlags
 
     flags = ArchFlags(config)

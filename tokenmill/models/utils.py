@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import ShardId, check_dtype
+from tokenmill.layers.sharding import ShardId, check_dtype
 
 # (our fused parameter's name part, the checkpoint's name part, shard id), e.g. (".qkv_proj", ".q_proj", "q").
 StackedParamsMapping = Sequence[tuple[str, str, ShardId]]

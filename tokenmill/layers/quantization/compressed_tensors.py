@@ -26,13 +26,12 @@ from tokenmill.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    ShardId,
     UnquantizedLinearMethod,
-    WeightLoader,
 )
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_gemv, fp8_gemv_takes, fp8_linear
 from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod, add_weight_shape
 from tokenmill.layers.quantization.int8 import int8_linear, unpack_int8
+from tokenmill.layers.sharding import ShardId, WeightLoader
 
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 FORMATS = (*FP8_FORMATS, "int-quantized", "pack-quantized")

@@ -16,7 +16,8 @@ from torch import nn
 from tokenmill.kernels import FP8_GEMM_MAX_ROWS, GemvFusion, skinny_kernel, triton_kernel
 from tokenmill.kernels.quant_reference import quantize_fp8_per_row
 from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX
-from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod, WeightLoader
+from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from tokenmill.layers.sharding import WeightLoader
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8LinearMethod", "check_fp8_support", "fp8_linear", "quantize_per_row"]
 

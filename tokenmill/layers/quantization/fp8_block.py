@@ -22,13 +22,10 @@ from tokenmill.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    ShardId,
-    WeightLoader,
-    check_dtype,
-    load_shard,
 )
 from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod, not_converted
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, quantize_per_row
+from tokenmill.layers.sharding import ShardId, WeightLoader, check_columns_split, check_dtype, load_shard
 
 
 class Fp8BlockConfig:
@@ -146,12 +143,9 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         parts = output_partition_sizes if split else output_partition_sizes[:-1] if fused else []
         block_n = math.gcd(self.block_n, *parts)
         layer.fp8_block_n = block_n
-        if row_parallel and layer.tp_size > 1 and columns % self.block_k:
-            raise ValueError(
-                f"{self.field} [{self.block_n}, {self.block_k}]: the block's {self.block_k} columns do not "
-                f"divide the {columns} input columns of each of the {layer.tp_size} ranks "
-                "(--tensor-parallel-size) of this layer"
-            )
+        if row_parallel:
+            what = f"{self.field} [{self.block_n}, {self.block_k}] (blocks of {self.block_k} columns)"
+            check_columns_split(columns, self.block_k, layer.tp_size, what)
         weight = nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE), requires_grad=False)
         weight.output_dim, weight.input_dim, weight.weight_loader = 0, 1, weight_loader
         layer.register_parameter("weight", weight)

@@ -31,7 +31,7 @@ from torch import nn
 
 from tokenmill.kernels import GemvFusion
 from tokenmill.kernels.quant_reference import PACK, pack_int4, unpack_int4
-from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader, check_dtype
+from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear
 from tokenmill.layers.quantization.compressed_tensors import ignored_layer, not_converted
 from tokenmill.layers.quantization.int4 import (
     add_group_index,
@@ -43,6 +43,7 @@ from tokenmill.layers.quantization.int4 import (
     ordered_input,
 )
 from tokenmill.layers.quantization.int8 import int8_grouped_linear, unpack_int8
+from tokenmill.layers.sharding import ShardId, WeightLoader, check_columns_split, check_dtype
 
 METHODS = ("gptq", "awq")
 # AWQ packs column 8c + AWQ_ORDER[j] into nibble j of word c; reading nibble j back gives that column.
@@ -155,11 +156,9 @@ class GptqAwqLinearMethod(LinearMethodBase):
         # checkpoint's tensors, converted whole, are cut along K as they load; per-channel scales whole).
         split = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
         stored_columns = input_size if split else columns
-        if split and self.group_size > 0 and columns % self.group_size:
-            raise ValueError(
-                f"quantization_config.group_size {self.group_size} does not divide the {columns} input "
-                f"columns of each of the {layer.tp_size} ranks (--tensor-parallel-size) of this layer"
-            )
+        if split and self.group_size > 0:
+            what = f"quantization_config.group_size {self.group_size}"
+            check_columns_split(columns, self.group_size, layer.tp_size, what)
         group = self.group_size if self.group_size > 0 else columns
         pack = 32 // self.bits  # values a word
         if columns % pack:

@@ -30,7 +30,8 @@ from tokenmill.kernels.quant_reference import (
     unpack_int4,
     w4a16_gemm,
 )
-from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear, ShardId, WeightLoader, check_dtype
+from tokenmill.layers.linear import LinearMethodBase, RowParallelLinear
+from tokenmill.layers.sharding import ShardId, WeightLoader, check_columns_split, check_dtype
 
 
 class Int4W4A16LinearMethod(LinearMethodBase):
@@ -55,11 +56,8 @@ class Int4W4A16LinearMethod(LinearMethodBase):
     ) -> None:
         rows, columns = sum(output_partition_sizes), input_size_per_partition
         group = self.group_size if self.group_size > 0 else columns
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and columns % group:
-            raise ValueError(
-                f"{self.field} {group} does not divide the {columns} input columns of each of the "
-                f"{layer.tp_size} ranks (--tensor-parallel-size) of this layer"
-            )
+        if isinstance(layer, RowParallelLinear):
+            check_columns_split(columns, group, layer.tp_size, f"{self.field} {group}")
         num_groups = math.ceil(columns / group)
         column_parallel = not isinstance(layer, RowParallelLinear)
         packed = _param(torch.zeros(rows, math.ceil(columns / PACK), dtype=torch.int32), 0, 1, weight_loader)
