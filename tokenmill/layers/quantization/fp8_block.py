@@ -23,8 +23,9 @@ from tokenmill.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod, not_converted
+from tokenmill.layers.quantization.compressed_tensors import not_converted
 from tokenmill.layers.quantization.fp8 import FP8_DTYPE, quantize_per_row
+from tokenmill.layers.quantization.per_row_scaled import CompressedTensorsFp8LinearMethod
 from tokenmill.layers.sharding import ShardId, WeightLoader, check_columns_split, check_dtype, load_shard
 
 

@@ -3,7 +3,7 @@
 calibrated per-tensor `input_scale`) and its INT8 weight-only checkpoints (`pack-quantized` with 8 bits:
 four values a word, each stored as q + 128; unpacked to int8 as they load), and GPTQ's 8-bit checkpoints
 (int8 in groups of input columns with zero points: `int8_grouped_linear`). The layer methods that read
-them are compressed_tensors.py's CompressedTensorsInt8LinearMethod and gptq_awq.py's; this module holds
+them are per_row_scaled.py's CompressedTensorsInt8LinearMethod and gptq_awq.py's; this module holds
 their arithmetic.
 
 How a product runs:

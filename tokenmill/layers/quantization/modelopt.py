@@ -20,7 +20,8 @@ from __future__ import annotations
 from fnmatch import fnmatch
 
 from tokenmill.layers.linear import LinearMethodBase
-from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsFp8LinearMethod, ignored_layer
+from tokenmill.layers.quantization.compressed_tensors import ignored_layer
+from tokenmill.layers.quantization.per_row_scaled import CompressedTensorsFp8LinearMethod
 
 # quant_algo -> the input scheme of the FP8 method that runs it ("tensor": static per-tensor scales).
 _ALGOS = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "token"}

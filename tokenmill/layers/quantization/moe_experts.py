@@ -27,13 +27,13 @@ import torch
 
 from tokenmill.layers.fused_moe import ExpertFormat, StoredExpert
 from tokenmill.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
-from tokenmill.layers.quantization.compressed_tensors import (
-    CompressedTensorsFp8LinearMethod,
-    CompressedTensorsInt8LinearMethod,
-)
 from tokenmill.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from tokenmill.layers.quantization.gptq_awq import GptqAwqLinearMethod
 from tokenmill.layers.quantization.int4 import Int4W4A16LinearMethod
+from tokenmill.layers.quantization.per_row_scaled import (
+    CompressedTensorsFp8LinearMethod,
+    CompressedTensorsInt8LinearMethod,
+)
 
 logger = logging.getLogger(__name__)
 
