@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -127,6 +127,8 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     int8-tests) timeout 120 $py -m pytest -q -p no:cacheprovider tests/kernels/test_dequant8.py \
                   tests/kernels/test_fp8_quant.py tests/layers/test_int8.py 2>&1 | tail -4 ;;
     ceilings) timeout 120 $bench ceilings --out "$out/ceilings.json" ;;
+    # Kernel variants a request still compiles on its path after warm-up, by prompt length (bf16, FP8, INT4).
+    late-compiles) timeout 560 $py benchmarks/gpu/late_compiles.py --out "$out/late_compiles.json" 2>&1 | tail -30 ;;
     decode) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --out "$out/decode_8b.json" ;;
     speculative) timeout 480 $bench speculative --shape llama-3.1-8b --out "$out/speculative_8b.json" ;;
     decode-fp8) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization fp8 \

@@ -21,9 +21,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tokenmill")
 
-# Prompt lengths start-up runs: around the multiples of 16 Triton specialises integer arguments on, and
-# spread up to a full step, so every kernel variant and GEMM shape class is met before any request.
-_WARMUP_LENGTHS = (1, 2, 3, 15, 16, 17, 31, 100, 255, 256, 257, 1000, 1024, 2047, 4100, 8191)
+# Prompt lengths start-up runs, spread up to a full step so that every kernel variant and GEMM shape
+# class is met before any request. Triton specialises an integer argument on whether it is 1 or a
+# multiple of 16, so each class of rows the kernels tile by (up to 16, 32, 64 and 128 rows a program,
+# and each power of two past them) is met with a multiple of 16 and with another length: a 128-token
+# prompt's INT4 tensor-core GEMMs compiled on its path before 32, 64, 128, 512, 2048, 4096 and 8192
+# were here.
+_WARMUP_LENGTHS = (
+    1, 2, 3, 15, 16, 17, 31, 32, 64, 100, 128, 255, 256, 257, 512, 1000, 1024, 2047, 2048, 4096, 4100,
+    8191, 8192,
+)  # fmt: skip
 
 
 def warm_up(parts: EngineParts) -> None:
