@@ -132,6 +132,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     # Known failures go through the exception middleware; anything else reaches the server-error
-    # middleware, which answers with the same shape and still logs the traceback.
-    for error_class in (OpenAIError, ValueError, EngineOverloadedError, EngineDeadError, Exception):
+    # middleware, which answers with the same shape, logs the traceback and raises it again: uvicorn then
+    # drops the connection, so a request the engine ended as failed (RequestFailedError, a 500 of its
+    # own) is a known failure too, and the client's keep-alive connection serves its next request.
+    known = (OpenAIError, ValueError, EngineOverloadedError, EngineDeadError, RequestFailedError)
+    for error_class in (*known, Exception):
         app.add_exception_handler(error_class, openai_error)
