@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tokenmill.sampling_params import StructuredOutputsParams
@@ -228,3 +229,30 @@ def test_a_structural_tag_whose_triggers_are_special_tokens(accepts) -> None:
     text = {"triggers": ["<tool_call>"], "structures": [{**structure, "begin": '<tool_call>{"f": '}]}
     assert accepts(StructuredOutputsParams(structural_tag=text), 'call: <tool_call>{"f": {"x": 7}}')
     assert not accepts(StructuredOutputsParams(structural_tag=text), 'call: <tool_call>{"f": {"x": 8}}')
+
+
+def test_a_choice_of_thousands_of_labels_and_of_awkward_strings() -> None:
+    """Each choice is taken whole, token by token with a mask before each (llguidance's own choice grammar
+    made every choice an item of one parser row, and past 2,000 the first token failed); a prefix of one
+    alone is not complete. Quotes, backslashes, newlines, non-ASCII text and the empty string are choices
+    as written."""
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import StructuredOutputs
+
+    source = resolve_model("default")
+    tokenizer = source.load_tokenizer()
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=1, max_families=1)
+    labels = [f"label-{i}" for i in range(3000)]
+    awkward = ['say "hi"', "back\\slash", "two\nlines", "ünïcode 😀", "", "tab\t", "/slashes/", "a", "ab"]
+    for choices, texts, refused in ((labels, ["label-0", "label-2999"], ["label-", "label-3000"]),
+                                    (awkward, awkward, ["say", "b"])):  # fmt: skip
+        params = StructuredOutputsParams(choice=choices)
+        for text in texts + refused:
+            matcher = structured.compiled(params).roots[0].deep_copy()
+            taken = True
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+                taken = taken and bool(mask[token // 8] >> (token % 8) & 1) and matcher.consume_token(token)
+            matcher.compute_bitmask()
+            assert not matcher.is_error(), (text, matcher.get_error())
+            assert (taken and matcher.is_accepting()) == (text in texts), text

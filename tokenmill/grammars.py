@@ -87,7 +87,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 f"start: /{llguidance.regex_to_lark(params.regex, 'dw')}/"
             )
         if kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(params.choice))
+            # One lexeme of alternatives, not llguidance's `start: "a" | "b" ...`: there every choice is an
+            # item of the parser's row, and past 2,000 of them the first token failed the request.
+            options = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {options}\n")
         return llguidance.LLMatcher.grammar_from_lark(lark(params.grammar))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"structured_outputs {kind}: {exc}") from None
