@@ -256,3 +256,25 @@ def test_a_choice_of_thousands_of_labels_and_of_awkward_strings() -> None:
             matcher.compute_bitmask()
             assert not matcher.is_error(), (text, matcher.get_error())
             assert (taken and matcher.is_accepting()) == (text in texts), text
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [{"regex": "a{300000}"}, {"json": {"type": "string", "pattern": "^b{1000000}$"}}],
+)
+def test_a_constraint_past_the_grammar_engines_limits_is_refused_when_compiled(constraint) -> None:
+    """A repetition that builds llguidance's lexer past its limits with the first mask: that mask is whole
+    and every later copy's fails, so the compile asks a second copy too, and the request is a ValueError
+    (a 400) instead of a request that fails at its first token. A large repetition within them is taken."""
+    from tokenmill.loader import resolve_model
+    from tokenmill.structured_outputs import StructuredOutputs
+
+    source = resolve_model("default")
+    structured = StructuredOutputs(source.load_tokenizer, 49152, mask_threads=1, max_families=1)
+    with pytest.raises(ValueError, match=r"too large for the grammar engine \(lexer error: too many"):
+        structured.compiled(StructuredOutputsParams(**constraint))
+    families = structured.compiled(StructuredOutputsParams(regex="a{20000}"))
+    for _ in range(3):
+        matcher = families.roots[0].deep_copy()
+        matcher.compute_bitmask()
+        assert not matcher.is_error()

@@ -152,6 +152,15 @@ class StructuredOutputs:
         mask = probe.compute_bitmask()
         if probe.is_error():
             raise ValueError(f"structured_outputs {params.kind}: no text satisfies the constraint.")
+        # The copies share the lexer, whose first mask may build it past llguidance's limits (a regex
+        # a{300000}): then the first copy's mask is whole, and every later copy's (each request's) fails.
+        second = matcher.deep_copy()
+        second.compute_bitmask()
+        if second.is_error():
+            reason = second.get_error().split("\n", 1)[0]
+            raise ValueError(
+                f"structured_outputs {params.kind}: too large for the grammar engine ({reason})."
+            )
         return mask
 
     def _check_whitespace(self, pattern: str) -> None:
