@@ -312,6 +312,17 @@ def test_a_required_list_cut_by_max_tokens_gives_its_complete_calls_streamed_or_
     _, streamed = _replay(ToolStream("required", "required", None, True), cut)
     assert streamed == {i: (c.name, json.loads(c.arguments)) for i, c in enumerate(expected)}
     assert calls_from_constrained(cut[:20], "required") == []
+    # Cut before its first call is whole: no calls and no content, the grammar's JSON not shown as text.
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+    from tokenmill.entrypoints.openai.serving_chat import ToolAnswer
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("a", "b")]
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="required"
+    )
+    whole = ToolAnswer(request, None).message(cut[:20], "length")
+    assert whole == {"message": {"role": "assistant", "content": None}, "finish_reason": "length"}
+    assert _replay(ToolStream("required", "required", None, True), cut[:20]) == ("", {})
 
 
 # Arguments with nested JSON, non-ASCII text and escaped quotes; text before and after the calls.

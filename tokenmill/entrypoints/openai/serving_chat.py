@@ -120,8 +120,11 @@ class ToolAnswer:
             thinking = {"reasoning_content": reasoning}
         content, calls = self.split(text)
         if not calls:
-            # All of it thinking (no </think> under deepseek_r1): no answer, null as vLLM's, not "".
-            answer = text if text or self.reasoning is None else None
+            # All of it thinking (no </think> under deepseek_r1): no answer, null as vLLM's, not "". Under
+            # required or a named function the text is the grammar's (cut by max_tokens before a whole
+            # call): not content either, as the stream sends none.
+            constrained = self.mode in ("required", "named")
+            answer = text if (text or self.reasoning is None) and not constrained else None
             message = {"role": self.role, "content": answer, **thinking}
             return {"message": message, "finish_reason": finish_reason}
         calls = calls if self.parallel else calls[:1]
