@@ -339,6 +339,8 @@ def test_bad_constraints_are_400s_naming_their_field(server) -> None:
         ({"response_format": response_format({"$ref": "#/$defs/Missing"})}, "response_format"),
         ({"response_format": response_format({"type": "string", "pattern": "[a-"})}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": BOOK}}}, "response_format"),
+        ({"response_format": {}}, "response_format"),  # no type: a 400 from OpenAI and vLLM too
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
         ({"guided_regex": "[z-a]"}, "guided_regex"),
         ({"guided_json": "{not json"}, "guided_json"),

@@ -28,7 +28,9 @@ def given_constraints(
     response_format (json_object, json_schema with its schema, or vLLM's structural_tag; completions take
     it too, as vLLM's do) beside vLLM's fields. guided: guided_json ... guided_grammar by kind."""
     found = []
-    kind = response_format.get("type", "text") if response_format is not None else "text"
+    if response_format is not None and "type" not in response_format:  # OpenAI's and vLLM's 400 too
+        raise ParamError("response_format", "response_format needs its type ('text', 'json_object', ...)")
+    kind = response_format["type"] if response_format is not None else "text"
     if kind == "json_object":
         found.append(("response_format", {"json_object": True}))
     elif kind == "json_schema":
@@ -37,6 +39,11 @@ def given_constraints(
         if not isinstance(schema, dict):
             raise ParamError(
                 "response_format", "response_format json_schema needs json_schema.schema, an object"
+            )
+        name = spec.get("name")  # type: ignore[union-attr]
+        if not isinstance(name, str) or not name:
+            raise ParamError(
+                "response_format", "response_format json_schema needs json_schema.name, the schema's name"
             )
         found.append(("response_format", {"json": schema}))
     elif kind == "structural_tag":  # vLLM's: the tag itself, beside its type
