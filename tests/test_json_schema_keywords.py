@@ -242,3 +242,52 @@ def test_integer_bounds_past_64_bits_are_refused(structured, schema, refused) ->
 
 def test_an_integer_bound_past_64_bits_that_every_output_keeps_is_honoured(accepts) -> None:
     assert accepts({"type": "integer", "maximum": 1e20}, "5")
+
+
+def node(child: object, **extra: object) -> dict:
+    return {"type": "object", "properties": {"child": child}, "required": ["child"], **extra}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        node({"$ref": "#"}),  # requires itself
+        {"$defs": {"Node": node({"$ref": "#/$defs/Node"})}, "$ref": "#/$defs/Node"},  # pydantic's form
+        {  # two that require each other
+            "$defs": {"A": node({"$ref": "#/$defs/B"}), "B": node({"$ref": "#/$defs/A"})},
+            "$ref": "#/$defs/A",
+        },
+        {"type": "array", "items": {"$ref": "#"}, "minItems": 1},  # at least one item, itself
+        node({"allOf": [{"$ref": "#"}]}),
+        node({"anyOf": [{"$ref": "#"}, node({"$ref": "#"})]}),  # every branch requires it
+    ],
+)
+def test_a_schema_that_requires_itself_forever_is_refused(structured, schema) -> None:
+    """No finite JSON satisfies it; llguidance compiled it and masked its first tokens, and the request
+    failed once the nesting passed its limits (HTTP 500)."""
+    with pytest.raises(ValueError, match="structured_outputs json: no finite JSON satisfies the schema"):
+        structured.compiled(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize(
+    ("schema", "text"),
+    [
+        ({"type": "object", "properties": {"child": {"$ref": "#"}}}, '{"child": {}}'),  # optional child
+        (node({"anyOf": [{"$ref": "#"}, {"type": "null"}]}), '{"child": {"child": null}}'),  # Optional[Node]
+        (node({"$ref": "#"}, type=["object", "null"]), '{"child": null}'),
+        ({"type": "array", "items": {"$ref": "#"}}, "[[], [[]]]"),  # nested lists, none required
+        (
+            {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"$ref": "#"}, "minItems": 1},
+            "[1]",
+        ),
+        (
+            {
+                "$defs": {"A": node({"$ref": "#/$defs/B"}), "B": {"anyOf": [{"$ref": "#/$defs/A"}, DIGIT]}},
+                "$ref": "#/$defs/A",
+            },
+            '{"child": {"child": 3}}',
+        ),  # fmt: skip
+    ],
+)
+def test_a_recursive_schema_with_a_way_out_is_honoured(accepts, schema, text) -> None:
+    assert accepts(schema, text)

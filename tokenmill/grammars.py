@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from tokenmill.json_schemas import check_integer_bounds, closed, one_of_refs_inlined
+from tokenmill.json_schemas import check_finite, check_integer_bounds, closed, one_of_refs_inlined
 from tokenmill.sampling_params import StructuredOutputsParams
 
 # JSON as OpenAI's structured outputs write it, {"a": 1, "b": [2, 3]}: no free whitespace, in which a
@@ -71,6 +71,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "json":
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             check_integer_bounds(schema)
+            check_finite(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(closed(one_of_refs_inlined(schema))), defaults=json_options(params)
             )

@@ -313,3 +313,87 @@ def _where(schemas: list[object], keyword: str, limit: int = 3, test=None) -> li
     for schema in schemas:
         visit(schema, "")
     return found
+
+
+def check_finite(schema: object) -> None:
+    """A ValueError for a schema no finite JSON satisfies: one that holds itself through what it
+    requires (a required property, an array's first items, `contains`, `allOf`, a reference) with no
+    alternative that ends (another type, an `anyOf` branch, an optional property). llguidance compiles
+    it and masks its first tokens, and the request failed once the nesting passed its limits. Only the
+    certain cases: what could still be satisfied (or the keywords this does not read) is let through."""
+    if not isinstance(schema, dict):
+        return
+    refs: set[str] = set()
+    _collect_refs(schema, refs)
+    targets = {ref: _resolve(schema, ref) if ref != "#" else schema for ref in refs}
+    finite: set[str] = {ref for ref, target in targets.items() if target is None}  # not ours to judge
+    grew = True
+    while grew:  # the least fixed point: a reference is finite once what it names can end without it
+        grew = False
+        for ref, target in targets.items():
+            if ref not in finite and _ends(target, finite):
+                finite.add(ref)
+                grew = True
+    if not _ends(schema, finite):
+        raise ValueError(
+            "no finite JSON satisfies the schema: it requires itself (through a required property, an "
+            "array's items or a reference back to it) with no alternative that ends the nesting"
+        )
+
+
+def _collect_refs(node: object, refs: set[str]) -> None:
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            refs.add(node["$ref"])
+        for value in node.values():
+            _collect_refs(value, refs)
+    elif isinstance(node, list):
+        for value in node:
+            _collect_refs(value, refs)
+
+
+def _ends(node: object, finite: set[str]) -> bool:
+    """Whether some finite JSON may satisfy node, given the references known to be satisfiable."""
+    if node is False:
+        return False
+    if not isinstance(node, dict):
+        return True
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in finite:
+        return False
+    if isinstance(node.get("allOf"), list) and not all(_ends(sub, finite) for sub in node["allOf"]):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and not any(_ends(sub, finite) for sub in node[key]):
+            return False
+    if "const" in node or "enum" in node:
+        return True  # literals, whatever else the node holds (not judged here)
+    kinds = node.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds] if isinstance(kinds, str) else None
+    if kinds is None or any(kind not in ("object", "array") for kind in kinds):
+        return True  # a scalar type, or any type at all
+    return ("object" in kinds and _object_ends(node, finite)) or (
+        "array" in kinds and _array_ends(node, finite)
+    )
+
+
+def _object_ends(node: dict, finite: set[str]) -> bool:
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    return all(_ends(properties[name], finite) for name in required if name in properties)
+
+
+def _array_ends(node: dict, finite: set[str]) -> bool:
+    least = node.get("minItems", 0)
+    least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+    prefix = node.get("prefixItems")
+    items = node.get("items")
+    if isinstance(items, list):  # draft 4-7 tuples: items as the list, additionalItems past it
+        prefix, items = items, node.get("additionalItems", True)
+    prefix = prefix if isinstance(prefix, list) else []
+    for index in range(min(least, len(prefix) + 1)):
+        if not _ends(prefix[index] if index < len(prefix) else items, finite):
+            return False
+    contains = node.get("contains")
+    at_least = node.get("minContains", 1)
+    return contains is None or at_least == 0 or _ends(contains, finite)
