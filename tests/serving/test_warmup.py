@@ -42,3 +42,17 @@ def test_warm_up_of_a_pooling_engine(hf_model_dirs):
     parts = create_engine(EngineConfig(model=path, runner="pooling", max_model_len=300, num_kv_blocks=64))
     warm_up(parts)
     assert parts.core.scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_warm_up_meets_each_row_class_with_and_without_a_multiple_of_16() -> None:
+    """Triton specialises an integer argument on whether it is 1 or a multiple of 16, and the kernels pick
+    tiles by classes of rows (up to 16, 32, 64 and 128 rows a program, then powers of two): start-up meets
+    each class up to a full step both ways, or a prompt's GEMMs compile on its path (a 128-token prompt
+    compiled three INT4 tensor-core variants on the H200 before 32, 64 and 128 were among them)."""
+    from tokenmill.serving.warmup import _WARMUP_LENGTHS
+
+    bounds = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    for low, high in zip(bounds, bounds[1:]):
+        lengths = [n for n in _WARMUP_LENGTHS if low < n <= high]
+        assert any(n % 16 == 0 for n in lengths), (low, high)
+        assert any(n % 16 for n in lengths), (low, high)

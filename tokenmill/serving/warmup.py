@@ -26,10 +26,10 @@ logger = logging.getLogger("tokenmill")
 # multiple of 16, so each class of rows the kernels tile by (up to 16, 32, 64 and 128 rows a program,
 # and each power of two past them) is met with a multiple of 16 and with another length: a 128-token
 # prompt's INT4 tensor-core GEMMs compiled on its path before 32, 64, 128, 512, 2048, 4096 and 8192
-# were here.
+# were here (tests/serving/test_warmup.py checks each class is met both ways).
 _WARMUP_LENGTHS = (
-    1, 2, 3, 15, 16, 17, 31, 32, 64, 100, 128, 255, 256, 257, 512, 1000, 1024, 2047, 2048, 4096, 4100,
-    8191, 8192,
+    1, 2, 3, 15, 16, 17, 31, 32, 40, 64, 100, 128, 255, 256, 257, 512, 1000, 1024, 2047, 2048, 3000,
+    4096, 4100, 8191, 8192,
 )  # fmt: skip
 
 
