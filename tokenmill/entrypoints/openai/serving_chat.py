@@ -104,10 +104,11 @@ class ToolAnswer:
 
     def split(self, text: str) -> tuple[str | None, list]:
         if self.mode in ("required", "named"):
+            # The grammar's text is never content, even cut by max_tokens before a whole call.
             try:
                 return None, calls_from_constrained(text, self.tool_choice)
-            except (ValueError, KeyError, TypeError):  # cut by max_tokens: not a complete call
-                return text, []
+            except (ValueError, KeyError, TypeError):
+                return None, []
         if self.parser is not None:
             return self.parser.parse(text)
         return text, []
@@ -120,11 +121,8 @@ class ToolAnswer:
             thinking = {"reasoning_content": reasoning}
         content, calls = self.split(text)
         if not calls:
-            # All of it thinking (no </think> under deepseek_r1): no answer, null as vLLM's, not "". Under
-            # required or a named function the text is the grammar's (cut by max_tokens before a whole
-            # call): not content either, as the stream sends none.
-            constrained = self.mode in ("required", "named")
-            answer = text if (text or self.reasoning is None) and not constrained else None
+            # All of it thinking (no </think> under deepseek_r1): no answer, null as vLLM's, not "".
+            answer = content if content or self.reasoning is None else None
             message = {"role": self.role, "content": answer, **thinking}
             return {"message": message, "finish_reason": finish_reason}
         calls = calls if self.parallel else calls[:1]
