@@ -342,14 +342,12 @@ def check_finite(schema: object) -> None:
 
 
 def _collect_refs(node: object, refs: set[str]) -> None:
+    """The local references among node's subschemas (not in its const, enum or default values)."""
     if isinstance(node, dict):
         if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
             refs.add(node["$ref"])
-        for value in node.values():
-            _collect_refs(value, refs)
-    elif isinstance(node, list):
-        for value in node:
-            _collect_refs(value, refs)
+        for _, sub in _subschemas(node):
+            _collect_refs(sub, refs)
 
 
 def _ends(node: object, finite: set[str]) -> bool:
