@@ -6,7 +6,8 @@ path); every "kernel variant met after warm-up" line the engine logs is kept wit
     python benchmarks/gpu/late_compiles.py [--shape llama-3.1-8b] [--quantizations none,fp8,int4]
         [--max-alone 300] [--out FILE]
 
-Prints one line per late variant and writes JSON: {quantization: [{"phase", "length", "message"}]}.
+Prints one line per late variant and writes JSON: {quantization: [{"phase", "length", "message"}]}
+("length": a decode batch's size in that phase).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def sweep(shape: str, quantization: str | None, max_alone: int, step_tokens: int
         return [rng.randrange(1000, 30000) for _ in range(length)]
 
     def serve(phase: str, *lengths: int, max_tokens: int = 2) -> None:
-        handler.where = (phase, lengths[-1])
+        # What the phase varies: the last prompt's length, or a decode batch's size.
+        handler.where = (phase, len(lengths) if phase == "decode batch" else lengths[-1])
         llm.generate(
             prompt_token_ids=[prompt(n) for n in lengths],
             sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
