@@ -20,6 +20,11 @@ GEMM (kernels/fp8_gemm.py) over its tile configs, the activations quantized befo
 and each kernel it can choose (one-row, tensor-core at 16/32/64 activation rows a program, tiled, the whole
 weight dequantized for cuBLAS, and that dequantization alone), so its row bounds are set by measurement.
 
+--int4-mma times the tensor-core INT4 GEMV (kernels/w4a16_gemv_cuda.py) against the Triton one-row kernels
+the engine ran before it (skinny_gemm.w4a16_skinny at its default tiles) at --rows (1-8), both launched
+with PDL inside the graph as the decode step launches them, gate+up also with SiLU-and-multiply in the
+store (GemvFusion), and sweeps the CUDA kernel's (warps, tiles, unroll).
+
 --int8-gemm sweeps the INT8 W8A8 GEMM's tiles at --rows (past the skinny kernel's 16) beside bf16 cuBLAS
 and cuBLAS's int8 GEMM (torch._int_mm); --grouped-sweep sweeps GPTQ 8-bit's grouped W8A16 kernel.
 
@@ -48,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
-from tokenmill.kernels import quant_reference  # noqa: E402
+from tokenmill.kernels import GemvFusion, pdl, quant_reference, w4a16_gemv_cuda  # noqa: E402
 from tokenmill.kernels import w4a16_mma as w4a16_mma_module  # noqa: E402
 from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_rowwise_gemm  # noqa: E402
 from tokenmill.kernels.fp8_gemm import default_config as fp8_default_config  # noqa: E402
@@ -345,6 +350,42 @@ def int4_rows_case(name: str, rows: int) -> dict:
             result[label] = {"error": f"{type(error).__name__}: {error}"}
     us = timed(lambda c: dequantize(int4[c][0], int4[c][1], None, GROUP, k, torch.bfloat16), int4_copies)
     result["dequantize_alone"] = {"us": us, "tb_per_s": (int4_bytes + bf16_bytes) / us / 1e6}
+    return result
+
+
+def int4_mma_case(name: str, rows: int) -> dict:
+    """The tensor-core INT4 GEMV against the Triton one-row kernels (module docstring, --int4-mma)."""
+    n, k = SHAPES[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    int4_bytes, int4_copies, int4 = int4_weights(n, k, gen)
+    want = quant_reference.w4a16_gemm(x.float(), int4[0][0], int4[0][1], None, GROUP)
+    result: dict = {"shape": name, "n": n, "k": k, "rows": rows}
+    mma = w4a16_gemv_cuda.w4a16_gemv_mma
+    paths = {"triton": w4a16_skinny if rows <= MAX_GEMV_ROWS else None, "mma": mma}
+    fusions = [None, GemvFusion(silu_mul=True)] if name == "gate_up" else [None]
+    tiles = -(-n // 16)
+    for warps, tiles_a_block, unroll in itertools.product((4, 8, 16), (1, 2), (1, 2, 4)):
+        if k // 128 >= warps * unroll and tiles // tiles_a_block >= 64:
+            config = w4a16_gemv_cuda.MmaConfig(warps, tiles_a_block, unroll)
+            label = f"mma_{warps}w_{tiles_a_block}t_{unroll}u"
+            paths[label] = lambda *a, c=config, **kw: mma(*a, config=c, **kw)
+    with pdl.in_graphs():
+        for fusion in fusions:
+            for label, fn in paths.items():
+                if fn is None:
+                    continue
+                key = label + ("_silu" if fusion else "")
+                try:
+                    got = fn(x, int4[0][0], int4[0][1], None, GROUP, fusion=fusion)
+                    call = lambda c, fn=fn, f=fusion: fn(x, int4[c][0], int4[c][1], None, GROUP, fusion=f)  # noqa: E731
+                    us = timed(call, int4_copies)
+                    entry = {"us": us, "tb_per_s": int4_bytes / us / 1e6}
+                    if fusion is None:
+                        entry["rel_err"] = rel_err(got, want)
+                    result[key] = entry
+                except Exception as error:  # noqa: BLE001 - a path that cannot take this shape
+                    result[key] = {"error": f"{type(error).__name__}: {error}"}
     return result
 
 
@@ -665,6 +706,7 @@ def main() -> int:
     parser.add_argument("--fp8-gemm", action="store_true", help="the W8A8 GEMMs at decode batches")
     parser.add_argument("--int4-rows", action="store_true", help="the INT4 GEMMs at every batch size")
     parser.add_argument("--int8-rows", action="store_true", help="the INT8 checkpoints' linears by rows")
+    parser.add_argument("--int4-mma", action="store_true", help="the tensor-core INT4 GEMV against Triton")
     parser.add_argument("--int8-gemm", action="store_true", help="the INT8 W8A8 GEMM past 16 rows, swept")
     parser.add_argument("--grouped-sweep", action="store_true", help="GPTQ 8-bit's grouped W8A16, swept")
     parser.add_argument(
@@ -684,6 +726,8 @@ def main() -> int:
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.int4_rows:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
+    elif args.int4_mma:
+        cases = [(n, r, lambda n=n, r=r: int4_mma_case(n, r)) for r in row_counts for n in shapes]
     elif args.int8_rows:
         cases = [(n, r, lambda n=n, r=r: int8_rows_case(n, r)) for r in row_counts for n in shapes]
     elif args.quantize:

@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles int4-mma-tests int4-mma decode-int4-mma server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -38,6 +38,14 @@ for stage in $stages; do
                          --ignore tests/kernels/test_w4a16_mma.py --ignore tests/kernels/test_pdl.py \
                          --ignore tests/kernels/test_fp8_gemm.py --ignore tests/kernels/test_fp8_block_gemm.py \
                          --ignore tests/kernels/test_fp8_quant.py --junitxml="$out/kernel_tests_rest.xml" 2>&1 | tail -15 ;;
+    # The tensor-core INT4 GEMV (kernels/w4a16_gemv_cuda.py): its tests, the kernel against the Triton
+    # one-row kernels by rows with its (warps, tiles, unroll) swept, and the batch-1 step with it and without.
+    int4-mma-tests) timeout 300 $py -m pytest -q tests/kernels/test_w4a16_gemv_cuda.py tests/kernels/test_int4_gemm.py \
+                      -p no:cacheprovider --junitxml="$out/int4_mma_tests.xml" 2>&1 | tail -15 ;;
+    int4-mma) timeout 420 $py benchmarks/gpu/bench_quant_gemm.py --int4-mma --rows "${INT4_MMA_ROWS:-1,2,4,8}" \
+                --out "$out/int4_mma.json" 2>&1 | tail -3 ;;
+    decode-int4-mma) for on in 1 0; do TOKENMILL_INT4_MMA_GEMV=$on timeout 280 $bench decode --shape llama-3.1-8b \
+                       --max-num-seqs 64 --quantization int4 --out "$out/decode_8b_int4_mma$on.json"; done ;;
     gpu-tests) timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode \
                  -p no:cacheprovider --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     # Every request under a JSON schema against none, batch 64 (Qwen3-0.6B shape, SmolLM2's tokenizer):

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.kernels import int4_gemm, skinny_gemm, w4a16_mma  # noqa: E402
+from tokenmill.kernels import int4_gemm, skinny_gemm, w4a16_gemv_cuda, w4a16_mma  # noqa: E402
 from tokenmill.kernels.int4_gemm import dequantize, w4a16_dequant_gemm, w4a16_gemm, w4a16_linear  # noqa: E402
 from tokenmill.kernels.quant_reference import dequantize_int4, pack_int4  # noqa: E402
 
@@ -93,6 +93,8 @@ def test_dequant_gemm_with_bias_and_leading_dims() -> None:
     ],
 )
 def test_linear_takes_the_kernel_for_its_rows(monkeypatch, rows, group, kernel) -> None:
+    """The Triton kernels' bounds (the tensor-core GEMV off: test_w4a16_gemv_cuda routes to it)."""
+    monkeypatch.setattr(w4a16_gemv_cuda, "MMA_GEMV", False)
     taken = []
     for module, name in [(skinny_gemm, "w4a16_skinny"), (w4a16_mma, "w4a16_mma"), (int4_gemm, "w4a16_gemm"),
                          (int4_gemm, "w4a16_dequant_gemm")]:  # fmt: skip

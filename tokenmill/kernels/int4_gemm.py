@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import dequant8, gemv, k_splits, skinny_gemm, w4a16_mma
+from tokenmill.kernels import dequant8, gemv, k_splits, skinny_gemm, w4a16_gemv_cuda, w4a16_mma
 from tokenmill.kernels.interpreter import INTERPRETED
 
 PACK = 8
@@ -224,11 +224,14 @@ def w4a16_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The INT4 linears' GEMM on a GPU, by activation rows: one row (and up to skinny_gemm.GEMV4_ROWS of
-    16-bit activations), the one-row kernels (skinny_gemm.w4a16_skinny); 2 to MMA_ROWS, the tensor-core
-    kernel where the groups allow it (else the skinny kernel); from DEQUANT_ROWS on, the weight
-    dequantized whole for cuBLAS; the tiled kernel for what is left (fp32 activations)."""
+    """The INT4 linears' GEMM on a GPU, by activation rows: 1-8 rows of 16-bit activations where its shapes
+    allow, the tensor-core GEMV (kernels/w4a16_gemv_cuda.py); else one row (and up to
+    skinny_gemm.GEMV4_ROWS of 16-bit activations), the one-row kernels (skinny_gemm.w4a16_skinny); 2 to
+    MMA_ROWS, the tensor-core kernel where the groups allow it (else the skinny kernel); from DEQUANT_ROWS
+    on, the weight dequantized whole for cuBLAS; the tiled kernel for what is left (fp32 activations)."""
     rows = x.numel() // max(x.shape[-1], 1)
+    if w4a16_gemv_cuda.takes(x, w_packed, scale, zero, group_size):
+        return w4a16_gemv_cuda.w4a16_gemv_mma(x, w_packed, scale, zero, group_size, bias)
     if rows >= DEQUANT_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return w4a16_dequant_gemm(x, w_packed, scale, zero, group_size, bias)
     packed = skinny_gemm.packed_kernel_takes(x.dtype, rows)

@@ -256,7 +256,9 @@ class GptqAwqLinearMethod(LinearMethodBase):
         return dequantize_in_order(layer, layer.qweight, layer.scales, layer.qzeros)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        return self.bits == 4 and int4_gemv_takes(x, layer.int4_group_size)
+        if self.bits != 4:
+            return False
+        return int4_gemv_takes(x, layer.qweight, layer.scales, self._zeros(layer), layer.int4_group_size)
 
     def gemv(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion

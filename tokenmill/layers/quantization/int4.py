@@ -108,7 +108,8 @@ class Int4W4A16LinearMethod(LinearMethodBase):
         return dequantize_in_order(layer, layer.weight_packed, layer.weight_scale, zero)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        return int4_gemv_takes(x, layer.int4_group_size)
+        zero = getattr(layer, "weight_zero_point", None)
+        return int4_gemv_takes(x, layer.weight_packed, layer.weight_scale, zero, layer.int4_group_size)
 
     def gemv(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, fusion: GemvFusion
@@ -130,7 +131,11 @@ def int4_matmul(
 ) -> torch.Tensor:
     """x W^T (+ bias) for W in this module's layout: on CUDA kernels/int4_gemm.py's w4a16_linear (the
     kernel chosen by the batch's rows), elsewhere the reference. With `fusion` (only where
-    int4_gemv_takes): the packed-fp16 one-row kernel, doing the fusion's work in the same launch."""
+    int4_gemv_takes): the tensor-core GEMV or the packed-fp16 one-row kernel, doing the fusion's work in
+    the same launch."""
+    if fusion is not None and _mma_gemv_takes(x, packed, scale, zero, group_size):
+        mma_gemv = triton_kernel("w4a16_gemv_cuda", "w4a16_gemv_mma")
+        return mma_gemv(x, packed, scale, zero, group_size, bias, fusion)
     if fusion is not None:
         w4a16_skinny = triton_kernel("skinny_gemm", "w4a16_skinny")
         return w4a16_skinny(x, packed, scale, zero, group_size, bias, fusion=fusion)
@@ -138,11 +143,23 @@ def int4_matmul(
     return (gemm or w4a16_gemm)(x, packed, scale, zero, group_size, bias)
 
 
-def int4_gemv_takes(x: torch.Tensor, group_size: int) -> bool:
-    """Whether int4_matmul sends x's rows to the packed-fp16 one-row kernel (skinny_gemm's
-    packed_kernel_takes), where int4_matmul can do a GemvFusion's work in the same launch."""
+def _mma_gemv_takes(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> bool:
+    takes = triton_kernel("w4a16_gemv_cuda", "takes") if x.is_cuda else None
+    return takes is not None and takes(x, packed, scale, zero, group_size)
+
+
+def int4_gemv_takes(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> bool:
+    """Whether int4_matmul sends x's rows to a kernel that can do a GemvFusion's work in the same launch:
+    the tensor-core GEMV (kernels/w4a16_gemv_cuda.py's takes) or the packed-fp16 one-row kernel
+    (skinny_gemm's packed_kernel_takes)."""
     if not x.is_cuda or group_size % PACK or not x.numel():
         return False
+    if _mma_gemv_takes(x, packed, scale, zero, group_size):
+        return True
     takes = triton_kernel("skinny_gemm", "packed_kernel_takes")
     return takes is not None and takes(x.dtype, x.numel() // x.shape[-1])
 

@@ -1,0 +1,118 @@
+"""The 4-bit GEMV on the tensor cores for decode's 1-8 rows (kernels/w4a16_gemv_mma.cu: CUDA C, compiled
+at first use by NVRTC, kernels/cuda_rtc.py). Same layout and results as skinny_gemm.w4a16_skinny, whose
+Triton kernels it stands in for where it takes the shapes (`takes`): 16-bit activations, K a multiple of
+128, groups a multiple of 128 or one group a row (channelwise), a device of compute capability 8.0 or
+later with NVRTC loadable. Why CUDA: its operands go from the loaded words to the MMA's fragments with no
+shuffle (the sum over K may take the values in any order A and B share), which Triton's layouts do not
+let a kernel say; the Triton one-row kernels spend 16-28 instructions a word on the CUDA cores.
+
+MMA_GEMV (TOKENMILL_INT4_MMA_GEMV=0 turns it off) decides whether w4a16_skinny and int4_gemm route to
+it; docs/performance.md has the A/B.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tokenmill.kernels import GemvFusion, cuda_rtc, pdl
+
+SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
+MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
+MAX_ROWS = 8  # the MMA's eight columns
+CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
+_SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+class MmaConfig(NamedTuple):
+    warps: int  # a block's warps, taking the chunks of its rows in turn
+    tiles: int  # 16-row tiles a block (gated: 8 outputs a tile)
+    unroll: int  # chunks a warp loads together
+
+
+def default_config(n_tiles: int, k: int) -> MmaConfig:
+    """Tiles for n_tiles 16-row tiles over K: eight warps, each with two chunks in flight and the next
+    two loading; long K (down's 14,336) with more chunks a warp."""
+    del n_tiles
+    return MmaConfig(warps=8, tiles=1, unroll=4 if k >= 8192 else 2)
+
+
+def takes(
+    x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> bool:
+    """Whether w4a16_gemv_mma takes this product (else the Triton kernels do)."""
+    if not (MMA_GEMV and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 1 <= rows <= MAX_ROWS or k % CHUNK or (group_size % CHUNK and group_size < k):
+        return False
+    if scale.dtype not in _SCALES or w_packed.stride(-1) != 1 or scale.stride(-1) != 1:
+        return False
+    if w_packed.shape[-1] * 8 != k or w_packed.stride(0) % 4 or w_packed.data_ptr() % 16:
+        return False  # (16-byte loads of whole rows' words)
+    if zero is not None and (zero.dtype != torch.int8 or zero.stride(-1) != 1):
+        return False
+    return _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0) and cuda_rtc.available()
+
+
+def w4a16_gemv_mma(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    fusion: GemvFusion | None = None,
+    config: MmaConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] (1-8 rows) @ W^T (+ bias) -> [..., N] in x's dtype; with fusion.silu_mul the weight is
+    gate || up and silu(gate) * up is returned ([..., N / 2]), rounded where the separate launches round."""
+    if not takes(x, w_packed, scale, zero, group_size):
+        raise ValueError("w4a16_gemv_mma does not take these shapes (see takes)")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or x2.data_ptr() % 16 or x2.stride(0) % 8:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = w_packed.shape[0]
+    if w_packed.shape[1] * 8 != k:
+        raise ValueError(f"w4a16_gemv_mma: {w_packed.shape[1]} words a row do not hold K={k} values")
+    gated = fusion is not None and fusion.silu_mul and bias is None
+    if gated and n % 2:
+        raise ValueError("GemvFusion(silu_mul=True) takes an even number of outputs (gate || up)")
+    n_out = n // 2 if gated else n
+    row_tiles = -(-n_out // 8) if gated else -(-n // 16)
+    config = config or default_config(row_tiles, k)
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    defines = dict(
+        BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
+        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, UNROLL=config.unroll,
+    )  # fmt: skip
+    kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
+    zero_arg = zero if zero is not None else scale
+    kernel(
+        grid=(-(-row_tiles // config.tiles),),
+        block=(config.warps * 32,),
+        args=[
+            x2, w_packed, scale, zero_arg, out, m, n_out, k, x2.stride(0), w_packed.stride(0),
+            scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
+            min(group_size, k),
+        ],
+        pdl=pdl.enabled(x2),
+    )  # fmt: skip
+    if bias is not None:
+        out = out + bias
+    if fusion is not None and fusion.silu_mul and not gated:
+        from tokenmill.kernels import activation
+
+        out = activation.silu_and_mul(out)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

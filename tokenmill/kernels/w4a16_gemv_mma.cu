@@ -1,0 +1,274 @@
+// The 4-bit GEMV on the tensor cores for 1 to 8 rows of 16-bit activations (kernels/w4a16_gemv_cuda.py
+// compiles and launches it; NVRTC, no headers). Layout as kernels/skinny_gemm.py's w4a16_skinny: int32
+// [N, K/8] words, value 8w + i in bits 4i..4i+3 stored as q + 8 (or, with zero points, unsigned); group
+// scales [N, K/group]; optional int8 zero points [N, K/group] stored minus 8.
+//
+// A warp multiplies 16 weight rows (A, m16n8k16's rows) by the activations (B, one column a row of x)
+// over chunks of 128 values along K. Lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of row g and 16
+// of row g + 8: words 4t..4t+3 of the chunk, no shuffle. The MMA's sum over its 16 k-slots may take the
+// values in any order that A and B share, so word j of every lane feeds two MMAs: nibbles (0, 4) and
+// (1, 5) the first's slots (2t, 2t+1) and (2t+8, 2t+9), nibbles (2, 6) and (3, 7) the second's. One LOP3
+// puts two nibbles into a 16-bit pair over a magic exponent, one packed FMA takes the magic and the zero
+// away (exact: small integers), and B's pairs are the lane's 16 loaded activations regrouped by PRMT: 11
+// instructions a word a row for the values where the CUDA-core kernels spend 16-28, and the products
+// summed in fp32 by the tensor core. A chunk's eight MMAs start from zero and the sum is scaled once by
+// its group's scale (groups a multiple of 128), so the weights are never rounded to 16 bits.
+//
+// A block's warps take the chunks of the same rows in turn and add their sums in shared memory; the
+// first chunks' weights are loaded before the PDL wait (no kernel writes them), x after it.
+//
+// Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
+// gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
+// silu(gate) * up with the separate launches' roundings), WARPS, TILES (16-row tiles a block), UNROLL
+// (chunks a warp loads together).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#if BF16
+#define MAGIC_PAIR 0x43004300u   // 128.0 in both halves: 128 + nibble is exact
+#define NEG_MAGIC 0xC300u        // -(128 + z) = 0xC300 + z
+#define ONE_PAIR 0x3F803F80u
+#define MMA_TYPES "bf16.bf16"
+#define FMA_PAIR "fma.rn.bf16x2"
+#define CVT_OUT "cvt.rn.bf16.f32"
+#else
+#define MAGIC_PAIR 0x64006400u   // 1024.0
+#define NEG_MAGIC 0xE400u
+#define ONE_PAIR 0x3C003C00u
+#define MMA_TYPES "f16.f16"
+#define FMA_PAIR "fma.rn.f16x2"
+#define CVT_OUT "cvt.rn.f16.f32"
+#endif
+
+#if SCALE == 2
+typedef float scale_t;
+#else
+typedef u16 scale_t;
+#endif
+
+struct Words {
+  uint4 a[TILES], b[TILES];  // rows g and g + 8 of each tile: four words each
+};
+
+__device__ __forceinline__ float scale_value(scale_t s) {
+#if SCALE == 2
+  return s;
+#elif SCALE == 0
+  return __uint_as_float(((u32)s) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ u16 to_out(float v) {
+  u16 h;
+  asm(CVT_OUT " %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+
+__device__ __forceinline__ float from_out(u16 h) {
+#if BF16
+  return __uint_as_float(((u32)h) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+// Nibbles 0 and 4 of w (bits 0-3, 16-19) as a 16-bit pair, minus the zero: neg = -(magic + zero) twice.
+__device__ __forceinline__ u32 dequant_pair(u32 w, u32 neg) {
+  u32 v;
+  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(v) : "r"(w), "n"(MAGIC_PAIR));
+  asm(FMA_PAIR " %0, %1, %2, %3;" : "=r"(v) : "r"(v), "r"(ONE_PAIR), "r"(neg));
+  return v;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPES ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load_stream(const u32* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_x(const u16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// One word of rows g (a) and g + 8 (b) against its eight activations xv: two MMAs into d.
+__device__ __forceinline__ void word_mma(float (&d)[4], u32 a, u32 b, uint4 xv, u32 neg_a, u32 neg_b) {
+  u32 x04 = prmt(xv.x, xv.z, 0x5410), x15 = prmt(xv.x, xv.z, 0x7632);
+  u32 x26 = prmt(xv.y, xv.w, 0x5410), x37 = prmt(xv.y, xv.w, 0x7632);
+  mma(d, dequant_pair(a, neg_a), dequant_pair(b, neg_b), dequant_pair(a >> 4, neg_a),
+      dequant_pair(b >> 4, neg_b), x04, x15);
+  mma(d, dequant_pair(a >> 8, neg_a), dequant_pair(b >> 8, neg_b), dequant_pair(a >> 12, neg_a),
+      dequant_pair(b >> 12, neg_b), x26, x37);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale_t* __restrict__ scale,
+               const signed char* __restrict__ zero, u16* __restrict__ out, int m, int n_out, int k,
+               int stride_x, int stride_w, int stride_s, int stride_z, int stride_o, int group) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = k >> 7;
+  const int rows = GATED ? 2 * n_out : n_out;
+  const u32* row_a[TILES];
+  const u32* row_b[TILES];
+  const scale_t* scale_a[TILES];
+  const scale_t* scale_b[TILES];
+#if HAS_ZERO
+  const signed char* zero_a[TILES];
+  const signed char* zero_b[TILES];
+#endif
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    const int tile = blockIdx.x * TILES + i;
+    int ra, rb;
+    if (GATED) {
+      ra = min(tile * 8 + g, n_out - 1);  // outputs past n_out read a real row, never stored
+      rb = n_out + ra;
+    } else {
+      ra = min(tile * 16 + g, rows - 1);
+      rb = min(tile * 16 + g + 8, rows - 1);
+    }
+    row_a[i] = w + (long long)ra * stride_w + 4 * t;
+    row_b[i] = w + (long long)rb * stride_w + 4 * t;
+    scale_a[i] = scale + (long long)ra * stride_s;
+    scale_b[i] = scale + (long long)rb * stride_s;
+#if HAS_ZERO
+    zero_a[i] = zero + (long long)ra * stride_z;
+    zero_b[i] = zero + (long long)rb * stride_z;
+#endif
+  }
+  const bool x_lane = g < m;
+  const u16* x_row = x + (long long)(x_lane ? g : 0) * stride_x + 32 * t;
+
+  float acc[TILES][4];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
+
+  Words cur[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int c = warp + u * WARPS;
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+      if (c < chunks) {
+        cur[u].a[i] = load_stream(row_a[i] + 16 * c);
+        cur[u].b[i] = load_stream(row_b[i] + 16 * c);
+      }
+    }
+  }
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+
+  for (int c0 = warp; c0 < chunks; c0 += WARPS * UNROLL) {
+    uint4 xv[UNROLL][4];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int c = c0 + u * WARPS;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (x_lane && c < chunks) {
+          xv[u][j] = load_x(x_row + 128 * c + 8 * j);
+        } else {
+          xv[u][j] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    Words next[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int c = c0 + (u + UNROLL) * WARPS;
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) {
+        if (c < chunks) {
+          next[u].a[i] = load_stream(row_a[i] + 16 * c);
+          next[u].b[i] = load_stream(row_b[i] + 16 * c);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int c = c0 + u * WARPS;
+      if (c < chunks) {
+        const int grp = (c << 7) / group;
+#pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+#if HAS_ZERO
+          const u32 neg_a = (NEG_MAGIC + 8 + zero_a[i][grp]) * 0x10001u;
+          const u32 neg_b = (NEG_MAGIC + 8 + zero_b[i][grp]) * 0x10001u;
+#else
+          const u32 neg_a = (NEG_MAGIC + 8) * 0x10001u, neg_b = neg_a;
+#endif
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          word_mma(d, cur[u].a[i].x, cur[u].b[i].x, xv[u][0], neg_a, neg_b);
+          word_mma(d, cur[u].a[i].y, cur[u].b[i].y, xv[u][1], neg_a, neg_b);
+          word_mma(d, cur[u].a[i].z, cur[u].b[i].z, xv[u][2], neg_a, neg_b);
+          word_mma(d, cur[u].a[i].w, cur[u].b[i].w, xv[u][3], neg_a, neg_b);
+          const float sa = scale_value(scale_a[i][grp]), sb = scale_value(scale_b[i][grp]);
+          acc[i][0] += d[0] * sa;
+          acc[i][1] += d[1] * sa;
+          acc[i][2] += d[2] * sb;
+          acc[i][3] += d[3] * sb;
+        }
+      }
+      cur[u] = next[u];
+    }
+  }
+
+  // The warps' sums: [warp][tile * 4 + r][lane] in shared memory, then one thread an output entry.
+  __shared__ float partial[WARPS][TILES * 4][32];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) partial[warp][i * 4 + r][lane] = acc[i][r];
+  __syncthreads();
+  for (int e = threadIdx.x; e < TILES * 4 * 32; e += WARPS * 32) {
+    const int i = e / 128, r = (e / 32) % 4, l = e % 32;
+    const int b = 2 * (l & 3) + (r & 1);  // the C fragment's column: the batch row
+    if (b >= m || (GATED && r >= 2)) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) sum += partial[v][i * 4 + r][l];
+    const int tile = blockIdx.x * TILES + i, gl = l >> 2;
+    if (GATED) {
+      const int col = tile * 8 + gl;
+      if (col >= n_out) continue;
+      float up = 0.f;
+#pragma unroll
+      for (int v = 0; v < WARPS; ++v) up += partial[v][i * 4 + r + 2][l];
+      const float gate = from_out(to_out(sum));
+      const float silu = from_out(to_out(gate / (1.f + __expf(-gate))));
+      out[(long long)b * stride_o + col] = to_out(silu * from_out(to_out(up)));
+    } else {
+      const int row = tile * 16 + gl + (r >= 2 ? 8 : 0);
+      if (row < rows) out[(long long)b * stride_o + row] = to_out(sum);
+    }
+  }
+}
