@@ -365,10 +365,10 @@ def int4_mma_case(name: str, rows: int) -> dict:
     paths = {"triton": w4a16_skinny if rows <= MAX_GEMV_ROWS else None, "mma": mma}
     fusions = [None, GemvFusion(silu_mul=True)] if name == "gate_up" else [None]
     tiles = -(-n // 16)
-    for warps, tiles_a_block, unroll in itertools.product((4, 8, 16), (1, 2), (1, 2, 4)):
-        if k // 128 >= warps * unroll and tiles // tiles_a_block >= 64:
-            config = w4a16_gemv_cuda.MmaConfig(warps, tiles_a_block, unroll)
-            label = f"mma_{warps}w_{tiles_a_block}t_{unroll}u"
+    for warps, tiles_a_block, unroll, pipe in itertools.product((4, 8, 16), (1, 2), (1, 2, 4), (True, False)):
+        if k // 128 >= warps * unroll and tiles // tiles_a_block >= 64 and (pipe or unroll > 1):
+            config = w4a16_gemv_cuda.MmaConfig(warps, tiles_a_block, unroll, pipe)
+            label = f"mma_{warps}w_{tiles_a_block}t_{unroll}u" + "_nopipe" * (not pipe)
             paths[label] = lambda *a, c=config, **kw: mma(*a, config=c, **kw)
     with pdl.in_graphs():
         for fusion in fusions:

@@ -32,6 +32,7 @@ class MmaConfig(NamedTuple):
     warps: int  # a block's warps, taking the chunks of its rows in turn
     tiles: int  # 16-row tiles a block (gated: 8 outputs a tile)
     unroll: int  # chunks a warp loads together
+    pipe: bool = True  # the next chunks load while these compute (twice the registers)
 
 
 def default_config(n_tiles: int, k: int) -> MmaConfig:
@@ -95,7 +96,7 @@ def w4a16_gemv_mma(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     defines = dict(
         BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
-        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, UNROLL=config.unroll,
+        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, UNROLL=config.unroll, PIPE=int(config.pipe),
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
     zero_arg = zero if zero is not None else scale

@@ -20,7 +20,8 @@
 // Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
 // gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
 // silu(gate) * up with the separate launches' roundings), WARPS, TILES (16-row tiles a block), UNROLL
-// (chunks a warp loads together).
+// (chunks a warp loads together), PIPE (1: the next UNROLL chunks load while these compute, twice the
+// registers; 0: each iteration loads, then computes, and other warps hide the wait).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -94,8 +95,7 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPES ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPES ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -188,6 +188,21 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
 #endif
 
   for (int c0 = warp; c0 < chunks; c0 += WARPS * UNROLL) {
+#if !PIPE
+    if (c0 != warp) {  // this iteration's weights (the first's were loaded before the wait)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int c = c0 + u * WARPS;
+#pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+          if (c < chunks) {
+            cur[u].a[i] = load_stream(row_a[i] + 16 * c);
+            cur[u].b[i] = load_stream(row_b[i] + 16 * c);
+          }
+        }
+      }
+    }
+#endif
     uint4 xv[UNROLL][4];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -201,7 +216,8 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
         }
       }
     }
-    Words next[UNROLL];
+#if PIPE
+    Words next[UNROLL];  // the next iteration's weights load while this one computes
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int c = c0 + (u + UNROLL) * WARPS;
@@ -213,6 +229,7 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
         }
       }
     }
+#endif
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int c = c0 + u * WARPS;
@@ -238,7 +255,9 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
           acc[i][3] += d[3] * sb;
         }
       }
+#if PIPE
       cur[u] = next[u];
+#endif
     }
   }
 
