@@ -189,14 +189,20 @@ def _dims(dims: Sequence[int]) -> list[int]:
     return [*dims, *([1] * (3 - len(dims)))]
 
 
-def _current_context(device: torch.device) -> None:
-    """Make the device's primary context (torch's) current on this thread, for module loads."""
-    torch.cuda.set_device(device)
-    torch.empty(1, device=device)  # the runtime makes its context current on first use
-    context = ctypes.c_void_p()
-    _check(_driver().cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
-    if not context.value:
-        raise CudaRtcError(f"no CUDA context is current for {device}")
+def _load(cubin: bytes, name: str, index: int) -> Kernel:
+    """The cubin loaded into device `index`'s primary context (torch's, which the runtime makes current
+    on this thread while the device is torch's current one), and its kernel `name`."""
+    with torch.cuda.device(index):
+        torch.empty(1, device=torch.device("cuda", index))  # the runtime's context is current from here
+        context = ctypes.c_void_p()
+        _check(_driver().cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        if not context.value:
+            raise CudaRtcError(f"no CUDA context is current for cuda:{index}")
+        module = ctypes.c_void_p()
+        _check(_driver().cuModuleLoadData(ctypes.byref(module), cubin), f"cuModuleLoadData ({name})")
+        function = ctypes.c_void_p()
+        _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()), name)
+    return Kernel(function, module, name)
 
 
 _kernels: dict[tuple, Kernel] = {}
@@ -213,10 +219,5 @@ def kernel(path: Path, name: str, device: torch.device, defines: dict[str, int])
     major, minor = torch.cuda.get_device_capability(index)
     cubin = compile_cubin(path.read_text(), name, major * 10 + minor, defines)
     assert isinstance(cubin, bytes)
-    _current_context(torch.device("cuda", index))
-    module = ctypes.c_void_p()
-    _check(_driver().cuModuleLoadData(ctypes.byref(module), cubin), f"cuModuleLoadData ({name})")
-    function = ctypes.c_void_p()
-    _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()), name)
-    found = _kernels[key] = Kernel(function, module, name)
+    found = _kernels[key] = _load(cubin, name, index)
     return found
