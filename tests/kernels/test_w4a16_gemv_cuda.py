@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from tokenmill.kernels import GemvFusion, activation, cuda_rtc, int4_gemm, pdl, w4a16_gemv_cuda  # noqa: E402
 from tokenmill.kernels.quant_reference import dequantize_int4  # noqa: E402
-from tokenmill.kernels.w4a16_gemv_cuda import MmaConfig, takes, w4a16_gemv_mma  # noqa: E402
+from tokenmill.kernels.w4a16_gemv_cuda import MmaConfig, supports, w4a16_gemv_mma  # noqa: E402
 
 from .test_int4_gemm import make_weight  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_every_variant_compiles_without_spills(arch) -> None:
 def test_matches_dequantize_then_matmul(m, n, k, group, zeros, dtype, scale_dtype) -> None:
     packed, scale, zero = weight(n, k, group, zeros, scale_dtype or dtype, seed=m + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to("cuda", dtype)
-    assert takes(x, packed, scale, zero, group)
+    assert supports(x, packed, scale, zero, group)
     got = w4a16_gemv_mma(x, packed, scale, zero, group)
     assert got.dtype == dtype and got.shape == (m, n)
     assert_close(got, reference(x, packed, scale, zero, group))
@@ -151,29 +151,30 @@ def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote() -> None:
     assert_close(out2, reference(out, packed, scale, zero, 128))
 
 
-def test_takes_only_what_it_can() -> None:
+def test_supports_only_what_it_can() -> None:
     device = "cuda" if CUDA else "cpu"
     packed, scale, zero = make_weight(32, 256, 128, True, seed=0)
     packed, scale = packed.to(device), scale.to(device, torch.bfloat16)
     zero = zero.to(device)
     x = torch.randn(2, 256, device=device, dtype=torch.bfloat16)
     if not CUDA:
-        assert not takes(x, packed, scale, zero, 128)  # a CPU tensor: the reference path
+        assert not supports(x, packed, scale, zero, 128)  # a CPU tensor: the reference path
         return
-    assert takes(x, packed, scale, zero, 128) == cuda_rtc.available()
-    assert not takes(x.float(), packed, scale, zero, 128)  # fp32 activations: the Triton kernels
-    assert not takes(torch.randn(9, 256, device=device, dtype=torch.bfloat16), packed, scale, zero, 128)
+    assert supports(x, packed, scale, zero, 128) == cuda_rtc.available()
+    assert not supports(x.float(), packed, scale, zero, 128)  # fp32 activations: the Triton kernels
+    assert not supports(torch.randn(9, 256, device=device, dtype=torch.bfloat16), packed, scale, zero, 128)
     p64, s64, z64 = make_weight(32, 256, 64, True, seed=0)
-    assert not takes(x, p64.cuda(), s64.cuda(), z64.cuda(), 64)  # groups under a chunk
+    assert not supports(x, p64.cuda(), s64.cuda(), z64.cuda(), 64)  # groups under a chunk
     p200, s200, _ = make_weight(32, 200, 200, False, seed=0)  # K not a multiple of a chunk
     x200 = torch.randn(1, 200, device=device, dtype=torch.bfloat16)
-    assert not takes(x200, p200.cuda(), s200.cuda(), None, 200)
+    assert not supports(x200, p200.cuda(), s200.cuda(), None, 200)
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4, 8, 9])
 def test_int4_linear_routes_decode_rows_here(monkeypatch, rows) -> None:
+    monkeypatch.setattr(w4a16_gemv_cuda, "MMA_GEMV", True)
     taken = []
     real = w4a16_gemv_cuda.w4a16_gemv_mma
     monkeypatch.setattr(w4a16_gemv_cuda, "w4a16_gemv_mma", lambda *a, **kw: taken.append(1) or real(*a, **kw))
@@ -182,3 +183,25 @@ def test_int4_linear_routes_decode_rows_here(monkeypatch, rows) -> None:
     got = int4_gemm.w4a16_linear(x, packed, scale, zero, 128)
     assert taken == ([1] if rows <= 8 else [])
     assert_close(got, reference(x, packed, scale, zero, 128))
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_layers_fused_gemv_routes_here_with_the_switch_on(monkeypatch) -> None:
+    """layers/quantization/int4.py: with MMA_GEMV a decode row's gate/up projection is offered to this
+    kernel's gated store (int4_gemv_takes), and int4_matmul computes it here."""
+    from tokenmill.layers.quantization.int4 import int4_gemv_takes, int4_matmul
+
+    packed, scale, zero = weight(2 * 48, 1024, 128, True, torch.bfloat16, seed=6)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    taken = []
+    real = w4a16_gemv_cuda.w4a16_gemv_mma
+    monkeypatch.setattr(w4a16_gemv_cuda, "w4a16_gemv_mma", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    for on in (True, False):
+        monkeypatch.setattr(w4a16_gemv_cuda, "MMA_GEMV", on)
+        taken.clear()
+        assert int4_gemv_takes(x, packed, scale, zero, 128)  # this kernel or the packed-fp16 one-row one
+        got = int4_matmul(x, packed, scale, zero, 128, None, GemvFusion(silu_mul=True))
+        assert taken == ([1] if on else [])
+        want = activation.silu_and_mul(reference(x, packed, scale, zero, 128).to(torch.bfloat16))
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -6,7 +6,7 @@ later with NVRTC loadable. Why CUDA: its operands go from the loaded words to th
 shuffle (the sum over K may take the values in any order A and B share), which Triton's layouts do not
 let a kernel say; the Triton one-row kernels spend 16-28 instructions a word on the CUDA cores.
 
-MMA_GEMV (TOKENMILL_INT4_MMA_GEMV=0 turns it off) decides whether w4a16_skinny and int4_gemm route to
+MMA_GEMV decides whether the INT4 linears (int4_gemm.w4a16_linear, layers/quantization/int4.py) route to
 it; docs/performance.md has the A/B.
 """
 
@@ -22,7 +22,8 @@ import torch
 from tokenmill.kernels import GemvFusion, cuda_rtc, pdl
 
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
-MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
+# Off until timed on a GPU against the Triton kernels (TOKENMILL_INT4_MMA_GEMV=1 turns it on).
+MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "0") == "1"
 MAX_ROWS = 8  # the MMA's eight columns
 CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
 _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -45,8 +46,15 @@ def default_config(n_tiles: int, k: int) -> MmaConfig:
 def takes(
     x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> bool:
-    """Whether w4a16_gemv_mma takes this product (else the Triton kernels do)."""
-    if not (MMA_GEMV and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+    """Whether the INT4 linears route this product here (MMA_GEMV and `supports`), else to Triton."""
+    return MMA_GEMV and supports(x, w_packed, scale, zero, group_size)
+
+
+def supports(
+    x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> bool:
+    """Whether w4a16_gemv_mma can compute this product (the shapes, dtypes and device above)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
@@ -78,8 +86,8 @@ def w4a16_gemv_mma(
 ) -> torch.Tensor:
     """x [..., K] (1-8 rows) @ W^T (+ bias) -> [..., N] in x's dtype; with fusion.silu_mul the weight is
     gate || up and silu(gate) * up is returned ([..., N / 2]), rounded where the separate launches round."""
-    if not takes(x, w_packed, scale, zero, group_size):
-        raise ValueError("w4a16_gemv_mma does not take these shapes (see takes)")
+    if not supports(x, w_packed, scale, zero, group_size):
+        raise ValueError("w4a16_gemv_mma does not take these shapes (see supports)")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.data_ptr() % 16 or x2.stride(0) % 8:
         x2 = x2.contiguous()
