@@ -134,8 +134,7 @@ def int4_matmul(
     int4_gemv_takes): the tensor-core GEMV or the packed-fp16 one-row kernel, doing the fusion's work in
     the same launch."""
     if fusion is not None and _mma_gemv_takes(x, packed, scale, zero, group_size):
-        mma_gemv = triton_kernel("w4a16_gemv_cuda", "w4a16_gemv_mma")
-        return mma_gemv(x, packed, scale, zero, group_size, bias, fusion)
+        return _mma_gemv().w4a16_gemv_mma(x, packed, scale, zero, group_size, bias, fusion)
     if fusion is not None:
         w4a16_skinny = triton_kernel("skinny_gemm", "w4a16_skinny")
         return w4a16_skinny(x, packed, scale, zero, group_size, bias, fusion=fusion)
@@ -143,11 +142,20 @@ def int4_matmul(
     return (gemm or w4a16_gemm)(x, packed, scale, zero, group_size, bias)
 
 
+def _mma_gemv():
+    """kernels/w4a16_gemv_cuda (the tensor-core INT4 GEMV) where the GPU kernels import, else None."""
+    if triton_kernel("w4a16_gemv_cuda", "takes") is None:
+        return None
+    from tokenmill.kernels import w4a16_gemv_cuda
+
+    return w4a16_gemv_cuda
+
+
 def _mma_gemv_takes(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> bool:
-    takes = triton_kernel("w4a16_gemv_cuda", "takes") if x.is_cuda else None
-    return takes is not None and takes(x, packed, scale, zero, group_size)
+    module = _mma_gemv() if x.is_cuda else None
+    return module is not None and module.takes(x, packed, scale, zero, group_size)
 
 
 def int4_gemv_takes(
