@@ -121,7 +121,9 @@ def _check(result: int, what: str) -> None:
 
 
 class _LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    # The value is CUlaunchAttributeValue, a 64-byte union: as ints, so that the field is a view of the
+    # struct's memory (a c_char array field reads back as a bytes copy).
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -145,7 +147,7 @@ class Kernel:
     def __init__(self, function: ctypes.c_void_p, module: ctypes.c_void_p, name: str) -> None:
         self.function, self.module, self.name = function, module, name
         self._pdl = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        ctypes.memmove(self._pdl.value, ctypes.byref(ctypes.c_int(1)), 4)
+        self._pdl.value[0] = 1  # programmaticStreamSerializationAllowed
 
     def attribute(self, which: int) -> int:
         """cuFuncGetAttribute (e.g. 4: NUM_REGS, 3: LOCAL_SIZE_BYTES)."""
