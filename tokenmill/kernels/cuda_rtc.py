@@ -146,6 +146,7 @@ class Kernel:
 
     def __init__(self, function: ctypes.c_void_p, module: ctypes.c_void_p, name: str) -> None:
         self.function, self.module, self.name = function, module, name
+        self._shared_limit = 48 << 10  # more dynamic shared memory than this needs the function's opt-in
         self._pdl = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._pdl.value[0] = 1  # programmaticStreamSerializationAllowed
 
@@ -175,6 +176,9 @@ class Kernel:
             else:
                 values.append(ctypes.c_float(arg))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        if shared > self._shared_limit:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(_driver().cuFuncSetAttribute(self.function, 8, shared), f"{self.name}: {shared} B shared")
+            self._shared_limit = shared
         stream = stream or torch.cuda.current_stream()
         config = _LaunchConfig(
             grid=(ctypes.c_uint * 3)(*_dims(grid)),

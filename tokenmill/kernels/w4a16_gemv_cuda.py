@@ -32,15 +32,16 @@ _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 class MmaConfig(NamedTuple):
     warps: int  # a block's warps, taking the chunks of its rows in turn
     tiles: int  # 16-row tiles a block (gated: 8 outputs a tile)
-    unroll: int  # chunks a warp loads together
-    pipe: bool = True  # the next chunks load while these compute (twice the registers)
+    stages: int  # slots of a warp's cp.async ring: stages - 1 chunks in flight
+
+    def shared_bytes(self) -> int:
+        return self.warps * self.stages * self.tiles * 1024
 
 
 def default_config(n_tiles: int, k: int) -> MmaConfig:
-    """Tiles for n_tiles 16-row tiles over K: eight warps, each with two chunks in flight and the next
-    two loading; long K (down's 14,336) with more chunks a warp."""
-    del n_tiles
-    return MmaConfig(warps=8, tiles=1, unroll=4 if k >= 8192 else 2)
+    """Tiles for n_tiles 16-row tiles over K: four warps, each with three chunks in flight."""
+    del n_tiles, k
+    return MmaConfig(warps=4, tiles=1, stages=4)
 
 
 def takes(
@@ -104,13 +105,14 @@ def w4a16_gemv_mma(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     defines = dict(
         BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
-        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, UNROLL=config.unroll, PIPE=int(config.pipe),
+        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages,
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
     zero_arg = zero if zero is not None else scale
     kernel(
         grid=(-(-row_tiles // config.tiles),),
         block=(config.warps * 32,),
+        shared=config.shared_bytes(),
         args=[
             x2, w_packed, scale, zero_arg, out, m, n_out, k, x2.stride(0), w_packed.stride(0),
             scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),

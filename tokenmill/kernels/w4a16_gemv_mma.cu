@@ -14,14 +14,17 @@
 // summed in fp32 by the tensor core. A chunk's eight MMAs start from zero and the sum is scaled once by
 // its group's scale (groups a multiple of 128), so the weights are never rounded to 16 bits.
 //
-// A block's warps take the chunks of the same rows in turn and add their sums in shared memory; the
-// first chunks' weights are loaded before the PDL wait (no kernel writes them), x after it.
+// A block's warps take the chunks of the same rows in turn and add their sums in shared memory. What
+// bounds a GEMV here is the bytes in flight (the first version, each warp with one chunk ahead in
+// registers, read at ~2.5 TB/s on the H200, as the Triton kernels do): each warp streams its chunks
+// through a ring of STAGES slots in shared memory with cp.async, STAGES - 1 chunks in flight and no
+// registers held by them. The first STAGES - 1 are requested before the PDL wait (no kernel writes the
+// weights), x after it, a chunk ahead in registers.
 //
 // Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
 // gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
-// silu(gate) * up with the separate launches' roundings), WARPS, TILES (16-row tiles a block), UNROLL
-// (chunks a warp loads together), PIPE (1: the next UNROLL chunks load while these compute, twice the
-// registers; 0: each iteration loads, then computes, and other warps hide the wait).
+// silu(gate) * up with the separate launches' roundings), WARPS, TILES (16-row tiles a block), STAGES
+// (ring slots a warp, >= 2). Dynamic shared memory: WARPS * STAGES * TILES KB.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -47,10 +50,6 @@ typedef float scale_t;
 #else
 typedef u16 scale_t;
 #endif
-
-struct Words {
-  uint4 a[TILES], b[TILES];  // rows g and g + 8 of each tile: four words each
-};
 
 __device__ __forceinline__ float scale_value(scale_t s) {
 #if SCALE == 2
@@ -101,11 +100,20 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 load_stream(const u32* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
+__device__ __forceinline__ void copy16(uint4* slot, const u32* p) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(slot));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(p) : "memory");
+}
+
+// Chunk c's words of rows g and g + 8 of each tile into a ring slot ([tile * 2 + row][lane]).
+__device__ __forceinline__ void copy_chunk(uint4* slot, const u32* const (&row_a)[TILES],
+                                           const u32* const (&row_b)[TILES], int c) {
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    copy16(slot + (2 * i) * 32, row_a[i] + 16 * c);
+    copy16(slot + (2 * i + 1) * 32, row_b[i] + 16 * c);
+  }
 }
 
 __device__ __forceinline__ uint4 load_x(const u16* p) {
@@ -113,6 +121,12 @@ __device__ __forceinline__ uint4 load_x(const u16* p) {
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+// A lane's 32 activations of chunk c (four words' eight), zeros for lanes past the batch's rows.
+__device__ __forceinline__ void load_x_chunk(uint4 (&xv)[4], const u16* x_row, bool load, int c) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) xv[q] = load ? load_x(x_row + 128 * c + 8 * q) : make_uint4(0, 0, 0, 0);
 }
 
 // One word of rows g (a) and g + 8 (b) against its eight activations xv: two MMAs into d.
@@ -125,7 +139,7 @@ __device__ __forceinline__ void word_mma(float (&d)[4], u32 a, u32 b, uint4 xv, 
       dequant_pair(b >> 12, neg_b), x26, x37);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
 w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale_t* __restrict__ scale,
                const signed char* __restrict__ zero, u16* __restrict__ out, int m, int n_out, int k,
                int stride_x, int stride_w, int stride_s, int stride_z, int stride_o, int group) {
@@ -170,103 +184,67 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
 
-  Words cur[UNROLL];
+  // This warp's ring: STAGES slots of TILES * 2 rows * 32 lanes * 16 bytes; a lane reads back only what
+  // its own copies wrote, so no barrier orders the ring, only cp.async's groups.
+  extern __shared__ uint4 shared[];
+  uint4* ring = shared + warp * (STAGES * TILES * 2 * 32) + lane;
+  const int mine = chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0;  // chunks warp + j * WARPS
+  // The first STAGES - 1 chunks' weights before the PDL wait: no kernel writes them.
 #pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const int c = warp + u * WARPS;
-#pragma unroll
-    for (int i = 0; i < TILES; ++i) {
-      if (c < chunks) {
-        cur[u].a[i] = load_stream(row_a[i] + 16 * c);
-        cur[u].b[i] = load_stream(row_b[i] + 16 * c);
-      }
-    }
+  for (int j = 0; j < STAGES - 1; ++j) {
+    if (j < mine) copy_chunk(ring + j * (TILES * 2 * 32), row_a, row_b, warp + j * WARPS);
+    asm volatile("cp.async.commit_group;" ::: "memory");
   }
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  uint4 x_next[4];
+  load_x_chunk(x_next, x_row, x_lane && mine > 0, warp);
 
-  for (int c0 = warp; c0 < chunks; c0 += WARPS * UNROLL) {
-#if !PIPE
-    if (c0 != warp) {  // this iteration's weights (the first's were loaded before the wait)
+  for (int j = 0; j < mine; ++j) {
+    const int c = warp + j * WARPS;
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");  // chunk j has landed
+    const int ahead = j + STAGES - 1;  // into the slot chunk j - 1 left
+    if (ahead < mine) copy_chunk(ring + (ahead % STAGES) * (TILES * 2 * 32), row_a, row_b, warp + ahead * WARPS);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    uint4 xv[4];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int c = c0 + u * WARPS;
+    for (int q = 0; q < 4; ++q) xv[q] = x_next[q];
+    load_x_chunk(x_next, x_row, x_lane && j + 1 < mine, c + WARPS);
+    const uint4* slot = ring + (j % STAGES) * (TILES * 2 * 32);
+    const int grp = (c << 7) / group;
 #pragma unroll
-        for (int i = 0; i < TILES; ++i) {
-          if (c < chunks) {
-            cur[u].a[i] = load_stream(row_a[i] + 16 * c);
-            cur[u].b[i] = load_stream(row_b[i] + 16 * c);
-          }
-        }
-      }
-    }
-#endif
-    uint4 xv[UNROLL][4];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = c0 + u * WARPS;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (x_lane && c < chunks) {
-          xv[u][j] = load_x(x_row + 128 * c + 8 * j);
-        } else {
-          xv[u][j] = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-#if PIPE
-    Words next[UNROLL];  // the next iteration's weights load while this one computes
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = c0 + (u + UNROLL) * WARPS;
-#pragma unroll
-      for (int i = 0; i < TILES; ++i) {
-        if (c < chunks) {
-          next[u].a[i] = load_stream(row_a[i] + 16 * c);
-          next[u].b[i] = load_stream(row_b[i] + 16 * c);
-        }
-      }
-    }
-#endif
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = c0 + u * WARPS;
-      if (c < chunks) {
-        const int grp = (c << 7) / group;
-#pragma unroll
-        for (int i = 0; i < TILES; ++i) {
+    for (int i = 0; i < TILES; ++i) {
+      const uint4 wa = slot[(2 * i) * 32], wb = slot[(2 * i + 1) * 32];
 #if HAS_ZERO
-          const u32 neg_a = (NEG_MAGIC + 8 + zero_a[i][grp]) * 0x10001u;
-          const u32 neg_b = (NEG_MAGIC + 8 + zero_b[i][grp]) * 0x10001u;
+      const u32 neg_a = (NEG_MAGIC + 8 + zero_a[i][grp]) * 0x10001u;
+      const u32 neg_b = (NEG_MAGIC + 8 + zero_b[i][grp]) * 0x10001u;
 #else
-          const u32 neg_a = (NEG_MAGIC + 8) * 0x10001u, neg_b = neg_a;
+      const u32 neg_a = (NEG_MAGIC + 8) * 0x10001u, neg_b = neg_a;
 #endif
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          word_mma(d, cur[u].a[i].x, cur[u].b[i].x, xv[u][0], neg_a, neg_b);
-          word_mma(d, cur[u].a[i].y, cur[u].b[i].y, xv[u][1], neg_a, neg_b);
-          word_mma(d, cur[u].a[i].z, cur[u].b[i].z, xv[u][2], neg_a, neg_b);
-          word_mma(d, cur[u].a[i].w, cur[u].b[i].w, xv[u][3], neg_a, neg_b);
-          const float sa = scale_value(scale_a[i][grp]), sb = scale_value(scale_b[i][grp]);
-          acc[i][0] += d[0] * sa;
-          acc[i][1] += d[1] * sa;
-          acc[i][2] += d[2] * sb;
-          acc[i][3] += d[3] * sb;
-        }
-      }
-#if PIPE
-      cur[u] = next[u];
-#endif
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      word_mma(d, wa.x, wb.x, xv[0], neg_a, neg_b);
+      word_mma(d, wa.y, wb.y, xv[1], neg_a, neg_b);
+      word_mma(d, wa.z, wb.z, xv[2], neg_a, neg_b);
+      word_mma(d, wa.w, wb.w, xv[3], neg_a, neg_b);
+      const float sa = scale_value(scale_a[i][grp]), sb = scale_value(scale_b[i][grp]);
+      acc[i][0] += d[0] * sa;
+      acc[i][1] += d[1] * sa;
+      acc[i][2] += d[2] * sb;
+      acc[i][3] += d[3] * sb;
     }
   }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncwarp();  // every lane past its last read of the ring before any writes its sums there
 
-  // The warps' sums: [warp][tile * 4 + r][lane] in shared memory, then one thread an output entry.
-  __shared__ float partial[WARPS][TILES * 4][32];
+  // The warps' sums, each in its own ring ([tile * 4 + r][lane] as floats), then one thread an output.
+  float* partial = reinterpret_cast<float*>(shared);
+  const int ring_floats = STAGES * TILES * 2 * 32 * 4;
 #pragma unroll
   for (int i = 0; i < TILES; ++i)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) partial[warp][i * 4 + r][lane] = acc[i][r];
+    for (int r = 0; r < 4; ++r) partial[warp * ring_floats + (i * 4 + r) * 32 + lane] = acc[i][r];
   __syncthreads();
   for (int e = threadIdx.x; e < TILES * 4 * 32; e += WARPS * 32) {
     const int i = e / 128, r = (e / 32) % 4, l = e % 32;
@@ -274,14 +252,14 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
     if (b >= m || (GATED && r >= 2)) continue;
     float sum = 0.f;
 #pragma unroll
-    for (int v = 0; v < WARPS; ++v) sum += partial[v][i * 4 + r][l];
+    for (int v = 0; v < WARPS; ++v) sum += partial[v * ring_floats + (i * 4 + r) * 32 + l];
     const int tile = blockIdx.x * TILES + i, gl = l >> 2;
     if (GATED) {
       const int col = tile * 8 + gl;
       if (col >= n_out) continue;
       float up = 0.f;
 #pragma unroll
-      for (int v = 0; v < WARPS; ++v) up += partial[v][i * 4 + r + 2][l];
+      for (int v = 0; v < WARPS; ++v) up += partial[v * ring_floats + (i * 4 + r + 2) * 32 + l];
       const float gate = from_out(to_out(sum));
       const float silu = from_out(to_out(gate / (1.f + __expf(-gate))));
       out[(long long)b * stride_o + col] = to_out(silu * from_out(to_out(up)));
