@@ -201,6 +201,21 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
 #endif
   uint4 x_next[4];
   load_x_chunk(x_next, x_row, x_lane && mine > 0, warp);
+  // A chunk's group scales (and zero points) are read a chunk ahead too.
+  scale_t s_next[TILES][2];
+#if HAS_ZERO
+  signed char z_next[TILES][2];
+#endif
+  const int first_group = mine > 0 ? (warp << 7) / group : 0;
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    s_next[i][0] = scale_a[i][first_group];
+    s_next[i][1] = scale_b[i][first_group];
+#if HAS_ZERO
+    z_next[i][0] = zero_a[i][first_group];
+    z_next[i][1] = zero_b[i][first_group];
+#endif
+  }
 
   for (int j = 0; j < mine; ++j) {
     const int c = warp + j * WARPS;
@@ -213,26 +228,31 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
     for (int q = 0; q < 4; ++q) xv[q] = x_next[q];
     load_x_chunk(x_next, x_row, x_lane && j + 1 < mine, c + WARPS);
     const uint4* slot = ring + (j % STAGES) * (TILES * 2 * 32);
-    const int grp = (c << 7) / group;
+    const int next_group = j + 1 < mine ? ((c + WARPS) << 7) / group : 0;
 #pragma unroll
     for (int i = 0; i < TILES; ++i) {
       const uint4 wa = slot[(2 * i) * 32], wb = slot[(2 * i + 1) * 32];
+      const float sa = scale_value(s_next[i][0]), sb = scale_value(s_next[i][1]);
 #if HAS_ZERO
-      const u32 neg_a = (NEG_MAGIC + 8 + zero_a[i][grp]) * 0x10001u;
-      const u32 neg_b = (NEG_MAGIC + 8 + zero_b[i][grp]) * 0x10001u;
+      const u32 neg_a = (NEG_MAGIC + 8 + z_next[i][0]) * 0x10001u;
+      const u32 neg_b = (NEG_MAGIC + 8 + z_next[i][1]) * 0x10001u;
+      z_next[i][0] = zero_a[i][next_group];
+      z_next[i][1] = zero_b[i][next_group];
 #else
       const u32 neg_a = (NEG_MAGIC + 8) * 0x10001u, neg_b = neg_a;
 #endif
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      s_next[i][0] = scale_a[i][next_group];
+      s_next[i][1] = scale_b[i][next_group];
+      // Two accumulators: the chunk's eight MMAs in two chains of four.
+      float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
       word_mma(d, wa.x, wb.x, xv[0], neg_a, neg_b);
-      word_mma(d, wa.y, wb.y, xv[1], neg_a, neg_b);
+      word_mma(e, wa.y, wb.y, xv[1], neg_a, neg_b);
       word_mma(d, wa.z, wb.z, xv[2], neg_a, neg_b);
-      word_mma(d, wa.w, wb.w, xv[3], neg_a, neg_b);
-      const float sa = scale_value(scale_a[i][grp]), sb = scale_value(scale_b[i][grp]);
-      acc[i][0] += d[0] * sa;
-      acc[i][1] += d[1] * sa;
-      acc[i][2] += d[2] * sb;
-      acc[i][3] += d[3] * sb;
+      word_mma(e, wa.w, wb.w, xv[3], neg_a, neg_b);
+      acc[i][0] += (d[0] + e[0]) * sa;
+      acc[i][1] += (d[1] + e[1]) * sa;
+      acc[i][2] += (d[2] + e[2]) * sb;
+      acc[i][3] += (d[3] + e[3]) * sb;
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
