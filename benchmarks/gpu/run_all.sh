@@ -44,8 +44,13 @@ for stage in $stages; do
                       -p no:cacheprovider --junitxml="$out/int4_mma_tests.xml" 2>&1 | tail -15 ;;
     int4-mma) timeout 420 $py benchmarks/gpu/bench_quant_gemm.py --int4-mma --rows "${INT4_MMA_ROWS:-1,2,4,8}" \
                 --out "$out/int4_mma.json" 2>&1 | tail -3 ;;
-    decode-int4-mma) for on in 1 0; do TOKENMILL_INT4_MMA_GEMV=$on timeout 280 $bench decode --shape llama-3.1-8b \
-                       --max-num-seqs 64 --quantization int4 --out "$out/decode_8b_int4_mma$on.json"; done ;;
+    # (INT4_MMA_TILES: "warps,tiles,stages" configs of the CUDA kernel to run beside the default, space-separated)
+    decode-int4-mma) for run in 0 1 ${INT4_MMA_TILES:-}; do
+                       if [ $run = 0 ]; then env=(TOKENMILL_INT4_MMA_GEMV=0); else env=(TOKENMILL_INT4_MMA_GEMV=1); fi
+                       [ $run != 0 ] && [ $run != 1 ] && env+=(TOKENMILL_INT4_MMA_TILES=$run)
+                       env "${env[@]}" timeout 200 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \
+                         --quantization int4 --out "$out/decode_8b_int4_mma_${run//,/_}.json" | grep -E "decode_step_ms|ratio_to_plan"
+                     done ;;
     gpu-tests) timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode \
                  -p no:cacheprovider --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     # Every request under a JSON schema against none, batch 64 (Qwen3-0.6B shape, SmolLM2's tokenizer):

@@ -39,8 +39,16 @@ class MmaConfig(NamedTuple):
 
 
 def default_config(n_tiles: int, k: int) -> MmaConfig:
-    """Tiles for n_tiles 16-row tiles over K: four warps, each with three chunks in flight."""
+    """Tiles for n_tiles 16-row tiles over K: four warps, each with three chunks in flight
+    (TOKENMILL_INT4_MMA_TILES="warps,tiles,stages" sets one for every shape, for the benchmarks)."""
     del n_tiles, k
+    forced = os.environ.get("TOKENMILL_INT4_MMA_TILES")
+    if forced:
+        try:
+            warps, tiles, stages = (int(v) for v in forced.split(","))
+        except ValueError:
+            raise ValueError(f"TOKENMILL_INT4_MMA_TILES={forced!r}: give warps,tiles,stages") from None
+        return MmaConfig(warps, tiles, stages)
     return MmaConfig(warps=4, tiles=1, stages=4)
 
 
