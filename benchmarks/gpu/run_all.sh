@@ -48,7 +48,7 @@ for stage in $stages; do
     decode-int4-mma) for run in 0 1 ${INT4_MMA_TILES:-}; do
                        if [ $run = 0 ]; then env=(TOKENMILL_INT4_MMA_GEMV=0); else env=(TOKENMILL_INT4_MMA_GEMV=1); fi
                        [ $run != 0 ] && [ $run != 1 ] && env+=(TOKENMILL_INT4_MMA_TILES=$run)
-                       env "${env[@]}" timeout 200 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \
+                       echo "int4 mma run $run"; env "${env[@]}" timeout 200 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \
                          --quantization int4 --out "$out/decode_8b_int4_mma_${run//,/_}.json" | grep -E "decode_step_ms|ratio_to_plan"
                      done ;;
     gpu-tests) timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode \
