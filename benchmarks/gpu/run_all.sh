@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles int4-mma-tests int4-mma decode-int4-mma server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -51,6 +51,13 @@ for stage in $stages; do
                        echo "int4 mma run $run"; env "${env[@]}" timeout 200 $bench decode --shape llama-3.1-8b --max-num-seqs 64 \
                          --quantization int4 --out "$out/decode_8b_int4_mma_${run//,/_}.json" | grep -E "decode_step_ms|ratio_to_plan"
                      done ;;
+    # INT4 decode at 2-8 rows with the CUDA GEMV (the default there) and without it, bf16 beside them.
+    decode-int4-small) for b in ${INT4_SMALL_BATCHES:-4 8}; do for run in bf16 mma triton; do
+                         q=(--quantization int4); [ $run = bf16 ] && q=()
+                         echo "batch $b $run"; TOKENMILL_INT4_MMA_GEMV=$([ $run = triton ] && echo 0 || echo 1) \
+                           timeout 150 $bench decode --shape llama-3.1-8b --batch $b --max-num-seqs $b --output-len 128 \
+                           "${q[@]}" --out "$out/decode_8b_b${b}_$run.json" 2>&1 | grep -E '"decode_step_ms"'
+                       done; done ;;
     gpu-tests) timeout 420 $py -m pytest -q -m gpu tests/models tests/layers tests/worker tests/spec_decode \
                  -p no:cacheprovider --junitxml="$out/gpu_tests.xml" 2>&1 | tail -25 ;;
     # Every request under a JSON schema against none, batch 64 (Qwen3-0.6B shape, SmolLM2's tokenizer):

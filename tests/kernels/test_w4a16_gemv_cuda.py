@@ -170,36 +170,41 @@ def test_supports_only_what_it_can() -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 9])
 def test_int4_linear_routes_decode_rows_here(monkeypatch, rows) -> None:
-    monkeypatch.setattr(w4a16_gemv_cuda, "MMA_GEMV", True)
+    """MIN_ROWS-8 rows (at one row the Triton one-row kernel is faster)."""
+    assert w4a16_gemv_cuda.MMA_GEMV and w4a16_gemv_cuda.MIN_ROWS == 2
     taken = []
     real = w4a16_gemv_cuda.w4a16_gemv_mma
     monkeypatch.setattr(w4a16_gemv_cuda, "w4a16_gemv_mma", lambda *a, **kw: taken.append(1) or real(*a, **kw))
     packed, scale, zero = weight(40, 512, 128, True, torch.bfloat16, seed=rows)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     got = int4_gemm.w4a16_linear(x, packed, scale, zero, 128)
-    assert taken == ([1] if rows <= 8 else [])
+    assert taken == ([1] if 2 <= rows <= 8 else [])
     assert_close(got, reference(x, packed, scale, zero, 128))
 
 
 @gpu
 @pytest.mark.gpu
 def test_the_layers_fused_gemv_routes_here_with_the_switch_on(monkeypatch) -> None:
-    """layers/quantization/int4.py: with MMA_GEMV a decode row's gate/up projection is offered to this
-    kernel's gated store (int4_gemv_takes), and int4_matmul computes it here."""
+    """layers/quantization/int4.py: with MMA_GEMV three decode rows' gate/up projection is offered to this
+    kernel's gated store (int4_gemv_takes), and int4_matmul computes it here; without, the Triton kernel
+    of several rows takes it unfused."""
     from tokenmill.layers.quantization.int4 import int4_gemv_takes, int4_matmul
 
     packed, scale, zero = weight(2 * 48, 1024, 128, True, torch.bfloat16, seed=6)
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
     taken = []
     real = w4a16_gemv_cuda.w4a16_gemv_mma
     monkeypatch.setattr(w4a16_gemv_cuda, "w4a16_gemv_mma", lambda *a, **kw: taken.append(1) or real(*a, **kw))
     for on in (True, False):
         monkeypatch.setattr(w4a16_gemv_cuda, "MMA_GEMV", on)
         taken.clear()
-        assert int4_gemv_takes(x, packed, scale, zero, 128)  # this kernel or the packed-fp16 one-row one
-        got = int4_matmul(x, packed, scale, zero, 128, None, GemvFusion(silu_mul=True))
+        assert int4_gemv_takes(x, packed, scale, zero, 128) == on  # (the packed-fp16 kernel takes <= 2 rows)
+        fusion = GemvFusion(silu_mul=True) if on else None
+        got = int4_matmul(x, packed, scale, zero, 128, None, fusion)
+        if not on:
+            got = activation.silu_and_mul(got)
         assert taken == ([1] if on else [])
         want = activation.silu_and_mul(reference(x, packed, scale, zero, 128).to(torch.bfloat16))
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -22,8 +22,12 @@ import torch
 from tokenmill.kernels import GemvFusion, cuda_rtc, pdl
 
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
-# Off until timed on a GPU against the Triton kernels (TOKENMILL_INT4_MMA_GEMV=1 turns it on).
-MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "0") == "1"
+# Whether the INT4 linears route MIN_ROWS-8 rows here (TOKENMILL_INT4_MMA_GEMV=0 turns it off). H200,
+# 2026-12-06: at 4 rows the 8B linears take 7.8 / 5.8 / 24.7 / 15.5 us (QKV, O, gate+up, down) where the
+# Triton tensor-core kernel the engine ran there took 14.9 / 11.9 / 47.0 / 26.0; at one row the Triton
+# one-row kernel stays faster (7.6 / 5.1 / 20.2 / 11.0 against 7.5 / 5.4 / 23.8 / 15.2): MIN_ROWS 2.
+MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
+MIN_ROWS = 2
 MAX_ROWS = 8  # the MMA's eight columns
 CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
 _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -39,9 +43,11 @@ class MmaConfig(NamedTuple):
 
 
 def default_config(n_tiles: int, k: int) -> MmaConfig:
-    """Tiles for n_tiles 16-row tiles over K: four warps, each with three chunks in flight
-    (TOKENMILL_INT4_MMA_TILES="warps,tiles,stages" sets one for every shape, for the benchmarks)."""
-    del n_tiles, k
+    """Tiles for n_tiles 16-row tiles over K, from the H200 sweep of 2026-12-06 (bench_quant_gemm.py
+    --int4-mma, Llama-3.1-8B's linears at 1 and 4 rows; docs/performance.md): gate+up (1,792 tiles) four
+    warps over two tiles, down (K 14,336) and O eight warps over one, QKV eight over two; the ring's
+    depth moved none of them by more than 5% (TOKENMILL_INT4_MMA_TILES="warps,tiles,stages" sets one for
+    every shape, for the benchmarks)."""
     forced = os.environ.get("TOKENMILL_INT4_MMA_TILES")
     if forced:
         try:
@@ -49,14 +55,20 @@ def default_config(n_tiles: int, k: int) -> MmaConfig:
         except ValueError:
             raise ValueError(f"TOKENMILL_INT4_MMA_TILES={forced!r}: give warps,tiles,stages") from None
         return MmaConfig(warps, tiles, stages)
-    return MmaConfig(warps=4, tiles=1, stages=4)
+    if n_tiles >= 1024:
+        return MmaConfig(warps=4, tiles=2, stages=3)
+    if k >= 8192 or n_tiles <= 256:
+        return MmaConfig(warps=8, tiles=1, stages=2)
+    return MmaConfig(warps=8, tiles=2, stages=4)
 
 
 def takes(
     x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> bool:
-    """Whether the INT4 linears route this product here (MMA_GEMV and `supports`), else to Triton."""
-    return MMA_GEMV and supports(x, w_packed, scale, zero, group_size)
+    """Whether the INT4 linears route this product here (MMA_GEMV, at least MIN_ROWS rows, `supports`),
+    else to the Triton kernels."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return MMA_GEMV and rows >= MIN_ROWS and supports(x, w_packed, scale, zero, group_size)
 
 
 def supports(
