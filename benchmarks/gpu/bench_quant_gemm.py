@@ -23,7 +23,7 @@ weight dequantized for cuBLAS, and that dequantization alone), so its row bounds
 --int4-mma times the tensor-core INT4 GEMV (kernels/w4a16_gemv_cuda.py) against the Triton one-row kernels
 the engine ran before it (skinny_gemm.w4a16_skinny at its default tiles) at --rows (1-8), both launched
 with PDL inside the graph as the decode step launches them, gate+up also with SiLU-and-multiply in the
-store (GemvFusion), and sweeps the CUDA kernel's (warps, tiles, stages, span).
+store (GemvFusion), and sweeps the CUDA kernel's (warps, tiles, stages).
 
 --int8-gemm sweeps the INT8 W8A8 GEMM's tiles at --rows (past the skinny kernel's 16) beside bf16 cuBLAS
 and cuBLAS's int8 GEMM (torch._int_mm); --grouped-sweep sweeps GPTQ 8-bit's grouped W8A16 kernel.
@@ -365,14 +365,10 @@ def int4_mma_case(name: str, rows: int) -> dict:
     paths = {"triton": w4a16_skinny if rows <= MAX_GEMV_ROWS else None, "mma": mma}
     fusions = [None, GemvFusion(silu_mul=True)] if name == "gate_up" else [None]
     tiles = -(-n // 16)
-    for warps, tiles_a_block, stages, span in itertools.product((2, 4, 8), (1, 2), (2, 3, 4), (1, 2, 4)):
-        if (
-            k // 128 >= warps * span
-            and tiles // tiles_a_block >= 64
-            and warps * tiles_a_block * stages * span <= 128
-        ):
-            config = w4a16_gemv_cuda.MmaConfig(warps, tiles_a_block, stages, span)
-            label = f"mma_{warps}w_{tiles_a_block}t_{stages}s_{span}x"
+    for warps, tiles_a_block, stages in itertools.product((2, 4, 8), (1, 2), (2, 3, 4, 6, 8)):
+        if k // 128 >= warps and tiles // tiles_a_block >= 64 and warps * tiles_a_block * stages <= 128:
+            config = w4a16_gemv_cuda.MmaConfig(warps, tiles_a_block, stages)
+            label = f"mma_{warps}w_{tiles_a_block}t_{stages}s"
             paths[label] = lambda *a, c=config, **kw: mma(*a, config=c, **kw)
     with pdl.in_graphs():
         for fusion in fusions:

@@ -36,11 +36,10 @@ _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 class MmaConfig(NamedTuple):
     warps: int  # a block's warps, taking the chunks of its rows in turn
     tiles: int  # 16-row tiles a block (gated: 8 outputs a tile)
-    stages: int  # slots of a warp's cp.async ring: stages - 1 in flight
-    span: int = 1  # adjacent chunks a slot: span * 64 contiguous bytes of each row a warp reads at once
+    stages: int  # slots of a warp's cp.async ring: stages - 1 chunks in flight
 
     def shared_bytes(self) -> int:
-        return self.warps * self.stages * self.tiles * self.span * 1024
+        return self.warps * self.stages * self.tiles * 1024
 
 
 def default_config(n_tiles: int, k: int) -> MmaConfig:
@@ -52,9 +51,10 @@ def default_config(n_tiles: int, k: int) -> MmaConfig:
     forced = os.environ.get("TOKENMILL_INT4_MMA_TILES")
     if forced:
         try:
-            return MmaConfig(*(int(v) for v in forced.split(",")))
-        except (TypeError, ValueError):
-            raise ValueError(f"TOKENMILL_INT4_MMA_TILES={forced!r}: give warps,tiles,stages[,span]") from None
+            warps, tiles, stages = (int(v) for v in forced.split(","))
+        except ValueError:
+            raise ValueError(f"TOKENMILL_INT4_MMA_TILES={forced!r}: give warps,tiles,stages") from None
+        return MmaConfig(warps, tiles, stages)
     if n_tiles >= 1024:
         return MmaConfig(warps=4, tiles=2, stages=3)
     if k >= 8192 or n_tiles <= 256:
@@ -125,7 +125,7 @@ def w4a16_gemv_mma(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     defines = dict(
         BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
-        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages, SPAN=config.span,
+        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages,
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
     zero_arg = zero if zero is not None else scale

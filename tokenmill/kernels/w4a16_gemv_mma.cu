@@ -24,8 +24,7 @@
 // Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
 // gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
 // silu(gate) * up with the separate launches' roundings), WARPS, TILES (16-row tiles a block), STAGES
-// (ring slots a warp, >= 2), SPAN (adjacent chunks a slot). Dynamic shared memory: WARPS * STAGES * TILES
-// * SPAN KB.
+// (ring slots a warp, >= 2). Dynamic shared memory: WARPS * STAGES * TILES KB.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -107,18 +106,13 @@ __device__ __forceinline__ void copy16(uint4* slot, const u32* p) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(p) : "memory");
 }
 
-// Chunks c0..c0 + SPAN - 1 (those under `chunks`): the words of rows g and g + 8 of each tile into a
-// ring slot ([chunk][tile * 2 + row][lane]); SPAN adjacent chunks are SPAN * 64 contiguous bytes a row.
-__device__ __forceinline__ void copy_unit(uint4* slot, const u32* const (&row_a)[TILES],
-                                          const u32* const (&row_b)[TILES], int c0, int chunks) {
+// Chunk c's words of rows g and g + 8 of each tile into a ring slot ([tile * 2 + row][lane]).
+__device__ __forceinline__ void copy_chunk(uint4* slot, const u32* const (&row_a)[TILES],
+                                           const u32* const (&row_b)[TILES], int c) {
 #pragma unroll
-  for (int s = 0; s < SPAN; ++s) {
-    if (c0 + s >= chunks) break;
-#pragma unroll
-    for (int i = 0; i < TILES; ++i) {
-      copy16(slot + (s * TILES * 2 + 2 * i) * 32, row_a[i] + 16 * (c0 + s));
-      copy16(slot + (s * TILES * 2 + 2 * i + 1) * 32, row_b[i] + 16 * (c0 + s));
-    }
+  for (int i = 0; i < TILES; ++i) {
+    copy16(slot + (2 * i) * 32, row_a[i] + 16 * c);
+    copy16(slot + (2 * i + 1) * 32, row_b[i] + 16 * c);
   }
 }
 
@@ -190,92 +184,75 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
 
-  // This warp's ring: STAGES slots of SPAN chunks * TILES * 2 rows * 32 lanes * 16 bytes; a lane reads
-  // back only what its own copies wrote, so no barrier orders the ring, only cp.async's groups. A warp
-  // takes units of SPAN adjacent chunks (SPAN * 64 contiguous bytes of each row): units warp + j * WARPS.
-  constexpr int SLOT = SPAN * TILES * 2 * 32;
+  // This warp's ring: STAGES slots of TILES * 2 rows * 32 lanes * 16 bytes; a lane reads back only what
+  // its own copies wrote, so no barrier orders the ring, only cp.async's groups.
   extern __shared__ uint4 shared[];
-  uint4* ring = shared + warp * (STAGES * SLOT) + lane;
-  const int units = (chunks + SPAN - 1) / SPAN;
-  const int mine = units > warp ? (units - warp + WARPS - 1) / WARPS : 0;
-  // The first STAGES - 1 units' weights before the PDL wait: no kernel writes them.
+  uint4* ring = shared + warp * (STAGES * TILES * 2 * 32) + lane;
+  const int mine = chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0;  // chunks warp + j * WARPS
+  // The first STAGES - 1 chunks' weights before the PDL wait: no kernel writes them.
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
-    if (j < mine) copy_unit(ring + j * SLOT, row_a, row_b, (warp + j * WARPS) * SPAN, chunks);
+    if (j < mine) copy_chunk(ring + j * (TILES * 2 * 32), row_a, row_b, warp + j * WARPS);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  uint4 x_next[SPAN][4];  // the next unit's activations, a unit ahead
+  uint4 x_next[4];
+  load_x_chunk(x_next, x_row, x_lane && mine > 0, warp);
+  // A chunk's group scales (and zero points) are read a chunk ahead too.
+  scale_t s_next[TILES][2];
+#if HAS_ZERO
+  signed char z_next[TILES][2];
+#endif
+  const int first_group = mine > 0 ? (warp << 7) / group : 0;
 #pragma unroll
-  for (int s = 0; s < SPAN; ++s) {
-    const int c = warp * SPAN + s;
-    load_x_chunk(x_next[s], x_row, x_lane && mine > 0 && c < chunks, c);
+  for (int i = 0; i < TILES; ++i) {
+    s_next[i][0] = scale_a[i][first_group];
+    s_next[i][1] = scale_b[i][first_group];
+#if HAS_ZERO
+    z_next[i][0] = zero_a[i][first_group];
+    z_next[i][1] = zero_b[i][first_group];
+#endif
   }
 
   for (int j = 0; j < mine; ++j) {
-    const int c0 = (warp + j * WARPS) * SPAN;
-    // This unit's group scales (and zero points) first: their loads run under the wait below.
-    scale_t sc[SPAN][TILES][2];
-#if HAS_ZERO
-    signed char zc[SPAN][TILES][2];
-#endif
-#pragma unroll
-    for (int s = 0; s < SPAN; ++s) {
-      const int grp = c0 + s < chunks ? ((c0 + s) << 7) / group : 0;
-#pragma unroll
-      for (int i = 0; i < TILES; ++i) {
-        sc[s][i][0] = scale_a[i][grp];
-        sc[s][i][1] = scale_b[i][grp];
-#if HAS_ZERO
-        zc[s][i][0] = zero_a[i][grp];
-        zc[s][i][1] = zero_b[i][grp];
-#endif
-      }
-    }
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");  // unit j has landed
-    const int ahead = j + STAGES - 1;  // into the slot unit j - 1 left
-    if (ahead < mine) {
-      copy_unit(ring + (ahead % STAGES) * SLOT, row_a, row_b, (warp + ahead * WARPS) * SPAN, chunks);
-    }
+    const int c = warp + j * WARPS;
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");  // chunk j has landed
+    const int ahead = j + STAGES - 1;  // into the slot chunk j - 1 left
+    if (ahead < mine) copy_chunk(ring + (ahead % STAGES) * (TILES * 2 * 32), row_a, row_b, warp + ahead * WARPS);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    uint4 xv[SPAN][4];
+    uint4 xv[4];
 #pragma unroll
-    for (int s = 0; s < SPAN; ++s) {
+    for (int q = 0; q < 4; ++q) xv[q] = x_next[q];
+    load_x_chunk(x_next, x_row, x_lane && j + 1 < mine, c + WARPS);
+    const uint4* slot = ring + (j % STAGES) * (TILES * 2 * 32);
+    const int next_group = j + 1 < mine ? ((c + WARPS) << 7) / group : 0;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) xv[s][q] = x_next[s][q];
-      const int cn = c0 + WARPS * SPAN + s;
-      load_x_chunk(x_next[s], x_row, x_lane && j + 1 < mine && cn < chunks, cn);
-    }
-    const uint4* slot = ring + (j % STAGES) * SLOT;
-#pragma unroll
-    for (int s = 0; s < SPAN; ++s) {
-      if (c0 + s < chunks) {
-#pragma unroll
-        for (int i = 0; i < TILES; ++i) {
-          const uint4 wa = slot[(s * TILES * 2 + 2 * i) * 32];
-          const uint4 wb = slot[(s * TILES * 2 + 2 * i + 1) * 32];
+    for (int i = 0; i < TILES; ++i) {
+      const uint4 wa = slot[(2 * i) * 32], wb = slot[(2 * i + 1) * 32];
+      const float sa = scale_value(s_next[i][0]), sb = scale_value(s_next[i][1]);
 #if HAS_ZERO
-          const u32 neg_a = (NEG_MAGIC + 8 + zc[s][i][0]) * 0x10001u;
-          const u32 neg_b = (NEG_MAGIC + 8 + zc[s][i][1]) * 0x10001u;
+      const u32 neg_a = (NEG_MAGIC + 8 + z_next[i][0]) * 0x10001u;
+      const u32 neg_b = (NEG_MAGIC + 8 + z_next[i][1]) * 0x10001u;
+      z_next[i][0] = zero_a[i][next_group];
+      z_next[i][1] = zero_b[i][next_group];
 #else
-          const u32 neg_a = (NEG_MAGIC + 8) * 0x10001u, neg_b = neg_a;
+      const u32 neg_a = (NEG_MAGIC + 8) * 0x10001u, neg_b = neg_a;
 #endif
-          // Two accumulators: the chunk's eight MMAs in two chains of four.
-          float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
-          word_mma(d, wa.x, wb.x, xv[s][0], neg_a, neg_b);
-          word_mma(e, wa.y, wb.y, xv[s][1], neg_a, neg_b);
-          word_mma(d, wa.z, wb.z, xv[s][2], neg_a, neg_b);
-          word_mma(e, wa.w, wb.w, xv[s][3], neg_a, neg_b);
-          const float sa = scale_value(sc[s][i][0]), sb = scale_value(sc[s][i][1]);
-          acc[i][0] += (d[0] + e[0]) * sa;
-          acc[i][1] += (d[1] + e[1]) * sa;
-          acc[i][2] += (d[2] + e[2]) * sb;
-          acc[i][3] += (d[3] + e[3]) * sb;
-        }
-      }
+      s_next[i][0] = scale_a[i][next_group];
+      s_next[i][1] = scale_b[i][next_group];
+      // Two accumulators: the chunk's eight MMAs in two chains of four.
+      float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+      word_mma(d, wa.x, wb.x, xv[0], neg_a, neg_b);
+      word_mma(e, wa.y, wb.y, xv[1], neg_a, neg_b);
+      word_mma(d, wa.z, wb.z, xv[2], neg_a, neg_b);
+      word_mma(e, wa.w, wb.w, xv[3], neg_a, neg_b);
+      acc[i][0] += (d[0] + e[0]) * sa;
+      acc[i][1] += (d[1] + e[1]) * sa;
+      acc[i][2] += (d[2] + e[2]) * sb;
+      acc[i][3] += (d[3] + e[3]) * sb;
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -283,7 +260,7 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
 
   // The warps' sums, each in its own ring ([tile * 4 + r][lane] as floats), then one thread an output.
   float* partial = reinterpret_cast<float*>(shared);
-  const int ring_floats = STAGES * SLOT * 4;
+  const int ring_floats = STAGES * TILES * 2 * 32 * 4;
 #pragma unroll
   for (int i = 0; i < TILES; ++i)
 #pragma unroll
