@@ -224,8 +224,8 @@ def w4a16_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The INT4 linears' GEMM on a GPU, by activation rows: 1-8 rows of 16-bit activations where its shapes
-    allow, the tensor-core GEMV (kernels/w4a16_gemv_cuda.py); else one row (and up to
+    """The INT4 linears' GEMM on a GPU, by activation rows: 2-8 rows of 16-bit activations where its shapes
+    allow, the tensor-core GEMV in CUDA C (kernels/w4a16_gemv_cuda.py `takes`); else one row (and up to
     skinny_gemm.GEMV4_ROWS of 16-bit activations), the one-row kernels (skinny_gemm.w4a16_skinny); 2 to
     MMA_ROWS, the tensor-core kernel where the groups allow it (else the skinny kernel); from DEQUANT_ROWS
     on, the weight dequantized whole for cuBLAS; the tiled kernel for what is left (fp32 activations)."""

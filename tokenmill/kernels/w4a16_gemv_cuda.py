@@ -1,6 +1,7 @@
 """The 4-bit GEMV on the tensor cores for decode's 1-8 rows (kernels/w4a16_gemv_mma.cu: CUDA C, compiled
 at first use by NVRTC, kernels/cuda_rtc.py). Same layout and results as skinny_gemm.w4a16_skinny, whose
-Triton kernels it stands in for where it takes the shapes (`takes`): 16-bit activations, K a multiple of
+Triton kernels it stands in for at 2-8 rows where it takes the shapes (`takes`; at one row the Triton
+one-row kernel is faster): 16-bit activations, K a multiple of
 128, groups a multiple of 128 or one group a row (channelwise), a device of compute capability 8.0 or
 later with NVRTC loadable. Why CUDA: its operands go from the loaded words to the MMA's fragments with no
 shuffle (the sum over K may take the values in any order A and B share), which Triton's layouts do not
