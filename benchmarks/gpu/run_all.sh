@@ -39,7 +39,7 @@ for stage in $stages; do
                          --ignore tests/kernels/test_fp8_gemm.py --ignore tests/kernels/test_fp8_block_gemm.py \
                          --ignore tests/kernels/test_fp8_quant.py --junitxml="$out/kernel_tests_rest.xml" 2>&1 | tail -15 ;;
     # The tensor-core INT4 GEMV (kernels/w4a16_gemv_cuda.py): its tests, the kernel against the Triton
-    # one-row kernels by rows with its (warps, tiles, unroll) swept, and the batch-1 step with it and without.
+    # one-row kernels by rows with its (warps, tiles, stages) swept, and the batch-1 step with it and without.
     int4-mma-tests) timeout 300 $py -m pytest -q tests/kernels/test_w4a16_gemv_cuda.py tests/kernels/test_int4_gemm.py \
                       -p no:cacheprovider --junitxml="$out/int4_mma_tests.xml" 2>&1 | tail -15 ;;
     int4-mma) timeout 420 $py benchmarks/gpu/bench_quant_gemm.py --int4-mma --rows "${INT4_MMA_ROWS:-1,2,4,8}" \

@@ -10,7 +10,7 @@ like any other; with `pdl` a launch may start while the kernel before it still r
 rules: the kernel waits in `griddepcontrol.wait` before it reads what that kernel wrote).
 
 `compile_cubin` works without a GPU (tests/kernels build every variant for sm_80 and sm_90 on the CPU
-where libnvrtc is installed); `load` and launches need the driver.
+where libnvrtc is installed); `kernel` and launches need the driver.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def _check_nvrtc(result: int, what: str) -> None:
 
 def compile_cubin(
     source: str, name: str, arch: int, defines: dict[str, int] | None = None, verbose: bool = False
-) -> bytes | tuple[bytes, str]:
-    """`source` compiled for sm_`arch` (e.g. 90) with each define as -DNAME=VALUE: the cubin's bytes, and
-    with `verbose` also NVRTC's log with ptxas's report (registers, spills). Raises CudaRtcError with
+) -> tuple[bytes, str]:
+    """`source` compiled for sm_`arch` (e.g. 90) with each define as -DNAME=VALUE: the cubin's bytes and
+    NVRTC's log (with `verbose`, ptxas's report of registers and spills in it). Raises CudaRtcError with
     the log when it does not compile."""
     lib = nvrtc()
     program = ctypes.c_void_p()
@@ -100,7 +100,7 @@ def compile_cubin(
         _check_nvrtc(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)
         _check_nvrtc(lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-        return (cubin.raw, log.value.decode()) if verbose else cubin.raw
+        return cubin.raw, log.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
@@ -149,12 +149,6 @@ class Kernel:
         self._shared_limit = 48 << 10  # more dynamic shared memory than this needs the function's opt-in
         self._pdl = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._pdl.value[0] = 1  # programmaticStreamSerializationAllowed
-
-    def attribute(self, which: int) -> int:
-        """cuFuncGetAttribute (e.g. 4: NUM_REGS, 3: LOCAL_SIZE_BYTES)."""
-        value = ctypes.c_int()
-        _check(_driver().cuFuncGetAttribute(ctypes.byref(value), which, self.function), "cuFuncGetAttribute")
-        return value.value
 
     def __call__(
         self,
@@ -223,7 +217,6 @@ def kernel(path: Path, name: str, device: torch.device, defines: dict[str, int])
     if found is not None:
         return found
     major, minor = torch.cuda.get_device_capability(index)
-    cubin = compile_cubin(path.read_text(), name, major * 10 + minor, defines)
-    assert isinstance(cubin, bytes)
+    cubin, _ = compile_cubin(path.read_text(), name, major * 10 + minor, defines)
     found = _kernels[key] = _load(cubin, name, index)
     return found

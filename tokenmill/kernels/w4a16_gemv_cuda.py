@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.kernels import GemvFusion, cuda_rtc, pdl
+from tokenmill.kernels import GemvFusion, cuda_rtc, gemv, pdl, skinny_gemm
 
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 # Whether the INT4 linears route MIN_ROWS-8 rows here (TOKENMILL_INT4_MMA_GEMV=0 turns it off). H200,
@@ -112,39 +112,31 @@ def w4a16_gemv_mma(
         raise ValueError("w4a16_gemv_mma does not take these shapes (see supports)")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.data_ptr() % 16 or x2.stride(0) % 8:
-        x2 = x2.contiguous()
+        x2 = x2.contiguous()  # (16-byte loads of each row's activations)
     m, k = x2.shape
     n = w_packed.shape[0]
-    if w_packed.shape[1] * 8 != k:
-        raise ValueError(f"w4a16_gemv_mma: {w_packed.shape[1]} words a row do not hold K={k} values")
-    gated = fusion is not None and fusion.silu_mul and bias is None
-    if gated and n % 2:
-        raise ValueError("GemvFusion(silu_mul=True) takes an even number of outputs (gate || up)")
-    n_out = n // 2 if gated else n
-    row_tiles = -(-n_out // 8) if gated else -(-n // 16)
-    config = config or default_config(row_tiles, k)
-    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    fused = gemv.fused_args(fusion, n, 1, bias)
+    config = config or default_config(-(-n // 16), k)
     defines = dict(
         BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
-        GATED=int(gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages,
+        GATED=int(fused.gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages,
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
-    zero_arg = zero if zero is not None else scale
-    kernel(
-        grid=(-(-row_tiles // config.tiles),),
-        block=(config.warps * 32,),
-        shared=config.shared_bytes(),
-        args=[
-            x2, w_packed, scale, zero_arg, out, m, n_out, k, x2.stride(0), w_packed.stride(0),
-            scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
-            min(group_size, k),
-        ],
-        pdl=pdl.enabled(x2),
-    )  # fmt: skip
-    if bias is not None:
-        out = out + bias
-    if fusion is not None and fusion.silu_mul and not gated:
-        from tokenmill.kernels import activation
 
-        out = activation.silu_and_mul(out)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    def launch(out: torch.Tensor, grid: tuple[int, int]) -> None:
+        kernel(
+            grid=grid[:1],
+            block=(config.warps * 32,),
+            shared=config.shared_bytes(),
+            args=[
+                x2, w_packed, scale, zero if zero is not None else scale, out, m, out.shape[1], k,
+                x2.stride(0), w_packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
+                out.stride(0), min(group_size, k),
+            ],
+            pdl=pdl.enabled(x2),
+        )  # fmt: skip
+
+    # The one-row kernels' launcher: the output, the grid (a block covers 16 rows a tile, gated 8 outputs),
+    # then the bias and a SiLU the store could not take.
+    tiles = skinny_gemm.SkinnyConfig(16 * config.tiles, CHUNK, 1, config.warps, config.stages)
+    return skinny_gemm.launch_over_rows(x, m, n, tiles, launch, bias, fused)

@@ -14,12 +14,12 @@
 // summed in fp32 by the tensor core. A chunk's eight MMAs start from zero and the sum is scaled once by
 // its group's scale (groups a multiple of 128), so the weights are never rounded to 16 bits.
 //
-// A block's warps take the chunks of the same rows in turn and add their sums in shared memory. What
-// bounds a GEMV here is the bytes in flight (the first version, each warp with one chunk ahead in
-// registers, read at ~2.5 TB/s on the H200, as the Triton kernels do): each warp streams its chunks
-// through a ring of STAGES slots in shared memory with cp.async, STAGES - 1 chunks in flight and no
-// registers held by them. The first STAGES - 1 are requested before the PDL wait (no kernel writes the
-// weights), x after it, a chunk ahead in registers.
+// A block's warps take the chunks of the same rows in turn and add their sums in shared memory. Each
+// warp streams its chunks through a ring of STAGES slots in shared memory with cp.async, STAGES - 1 in
+// flight and no registers held by them; the first are requested before the PDL wait (no kernel writes
+// the weights), x after it, a chunk ahead in registers. (On the H200 the ring's depth, 1 to 7 chunks in
+// flight, and the first version's one chunk ahead in registers all read gate+up at ~2.5 TB/s: the bytes
+// in flight are not what bounds it; docs/performance.md.)
 //
 // Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
 // gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
@@ -51,15 +51,21 @@ typedef float scale_t;
 typedef u16 scale_t;
 #endif
 
+__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ float f16_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
 __device__ __forceinline__ float scale_value(scale_t s) {
 #if SCALE == 2
   return s;
 #elif SCALE == 0
-  return __uint_as_float(((u32)s) << 16);
+  return bf16_to_float(s);
 #else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
-  return f;
+  return f16_to_float(s);
 #endif
 }
 
@@ -69,15 +75,7 @@ __device__ __forceinline__ u16 to_out(float v) {
   return h;
 }
 
-__device__ __forceinline__ float from_out(u16 h) {
-#if BF16
-  return __uint_as_float(((u32)h) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-#endif
-}
+__device__ __forceinline__ float from_out(u16 h) { return BF16 ? bf16_to_float(h) : f16_to_float(h); }
 
 // Nibbles 0 and 4 of w (bits 0-3, 16-19) as a 16-bit pair, minus the zero: neg = -(magic + zero) twice.
 __device__ __forceinline__ u32 dequant_pair(u32 w, u32 neg) {
