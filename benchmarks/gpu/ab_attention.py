@@ -10,10 +10,11 @@ editing the kernel's text, V stored transposed, integer e4m3 conversion and keys
 dimension, were measured and dropped: docs/performance.md, nineteenth to twenty-first sessions.) Each
 timing is a CUDA graph of launches over two copies of the pool (bench_kernels.time_us).
 
-    python benchmarks/gpu/ab_attention.py [--groups base,layout,occupancy,tiles,pairs]
+    python benchmarks/gpu/ab_attention.py [--groups base,layout,occupancy,tiles,pairs,cuda]
                                           [--case 16x32768] [--out FILE]
 (tiles: the FP8 cache's tile, warps and stages without KV splits, for many short requests; pairs: the
-pair loads against the value-by-value ones at the engine's own tiles)
+pair loads against the value-by-value ones at the engine's own tiles; cuda: the CUDA decode over the FP8
+cache, kernels/fp8_decode_cuda.py, by its splits)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
-from tokenmill.kernels import attention, reference  # noqa: E402
+from tokenmill.kernels import attention, fp8_decode_cuda, reference  # noqa: E402
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 32768, 32, 8, 128, 16
 
@@ -84,8 +85,9 @@ def main() -> int:
     }
     results: dict[str, dict] = {}
 
-    def run(name, k_cache, v_cache, splits, extra=None, config=None, pairs=False) -> None:
+    def run(name, k_cache, v_cache, splits, extra=None, config=None, pairs=False, cuda=False) -> None:
         launcher.extra = extra or {}
+        fp8_decode_cuda.DECODE_CUDA = cuda
         attention.decode_config = (lambda *a, **k: config) if config else decode_config
         attention.FP8_PAIR_LOADS = pairs
         calls = itertools.count()
@@ -162,6 +164,13 @@ def main() -> int:
             run(f"fp8_pairs_maxnreg{cap}_sdefault", k8, v8, None, {"maxnreg": cap}, None, True)
             for splits in (1, 4):
                 run(f"fp8_pairs_maxnreg{cap}_s{splits}", k8, v8, splits, {"maxnreg": cap}, None, True)
+    if "cuda" in groups:
+        # The CUDA decode over the FP8 cache (kernels/fp8_decode_cuda.py) by its KV splits, against the
+        # Triton kernels at their own splits.
+        run("bf16_default", k_bf, v_bf, None)
+        run("fp8_default", k8, v8, None)
+        for splits in (None, 1, 2, 4, 8, 16, 32):
+            run(f"fp8_cuda_s{splits or 'default'}", k8, v8, splits, cuda=True)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=1))
     return 0

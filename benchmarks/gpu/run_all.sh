@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -122,6 +122,21 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                     TOKENMILL_FP8_PAIR_LOADS=1 timeout 280 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 \
                       --output-len 64 --max-model-len 33024 --max-num-seqs 16 --repeats 1 --kv-cache-dtype fp8 \
                       --out "$out/decode_8b_b16_32k_kv_fp8_pairs.json" ;;
+    # The CUDA decode over an FP8 cache (kernels/fp8_decode_cuda.py): its tests and the decode tests routed
+    # to it; the kernel by its splits against the Triton ones (16 x 32k, a throughput run's 256 x 544 and
+    # 128 x 1,024, 64 x 4,096); the 32k step with it (bf16 KV and the Triton FP8 decode in the same call).
+    fp8-cuda-tests) timeout 240 $py -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
+                      --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -15
+                    TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $py -m pytest -q tests/kernels/test_decode_attention.py \
+                      tests/kernels/test_attention.py -p no:cacheprovider -k "fp8 or FP8" 2>&1 | tail -5 ;;
+    fp8-cuda) for case in ${FP8_CUDA_CASES:-16x32768 256x544 128x1024 64x4096}; do timeout 150 $py \
+                benchmarks/gpu/ab_attention.py --groups cuda --case $case --out "$out/fp8_cuda_$case.json" \
+                2>&1 | grep -v Warning | tail -10; done ;;
+    decode-kv32k-cuda) for run in auto fp8 fp8-cuda; do kv=${run%-cuda}
+                         TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) timeout 200 $bench decode \
+                           --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
+                           --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv --out "$out/decode_8b_b16_32k_$run.json" \
+                           2>&1 | grep -E '"decode_step_ms"'; done ;;
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \

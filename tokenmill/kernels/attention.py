@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import StepRotary, pdl, sm_count
+from tokenmill.kernels import StepRotary, fp8_decode_cuda, pdl, sm_count
 from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs: attention's own names)
     _FP8_MANY_PROGRAMS,
     TileConfig,
@@ -300,12 +300,22 @@ def paged_attention(
     query and the step's key and stores the step's key and value itself (one launch, not two); other
     steps run kernels/rotary.py's launch first.
     """
-    if rotary is not None and max_query_len != 1:
+    # An FP8 decode the CUDA kernel takes (kernels/fp8_decode_cuda.py) gets the rotary and the store in a
+    # launch of their own first.
+    decode_cuda = max_query_len == 1 and fp8_decode_cuda.takes(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc
+    )
+    if rotary is not None and (max_query_len != 1 or decode_cuda):
         query, _ = rotary_and_write_kv_cache(
             rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
             rotary.slot_mapping, k_scale, v_scale,
         )  # fmt: skip
         rotary = None
+    if decode_cuda:
+        return fp8_decode_cuda.fp8_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            max_seq_len=max_seq_len, num_kv_splits=num_kv_splits, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     kv_block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]

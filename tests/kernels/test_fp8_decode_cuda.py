@@ -1,0 +1,184 @@
+"""The CUDA decode attention over an e4m3 cache (kernels/fp8_decode_attention.cu) against the torch
+reference: GQA groups 1-16, head_dim 64 and 128, pages of 16 and 32 slots, lengths that end mid-tile and
+mid-page, NaN bytes in the slots past each request's end, splits from one to more than a short request
+has tiles, a padded request, bf16 and fp16 queries, KV scales; the route through paged_attention (with the
+step's rotary and store) and PDL launches inside a CUDA graph. On a CPU with NVRTC every variant is built
+for sm_89 and sm_90 and checked for spills; the numerics need a GPU (`-m gpu`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.kernels.test_attention import BF16_TOL, fp8_cache, make_batch  # noqa: E402
+from tests.kernels.test_decode_attention import step_rotary  # noqa: E402
+from tokenmill.kernels import attention, cuda_rtc, fp8_decode_cuda, pdl, reference  # noqa: E402
+from tokenmill.kernels.fp8_decode_cuda import fp8_decode_attention, supports  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+FP8_CUDA = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+gpu = pytest.mark.skipif(not FP8_CUDA, reason="needs a CUDA device of compute capability 8.9 or later")
+K_SCALE, V_SCALE = 0.05, 0.3
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("arch", [89, 90])
+def test_every_variant_compiles_without_spills(arch) -> None:
+    source = fp8_decode_cuda.SOURCE.read_text()
+    for (head_dim, group), bf16, split in itertools.product(
+        [(64, 1), (64, 8), (128, 1), (128, 4), (128, 6), (128, 8), (128, 12), (128, 16)], (0, 1), (0, 1)
+    ):
+        defines = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, BF16=bf16, WARPS=4, SPLIT=split)
+        cubin, log = cuda_rtc.compile_cubin(source, "fp8_decode_attention", arch, defines, verbose=True)
+        assert cubin[:4] == b"\x7fELF", defines
+        assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, (defines, log)
+
+
+def fp8_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, padded=False, seed=0):
+    """A decode batch (one query token a request; with `padded` a last request with none) over an e4m3
+    cache whose slots past each request's end hold NaN bytes."""
+    query_lens = [1] * len(seq_lens)
+    if padded:
+        seq_lens, query_lens = [*seq_lens, 0], [*query_lens, 0]
+    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, dtype=dtype,
+                       kv_block_size=block_size, extra_query_rows=1, seed=seed)  # fmt: skip
+    batch = fp8_cache(batch, K_SCALE, V_SCALE)
+    tables = batch.block_tables.cpu()
+    for row, seq_len in enumerate(seq_lens):
+        if seq_len % block_size:
+            page = int(tables[row, seq_len // block_size])
+            for cache in (batch.k_cache, batch.v_cache):
+                cache.view(torch.uint8)[page, seq_len % block_size :] = 0x7F  # e4m3 NaN
+    return batch
+
+
+def check(batch, **hints) -> None:
+    want = reference.paged_attention(*batch, k_scale=K_SCALE, v_scale=V_SCALE)
+    out = torch.full_like(batch.query, 7.0)
+    got = fp8_decode_attention(*batch, out=out, k_scale=K_SCALE, v_scale=V_SCALE, **hints)
+    owned = int(batch.query_start_loc[-1])
+    assert torch.isfinite(got[:owned].float()).all()
+    torch.testing.assert_close(got[:owned].float(), want[:owned].float(), **BF16_TOL)
+    assert bool((got[owned:] == 7.0).all())  # rows nobody owns are left alone
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 128), (8, 2, 128), (32, 8, 128), (24, 4, 128), (16, 2, 128), (12, 1, 128), (32, 2, 128),
+     (16, 8, 64), (8, 1, 64)],
+)  # fmt: skip
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 16, None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(num_heads, num_kv_heads, head_dim, num_kv_splits, dtype) -> None:
+    seq_lens = [1, 15, 16, 17, 100, 333, 1024, 2500]
+    batch = fp8_batch(
+        seq_lens, num_heads, num_kv_heads, head_dim, dtype, padded=True, seed=num_heads + head_dim
+    )
+    assert supports(*batch[:3], *batch[3:6])
+    check(batch, num_kv_splits=num_kv_splits, max_seq_len=max(seq_lens))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_larger_pages(block_size) -> None:
+    batch = fp8_batch(
+        [3, 31, 32, 33, 700, 4097], 32, 8, 128, torch.bfloat16, block_size=block_size, seed=block_size
+    )
+    check(batch, num_kv_splits=4)
+
+
+@gpu
+@pytest.mark.gpu
+def test_long_context_many_splits() -> None:
+    batch = fp8_batch([32768, 20001], 32, 8, 128, torch.bfloat16, seed=5)
+    for splits in (None, 32):
+        check(batch, num_kv_splits=splits, max_seq_len=32768)
+
+
+@gpu
+@pytest.mark.gpu
+def test_what_it_does_not_take() -> None:
+    batch = fp8_batch([40], 8, 2, 128, torch.bfloat16)
+    assert supports(*batch[:6])
+    assert not supports(batch.query.float(), *batch[1:6])  # fp32 queries
+    bf16_cache = batch._replace(
+        k_cache=batch.k_cache.to(torch.bfloat16), v_cache=batch.v_cache.to(torch.bfloat16)
+    )
+    assert not supports(*bf16_cache[:6])
+    wide = fp8_batch([40], 34, 2, 128, torch.bfloat16)  # a group of 17
+    assert not supports(*wide[:6])
+    odd = fp8_batch([40], 8, 2, 96, torch.bfloat16)
+    assert not supports(*odd[:6])
+    pages_of_8 = fp8_batch([40], 8, 2, 128, torch.bfloat16, block_size=8)
+    assert not supports(*pages_of_8[:6])
+    with pytest.raises(ValueError, match="does not take"):
+        fp8_decode_attention(*odd)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_splits", [1, None])
+def test_paged_attention_routes_fp8_decodes_here(monkeypatch, num_kv_splits) -> None:
+    """With DECODE_CUDA on, paged_attention's decode over an e4m3 cache (its rotary and store first, a
+    launch of their own) gives what the Triton decode gives, and stores the step's key and value alike."""
+    seq_lens = [1, 17, 64, 65, 130, 300, 2000]
+    batch = fp8_batch(seq_lens, 32, 8, 128, torch.bfloat16, padded=True, seed=3)
+    rotary = step_rotary(batch, 8, seed=3)
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    results, calls = [], []
+    real = fp8_decode_cuda.fp8_decode_attention
+    monkeypatch.setattr(
+        fp8_decode_cuda, "fp8_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    for on in (False, True):
+        monkeypatch.setattr(fp8_decode_cuda, "DECODE_CUDA", on)
+        run = batch._replace(
+            query=batch.query.clone(), k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone()
+        )
+        out = attention.paged_attention(*run, max_query_len=1, max_seq_len=max(seq_lens),
+                                        num_kv_splits=num_kv_splits, rotary=rotary, **scales)  # fmt: skip
+        assert len(calls) == int(on)
+        results.append((out[: len(seq_lens)].float(), run.k_cache.float(), run.v_cache.float()))
+    (triton_out, triton_k, triton_v), (cuda_out, cuda_k, cuda_v) = results
+    torch.testing.assert_close(cuda_out, triton_out, **BF16_TOL)
+    assert torch.equal(cuda_k.nan_to_num(7.0), triton_k.nan_to_num(7.0))
+    assert torch.equal(cuda_v.nan_to_num(7.0), triton_v.nan_to_num(7.0))
+
+
+@gpu
+@pytest.mark.gpu
+def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote() -> None:
+    """Captured with PDL between a launch that writes the query and the cache and the merge after it:
+    replayed over new values, the graph's output follows them."""
+    batch = fp8_batch([900, 3000, 77], 32, 8, 128, torch.bfloat16, seed=9)
+    source = batch._replace(
+        query=batch.query.clone(), k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone()
+    )
+    out = torch.empty_like(batch.query)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), pdl.in_graphs():
+        for _ in range(2):  # warm-up (compiles) outside the capture
+            batch.query.copy_(source.query)
+            fp8_decode_attention(*batch, out=out, num_kv_splits=4, k_scale=K_SCALE, v_scale=V_SCALE)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            batch.query.copy_(source.query)
+            batch.k_cache.copy_(source.k_cache)
+            fp8_decode_attention(*batch, out=out, num_kv_splits=4, k_scale=K_SCALE, v_scale=V_SCALE)
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        source.query.copy_(torch.randn(source.query.shape, generator=gen, device="cuda"))
+        source.k_cache.copy_(
+            (torch.randn(source.k_cache.shape, generator=gen, device="cuda") * 4).to(torch.float8_e4m3fn)
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.paged_attention(*source, k_scale=K_SCALE, v_scale=V_SCALE)
+        torch.testing.assert_close(out[:3].float(), want[:3].float(), **BF16_TOL)

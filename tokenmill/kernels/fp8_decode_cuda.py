@@ -1,0 +1,144 @@
+"""Decode attention over an e4m3 KV cache on the tensor cores (kernels/fp8_decode_attention.cu: CUDA C,
+compiled at first use by NVRTC, kernels/cuda_rtc.py), for kernels/attention.py's decode launches where
+`takes` says so. Same inputs and results as the Triton decode kernel (and the reference's
+paged_attention): one query token a request, the cache [blocks, block_size, kv_heads, head_dim] in
+float8_e4m3fn with per-tensor k_scale and v_scale, 16-bit queries, head_dim 64 or 128, up to 16 query
+heads a KV head, pages of a multiple of 16 slots, a device of compute capability 8.9 or later.
+
+Why CUDA: each lane's loaded bytes of keys and values go into the MMA's fragments as they lie (the sum over
+k may take its values in any order both operands share) and the scores' fragments are the probabilities'
+without a shuffle, so the loop spends a few instructions a byte where the Triton kernel, whose layouts
+pass the e4m3 tiles through shared memory a byte at a time, spends ~28 a key (docs/performance.md).
+
+DECODE_CUDA decides whether attention.paged_attention routes FP8 decodes here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels import cuda_rtc, pdl, sm_count
+from tokenmill.kernels.split_kv import merge_splits
+
+SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
+# Off until timed against the Triton decode on a GPU (TOKENMILL_FP8_DECODE_CUDA=1 turns it on).
+DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "0") == "1"
+WARPS = 4
+HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
+MAX_GROUP = 16  # the MMA's 16 rows
+_MIN_KEYS_PER_SPLIT = 512  # 8 tiles a warp at least
+_MAX_SPLITS = 32
+
+
+def takes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:  # fmt: skip
+    """Whether an FP8 decode routes here (DECODE_CUDA and `supports`), else to the Triton kernel."""
+    return DECODE_CUDA and supports(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+             seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:  # fmt: skip
+    """Whether fp8_decode_attention can compute this decode (the shapes, dtypes and device above)."""
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        return False
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if head_dim not in HEAD_DIMS or cache_dim != head_dim or block_size % 16 or num_heads % num_kv_heads:
+        return False
+    if num_heads // num_kv_heads > MAX_GROUP or query.stride(2) != 1:
+        return False
+    # 16-byte loads (8 at head_dim 64) of every row: aligned strides and bases, contiguous dims.
+    align = 16 if head_dim == 128 else 8
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        return False
+    if any(s % align for s in k_cache.stride()[:3]) or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        return False
+    if any(t.dtype != torch.int32 for t in (block_tables, seq_lens, query_start_loc)):
+        return False
+    if block_tables.stride(1) != 1 or max(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)) >= 2**31:
+        return False
+    return _device_ok(query.device.index if query.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9) and cuda_rtc.available()
+
+
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
+) -> int:
+    """KV splits: enough blocks for four a multiprocessor (two fit by registers; the others queue behind
+    them and fill the tail), never a split under _MIN_KEYS_PER_SPLIT keys when max_seq_len is known. A power
+    of two, as split_kv.default_num_kv_splits, so a server compiles few variants; any count is correct for
+    any lengths. TOKENMILL_FP8_DECODE_SPLITS sets one (the benchmarks)."""
+    forced = os.environ.get("TOKENMILL_FP8_DECODE_SPLITS")
+    if forced:
+        return int(forced)
+    splits = -(-4 * sm_count(device) // max(num_seqs * num_kv_heads, 1))
+    if max_seq_len is not None:
+        splits = min(splits, -(-max_seq_len // _MIN_KEYS_PER_SPLIT))
+    splits = max(1, min(splits, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def fp8_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """out[q_start of each request] = attention of its one query token [T, H, D] over its seq_lens keys
+    in the paged e4m3 cache (which holds K / k_scale and V / v_scale); rows no request owns are left
+    untouched. The step's own key must be in the cache already."""
+    if not supports(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
+        raise ValueError("fp8_decode_attention does not take these shapes (see supports)")
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    splits = num_kv_splits or default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    if splits > 1:
+        partial_out = torch.empty(num_seqs * num_heads * splits * head_dim, dtype=torch.float32,
+                                  device=query.device)  # fmt: skip
+        partial_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=query.device)
+    else:
+        partial_out = partial_lse = out  # unused
+    defines = dict(
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
+        WARPS=WARPS, SPLIT=int(splits > 1),
+    )  # fmt: skip
+    kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
+    kernel(
+        grid=(num_seqs, num_kv_heads, splits),
+        block=(WARPS * 32,),
+        shared=WARPS * group * (head_dim + 2) * 4,
+        args=[
+            query, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, query_start_loc,
+            scale * k_scale * 1.4426950408889634, v_scale, query.stride(0), query.stride(1), out.stride(0),
+            out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        ],
+        pdl=pdl.enabled(query),
+    )  # fmt: skip
+    if splits > 1:
+        merge_splits(partial_out, partial_lse, out, query_start_loc, num_seqs, splits)
+    return out
