@@ -104,25 +104,23 @@ struct Tile {
   u32 v[4][V_WORDS];
 };
 
-struct Cursor {  // where a lane's bytes of tile i lie
+struct Cursor {  // where a lane's bytes of tile i lie: a page's row, plus the lane's offsets in it
   const u8* k_cache;
   const u8* v_cache;
   const int* table;
-  long long head_offset;
-  int stride_block, stride_slot, kv_lo, g, t;
+  long long stride_block;
+  int stride_slot, kv_lo;
+  int k_off[2], v_off[4];  // within a page (the head's offset included): keys g, g + 8; 2t, 2t+1, 2t+8, 2t+9
 
   __device__ __forceinline__ void load(Tile& x, int i) const {
-    const int base = kv_lo + 16 * i;
-    const long long row = (long long)table[base / BLOCK_SIZE] * stride_block +
-                          (long long)(base % BLOCK_SIZE) * stride_slot + head_offset;
-    const u8* k = k_cache + row + (HEAD_DIM / 4) * t;
-    load_words(x.k[0], k + (long long)g * stride_slot);
-    load_words(x.k[1], k + (long long)(g + 8) * stride_slot);
-    const u8* v = v_cache + row + (HEAD_DIM / 8) * g;
-    load_words(x.v[0], v + (long long)(2 * t) * stride_slot);
-    load_words(x.v[1], v + (long long)(2 * t + 1) * stride_slot);
-    load_words(x.v[2], v + (long long)(2 * t + 8) * stride_slot);
-    load_words(x.v[3], v + (long long)(2 * t + 9) * stride_slot);
+    const unsigned base = kv_lo + 16 * i;
+    const long long row = (long long)table[base / BLOCK_SIZE] * stride_block + (int)(base % BLOCK_SIZE) * stride_slot;
+    const u8* k = k_cache + row;
+    const u8* v = v_cache + row;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) load_words(x.k[n], k + k_off[n]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) load_words(x.v[c], v + v_off[c]);
   }
 };
 
@@ -189,13 +187,16 @@ __device__ __forceinline__ void attend(State& st, Tile& x, const u32 (&q)[2][K_W
   if (ROWS_HI) alpha1 = softmax_row(st.m[1], st.l[1], row1);
   const u32 p0 = f16_pair(row0[0], row0[1]), p2 = f16_pair(row0[2], row0[3]);
   const u32 p1 = ROWS_HI ? f16_pair(row1[0], row1[1]) : 0u, p3 = ROWS_HI ? f16_pair(row1[2], row1[3]) : 0u;
+  // The outputs rescaled only where some row's maximum moved (after the first tiles, rarely).
+  if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
 #pragma unroll
-  for (int i = 0; i < N_TILES; ++i) {
-    st.o[i][0] *= alpha0;
-    st.o[i][1] *= alpha0;
-    if (ROWS_HI) {
-      st.o[i][2] *= alpha1;
-      st.o[i][3] *= alpha1;
+    for (int i = 0; i < N_TILES; ++i) {
+      st.o[i][0] *= alpha0;
+      st.o[i][1] *= alpha0;
+      if (ROWS_HI) {
+        st.o[i][2] *= alpha1;
+        st.o[i][3] *= alpha1;
+      }
     }
   }
 #pragma unroll
@@ -264,8 +265,14 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
   st.m[0] = st.m[1] = NEG_INF;
   st.l[0] = st.l[1] = 0.f;
 
-  const Cursor at{k_cache, v_cache, block_tables + (long long)seq * stride_table,
-                  (long long)kv_head * stride_head, stride_block, stride_slot, kv_lo, g, t};
+  const int head_offset = kv_head * stride_head;
+  const Cursor at{k_cache, v_cache, block_tables + (long long)seq * stride_table, stride_block, stride_slot, kv_lo,
+                  {head_offset + g * stride_slot + (HEAD_DIM / 4) * t,
+                   head_offset + (g + 8) * stride_slot + (HEAD_DIM / 4) * t},
+                  {head_offset + 2 * t * stride_slot + (HEAD_DIM / 8) * g,
+                   head_offset + (2 * t + 1) * stride_slot + (HEAD_DIM / 8) * g,
+                   head_offset + (2 * t + 8) * stride_slot + (HEAD_DIM / 8) * g,
+                   head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g}};
   // Tiles warp, warp + WARPS, ...: two register tiles in turn, the next loading while one is computed.
   Tile a, b;
   int i = warp;
