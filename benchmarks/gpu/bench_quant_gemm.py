@@ -353,8 +353,9 @@ def int4_rows_case(name: str, rows: int) -> dict:
     return result
 
 
-def int4_mma_case(name: str, rows: int) -> dict:
-    """The tensor-core INT4 GEMV against the Triton one-row kernels (module docstring, --int4-mma)."""
+def int4_mma_case(name: str, rows: int, sweep: bool = True) -> dict:
+    """The tensor-core INT4 GEMV against the Triton one-row kernels (module docstring, --int4-mma); without
+    `sweep` only at its default tiles."""
     n, k = SHAPES[name]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
@@ -366,7 +367,8 @@ def int4_mma_case(name: str, rows: int) -> dict:
     fusions = [None, GemvFusion(silu_mul=True)] if name == "gate_up" else [None]
     tiles = -(-n // 16)
     for warps, tiles_a_block, stages in itertools.product((2, 4, 8), (1, 2), (2, 3, 4, 6, 8)):
-        if k // 128 >= warps and tiles // tiles_a_block >= 64 and warps * tiles_a_block * stages <= 128:
+        fits = k // 128 >= warps and tiles // tiles_a_block >= 64 and warps * tiles_a_block * stages <= 128
+        if sweep and fits:
             config = w4a16_gemv_cuda.MmaConfig(warps, tiles_a_block, stages)
             label = f"mma_{warps}w_{tiles_a_block}t_{stages}s"
             paths[label] = lambda *a, c=config, **kw: mma(*a, config=c, **kw)
@@ -707,6 +709,7 @@ def main() -> int:
     parser.add_argument("--int4-rows", action="store_true", help="the INT4 GEMMs at every batch size")
     parser.add_argument("--int8-rows", action="store_true", help="the INT8 checkpoints' linears by rows")
     parser.add_argument("--int4-mma", action="store_true", help="the tensor-core INT4 GEMV against Triton")
+    parser.add_argument("--no-tile-sweep", action="store_true", help="--int4-mma at its default tiles only")
     parser.add_argument("--int8-gemm", action="store_true", help="the INT8 W8A8 GEMM past 16 rows, swept")
     parser.add_argument("--grouped-sweep", action="store_true", help="GPTQ 8-bit's grouped W8A16, swept")
     parser.add_argument(
@@ -727,7 +730,8 @@ def main() -> int:
     if args.int4_rows:
         cases = [(n, r, lambda n=n, r=r: int4_rows_case(n, r)) for r in row_counts for n in shapes]
     elif args.int4_mma:
-        cases = [(n, r, lambda n=n, r=r: int4_mma_case(n, r)) for r in row_counts for n in shapes]
+        sweep = not args.no_tile_sweep
+        cases = [(n, r, lambda n=n, r=r: int4_mma_case(n, r, sweep)) for r in row_counts for n in shapes]
     elif args.int8_rows:
         cases = [(n, r, lambda n=n, r=r: int8_rows_case(n, r)) for r in row_counts for n in shapes]
     elif args.quantize:

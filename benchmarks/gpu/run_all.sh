@@ -43,7 +43,7 @@ for stage in $stages; do
     int4-mma-tests) timeout 300 $py -m pytest -q tests/kernels/test_w4a16_gemv_cuda.py tests/kernels/test_int4_gemm.py \
                       -p no:cacheprovider --junitxml="$out/int4_mma_tests.xml" 2>&1 | tail -15 ;;
     int4-mma) timeout 420 $py benchmarks/gpu/bench_quant_gemm.py --int4-mma --rows "${INT4_MMA_ROWS:-1,2,4,8}" \
-                --out "$out/int4_mma.json" 2>&1 | tail -3 ;;
+                ${INT4_MMA_NO_SWEEP:+--no-tile-sweep} --out "$out/int4_mma${INT4_MMA_TAG:-}.json" 2>&1 | tail -3 ;;
     # (INT4_MMA_TILES: "warps,tiles,stages" configs of the CUDA kernel to run beside the default, space-separated)
     decode-int4-mma) for run in 0 1 ${INT4_MMA_TILES:-}; do
                        if [ $run = 0 ]; then env=(TOKENMILL_INT4_MMA_GEMV=0); else env=(TOKENMILL_INT4_MMA_GEMV=1); fi
