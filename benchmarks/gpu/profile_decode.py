@@ -3,7 +3,7 @@ grouped by name, with the sum of kernel time per step against the step's wall ti
 device waiting for the host, or launch gaps inside the graph).
 Usage: python benchmarks/gpu/profile_decode.py [--shape llama-3.1-8b] [--output-len 256] [--out FILE]
                                               [--batch 1] [--quantization fp8|int4] [--kv-cache-dtype fp8]
-                                              [--input-len 128] [--decode-only]"""
+                                              [--input-len 128] [--max-model-len 4096] [--decode-only]"""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     parser.add_argument("--quantization", default=None, help="fp8 | int4 (online)")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--out")
     parser.add_argument(
         "--decode-only", action="store_true",
@@ -53,6 +54,7 @@ def main() -> None:
     llm = dummy_llm(
         args.shape, max_num_seqs=max(64, args.batch), quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.decode_only,
+        max_model_len=max(args.max_model_len, args.input_len + args.output_len),
     )  # fmt: skip
     prompt = [[(7 * i + 13 * b) % 10000 for i in range(args.input_len)] for b in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)

@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -143,6 +143,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                          TOKENMILL_FP8_DECODE_CUDA=$on timeout 150 $bench decode --shape llama-3.1-8b --batch $b \
                            --max-num-seqs $b --kv-cache-dtype fp8 --out "$out/decode_8b_b${b}_kv_fp8_cuda$on.json" \
                            2>&1 | grep -E '"decode_step_ms"'; done; done ;;
+    # Where the FP8-cache 32k step's time goes with the CUDA decode (its kernels by name, a step).
+    profile-kv32k-cuda) TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $py benchmarks/gpu/profile_decode.py --batch 16 \
+                          --input-len 32768 --output-len 24 --max-model-len 33024 --kv-cache-dtype fp8 --top 12 \
+                          --out "$out/profile_kv32k_cuda.json" 2>&1 | tail -14 ;;
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \
