@@ -171,6 +171,12 @@ def main() -> int:
         run("fp8_default", k8, v8, None)
         for splits in (None, 1, 2, 4, 8, 16, 32):
             run(f"fp8_cuda_s{splits or 'default'}", k8, v8, splits, cuda=True)
+        default = fp8_decode_cuda.CONFIG
+        for warps, ahead in ((4, 2), (8, 1), (8, 2), (2, 2)):
+            fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(warps, ahead)
+            for splits in (None, 1, 2, 4):
+                run(f"fp8_cuda_{warps}w_{ahead}a_s{splits or 'default'}", k8, v8, splits, cuda=True)
+        fp8_decode_cuda.CONFIG = default
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=1))
     return 0

@@ -29,10 +29,15 @@ K_SCALE, V_SCALE = 0.05, 0.3
 @pytest.mark.parametrize("arch", [89, 90])
 def test_every_variant_compiles_without_spills(arch) -> None:
     source = fp8_decode_cuda.SOURCE.read_text()
-    for (head_dim, group), bf16, split in itertools.product(
-        [(64, 1), (64, 8), (128, 1), (128, 4), (128, 6), (128, 8), (128, 12), (128, 16)], (0, 1), (0, 1)
+    configs = itertools.cycle([(4, 1), (4, 2), (8, 1), (8, 2), (2, 2)])
+    for ((head_dim, group), bf16, split), (warps, ahead) in zip(
+        itertools.product(
+            [(64, 1), (64, 8), (128, 1), (128, 4), (128, 6), (128, 8), (128, 12), (128, 16)], (0, 1), (0, 1)
+        ),
+        configs,
     ):
-        defines = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, BF16=bf16, WARPS=4, SPLIT=split)
+        defines = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, BF16=bf16, WARPS=warps, AHEAD=ahead,
+                       SPLIT=split)  # fmt: skip
         cubin, log = cuda_rtc.compile_cubin(source, "fp8_decode_attention", arch, defines, verbose=True)
         assert cubin[:4] == b"\x7fELF", defines
         assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, (defines, log)
@@ -82,6 +87,16 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, num_kv_splits, dty
     )
     assert supports(*batch[:3], *batch[3:6])
     check(batch, num_kv_splits=num_kv_splits, max_seq_len=max(seq_lens))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("warps", "ahead"), [(2, 2), (4, 2), (8, 1), (8, 3)])
+def test_every_tile_config(monkeypatch, warps, ahead) -> None:
+    monkeypatch.setattr(fp8_decode_cuda, "CONFIG", fp8_decode_cuda.DecodeConfig(warps, ahead))
+    batch = fp8_batch([1, 17, 100, 333, 2500], 32, 8, 128, torch.bfloat16, padded=True, seed=warps + ahead)
+    for splits in (1, 3):
+        check(batch, num_kv_splits=splits)
 
 
 @gpu

@@ -17,13 +17,13 @@
 //   and 2t+9 (its probabilities' k-slots); n-tile i's column g is the lane's i-th dim, and one PRMT pairs
 //   the two keys' bytes of two dims before one cvt each widens them. The output fragment's columns 2t and
 //   2t+1 are then dims HEAD_DIM/8 * 2t + i and HEAD_DIM/8 * (2t+1) + i.
-// Keys and values stream from global memory straight into registers, 16-byte loads (8 at HEAD_DIM 64), a
-// tile ahead of the one being computed; no shared memory until the merge. e4m3 is exact in fp16, the
+// Keys and values stream from global memory straight into registers, 16-byte loads (8 at HEAD_DIM 64),
+// AHEAD tiles ahead of the one being computed; no shared memory until the merge. e4m3 is exact in fp16, the
 // query is clamped to fp16's range and the probabilities (<= 1) are fp16, as the Triton kernel does.
 //
 // Defines: HEAD_DIM (64, 128, 256), GROUP (query heads a KV head, 1-16), BLOCK_SIZE (the cache's page, a
-// multiple of 16: a tile never straddles two pages), BF16 (query and out: 1 bf16, 0 fp16), WARPS, SPLIT
-// (1: write partial outputs and log-sum-exps). Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B.
+// multiple of 16: a tile never straddles two pages), BF16 (query and out: 1 bf16, 0 fp16), WARPS, AHEAD
+// (tiles a warp loads ahead of the one it computes), SPLIT (1: write partial outputs and log-sum-exps). Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B.
 // sm_89 or later (cvt.rn.f16x2.e4m3x2).
 
 typedef unsigned int u32;
@@ -212,7 +212,7 @@ __device__ __forceinline__ void attend(State& st, Tile& x, const u32 (&q)[2][K_W
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
 fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cache,
                      const u8* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
                      float* __restrict__ partial_lse, const int* __restrict__ block_tables,
@@ -273,18 +273,19 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
                    head_offset + (2 * t + 1) * stride_slot + (HEAD_DIM / 8) * g,
                    head_offset + (2 * t + 8) * stride_slot + (HEAD_DIM / 8) * g,
                    head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g}};
-  // Tiles warp, warp + WARPS, ...: two register tiles in turn, the next loading while one is computed.
-  Tile a, b;
-  int i = warp;
-  if (i < n_tiles) at.load(a, i);
-  while (i < n_tiles) {
-    if (i + WARPS < n_tiles) at.load(b, i + WARPS);
-    attend(st, a, q, kv_lo + 16 * i, kv_hi, qk_scale, t);
-    i += WARPS;
-    if (i >= n_tiles) break;
-    if (i + WARPS < n_tiles) at.load(a, i + WARPS);
-    attend(st, b, q, kv_lo + 16 * i, kv_hi, qk_scale, t);
-    i += WARPS;
+  // Tiles warp, warp + WARPS, ...: AHEAD + 1 register tiles in turn, AHEAD loading while one is computed.
+  Tile buf[AHEAD + 1];
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s)
+    if (warp + s * WARPS < n_tiles) at.load(buf[s], warp + s * WARPS);
+  for (int i = warp; i < n_tiles;) {
+#pragma unroll
+    for (int s = 0; s <= AHEAD; ++s) {
+      if (i >= n_tiles) break;
+      if (i + AHEAD * WARPS < n_tiles) at.load(buf[(s + AHEAD) % (AHEAD + 1)], i + AHEAD * WARPS);
+      attend(st, buf[s], q, kv_lo + 16 * i, kv_hi, qk_scale, t);
+      i += WARPS;
+    }
   }
 
   // Each row's sum over its four lanes, then the warps' states in shared memory: [warp][row][dim] outputs,
@@ -314,7 +315,6 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
     }
   }
   __syncthreads();
-  const int num_heads = GROUP * gridDim.y;
   for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += WARPS * 32) {
     const int row = e / HEAD_DIM, dim = e % HEAD_DIM;
     float m = NEG_INF;
@@ -332,7 +332,7 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
     const float result = l > 0.f ? o * (v_scale / l) : 0.f;
     const int head = kv_head * GROUP + row;
 #if SPLIT
-    const long long partial_row = ((long long)seq * num_heads + head) * num_splits + split;
+    const long long partial_row = ((long long)seq * GROUP * gridDim.y + head) * num_splits + split;
     partial_out[partial_row * HEAD_DIM + dim] = result;
     if (dim == 0) partial_lse[partial_row] = l > 0.f ? m + __log2f(l) : NEG_INF;
 #else

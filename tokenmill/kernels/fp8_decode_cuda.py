@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +28,26 @@ from tokenmill.kernels.split_kv import merge_splits
 SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
 # Off until timed against the Triton decode on a GPU (TOKENMILL_FP8_DECODE_CUDA=1 turns it on).
 DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "0") == "1"
-WARPS = 4
+
+
+class DecodeConfig(NamedTuple):
+    warps: int  # a block's warps, taking the split's 16-key tiles in turn
+    ahead: int  # tiles a warp loads ahead of the one it computes (registers: 202 at 1, 236 at 2)
+
+
+def _config_from_env() -> DecodeConfig:
+    forced = os.environ.get("TOKENMILL_FP8_DECODE_TILES")
+    if not forced:
+        return DecodeConfig(warps=4, ahead=1)
+    try:
+        warps, ahead = (int(v) for v in forced.split(","))
+    except ValueError:
+        raise ValueError(f"TOKENMILL_FP8_DECODE_TILES={forced!r}: give warps,ahead") from None
+    return DecodeConfig(warps, ahead)
+
+
+# The launch's tiles (TOKENMILL_FP8_DECODE_TILES="warps,ahead" sets them, for the benchmarks).
+CONFIG = _config_from_env()
 HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
 MAX_GROUP = 16  # the MMA's 16 rows
 _MIN_KEYS_PER_SPLIT = 512  # 8 tiles a warp at least
@@ -123,15 +143,16 @@ def fp8_decode_attention(
         partial_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused
+    config = CONFIG
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
-        WARPS=WARPS, SPLIT=int(splits > 1),
+        WARPS=config.warps, AHEAD=config.ahead, SPLIT=int(splits > 1),
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
     kernel(
         grid=(num_seqs, num_kv_heads, splits),
-        block=(WARPS * 32,),
-        shared=WARPS * group * (head_dim + 2) * 4,
+        block=(config.warps * 32,),
+        shared=config.warps * group * (head_dim + 2) * 4,
         args=[
             query, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, query_start_loc,
             scale * k_scale * 1.4426950408889634, v_scale, query.stride(0), query.stride(1), out.stride(0),
