@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
-from tokenmill.kernels import attention, fp8_decode_cuda, reference  # noqa: E402
+from tokenmill.kernels import attention, fp8_decode_cuda, pdl, reference  # noqa: E402
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 32768, 32, 8, 128, 16
 
@@ -55,7 +55,10 @@ def main() -> int:
     parser.add_argument("--groups", default="base,layout,occupancy,pairs")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--case", default="16x32768", help="requests x context (a multiple of 16)")
+    parser.add_argument("--pdl", action="store_true", help="launch with PDL, as the engine's graphs do")
     args = parser.parse_args()
+    if args.pdl:
+        pdl.in_graphs().__enter__()  # for the whole run
     BATCH, CONTEXT = (int(v) for v in args.case.split("x"))
     groups = set(args.groups.split(","))
     launcher = _Launch(attention._paged_attention_kernel)
@@ -164,6 +167,10 @@ def main() -> int:
             run(f"fp8_pairs_maxnreg{cap}_sdefault", k8, v8, None, {"maxnreg": cap}, None, True)
             for splits in (1, 4):
                 run(f"fp8_pairs_maxnreg{cap}_s{splits}", k8, v8, splits, {"maxnreg": cap}, None, True)
+    if "cuda-short" in groups:  # the engine's defaults only
+        run("bf16_default", k_bf, v_bf, None)
+        run("fp8_default", k8, v8, None)
+        run("fp8_cuda_sdefault", k8, v8, None, cuda=True)
     if "cuda" in groups:
         # The CUDA decode over the FP8 cache (kernels/fp8_decode_cuda.py) by its KV splits, against the
         # Triton kernels at their own splits.
