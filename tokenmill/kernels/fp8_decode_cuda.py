@@ -134,6 +134,8 @@ def fp8_decode_attention(
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
+    elif out.stride(2) != 1 or out.dtype != query.dtype:
+        raise ValueError("fp8_decode_attention: out must have the query's dtype and a contiguous head_dim")
     if num_seqs == 0:
         return out
     splits = num_kv_splits or default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
