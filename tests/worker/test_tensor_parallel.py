@@ -287,6 +287,7 @@ def test_structured_outputs_under_tensor_parallelism() -> None:
     assert got == grammar_chat(LLM("default", dtype="float32", max_model_len=512))
 
 
+@pytest.mark.slow  # three checkpoints' ranks on a small CPU, ~40 s: `make test-all` or -m slow
 def test_quantized_experts_equal_one_process(tmp_path) -> None:
     """Experts kept quantized (layers/quantization/moe_experts.py): FP8 per channel sliced along their
     width at TP=2 (down's columns: its scales are per row, whole), GPTQ 8-bit's int8 groups sliced with
@@ -319,6 +320,7 @@ def assert_runs_equal_one_process(runs: list[tuple]) -> None:
         assert tokens == [o.outputs[0].token_ids for o in want], path
 
 
+@pytest.mark.slow  # six checkpoints' ranks on a small CPU, ~55 s: `make test-all` or -m slow
 def test_block_scaled_fp8_and_gptq_awq_equal_one_process(tmp_path) -> None:
     """Fine-grained FP8 (weight_block_size, and compressed-tensors' FP8_BLOCK) at TP=2: each rank takes
     its rows' block scales (the k and v parts are 16 rows a rank, finer than the blocks of 32) and the
