@@ -51,6 +51,7 @@ CONFIG = _config_from_env()
 HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
 MAX_GROUP = 16  # the MMA's 16 rows
 _MIN_KEYS_PER_SPLIT = 512  # 8 tiles a warp at least
+_LOG2_E = 1.4426950408889634  # the kernel's softmax is in exp2: log2(e) folds into the score scale
 _MAX_SPLITS = 32
 
 
@@ -100,6 +101,8 @@ def default_num_splits(
     any lengths. TOKENMILL_FP8_DECODE_SPLITS sets one (the benchmarks)."""
     forced = os.environ.get("TOKENMILL_FP8_DECODE_SPLITS")
     if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"TOKENMILL_FP8_DECODE_SPLITS={forced!r}: give a positive number of splits")
         return int(forced)
     splits = -(-4 * sm_count(device) // max(num_seqs * num_kv_heads, 1))
     if max_seq_len is not None:
@@ -157,7 +160,7 @@ def fp8_decode_attention(
         shared=config.warps * group * (head_dim + 2) * 4,
         args=[
             query, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, query_start_loc,
-            scale * k_scale * 1.4426950408889634, v_scale, query.stride(0), query.stride(1), out.stride(0),
+            scale * k_scale * _LOG2_E, v_scale, query.stride(0), query.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         ],
         pdl=pdl.enabled(query),
