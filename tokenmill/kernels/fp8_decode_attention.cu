@@ -239,6 +239,21 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
   const int kv_hi = min(kv_lo + split_len, seq_len);
   const int n_tiles = kv_hi > kv_lo ? (kv_hi - kv_lo + 15) >> 4 : 0;
 
+  const int head_offset = kv_head * stride_head;
+  const Cursor at{k_cache, v_cache, block_tables + (long long)seq * stride_table, stride_block, stride_slot, kv_lo,
+                  {head_offset + g * stride_slot + (HEAD_DIM / 4) * t,
+                   head_offset + (g + 8) * stride_slot + (HEAD_DIM / 4) * t},
+                  {head_offset + 2 * t * stride_slot + (HEAD_DIM / 8) * g,
+                   head_offset + (2 * t + 1) * stride_slot + (HEAD_DIM / 8) * g,
+                   head_offset + (2 * t + 8) * stride_slot + (HEAD_DIM / 8) * g,
+                   head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g}};
+  // Tiles warp, warp + WARPS, ...: AHEAD + 1 register tiles in turn, AHEAD loading while one is computed;
+  // the first AHEAD requested before the query is read, so the two loads' latencies overlap.
+  Tile buf[AHEAD + 1];
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s)
+    if (warp + s * WARPS < n_tiles) at.load(buf[s], warp + s * WARPS);
+
   // The query's fragments in fp16: [row g, g + 8][k-step j][dims d, d+1 | d+2, d+3].
   u32 q[2][K_WORDS][2];
 #pragma unroll
@@ -265,19 +280,6 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
   st.m[0] = st.m[1] = NEG_INF;
   st.l[0] = st.l[1] = 0.f;
 
-  const int head_offset = kv_head * stride_head;
-  const Cursor at{k_cache, v_cache, block_tables + (long long)seq * stride_table, stride_block, stride_slot, kv_lo,
-                  {head_offset + g * stride_slot + (HEAD_DIM / 4) * t,
-                   head_offset + (g + 8) * stride_slot + (HEAD_DIM / 4) * t},
-                  {head_offset + 2 * t * stride_slot + (HEAD_DIM / 8) * g,
-                   head_offset + (2 * t + 1) * stride_slot + (HEAD_DIM / 8) * g,
-                   head_offset + (2 * t + 8) * stride_slot + (HEAD_DIM / 8) * g,
-                   head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g}};
-  // Tiles warp, warp + WARPS, ...: AHEAD + 1 register tiles in turn, AHEAD loading while one is computed.
-  Tile buf[AHEAD + 1];
-#pragma unroll
-  for (int s = 0; s < AHEAD; ++s)
-    if (warp + s * WARPS < n_tiles) at.load(buf[s], warp + s * WARPS);
   for (int i = warp; i < n_tiles;) {
 #pragma unroll
     for (int s = 0; s <= AHEAD; ++s) {
