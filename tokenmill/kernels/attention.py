@@ -29,10 +29,8 @@ from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs:
     widen_pairs,
 )
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
-from tokenmill.kernels.split_kv import default_num_kv_splits, merge_splits
+from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_splits, split_partials
 
-# exp2 is cheaper than exp on the GPU; folding log2(e) into the scale makes the two agree.
-_LOG2_E = 1.4426950408889634
 # A decode over an e4m3 cache under bf16 queries reads its tiles (the newest keys' register tile, the
 # whole tiles, the remainder) as 16-bit words of two values widened in registers (attention_tiles
 # .widen_pairs; sm_90 SASS: a quarter of the shared-memory loads; registers 255 -> 177 at 64 keys and two
@@ -300,22 +298,21 @@ def paged_attention(
     query and the step's key and stores the step's key and value itself (one launch, not two); other
     steps run kernels/rotary.py's launch first.
     """
-    # An FP8 decode the CUDA kernel takes (kernels/fp8_decode_cuda.py) gets the rotary and the store in a
-    # launch of their own first.
-    decode_cuda = max_query_len == 1 and fp8_decode_cuda.takes(
+    # Decodes over an FP8 cache that the CUDA kernel takes go there, rotary and all.
+    if max_query_len == 1 and fp8_decode_cuda.takes(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc
-    )
-    if rotary is not None and (max_query_len != 1 or decode_cuda):
+    ):
+        return fp8_decode_cuda.fp8_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+            max_seq_len=max_seq_len, num_kv_splits=num_kv_splits, k_scale=k_scale, v_scale=v_scale,
+            rotary=rotary,
+        )  # fmt: skip
+    if rotary is not None and max_query_len != 1:
         query, _ = rotary_and_write_kv_cache(
             rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
             rotary.slot_mapping, k_scale, v_scale,
         )  # fmt: skip
         rotary = None
-    if decode_cuda:
-        return fp8_decode_cuda.fp8_decode_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-            max_seq_len=max_seq_len, num_kv_splits=num_kv_splits, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     kv_block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -371,7 +368,7 @@ def paged_attention(
                seq_filter: int) -> None:  # fmt: skip
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, partial_out, partial_lse,
-            block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * _LOG2_E, k_scale, v_scale,
+            block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * LOG2_E, k_scale, v_scale,
             positions, cos_sin_cache, key, value, slot_mapping, cos_sin_cache.stride(0),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -393,12 +390,7 @@ def paged_attention(
         # launch below keeps the device busy); then the prompt chunks, whose launch skips them.
         launch((num_seqs, num_kv_heads, 1), out, out, small, 1, 1, True, seq_filter=1)
     if num_kv_splits > 1:
-        partial_out = torch.empty(
-            num_seqs * num_heads * num_kv_splits * head_dim, dtype=torch.float32, device=query.device
-        )
-        partial_lse = torch.empty(
-            num_seqs * num_heads * num_kv_splits, dtype=torch.float32, device=query.device
-        )
+        partial_out, partial_lse = split_partials(num_seqs, num_heads, num_kv_splits, head_dim, query.device)
     else:
         partial_out = partial_lse = out
     launch(grid, partial_out, partial_lse, config, block_q, num_kv_splits, decode, 2 if split_mixed else 0)

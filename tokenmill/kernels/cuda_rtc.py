@@ -64,6 +64,17 @@ def available() -> bool:
     return True
 
 
+def runs_on(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether kernels built here run on `device`: NVRTC loadable and the device of `capability` or later."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _runs_on(index, capability)
+
+
+@functools.lru_cache(maxsize=16)
+def _runs_on(index: int, capability: tuple[int, int]) -> bool:
+    return torch.cuda.get_device_capability(index) >= capability and available()
+
+
 def _check_nvrtc(result: int, what: str) -> None:
     if result:
         lib = nvrtc()

@@ -15,15 +15,15 @@ DECODE_CUDA decides whether attention.paged_attention routes FP8 decodes here.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from tokenmill.kernels import cuda_rtc, pdl, sm_count
-from tokenmill.kernels.split_kv import merge_splits
+from tokenmill.kernels import StepRotary, cuda_rtc, pdl
+from tokenmill.kernels.rotary import rotary_and_write_kv_cache
+from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_splits, split_partials
 
 SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
 # Off until timed against the Triton decode on a GPU (TOKENMILL_FP8_DECODE_CUDA=1 turns it on).
@@ -51,8 +51,6 @@ CONFIG = _config_from_env()
 HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
 MAX_GROUP = 16  # the MMA's 16 rows
 _MIN_KEYS_PER_SPLIT = 512  # 8 tiles a warp at least
-_LOG2_E = 1.4426950408889634  # the kernel's softmax is in exp2: log2(e) folds into the score scale
-_MAX_SPLITS = 32
 
 
 def takes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -84,31 +82,21 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return False
     if block_tables.stride(1) != 1 or max(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)) >= 2**31:
         return False
-    return _device_ok(query.device.index if query.device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=8)
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9) and cuda_rtc.available()
+    return cuda_rtc.runs_on(query.device, (8, 9))
 
 
 def default_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
 ) -> int:
-    """KV splits: enough blocks for four a multiprocessor (two fit by registers; the others queue behind
-    them and fill the tail), never a split under _MIN_KEYS_PER_SPLIT keys when max_seq_len is known. A power
-    of two, as split_kv.default_num_kv_splits, so a server compiles few variants; any count is correct for
-    any lengths. TOKENMILL_FP8_DECODE_SPLITS sets one (the benchmarks)."""
+    """KV splits: split_kv's rule with four blocks a multiprocessor (two fit by registers; the others
+    queue behind them and fill the tail) and never a split under _MIN_KEYS_PER_SPLIT keys.
+    TOKENMILL_FP8_DECODE_SPLITS sets one (the benchmarks)."""
     forced = os.environ.get("TOKENMILL_FP8_DECODE_SPLITS")
     if forced:
         if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"TOKENMILL_FP8_DECODE_SPLITS={forced!r}: give a positive number of splits")
         return int(forced)
-    splits = -(-4 * sm_count(device) // max(num_seqs * num_kv_heads, 1))
-    if max_seq_len is not None:
-        splits = min(splits, -(-max_seq_len // _MIN_KEYS_PER_SPLIT))
-    splits = max(1, min(splits, _MAX_SPLITS))
-    return 1 << (splits.bit_length() - 1)
+    return default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device, 4, _MIN_KEYS_PER_SPLIT)
 
 
 def fp8_decode_attention(
@@ -125,10 +113,13 @@ def fp8_decode_attention(
     num_kv_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rotary: StepRotary | None = None,
 ) -> torch.Tensor:
     """out[q_start of each request] = attention of its one query token [T, H, D] over its seq_lens keys
     in the paged e4m3 cache (which holds K / k_scale and V / v_scale); rows no request owns are left
-    untouched. The step's own key must be in the cache already."""
+    untouched. With `rotary` (as paged_attention's) the query and the step's key arrive unrotated: a
+    rotary launch rotates them (the query in place) and stores the step's key and value first; without
+    it the step's key must be in the cache already."""
     if not supports(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
         raise ValueError("fp8_decode_attention does not take these shapes (see supports)")
     _, num_heads, head_dim = query.shape
@@ -141,11 +132,14 @@ def fp8_decode_attention(
         raise ValueError("fp8_decode_attention: out must have the query's dtype and a contiguous head_dim")
     if num_seqs == 0:
         return out
+    if rotary is not None:
+        query, _ = rotary_and_write_kv_cache(
+            rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
+            rotary.slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
     splits = num_kv_splits or default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     if splits > 1:
-        partial_out = torch.empty(num_seqs * num_heads * splits * head_dim, dtype=torch.float32,
-                                  device=query.device)  # fmt: skip
-        partial_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=query.device)
+        partial_out, partial_lse = split_partials(num_seqs, num_heads, splits, head_dim, query.device)
     else:
         partial_out = partial_lse = out  # unused
     config = CONFIG
@@ -160,7 +154,7 @@ def fp8_decode_attention(
         shared=config.warps * group * (head_dim + 2) * 4,
         args=[
             query, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, query_start_loc,
-            scale * k_scale * _LOG2_E, v_scale, query.stride(0), query.stride(1), out.stride(0),
+            scale * k_scale * LOG2_E, v_scale, query.stride(0), query.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         ],
         pdl=pdl.enabled(query),

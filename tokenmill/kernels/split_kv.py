@@ -12,6 +12,9 @@ from tokenmill.kernels import pdl, sm_count
 # A split shorter than this spends more on the reduce than it gains in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_KV_SPLITS = 32
+# The decodes' softmax runs in exp2, so log2(e) folds into the score scale and the log-sum-exps the splits
+# report (and the merge weighs) are base 2.
+LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -74,14 +77,31 @@ def merge_splits(
 
 
 def default_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int | None,
+    device: torch.device,
+    programs_per_sm: int = 2,
+    min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT,
 ) -> int:
-    """KV splits for a decode: enough programs for two per multiprocessor, never a split under
-    _MIN_TOKENS_PER_SPLIT tokens when max_seq_len is known. A power of two, so a server compiles at most
+    """KV splits for a decode: enough programs for programs_per_sm a multiprocessor, never a split under
+    min_tokens_per_split tokens when max_seq_len is known. A power of two, so a server compiles at most
     six variants. Any count is correct for any lengths (the kernel splits by the seq_lens it reads), so a
     CUDA graph captured with one count stays valid when the lengths change."""
-    splits = triton.cdiv(2 * sm_count(device), max(num_seqs * num_kv_heads, 1))
+    splits = triton.cdiv(programs_per_sm * sm_count(device), max(num_seqs * num_kv_heads, 1))
     if max_seq_len is not None:
-        splits = min(splits, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
+        splits = min(splits, triton.cdiv(max_seq_len, min_tokens_per_split))
     splits = max(1, min(splits, _MAX_KV_SPLITS))
     return 1 << (splits.bit_length() - 1)
+
+
+def split_partials(
+    num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 buffers a split decode writes and merge_splits reads: partial outputs [request, head,
+    split, head_dim] and their log-sum-exps [request, head, split], flat."""
+    rows = num_seqs * num_heads * num_splits
+    return (
+        torch.empty(rows * head_dim, dtype=torch.float32, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )

@@ -13,7 +13,6 @@ it; docs/performance.md has the A/B.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -88,12 +87,7 @@ def supports(
         return False  # (16-byte loads of whole rows' words)
     if zero is not None and (zero.dtype != torch.int8 or zero.stride(-1) != 1):
         return False
-    return _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=8)
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 0) and cuda_rtc.available()
+    return cuda_rtc.runs_on(x.device, (8, 0))
 
 
 def w4a16_gemv_mma(
