@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
 #         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
@@ -143,6 +143,13 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                          TOKENMILL_FP8_DECODE_CUDA=$on timeout 150 $bench decode --shape llama-3.1-8b --batch $b \
                            --max-num-seqs $b --kv-cache-dtype fp8 --out "$out/decode_8b_b${b}_kv_fp8_cuda$on.json" \
                            2>&1 | grep -E '"decode_step_ms"'; done; done ;;
+    # Issue 11's throughput ratio with the CUDA decode over the FP8 cache: bf16, then FP8 weights + FP8 KV
+    # with the Triton decode and with the CUDA one (its tiles from FP8_TILES, warps,ahead[,min_blocks]).
+    throughput-8b-fp8kv-cuda)
+      for run in bf16 triton cuda; do q=$([ $run = bf16 ] || echo "--quantization fp8 --kv-cache-dtype fp8")
+        TOKENMILL_FP8_DECODE_CUDA=$([ $run = cuda ] && echo 1 || echo 0) TOKENMILL_FP8_DECODE_TILES=${FP8_TILES:-} \
+          timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 $q \
+          --out "$out/throughput_llama_8b_fp8kv_$run.json" 2>&1 | grep output_tok_s | tail -1; done ;;
     # Where the FP8-cache 32k step's time goes with the CUDA decode (its kernels by name, a step).
     profile-kv32k-cuda) TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $py benchmarks/gpu/profile_decode.py --batch 16 \
                           --input-len 32768 --output-len 24 --max-model-len 33024 --kv-cache-dtype fp8 --top 12 \
