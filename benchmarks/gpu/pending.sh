@@ -13,12 +13,13 @@ case $call in
   # The CUDA FP8 decode: its tests with the rotary fused (prepared patch), the routed FP8 decode tests, the
   # 32k step against bf16 KV (issue 11's 1.6x goal: an H200 figure), the kernel's tiles and PDL.
   1) apply $here/prepared-fp8-decode-rotary.patch
-     timeout 120 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
+     timeout 150 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
        --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -4
+     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
+     FP8_CUDA_CASES=256x544 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
      TOKENMILL_FP8_DECODE_CUDA=1 timeout 90 python3 -m pytest -q tests/kernels/test_decode_attention.py \
        -p no:cacheprovider -k "fp8 or FP8" 2>&1 | tail -4
-     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
-     FP8_CUDA_CASES="256x544 16x32768" bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
+     FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
      apply $here/prepared-fp8-decode-rotary.patch -R ;;
   # Whether the CUDA FP8 decode may be on by default: the step at batch 1 and 64 with and without it
   # (rotary fused), and where the 32k step's time goes.
