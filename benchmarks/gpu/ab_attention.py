@@ -171,6 +171,10 @@ def main() -> int:
         run("bf16_default", k_bf, v_bf, None)
         run("fp8_default", k8, v8, None)
         run("fp8_cuda_sdefault", k8, v8, None, cuda=True)
+        if args.pdl:  # the CUDA decode's first tiles after the PDL wait instead of before it
+            pdl.EARLY_READS = False
+            run("fp8_cuda_late_reads_sdefault", k8, v8, None, cuda=True)
+            pdl.EARLY_READS = True
     if "cuda" in groups:
         # The CUDA decode over the FP8 cache (kernels/fp8_decode_cuda.py) by its KV splits, against the
         # Triton kernels at their own splits.
@@ -179,10 +183,14 @@ def main() -> int:
         for splits in (None, 1, 2, 4, 8, 16, 32):
             run(f"fp8_cuda_s{splits or 'default'}", k8, v8, splits, cuda=True)
         default = fp8_decode_cuda.CONFIG
-        for warps, ahead in ((4, 2), (8, 1), (8, 2), (2, 2)):
-            fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(warps, ahead)
+        # Fewer warps a block: more blocks a multiprocessor (registers: ~207 a thread at one tile ahead, 243
+        # at two), so one block's first loads and final merge hide behind the others' tiles; (4, 1, 3)
+        # caps the registers for three four-warp blocks (it spills).
+        for config in ((4, 2), (8, 1), (8, 2), (2, 2), (2, 1), (1, 1), (1, 2), (4, 1, 3)):
+            fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(*config)
             for splits in (None, 1, 2, 4):
-                run(f"fp8_cuda_{warps}w_{ahead}a_s{splits or 'default'}", k8, v8, splits, cuda=True)
+                name = "_".join(f"{v}{u}" for v, u in zip(config, ("w", "a", "b")))
+                run(f"fp8_cuda_{name}_s{splits or 'default'}", k8, v8, splits, cuda=True)
         fp8_decode_cuda.CONFIG = default
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=1))

@@ -31,14 +31,25 @@ def test_every_variant_compiles_without_spills(arch) -> None:
     source = fp8_decode_cuda.SOURCE.read_text()
     # Every head shape and group class, both dtypes and both stores, each tile config at least once.
     shapes = [(64, 1), (64, 8), (128, 1), (128, 4), (128, 6), (128, 12), (128, 16)]
-    configs = itertools.cycle([(4, 1), (4, 2), (8, 1), (8, 2), (2, 2)])
+    configs = itertools.cycle([(4, 1), (4, 2), (8, 1), (8, 2), (2, 2), (2, 1), (1, 1), (1, 2)])
     for (head_dim, group), (warps, ahead), n in zip(shapes * 2, configs, itertools.count()):
-        bf16, split = n % 2, (n // 2) % 2
+        bf16, split, rotary = n % 2, (n // 2) % 2, (n // 3) % 2
         defines = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, BF16=bf16, WARPS=warps, AHEAD=ahead,
-                       SPLIT=split)  # fmt: skip
+                       MIN_BLOCKS=1, SPLIT=split, ROTARY=rotary, EARLY=(n // 5) % 2)  # fmt: skip
         cubin, log = cuda_rtc.compile_cubin(source, "fp8_decode_attention", arch, defines, verbose=True)
         assert cubin[:4] == b"\x7fELF", defines
         assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, (defines, log)
+
+
+def test_tiles_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("TOKENMILL_FP8_DECODE_TILES", "2,1")
+    assert fp8_decode_cuda._config_from_env() == fp8_decode_cuda.DecodeConfig(2, 1, 1)
+    monkeypatch.setenv("TOKENMILL_FP8_DECODE_TILES", "4,1,3")
+    assert fp8_decode_cuda._config_from_env() == fp8_decode_cuda.DecodeConfig(4, 1, 3)
+    for bad in ("4", "4,x", "4,1,3,2", "0,1"):
+        monkeypatch.setenv("TOKENMILL_FP8_DECODE_TILES", bad)
+        with pytest.raises(ValueError, match="TOKENMILL_FP8_DECODE_TILES"):
+            fp8_decode_cuda._config_from_env()
 
 
 def fp8_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, padded=False, seed=0):
@@ -89,10 +100,11 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, num_kv_splits, dty
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("warps", "ahead"), [(2, 2), (4, 2), (8, 1), (8, 3)])
-def test_every_tile_config(monkeypatch, warps, ahead) -> None:
-    monkeypatch.setattr(fp8_decode_cuda, "CONFIG", fp8_decode_cuda.DecodeConfig(warps, ahead))
-    batch = fp8_batch([1, 17, 100, 333, 2500], 32, 8, 128, torch.bfloat16, padded=True, seed=warps + ahead)
+@pytest.mark.parametrize("config", [(2, 2), (4, 2), (8, 1), (8, 3), (1, 1), (1, 2), (4, 1, 3)])
+def test_every_tile_config(monkeypatch, config) -> None:
+    # (4, 1, 3): registers capped for three blocks a multiprocessor, which spills; still right.
+    monkeypatch.setattr(fp8_decode_cuda, "CONFIG", fp8_decode_cuda.DecodeConfig(*config))
+    batch = fp8_batch([1, 17, 100, 333, 2500], 32, 8, 128, torch.bfloat16, padded=True, seed=sum(config))
     for splits in (1, 3):
         check(batch, num_kv_splits=splits)
 
@@ -139,8 +151,8 @@ def test_what_it_does_not_take() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_kv_splits", [1, None])
 def test_paged_attention_routes_fp8_decodes_here(monkeypatch, num_kv_splits) -> None:
-    """With DECODE_CUDA on, paged_attention's decode over an e4m3 cache (its rotary and store first, a
-    launch of their own) gives what the Triton decode gives, and stores the step's key and value alike."""
+    """With DECODE_CUDA on, paged_attention's decode over an e4m3 cache (the rotary and the step's store in
+    the launch) gives what the Triton decode gives, and stores the step's key and value alike."""
     seq_lens = [1, 17, 64, 65, 130, 300, 2000]
     batch = fp8_batch(seq_lens, 32, 8, 128, torch.bfloat16, padded=True, seed=3)
     rotary = step_rotary(batch, 8, seed=3)
@@ -167,31 +179,97 @@ def test_paged_attention_routes_fp8_decodes_here(monkeypatch, num_kv_splits) -> 
 
 @gpu
 @pytest.mark.gpu
-def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote() -> None:
-    """Captured with PDL between a launch that writes the query and the cache and the merge after it:
-    replayed over new values, the graph's output follows them."""
-    batch = fp8_batch([900, 3000, 77], 32, 8, 128, torch.bfloat16, seed=9)
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (12, 1, 128), (16, 8, 64)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_rotates_and_stores_the_steps_key_itself(
+    num_kv_splits, num_heads, num_kv_heads, head_dim, fused
+) -> None:
+    """With `rotary` the launch rotates the query and the step's key and stores the key and value (fused:
+    int64 positions and slots), or a rotary launch goes first (int32 ones): the reference's output and
+    cache either way, the step's key in the first tile of a split, a later one, a page's last slot, and a
+    padded request that stores nothing."""
+    seq_lens = [1, 16, 17, 64, 65, 300, 2000]
+    batch = fp8_batch(seq_lens, num_heads, num_kv_heads, head_dim, torch.bfloat16, padded=True, seed=head_dim)
+    rotary = step_rotary(batch, num_kv_heads, seed=num_heads)
+    if not fused:
+        rotary = rotary._replace(positions=rotary.positions.int(), slot_mapping=rotary.slot_mapping.int())
+    assert fp8_decode_cuda.fuses_rotary(batch.query, rotary) == fused
+    want_batch = batch._replace(
+        query=batch.query.clone(), k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone()
+    )
+    # The reference indexes the cache by int64 slots.
+    want_rotary = rotary._replace(
+        key=rotary.key.clone(), positions=rotary.positions.long(), slot_mapping=rotary.slot_mapping.long()
+    )
+    want = reference.paged_attention(
+        *want_batch, max_query_len=1, rotary=want_rotary, k_scale=K_SCALE, v_scale=V_SCALE
+    )
+    got = fp8_decode_attention(
+        *batch, num_kv_splits=num_kv_splits, k_scale=K_SCALE, v_scale=V_SCALE, rotary=rotary
+    )
+    owned = len(seq_lens)
+    torch.testing.assert_close(got[:owned].float(), want[:owned].float(), **BF16_TOL)
+    # The caches alike byte for byte but for the stale NaN tails (and a rounding of the rotated key apart).
+    for got_cache, want_cache in ((batch.k_cache, want_batch.k_cache), (batch.v_cache, want_batch.v_cache)):
+        torch.testing.assert_close(
+            got_cache.float(), want_cache.float(), equal_nan=True, atol=0.07, rtol=0.07
+        )
+        differ = (got_cache.view(torch.uint8) != want_cache.view(torch.uint8)).sum().item()
+        assert differ <= len(seq_lens) * num_kv_heads * head_dim // 20
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("rotary", [None, "fused", "launch"])
+def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote(monkeypatch, rotary, early) -> None:
+    """Captured with PDL between copies that write the query and the cache and the merge after it:
+    replayed over new values, the graph's output follows them. With `rotary` the step's key and value are
+    new each replay too, stored by the launch (fused) or by the rotary launch just before it, a kernel
+    (int32 positions): the tile holding them loads after the wait, earlier keys' tiles before it (early)."""
+    monkeypatch.setattr(pdl, "EARLY_READS", early)
+    batch = fp8_batch([900, 3000, 77, 16], 32, 8, 128, torch.bfloat16, seed=9)
+    step = step_rotary(batch, 8, seed=4) if rotary else None
+    if rotary == "launch":
+        step = step._replace(positions=step.positions.int(), slot_mapping=step.slot_mapping.int())
     source = batch._replace(
         query=batch.query.clone(), k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone()
     )
+    source_key = step.key.clone() if step else None
     out = torch.empty_like(batch.query)
     stream = torch.cuda.Stream()
+
+    def launch() -> None:
+        batch.query.copy_(source.query)
+        batch.k_cache.copy_(source.k_cache)
+        if step is not None:
+            step.key.copy_(source_key)
+        fp8_decode_attention(*batch, out=out, num_kv_splits=4, k_scale=K_SCALE, v_scale=V_SCALE, rotary=step)
+
     with torch.cuda.stream(stream), pdl.in_graphs():
         for _ in range(2):  # warm-up (compiles) outside the capture
-            batch.query.copy_(source.query)
-            fp8_decode_attention(*batch, out=out, num_kv_splits=4, k_scale=K_SCALE, v_scale=V_SCALE)
+            launch()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            batch.query.copy_(source.query)
-            batch.k_cache.copy_(source.k_cache)
-            fp8_decode_attention(*batch, out=out, num_kv_splits=4, k_scale=K_SCALE, v_scale=V_SCALE)
+            launch()
     for seed in (1, 2):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         source.query.copy_(torch.randn(source.query.shape, generator=gen, device="cuda"))
         source.k_cache.copy_(
             (torch.randn(source.k_cache.shape, generator=gen, device="cuda") * 4).to(torch.float8_e4m3fn)
         )
+        if step is not None:
+            source_key.copy_(torch.randn(source_key.shape, generator=gen, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        want = reference.paged_attention(*source, k_scale=K_SCALE, v_scale=V_SCALE)
-        torch.testing.assert_close(out[:3].float(), want[:3].float(), **BF16_TOL)
+        want_rotary = None
+        if step is not None:  # the reference indexes the cache by int64 slots
+            want_rotary = step._replace(
+                key=source_key.clone(), positions=step.positions.long(), slot_mapping=step.slot_mapping.long()
+            )
+        want = reference.paged_attention(
+            source.query.clone(), source.k_cache.clone(), source.v_cache.clone(), *source[3:],
+            k_scale=K_SCALE, v_scale=V_SCALE, max_query_len=1, rotary=want_rotary,
+        )  # fmt: skip
+        torch.testing.assert_close(out[:4].float(), want[:4].float(), **BF16_TOL)

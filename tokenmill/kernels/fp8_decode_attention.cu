@@ -23,7 +23,12 @@
 //
 // Defines: HEAD_DIM (64, 128, 256), GROUP (query heads a KV head, 1-16), BLOCK_SIZE (the cache's page, a
 // multiple of 16: a tile never straddles two pages), BF16 (query and out: 1 bf16, 0 fp16), WARPS, AHEAD
-// (tiles a warp loads ahead of the one it computes), SPLIT (1: write partial outputs and log-sum-exps). Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B.
+// (tiles a warp loads ahead of the one it computes), MIN_BLOCKS (blocks a multiprocessor the registers must
+// leave room for: __launch_bounds__'s second argument), EARLY (1: the first tiles of earlier steps' keys
+// load before the PDL wait), SPLIT (1: write partial outputs and log-sum-exps),
+// ROTARY (1: the query and the step's key arrive unrotated, as paged_attention's `rotary` has them: each
+// block rotates its query rows, and the block whose split holds the step's key rotates it and stores it
+// and the value into the cache itself, one launch instead of two). Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B.
 // sm_89 or later (cvt.rn.f16x2.e4m3x2).
 
 typedef unsigned int u32;
@@ -58,6 +63,21 @@ __device__ __forceinline__ u16 to_out(float v) {
   return h;
 }
 
+// A row's dim d after rotate-half rotary by the position's cos/sin row, rounded to the 16-bit dtype as
+// kernels/rotary.py stores it: x1 cos - x2 sin for the first half, x2 cos + x1 sin for the second.
+__device__ __forceinline__ float rotated(const u16* row, const u16* cos_sin, int d) {
+  const int half = HEAD_DIM / 2, i = d % half;
+  const float c = in_float(cos_sin[i]), s = in_float(cos_sin[half + i]);
+  const float x1 = in_float(row[i]), x2 = in_float(row[half + i]);
+  return in_float(to_out(d < half ? x1 * c - x2 * s : x2 * c + x1 * s));
+}
+
+__device__ __forceinline__ u8 to_e4m3(float v) {
+  u16 pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(v));
+  return (u8)(pair & 0xff);
+}
+
 // (lo, hi) as an fp16 pair, lo in the low half.
 __device__ __forceinline__ u32 f16_pair(float lo, float hi) {
   u32 d;
@@ -84,17 +104,28 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int N>
+// N words from p: through the non-coherent path, or (COHERENT) plain loads, which see what this block
+// stored before a barrier (the step's own key and value, ROTARY).
+template <int N, bool COHERENT = false>
 __device__ __forceinline__ void load_words(u32 (&w)[N], const u8* p) {
   if constexpr (N % 4 == 0) {
 #pragma unroll
-    for (int q = 0; q < N / 4; ++q)
-      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(w[4 * q]), "=r"(w[4 * q + 1]), "=r"(w[4 * q + 2]), "=r"(w[4 * q + 3])
-                   : "l"(p + 16 * q));
+    for (int q = 0; q < N / 4; ++q) {
+      if constexpr (COHERENT)
+        asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[4 * q]), "=r"(w[4 * q + 1]), "=r"(w[4 * q + 2]), "=r"(w[4 * q + 3])
+                     : "l"(p + 16 * q));
+      else
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[4 * q]), "=r"(w[4 * q + 1]), "=r"(w[4 * q + 2]), "=r"(w[4 * q + 3])
+                     : "l"(p + 16 * q));
+    }
   } else {
     static_assert(N == 2, "8- or 16-byte loads");
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    if constexpr (COHERENT)
+      asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    else
+      asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
   }
 }
 
@@ -112,15 +143,24 @@ struct Cursor {  // where a lane's bytes of tile i lie: a page's row, plus the l
   int stride_slot, kv_lo;
   int k_off[2], v_off[4];  // within a page (the head's offset included): keys g, g + 8; 2t, 2t+1, 2t+8, 2t+9
 
-  __device__ __forceinline__ void load(Tile& x, int i) const {
+  template <bool COHERENT = false>
+  __device__ __forceinline__ void load_tile(Tile& x, int i) const {
     const unsigned base = kv_lo + 16 * i;
     const long long row = (long long)table[base / BLOCK_SIZE] * stride_block + (int)(base % BLOCK_SIZE) * stride_slot;
     const u8* k = k_cache + row;
     const u8* v = v_cache + row;
 #pragma unroll
-    for (int n = 0; n < 2; ++n) load_words(x.k[n], k + k_off[n]);
+    for (int n = 0; n < 2; ++n) load_words<K_WORDS, COHERENT>(x.k[n], k + k_off[n]);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) load_words(x.v[c], v + v_off[c]);
+    for (int c = 0; c < 4; ++c) load_words<V_WORDS, COHERENT>(x.v[c], v + v_off[c]);
+  }
+
+  // Tile i; the one this block stored the step's key and value into (fresh) with plain loads.
+  __device__ __forceinline__ void load(Tile& x, int i, int fresh) const {
+    if (i == fresh)
+      load_tile<true>(x, i);
+    else
+      load_tile<false>(x, i);
   }
 };
 
@@ -212,14 +252,16 @@ __device__ __forceinline__ void attend(State& st, Tile& x, const u32 (&q)[2][K_W
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
-fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cache,
-                     const u8* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
-                     float* __restrict__ partial_lse, const int* __restrict__ block_tables,
-                     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-                     float qk_scale, float v_scale, int stride_q_tok, int stride_q_head, int stride_o_tok,
-                     int stride_o_head, int stride_block, int stride_slot, int stride_head,
-                     int stride_table) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8* __restrict__ v_cache,
+                     u16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
+                     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+                     const int* __restrict__ query_start_loc, float qk_scale, float k_scale, float v_scale,
+                     int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head, int stride_block,
+                     int stride_slot, int stride_head, int stride_table, const long long* __restrict__ positions,
+                     const u16* __restrict__ cos_sin, const u16* __restrict__ key, const u16* __restrict__ value,
+                     const long long* __restrict__ slot_mapping, int stride_cos, int stride_key_tok,
+                     int stride_key_head, int stride_value_tok, int stride_value_head) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
@@ -227,9 +269,14 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
   const int q_start = query_start_loc[seq];
   const int query_len = query_start_loc[seq + 1] - q_start;
   const int seq_len = seq_lens[seq];
+#if ROTARY
+  // Nor the token's position and slot.
+  const long long pos = query_len > 0 ? positions[q_start] : 0;
+  const long long slot = query_len > 0 ? slot_mapping[q_start] : -1;
+  const u16* cs = cos_sin + pos * stride_cos;
+#endif
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   if (query_len == 0) return;  // a padded request
 
@@ -247,12 +294,45 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
                    head_offset + (2 * t + 1) * stride_slot + (HEAD_DIM / 8) * g,
                    head_offset + (2 * t + 8) * stride_slot + (HEAD_DIM / 8) * g,
                    head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g}};
+  // The tile that holds the step's key: stored by the launch before this one (ROTARY: by this block, below).
+  const int step = seq_len - 1;
+  const int step_tile = kv_lo <= step && step < kv_hi ? (step - kv_lo) >> 4 : -1;
   // Tiles warp, warp + WARPS, ...: AHEAD + 1 register tiles in turn, AHEAD loading while one is computed;
-  // the first AHEAD requested before the query is read, so the two loads' latencies overlap.
+  // the first AHEAD requested before the query is read, so the two loads' latencies overlap. With EARLY
+  // those that hold only earlier steps' keys and values load before the PDL wait: no kernel of the step
+  // writes them (the block table neither: the step's metadata is copied in before its kernels).
   Tile buf[AHEAD + 1];
+#if EARLY
 #pragma unroll
-  for (int s = 0; s < AHEAD; ++s)
-    if (warp + s * WARPS < n_tiles) at.load(buf[s], warp + s * WARPS);
+  for (int s = 0; s < AHEAD; ++s) {
+    const int tile = warp + s * WARPS;
+    if (tile < n_tiles && tile != step_tile) at.load(buf[s], tile, -1);
+  }
+#endif
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  int fresh = -1;  // the tile this block stores the step's key and value into, if any
+#if ROTARY
+  // The split that holds the step's key rotates it and stores it and the value (x / scale, saturated to
+  // e4m3, as kernels/rotary.py stores them), then attends to them from the cache like any other key.
+  if (step_tile >= 0 && slot >= 0) {
+    const u16* k_row = key + (long long)q_start * stride_key_tok + (long long)kv_head * stride_key_head;
+    const u16* v_row = value + (long long)q_start * stride_value_tok + (long long)kv_head * stride_value_head;
+    const long long row = (slot / BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + head_offset;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += WARPS * 32) {
+      k_cache[row + d] = to_e4m3(rotated(k_row, cs, d) / k_scale);
+      v_cache[row + d] = to_e4m3(in_float(v_row[d]) / v_scale);
+    }
+    fresh = step_tile;
+  }
+  __syncthreads();  // the stores before any warp loads the tile (plain loads: coherent within the block)
+#endif
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s) {
+    const int tile = warp + s * WARPS;
+    if (tile < n_tiles && (!EARLY || tile == step_tile)) at.load(buf[s], tile, fresh);
+  }
 
   // The query's fragments in fp16: [row g, g + 8][k-step j][dims d, d+1 | d+2, d+3].
   u32 q[2][K_WORDS][2];
@@ -266,7 +346,15 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
     for (int j = 0; j < K_WORDS; ++j) {
       float v[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) v[c] = real ? fminf(fmaxf(in_float(q_row[4 * j + c]), -65504.f), 65504.f) : 0.f;
+      for (int c = 0; c < 4; ++c) {
+#if ROTARY
+        const int d = (HEAD_DIM / 4) * t + 4 * j + c;  // the dim's value and its rotate-half partner
+        const float x = real ? rotated(q_row - (HEAD_DIM / 4) * t, cs, d) : 0.f;
+#else
+        const float x = real ? in_float(q_row[4 * j + c]) : 0.f;
+#endif
+        v[c] = fminf(fmaxf(x, -65504.f), 65504.f);
+      }
       q[r][j][0] = f16_pair(v[0], v[1]);
       q[r][j][1] = f16_pair(v[2], v[3]);
     }
@@ -284,7 +372,7 @@ fp8_decode_attention(const u16* __restrict__ query, const u8* __restrict__ k_cac
 #pragma unroll
     for (int s = 0; s <= AHEAD; ++s) {
       if (i >= n_tiles) break;
-      if (i + AHEAD * WARPS < n_tiles) at.load(buf[(s + AHEAD) % (AHEAD + 1)], i + AHEAD * WARPS);
+      if (i + AHEAD * WARPS < n_tiles) at.load(buf[(s + AHEAD) % (AHEAD + 1)], i + AHEAD * WARPS, fresh);
       attend(st, buf[s], q, kv_lo + 16 * i, kv_hi, qk_scale, t);
       i += WARPS;
     }

@@ -33,6 +33,9 @@ DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "0") == "1"
 class DecodeConfig(NamedTuple):
     warps: int  # a block's warps, taking the split's 16-key tiles in turn
     ahead: int  # tiles a warp loads ahead of the one it computes (registers: 202 at 1, 236 at 2)
+    # Blocks a multiprocessor the compiler must leave registers for (__launch_bounds__): more blocks hide
+    # each one's first loads and final merge behind the others' tiles, at the price of spills if too many.
+    min_blocks: int = 1
 
 
 def _config_from_env() -> DecodeConfig:
@@ -40,13 +43,15 @@ def _config_from_env() -> DecodeConfig:
     if not forced:
         return DecodeConfig(warps=4, ahead=1)
     try:
-        warps, ahead = (int(v) for v in forced.split(","))
+        values = [int(v) for v in forced.split(",")]
+        if not 2 <= len(values) <= 3 or min(values) < 1:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"TOKENMILL_FP8_DECODE_TILES={forced!r}: give warps,ahead") from None
-    return DecodeConfig(warps, ahead)
+        raise ValueError(f"TOKENMILL_FP8_DECODE_TILES={forced!r}: give warps,ahead[,min_blocks]") from None
+    return DecodeConfig(*values)
 
 
-# The launch's tiles (TOKENMILL_FP8_DECODE_TILES="warps,ahead" sets them, for the benchmarks).
+# The launch's tiles (TOKENMILL_FP8_DECODE_TILES="warps,ahead[,min_blocks]" sets them, for the benchmarks).
 CONFIG = _config_from_env()
 HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
 MAX_GROUP = 16  # the MMA's 16 rows
@@ -85,6 +90,21 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return cuda_rtc.runs_on(query.device, (8, 9))
 
 
+def fuses_rotary(query: torch.Tensor, rotary: StepRotary) -> bool:
+    """Whether the launch can take `rotary` itself: int64 positions and slots, the cos/sin cache, key and
+    value in the query's dtype with contiguous rows, the cos/sin rows spanning head_dim."""
+    positions, cos_sin_cache, key, value, slot_mapping = rotary
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        return False
+    if any(t.dtype != query.dtype or t.stride(-1) != 1 for t in (cos_sin_cache, key, value)):
+        return False
+    return (
+        cos_sin_cache.shape[-1] == query.shape[-1]
+        and positions.is_contiguous()
+        and slot_mapping.is_contiguous()
+    )
+
+
 def default_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device
 ) -> int:
@@ -117,9 +137,10 @@ def fp8_decode_attention(
 ) -> torch.Tensor:
     """out[q_start of each request] = attention of its one query token [T, H, D] over its seq_lens keys
     in the paged e4m3 cache (which holds K / k_scale and V / v_scale); rows no request owns are left
-    untouched. With `rotary` (as paged_attention's) the query and the step's key arrive unrotated: a
-    rotary launch rotates them (the query in place) and stores the step's key and value first; without
-    it the step's key must be in the cache already."""
+    untouched. With `rotary` (as paged_attention's) the query and the step's key arrive unrotated: the
+    launch rotates them and stores the step's key and value itself where the rotary inputs' dtypes allow
+    (`fuses_rotary`), else a rotary launch does first (the query rotated in place); without it the step's
+    key must be in the cache already."""
     if not supports(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
         raise ValueError("fp8_decode_attention does not take these shapes (see supports)")
     _, num_heads, head_dim = query.shape
@@ -132,11 +153,12 @@ def fp8_decode_attention(
         raise ValueError("fp8_decode_attention: out must have the query's dtype and a contiguous head_dim")
     if num_seqs == 0:
         return out
-    if rotary is not None:
+    if rotary is not None and not fuses_rotary(query, rotary):
         query, _ = rotary_and_write_kv_cache(
             rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
             rotary.slot_mapping, k_scale, v_scale,
         )  # fmt: skip
+        rotary = None
     splits = num_kv_splits or default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     if splits > 1:
         partial_out, partial_lse = split_partials(num_seqs, num_heads, splits, head_dim, query.device)
@@ -145,8 +167,13 @@ def fp8_decode_attention(
     config = CONFIG
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
-        WARPS=config.warps, AHEAD=config.ahead, SPLIT=int(splits > 1),
+        WARPS=config.warps, AHEAD=config.ahead, MIN_BLOCKS=config.min_blocks, SPLIT=int(splits > 1),
+        ROTARY=int(rotary is not None), EARLY=int(pdl.EARLY_READS),
     )  # fmt: skip
+    if rotary is not None:
+        positions, cos_sin_cache, key, value, slot_mapping = rotary
+    else:  # unused pointers
+        positions = cos_sin_cache = key = value = slot_mapping = query
     kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
     kernel(
         grid=(num_seqs, num_kv_heads, splits),
@@ -154,8 +181,10 @@ def fp8_decode_attention(
         shared=config.warps * group * (head_dim + 2) * 4,
         args=[
             query, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens, query_start_loc,
-            scale * k_scale * LOG2_E, v_scale, query.stride(0), query.stride(1), out.stride(0),
-            out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            scale * k_scale * LOG2_E, k_scale, v_scale, query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), positions, cos_sin_cache, key, value, slot_mapping,
+            cos_sin_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         ],
         pdl=pdl.enabled(query),
     )  # fmt: skip
