@@ -41,6 +41,19 @@ def test_every_variant_compiles_without_spills(arch) -> None:
         assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, (defines, log)
 
 
+def test_many_requests_take_one_warp_blocks(monkeypatch) -> None:
+    monkeypatch.setattr(fp8_decode_cuda, "CONFIG", None)
+    monkeypatch.setattr(fp8_decode_cuda, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert fp8_decode_cuda.launch_config(1, 8, cpu) == fp8_decode_cuda.FEW_REQUESTS
+    assert fp8_decode_cuda.launch_config(64, 8, cpu) == fp8_decode_cuda.FEW_REQUESTS  # 512 < 4 x 132
+    assert fp8_decode_cuda.launch_config(66, 8, cpu) == fp8_decode_cuda.MANY_REQUESTS
+    # Many requests on a CPU's nominal 8 multiprocessors: one split.
+    assert fp8_decode_cuda.default_num_splits(66, 8, 4096, cpu) == 1
+    monkeypatch.setattr(fp8_decode_cuda, "CONFIG", fp8_decode_cuda.DecodeConfig(2, 2))
+    assert fp8_decode_cuda.launch_config(256, 8, cpu) == fp8_decode_cuda.DecodeConfig(2, 2)
+
+
 def test_tiles_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("TOKENMILL_FP8_DECODE_TILES", "2,1")
     assert fp8_decode_cuda._config_from_env() == fp8_decode_cuda.DecodeConfig(2, 1, 1)

@@ -21,13 +21,14 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.kernels import StepRotary, cuda_rtc, pdl
+from tokenmill.kernels import StepRotary, cuda_rtc, pdl, sm_count
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
 from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_splits, split_partials
 
 SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
-# Off until timed against the Triton decode on a GPU (TOKENMILL_FP8_DECODE_CUDA=1 turns it on).
-DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "0") == "1"
+# On: as fast as the Triton decode or faster at every size timed (docs/performance.md, forty-fourth
+# session); TOKENMILL_FP8_DECODE_CUDA=0 turns it off.
+DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "1") == "1"
 
 
 class DecodeConfig(NamedTuple):
@@ -38,10 +39,27 @@ class DecodeConfig(NamedTuple):
     min_blocks: int = 1
 
 
-def _config_from_env() -> DecodeConfig:
+# Few requests (long contexts, split): four warps a block, two blocks a multiprocessor. Many requests (at
+# least MANY_BLOCKS_PER_SM blocks a multiprocessor, one split): one warp a block, nine blocks a
+# multiprocessor, so each block's first loads and final merge hide behind the others' tiles (an H100, us
+# a layer against four warps: 110 / 124 at 256 x 544, 102 / 111 at 128 x 1,024).
+FEW_REQUESTS = DecodeConfig(warps=4, ahead=1)
+MANY_REQUESTS = DecodeConfig(warps=1, ahead=1)
+MANY_BLOCKS_PER_SM = 4
+
+
+def launch_config(num_seqs: int, num_kv_heads: int, device: torch.device) -> DecodeConfig:
+    """The tiles of a launch over num_seqs requests (CONFIG where TOKENMILL_FP8_DECODE_TILES sets one)."""
+    if CONFIG is not None:
+        return CONFIG
+    many = num_seqs * num_kv_heads >= MANY_BLOCKS_PER_SM * sm_count(device)
+    return MANY_REQUESTS if many else FEW_REQUESTS
+
+
+def _config_from_env() -> DecodeConfig | None:
     forced = os.environ.get("TOKENMILL_FP8_DECODE_TILES")
     if not forced:
-        return DecodeConfig(warps=4, ahead=1)
+        return None
     try:
         values = [int(v) for v in forced.split(",")]
         if not 2 <= len(values) <= 3 or min(values) < 1:
@@ -51,7 +69,8 @@ def _config_from_env() -> DecodeConfig:
     return DecodeConfig(*values)
 
 
-# The launch's tiles (TOKENMILL_FP8_DECODE_TILES="warps,ahead[,min_blocks]" sets them, for the benchmarks).
+# Every launch's tiles where TOKENMILL_FP8_DECODE_TILES="warps,ahead[,min_blocks]" sets them (the
+# benchmarks); None: launch_config's rule.
 CONFIG = _config_from_env()
 HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
 MAX_GROUP = 16  # the MMA's 16 rows
@@ -164,7 +183,7 @@ def fp8_decode_attention(
         partial_out, partial_lse = split_partials(num_seqs, num_heads, splits, head_dim, query.device)
     else:
         partial_out = partial_lse = out  # unused
-    config = CONFIG
+    config = launch_config(num_seqs, num_kv_heads, query.device)
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
         WARPS=config.warps, AHEAD=config.ahead, MIN_BLOCKS=config.min_blocks, SPLIT=int(splits > 1),
