@@ -192,6 +192,39 @@ def test_paged_attention_routes_fp8_decodes_here(monkeypatch, num_kv_splits) -> 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_kernel_nvrtc_cannot_build_leaves_the_decode_to_triton(monkeypatch, caplog, fused) -> None:
+    """NVRTC failing for this GPU (an older library than the card, say): a warning, nothing written twice
+    (the unfused rotary launch comes after the build), and the Triton decode's output and cache."""
+    batch = fp8_batch([1, 17, 300, 2000], 32, 8, 128, torch.bfloat16, seed=5)
+    rotary = step_rotary(batch, 8, seed=5)
+    if not fused:
+        rotary = rotary._replace(positions=rotary.positions.int(), slot_mapping=rotary.slot_mapping.int())
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    want_batch = batch._replace(
+        query=batch.query.clone(), k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone()
+    )
+    monkeypatch.setattr(fp8_decode_cuda, "DECODE_CUDA", False)
+    want_rotary = rotary._replace(key=rotary.key.clone())
+    want = attention.paged_attention(*want_batch, max_query_len=1, rotary=want_rotary, **scales)
+
+    def unbuildable(*args, **kwargs):
+        raise cuda_rtc.CudaRtcError("fp8_decode_attention does not compile: invalid arch")
+
+    monkeypatch.setattr(fp8_decode_cuda, "DECODE_CUDA", True)
+    monkeypatch.setattr(cuda_rtc, "_kernels", {})
+    monkeypatch.setattr(cuda_rtc, "compile_cubin", unbuildable)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        got = attention.paged_attention(*batch, max_query_len=1, rotary=rotary, **scales)
+    assert not fp8_decode_cuda.DECODE_CUDA and "decoding with Triton" in caplog.text
+    torch.testing.assert_close(got[:4].float(), want[:4].float(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        batch.k_cache.float(), want_batch.k_cache.float(), equal_nan=True, rtol=0, atol=0
+    )
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (12, 1, 128), (16, 8, 64)])
 @pytest.mark.parametrize("fused", [True, False])

@@ -15,6 +15,7 @@ DECODE_CUDA decides whether attention.paged_attention routes FP8 decodes here.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from tokenmill.kernels import StepRotary, cuda_rtc, pdl, sm_count
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
 from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_splits, split_partials
 
+logger = logging.getLogger("tokenmill")
 SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
 # On: as fast as the Triton decode or faster at every size timed (docs/performance.md, forty-fourth
 # session); TOKENMILL_FP8_DECODE_CUDA=0 turns it off.
@@ -138,6 +140,18 @@ def default_num_splits(
     return default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device, 4, _MIN_KEYS_PER_SPLIT)
 
 
+def decode_unless_unbuildable(*args, **kwargs) -> torch.Tensor | None:
+    """fp8_decode_attention(*args, **kwargs), or None (nothing written, the route turned off with a
+    warning) if NVRTC cannot build the kernel for this GPU, so the caller decodes with Triton."""
+    global DECODE_CUDA
+    try:
+        return fp8_decode_attention(*args, **kwargs)
+    except cuda_rtc.CudaRtcError as error:
+        DECODE_CUDA = False
+        logger.warning("the CUDA FP8 decode does not build here, decoding with Triton: %s", error)
+        return None
+
+
 def fp8_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -172,28 +186,29 @@ def fp8_decode_attention(
         raise ValueError("fp8_decode_attention: out must have the query's dtype and a contiguous head_dim")
     if num_seqs == 0:
         return out
-    if rotary is not None and not fuses_rotary(query, rotary):
-        query, _ = rotary_and_write_kv_cache(
-            rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
-            rotary.slot_mapping, k_scale, v_scale,
-        )  # fmt: skip
-        rotary = None
+    fused = rotary is not None and fuses_rotary(query, rotary)
     splits = num_kv_splits or default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-    if splits > 1:
-        partial_out, partial_lse = split_partials(num_seqs, num_heads, splits, head_dim, query.device)
-    else:
-        partial_out = partial_lse = out  # unused
     config = launch_config(num_seqs, num_kv_heads, query.device)
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
         WARPS=config.warps, AHEAD=config.ahead, MIN_BLOCKS=config.min_blocks, SPLIT=int(splits > 1),
-        ROTARY=int(rotary is not None), EARLY=int(pdl.EARLY_READS),
+        ROTARY=int(fused), EARLY=int(pdl.EARLY_READS),
     )  # fmt: skip
-    if rotary is not None:
+    # Built (or a CudaRtcError raised) before anything is written: a caller may then decode elsewhere.
+    kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
+    if rotary is not None and not fused:
+        query, _ = rotary_and_write_kv_cache(
+            rotary.positions, query, rotary.key, rotary.value, rotary.cos_sin_cache, k_cache, v_cache,
+            rotary.slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
+    if fused:
         positions, cos_sin_cache, key, value, slot_mapping = rotary
     else:  # unused pointers
         positions = cos_sin_cache = key = value = slot_mapping = query
-    kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
+    if splits > 1:
+        partial_out, partial_lse = split_partials(num_seqs, num_heads, splits, head_dim, query.device)
+    else:
+        partial_out = partial_lse = out  # unused
     kernel(
         grid=(num_seqs, num_kv_heads, splits),
         block=(config.warps * 32,),
