@@ -28,7 +28,8 @@
 // load before the PDL wait), SPLIT (1: write partial outputs and log-sum-exps),
 // ROTARY (1: the query and the step's key arrive unrotated, as paged_attention's `rotary` has them: each
 // block rotates its query rows, and the block whose split holds the step's key rotates it and stores it
-// and the value into the cache itself, one launch instead of two). Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B.
+// and the value into the cache itself, one launch instead of two). Dynamic shared memory: WARPS * GROUP *
+// (HEAD_DIM + 2) * 4 B.
 // sm_89 or later (cvt.rn.f16x2.e4m3x2).
 
 typedef unsigned int u32;

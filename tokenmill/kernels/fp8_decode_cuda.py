@@ -35,7 +35,7 @@ DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "1") == "1"
 
 class DecodeConfig(NamedTuple):
     warps: int  # a block's warps, taking the split's 16-key tiles in turn
-    ahead: int  # tiles a warp loads ahead of the one it computes (registers: 202 at 1, 236 at 2)
+    ahead: int  # tiles a warp loads ahead of the one it computes (registers: ~207 at 1, ~243 at 2)
     # Blocks a multiprocessor the compiler must leave registers for (__launch_bounds__): more blocks hide
     # each one's first loads and final merge behind the others' tiles, at the price of spills if too many.
     min_blocks: int = 1
