@@ -10,14 +10,16 @@ apply() { if command -v patch > /dev/null; then patch -p1 ${2:-} < "$1" | tail -
 nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
   # Issue 11 on an H200 with the CUDA FP8 decode on (main since f8fb244): the 16 x 32k goal step (bf16 KV
-  # against FP8 KV, the Triton decode and the CUDA one), the nano-vllm workload's ratio (bf16, FP8 + FP8 KV
-  # with either decode), and where the FP8 32k step's time goes.
-  1) timeout 150 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
+  # against FP8 KV, the Triton decode and the CUDA one) and the nano-vllm workload's ratio (bf16, FP8 +
+  # FP8 KV with either decode). ~470 s on the H100.
+  1) timeout 100 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
        --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -4
-     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda throughput-8b-fp8kv-cuda profile-kv32k-cuda ;;
-  # The INT4 GEMV's address patch (forty-second session): faster than ~2.5 TB/s? Then the 4-bit kernels
-  # are issue-bound, and a leaner one-row kernel is the way to the INT4 batch-1 goal.
-  2) INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_main bash benchmarks/gpu/run_all.sh "$out" int4-mma
+     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda throughput-8b-fp8kv-cuda ;;
+  # Where the FP8 32k step's time goes; the INT4 GEMV's address patch (forty-second session): faster than
+  # ~2.5 TB/s? Then the 4-bit kernels are issue-bound, and a leaner one-row kernel is the way to the INT4
+  # batch-1 goal.
+  2) bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
+     INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_main bash benchmarks/gpu/run_all.sh "$out" int4-mma
      apply docs/results/h200-2026-12-06-s42/prepared-int4-mma-addresses.patch
      INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_addr bash benchmarks/gpu/run_all.sh "$out" \
        int4-mma-tests int4-mma
