@@ -183,10 +183,11 @@ def main() -> int:
         for splits in (None, 1, 2, 4, 8, 16, 32):
             run(f"fp8_cuda_s{splits or 'default'}", k8, v8, splits, cuda=True)
         default = fp8_decode_cuda.CONFIG
-        # Fewer warps a block: more blocks a multiprocessor (registers: ~207 a thread at one tile ahead, 243
-        # at two), so one block's first loads and final merge hide behind the others' tiles; (4, 1, 3)
-        # caps the registers for three four-warp blocks (it spills).
-        for config in ((4, 2), (8, 1), (8, 2), (2, 2), (2, 1), (1, 1), (1, 2), (4, 1, 3)):
+        # The runs above take the engine's tiles (launch_config: one-warp blocks for many requests, four-warp
+        # ones below). Fewer warps a block: more blocks a multiprocessor (registers: ~207 a thread at one
+        # tile ahead, 243 at two), so one block's first loads and final merge hide behind the others'
+        # tiles; (4, 1, 3) caps the registers for three four-warp blocks (it spills).
+        for config in ((4, 1), (4, 2), (8, 1), (8, 2), (2, 2), (2, 1), (1, 1), (1, 2), (4, 1, 3)):
             fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(*config)
             for splits in (None, 1, 2, 4):
                 name = "_".join(f"{v}{u}" for v, u in zip(config, ("w", "a", "b")))
