@@ -19,6 +19,10 @@ case $call in
   # ~2.5 TB/s? Then the 4-bit kernels are issue-bound, and a leaner one-row kernel is the way to the INT4
   # batch-1 goal.
   2) bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
+     # Two-warp blocks for every launch at batch 1 and 64 (the kernel sweep: 194-200 us against the rule's
+     # four-warp 211 at 64 x 4k, 377 against 382 at 16 x 32k): the Triton and CUDA steps in tiles_2w/.
+     TOKENMILL_FP8_DECODE_TILES=2,1 FP8KV_BATCHES="1 64" bash benchmarks/gpu/run_all.sh "$out/tiles_2w" \
+       decode-fp8kv-cuda
      INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_main bash benchmarks/gpu/run_all.sh "$out" int4-mma
      apply docs/results/h200-2026-12-06-s42/prepared-int4-mma-addresses.patch
      INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_addr bash benchmarks/gpu/run_all.sh "$out" \
