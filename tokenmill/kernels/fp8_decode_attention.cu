@@ -156,9 +156,9 @@ struct Cursor {  // where a lane's bytes of tile i lie: a page's row, plus the l
     for (int c = 0; c < 4; ++c) load_words<V_WORDS, COHERENT>(x.v[c], v + v_off[c]);
   }
 
-  // Tile i; the one this block stored the step's key and value into (fresh) with plain loads.
+  // Tile i; the one this block stored the step's key and value into (fresh, ROTARY) with plain loads.
   __device__ __forceinline__ void load(Tile& x, int i, int fresh) const {
-    if (i == fresh)
+    if (ROTARY && i == fresh)
       load_tile<true>(x, i);
     else
       load_tile<false>(x, i);
