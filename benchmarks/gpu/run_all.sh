@@ -137,8 +137,8 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                            --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
                            --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv --out "$out/decode_8b_b16_32k_$run.json" \
                            2>&1 | grep -E '"decode_step_ms"'; done ;;
-    # The whole decode step over an FP8 cache at short contexts, the CUDA decode (its rotary a launch of its
-    # own) against the Triton one (rotary in its launch), by batch.
+    # The whole decode step over an FP8 cache at short contexts, the CUDA decode against the Triton one
+    # (each with the step's rotary in its launch), by batch.
     decode-fp8kv-cuda) for b in ${FP8KV_BATCHES:-1 64}; do for on in 0 1; do echo "batch $b cuda $on"
                          TOKENMILL_FP8_DECODE_CUDA=$on timeout 150 $bench decode --shape llama-3.1-8b --batch $b \
                            --max-num-seqs $b --kv-cache-dtype fp8 --out "$out/decode_8b_b${b}_kv_fp8_cuda$on.json" \
