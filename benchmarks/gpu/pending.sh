@@ -11,10 +11,13 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
   # Issue 11 on an H200 with the CUDA FP8 decode on (main since f8fb244): the 16 x 32k goal step (bf16 KV
   # against FP8 KV, the Triton decode and the CUDA one) and the nano-vllm workload's ratio (bf16, FP8 +
-  # FP8 KV with either decode). ~470 s on the H100.
-  1) timeout 100 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
-       --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -4
-     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda throughput-8b-fp8kv-cuda ;;
+  # FP8 KV as the engine runs it, and with the W8A8 linears quantizing their own input: the norms' and
+  # activation's quantizing launches of the forty-fifth session, first on a GPU here, with their tests).
+  # ~470 s on the H100.
+  1) timeout 150 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py tests/kernels/test_norm.py \
+       tests/kernels/test_activation.py tests/kernels/test_fp8_quant.py tests/kernels/test_row_quant_fusion.py \
+       -p no:cacheprovider --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -4
+     FP8KV_RUNS="bf16 cuda rowq0" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda throughput-8b-fp8kv-cuda ;;
   # Where the FP8 32k step's time goes; the INT4 GEMV's address patch (forty-second session): faster than
   # ~2.5 TB/s? Then the 4-bit kernels are issue-bound, and a leaner one-row kernel is the way to the INT4
   # batch-1 goal.

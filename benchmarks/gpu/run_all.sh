@@ -145,9 +145,13 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                            2>&1 | grep -E '"decode_step_ms"'; done; done ;;
     # Issue 11's throughput ratio with the CUDA decode over the FP8 cache: bf16, then FP8 weights + FP8 KV
     # with the Triton decode and with the CUDA one (its tiles from FP8_TILES, warps,ahead[,min_blocks]).
+    # The nano-vllm workload: bf16, then FP8 weights + FP8 KV as the engine runs them (cuda: the CUDA
+    # decode and the norms / activation quantizing for the W8A8 linears), with the quantization in
+    # the linears' own launches (rowq0) and with the Triton decode (triton). FP8KV_RUNS picks some.
     throughput-8b-fp8kv-cuda)
-      for run in bf16 triton cuda; do q=$([ $run = bf16 ] || echo "--quantization fp8 --kv-cache-dtype fp8")
-        TOKENMILL_FP8_DECODE_CUDA=$([ $run = cuda ] && echo 1 || echo 0) TOKENMILL_FP8_DECODE_TILES=${FP8_TILES:-} \
+      for run in ${FP8KV_RUNS:-bf16 cuda rowq0 triton}; do q=$([ $run = bf16 ] || echo "--quantization fp8 --kv-cache-dtype fp8")
+        TOKENMILL_FP8_DECODE_CUDA=$([ $run = triton ] && echo 0 || echo 1) TOKENMILL_FP8_DECODE_TILES=${FP8_TILES:-} \
+          TOKENMILL_ROW_QUANT_FUSION=$([ $run = rowq0 ] && echo 0 || echo 1) \
           timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 $q \
           --out "$out/throughput_llama_8b_fp8kv_$run.json" 2>&1 | grep output_tok_s | tail -1; done ;;
     # Where the FP8-cache 32k step's time goes with the CUDA decode (its kernels by name, a step).

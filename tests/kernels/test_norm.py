@@ -54,3 +54,30 @@ def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
 def test_empty_batch() -> None:
     x = torch.empty(0, 64, device=DEVICE)
     assert norm.rms_norm(x, torch.ones(64, device=DEVICE), EPS).shape == (0, 64)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("static", [None, 0.05])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("shape", "dtype"), [((7, 100), torch.bfloat16), ((2, 3, 48), torch.float32)])
+def test_quantizing_norm_writes_the_separate_launches_bits(shape, dtype, with_residual, int8, static) -> None:
+    """rms_norm_quant against the norm launch then the per-row quantizer (kernels/fp8_quant.py): the
+    same quantized values, scales and new residual; a static scale that saturates the large rows."""
+    from tokenmill.kernels import RowQuant
+    from tokenmill.kernels.fp8_quant import quantize_fp8_per_row, quantize_int8_per_row
+
+    x, residual = rows(shape, dtype, 7), rows(shape, dtype, 8) if with_residual else None
+    weight = rows(shape[-1:], dtype, 9)
+    quantize = quantize_int8_per_row if int8 else quantize_fp8_per_row
+    quant = RowQuant(int8, None if static is None else torch.tensor([static], device=DEVICE), quantize)
+    got, got_residual = norm.rms_norm_quant(x, residual, weight, EPS, quant)
+    if residual is None:
+        normed, want_residual = norm.rms_norm(x, weight, EPS), None
+    else:
+        normed, want_residual = norm.fused_add_rms_norm(x, residual, weight, EPS)
+    want_values, want_scale = quantize(normed.reshape(-1, shape[-1]), quant.static_scale)
+    assert got.shape == x.shape and got.dtype == normed.dtype and torch.equal(got.scale, want_scale)
+    assert torch.equal(got.values.view(torch.uint8), want_values.view(torch.uint8))
+    assert (got_residual is None) == (residual is None)
+    if residual is not None:
+        assert torch.equal(got_residual, want_residual)

@@ -32,6 +32,8 @@ class Kernels(NamedTuple):
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_and_write_kv_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
+    rms_norm_quant: Callable[..., tuple[QuantizedRows, torch.Tensor | None]]
+    silu_and_mul_quant: Callable[..., QuantizedRows]
     fused_moe: Callable[..., torch.Tensor]
     topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -56,6 +58,29 @@ class GemvFusion(NamedTuple):
     separate launches round."""
 
     silu_mul: bool = False
+
+
+class RowQuant(NamedTuple):
+    """How a linear layer's method quantizes its input a row (token) at a time, for the launch that makes
+    that input to do in its stores instead (LinearMethodBase.row_quant): to int8 (else e4m3), each row at
+    its largest magnitude, or every row at static_scale (a checkpoint's calibrated per-tensor input
+    scale). quantize: the method's own per-row function, (x [R, K], static_scale) -> (values, fp32 scales
+    [R, 1]), which runs after the launch where a kernel set has no fused one."""
+
+    int8: bool
+    static_scale: torch.Tensor | None
+    quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized a row at a time as a RowQuant asked (by an RMSNorm's launch or the
+    gated activation's), handed to the linear layer in their place: values [R, K] (e4m3 or int8), fp32
+    scales [R, 1], and the shape and dtype of the activations they stand for."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
 
 
 def get_kernels(device: torch.device | str | None = None) -> Kernels:
@@ -135,6 +160,8 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
             rotary_embedding=reference.rotary_embedding,
             rotary_and_write_kv_cache=reference.rotary_and_write_kv_cache,
             silu_and_mul=reference.silu_and_mul,
+            rms_norm_quant=reference.rms_norm_quant,
+            silu_and_mul_quant=reference.silu_and_mul_quant,
             fused_moe=reference.fused_moe,
             topk_softmax=reference.topk_softmax,
         )
@@ -149,6 +176,8 @@ def _kernels_for(device_type: str, forced: str) -> Kernels:
         rotary_embedding=rotary.rotary_embedding,
         rotary_and_write_kv_cache=rotary.rotary_and_write_kv_cache,
         silu_and_mul=activation.silu_and_mul,
+        rms_norm_quant=norm.rms_norm_quant,
+        silu_and_mul_quant=activation.silu_and_mul_quant,
         fused_moe=fused_moe.fused_moe,
         topk_softmax=fused_moe.topk_softmax,
     )

@@ -1,4 +1,6 @@
-"""Triton SiLU-and-multiply for the gated MLP."""
+"""Triton SiLU-and-multiply for the gated MLP; with a RowQuant (silu_and_mul_quant) each output row is
+also quantized in the launch for the FP8 or INT8 linear after it (the bits of the separate quantizing
+launch, kernels/fp8_quant.py, one launch fewer)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import pdl
+from tokenmill.kernels import QuantizedRows, RowQuant, pdl
+from tokenmill.kernels.fp8_quant import quantize_values, row_scale
+from tokenmill.kernels.norm import _TL_DTYPES
+from tokenmill.kernels.reference import FP8_DTYPE
 
 _BLOCK = 1024
+# A quantizing launch's row: in one block of registers up to this many columns (16 warps at 8,192 and up),
+# in two passes over blocks of it past that (the products recomputed for the second).
+_QUANT_BLOCK = 16384
 
 
 @triton.jit
@@ -26,6 +34,76 @@ def _silu_and_mul_kernel(
     silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
     product = silu.to(tl.float32) * up.to(tl.float32)
     tl.store(out + row * stride_out + cols, product.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_product(x, cols, INTERMEDIATE: tl.constexpr, ROUND: tl.constexpr):
+    """silu(gate) * up of a row's columns `cols`, rounded to ROUND as the plain launch stores it, in fp32."""
+    mask = cols < INTERMEDIATE
+    gate = tl.load(x + cols, mask=mask, other=0.0)
+    up = tl.load(x + INTERMEDIATE + cols, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(ROUND).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x,
+    out,
+    scale_out,
+    static_scale,
+    stride_x,
+    stride_out,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND: tl.constexpr,
+    INT8: tl.constexpr,
+    STATIC: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program a row: the row's products (zero past its end: they leave the amax alone), its scale
+    (fp8_quant.row_scale's rule), the products quantized at it into `out` and the scale at scale_out."""
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x + row * stride_x
+    out_row = out + row * stride_out
+    cols = tl.arange(0, BLOCK)
+    if BLOCK >= INTERMEDIATE:  # the row in registers
+        v = _silu_product(x_row, cols, INTERMEDIATE, ROUND)
+        scale = row_scale(tl.abs(v), static_scale, INT8, STATIC)
+        q = quantize_values(v, scale, INT8)
+        tl.store(out_row + cols, q.to(out.dtype.element_ty), mask=cols < INTERMEDIATE)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        if not STATIC:
+            for start in range(0, INTERMEDIATE, BLOCK):
+                amax = tl.maximum(amax, tl.abs(_silu_product(x_row, start + cols, INTERMEDIATE, ROUND)))
+        scale = row_scale(amax, static_scale, INT8, STATIC)
+        for start in range(0, INTERMEDIATE, BLOCK):
+            q = quantize_values(_silu_product(x_row, start + cols, INTERMEDIATE, ROUND), scale, INT8)
+            tl.store(out_row + start + cols, q.to(out.dtype.element_ty), mask=start + cols < INTERMEDIATE)
+    tl.store(scale_out + row, scale)
+
+
+def silu_and_mul_quant(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
+    """silu_and_mul(x), each row quantized in the same launch as `quant` asks."""
+    intermediate = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * intermediate)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    dtype = torch.int8 if quant.int8 else FP8_DTYPE
+    out = torch.empty(rows.shape[0], intermediate, dtype=dtype, device=x.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+    if rows.shape[0] > 0:
+        block = min(_QUANT_BLOCK, triton.next_power_of_2(intermediate))
+        _silu_and_mul_quant_kernel[(rows.shape[0],)](
+            rows, out, scale, quant.static_scale if quant.static_scale is not None else scale,
+            rows.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
+            ROUND=_TL_DTYPES[x.dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
+            num_warps=16 if block >= 8192 else 8 if block >= 4096 else 4, **pdl.launch_args(x),
+        )  # fmt: skip
+    return QuantizedRows(out, scale, torch.Size((*x.shape[:-1], intermediate)), x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,34 @@ import triton.language as tl
 
 
 @triton.jit
+def row_scale(amax, static_scale, INT8: tl.constexpr, STATIC: tl.constexpr):
+    """A row's fp32 scale from its elementwise magnitudes' running maximum `amax` (a block of them), or
+    the static per-tensor scale: the rule of every per-row quantizing launch (this module's and the
+    fused ones of norm.py and activation.py), so that they write the same bits."""
+    if STATIC:  # a checkpoint's calibrated per-tensor scale
+        scale = tl.load(static_scale).to(tl.float32)
+    elif INT8:  # IEEE-rounded divisions (`/` may be approximate): a quotient at a half step must stay there
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 127.5)
+    else:
+        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+    return scale
+
+
+@triton.jit
+def quantize_values(v, scale, INT8: tl.constexpr):
+    """fp32 values -> their int8 or e4m3 steps at `scale` (still fp32; the store converts)."""
+    if INT8:
+        # Round half to even (torch.round's rule): |v / scale| <= 127.5, so v + 0.5 is exact.
+        v = tl.math.div_rn(v, scale)
+        r = tl.floor(v + 0.5)
+        r = tl.where((r - v == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
+        q = tl.clamp(r, -128.0, 127.0)
+    else:
+        q = tl.clamp(v / scale, -448.0, 448.0)
+    return q
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x,
     out,
@@ -33,25 +61,13 @@ def _quantize_rows_kernel(
         for start in range(0, K, BLOCK):
             v = tl.load(x + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-    if STATIC:  # a checkpoint's calibrated per-tensor scale
-        row_scale = tl.load(static_scale).to(tl.float32)
-    elif INT8:  # IEEE-rounded divisions (`/` may be approximate): a quotient at a half step must stay there
-        row_scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 127.5)
-    else:
-        row_scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+    row_scale_ = row_scale(amax, static_scale, INT8, STATIC)
     for start in range(0, K, BLOCK):
         mask = start + cols < K
         v = tl.load(x + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if INT8:
-            # Round half to even (torch.round's rule): |v / scale| <= 127.5, so v + 0.5 is exact.
-            v = tl.math.div_rn(v, row_scale)
-            r = tl.floor(v + 0.5)
-            r = tl.where((r - v == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
-            q = tl.clamp(r, -128.0, 127.0)
-        else:
-            q = tl.clamp(v / row_scale, -448.0, 448.0)
+        q = quantize_values(v, row_scale_, INT8)
         tl.store(out + row * stride_out + start + cols, q.to(out.dtype.element_ty), mask=mask)
-    tl.store(scale + row, row_scale)
+    tl.store(scale + row, row_scale_)
 
 
 def quantize_fp8_per_row(

@@ -1,4 +1,7 @@
-"""Triton RMSNorm, alone and fused with the residual add; rounds exactly where the reference does."""
+"""Triton RMSNorm, alone and fused with the residual add; rounds exactly where the reference does. With a
+RowQuant (rms_norm_quant) the launch also quantizes each normalized row for the FP8 or INT8 linear after
+it, writing the quantized rows and their scales in place of the 16-bit output: the bits the separate
+quantizing launch (kernels/fp8_quant.py) would write, one launch fewer."""
 
 from __future__ import annotations
 
@@ -6,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import pdl
+from tokenmill.kernels import QuantizedRows, RowQuant, pdl
+from tokenmill.kernels.fp8_quant import quantize_values, row_scale
+from tokenmill.kernels.reference import FP8_DTYPE
+
+# The 16-bit dtypes a quantizing launch rounds its rows to before it quantizes them (as the separate
+# launches' output dtype would).
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -26,10 +35,17 @@ def _rms_norm_kernel(
     ADD_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr = False,
+    scale_out=None,
+    static_scale=None,
+    QUANT: tl.constexpr = None,
+    INT8: tl.constexpr = False,
+    STATIC: tl.constexpr = False,
 ):
     """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
     then normalise in fp32, round to the input dtype, and multiply by the weight. EARLY
-    (pdl.EARLY_READS): the weight is read before the PDL wait (no kernel of the step writes it)."""
+    (pdl.EARLY_READS): the weight is read before the PDL wait (no kernel of the step writes it).
+    QUANT (the output's 16-bit dtype): the product, rounded to it, is quantized to `out`'s int8 or e4m3
+    at the row's scale (fp8_quant.row_scale's rule, STATIC: the static one), stored at scale_out."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -47,12 +63,23 @@ def _rms_norm_kernel(
     if not EARLY:
         w = tl.load(weight + cols, mask=mask, other=0.0)
     result = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out + row * stride_out + cols, result.to(out.dtype.element_ty), mask=mask)
+    if QUANT is not None:
+        rounded = result.to(QUANT).to(tl.float32)  # masked columns are 0: they leave the amax alone
+        scale = row_scale(tl.abs(rounded), static_scale, INT8, STATIC)
+        q = quantize_values(rounded, scale, INT8)
+        tl.store(out + row * stride_out + cols, q.to(out.dtype.element_ty), mask=mask)
+        tl.store(scale_out + row, scale)
+    else:
+        tl.store(out + row * stride_out + cols, result.to(out.dtype.element_ty), mask=mask)
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    quant: RowQuant | None = None,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]:
     hidden_size = x.shape[-1]
     rows = x.reshape(-1, hidden_size)
     if rows.stride(-1) != 1:
@@ -63,7 +90,17 @@ def _launch(
         residual_rows = residual.reshape(-1, hidden_size).contiguous()
         normed_dtype = torch.promote_types(x.dtype, residual.dtype)
         residual_out = torch.empty(rows.shape, dtype=normed_dtype, device=x.device)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, normed_dtype), device=x.device)
+    out_dtype = torch.promote_types(weight.dtype, normed_dtype)
+    quant_args: dict = {}
+    if quant is not None:
+        out = torch.empty(rows.shape, dtype=torch.int8 if quant.int8 else FP8_DTYPE, device=x.device)
+        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+        quant_args = dict(
+            scale_out=scale, static_scale=quant.static_scale if quant.static_scale is not None else scale,
+            QUANT=_TL_DTYPES[out_dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
+        )  # fmt: skip
+    else:
+        out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] > 0:
         block = triton.next_power_of_2(hidden_size)
         _rms_norm_kernel[(rows.shape[0],)](
@@ -72,12 +109,14 @@ def _launch(
             rows.stride(0), residual_rows.stride(0) if residual_rows is not None else 0,
             out.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps,
             HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None,
-            EARLY=pdl.EARLY_READS, num_warps=min(max(block // 512, 1), 16), **pdl.launch_args(x),
+            EARLY=pdl.EARLY_READS, num_warps=min(max(block // 512, 1), 16), **quant_args,
+            **pdl.launch_args(x),
         )  # fmt: skip
-    out = out.view(*x.shape[:-1], hidden_size)
     if residual_out is not None:
         residual_out = residual_out.view(*x.shape[:-1], hidden_size)
-    return out, residual_out
+    if quant is not None:
+        return QuantizedRows(out, scale, x.shape, out_dtype), residual_out
+    return out.view(*x.shape[:-1], hidden_size), residual_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,3 +131,11 @@ def fused_add_rms_norm(
     Writes fresh tensors: neither input is modified."""
     out, residual_out = _launch(x, residual, weight, eps)
     return out, residual_out
+
+
+def rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: RowQuant
+) -> tuple[QuantizedRows, torch.Tensor | None]:
+    """RMSNorm of x (of residual + x, with a residual) with each normalized row quantized in the same
+    launch as `quant` asks: (the quantized rows, the new residual or None)."""
+    return _launch(x, residual, weight, eps, quant)

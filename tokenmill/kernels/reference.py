@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from tokenmill.kernels import StepRotary
+    from tokenmill.kernels import QuantizedRows, RowQuant, StepRotary
 
 # e4m3, the FP8 of weights, activations and the KV cache alike, and its largest finite value (448).
 FP8_DTYPE = torch.float8_e4m3fn
@@ -276,6 +276,26 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: RowQuant
+) -> tuple[QuantizedRows, torch.Tensor | None]:
+    """RMSNorm of x (of residual + x, with a residual), its output quantized a row at a time as `quant`
+    asks: (the quantized rows, the new residual or None)."""
+    if residual is None:
+        normed, residual_out = rms_norm(x, weight, eps), None
+    else:
+        normed, residual_out = fused_add_rms_norm(x, residual, weight, eps)
+    return quantize_rows(normed, quant), residual_out
+
+
+def quantize_rows(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
+    """x [..., K] quantized a row at a time by quant's own function."""
+    from tokenmill.kernels import QuantizedRows
+
+    values, scale = quant.quantize(x.reshape(-1, x.shape[-1]), quant.static_scale)
+    return QuantizedRows(values, scale, x.shape, x.dtype)
+
+
 def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +336,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = gate || up  ->  silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_quant(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
+    """silu_and_mul's output quantized a row at a time as `quant` asks."""
+    return quantize_rows(silu_and_mul(x), quant)
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill import distributed
-from tokenmill.kernels import GemvFusion, triton_kernel
+from tokenmill.kernels import GemvFusion, RowQuant, triton_kernel
 from tokenmill.layers.dense import dense_gemv_takes, dense_linear
 from tokenmill.layers.sharding import ShardId, WeightLoader, divide, heads_per_rank, load_shard, split_fused
 
@@ -46,6 +46,14 @@ class LinearMethodBase(ABC):
         """The layer's weight [N, K] in fp32, as its stored tensors mean it (once after_loading ran): what
         a quantized checkpoint's MoE experts are turned into as they load (quantization/moe_experts.py)."""
         raise NotImplementedError(f"{type(self).__name__} has no dequantized weight")
+
+    def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
+        """How apply quantizes activations like x a row (token) at a time before its product (FP8 and INT8
+        W8A8 with dynamic or static activation scales), where it does: then apply also takes them already
+        quantized so (QuantizedRows), by the launch that made them (fused_linear.row_quant_for). None: apply
+        takes x as it is (weight-only methods, and the W8A8 ones at the decode sizes their one-row
+        kernels multiply 16-bit activations at)."""
+        return None
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether `gemv` takes activations like x (their rows, dtype and device): a method whose one-row

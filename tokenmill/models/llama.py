@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, get_kernels
+from tokenmill.kernels import Kernels, QuantizedRows, get_kernels
 from tokenmill.layers.activation import check_hidden_act, gated_activation
 from tokenmill.layers.attention import Attention, AttentionMetadata
-from tokenmill.layers.fused_linear import fused_linear
+from tokenmill.layers.fused_linear import fused_linear, row_quant_for
 from tokenmill.layers.fused_moe import FusedMoE, expert_params_mapping
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
@@ -122,9 +122,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
         self.act = gated_activation(flags.hidden_act, kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The activation goes into the gate/up projection's store where fused_linear can fold it."""
-        return self.down_proj(fused_linear(self.gate_up_proj, x, act=self.act))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """The activation goes into the gate/up projection's store where fused_linear can fold it, and
+        quantizes its output for down_proj where that asks (W8A8)."""
+        return self.down_proj(fused_linear(self.gate_up_proj, x, act=self.act, then=self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,12 +150,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The norms quantize their output for the linear after them where it asks (W8A8: row_quant_for).
+        quant = row_quant_for(self.self_attn.qkv_proj, hidden)
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, quant=quant)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quant)
         hidden = self.self_attn(positions, hidden, md)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        mlp = self.mlp
+        quant = row_quant_for(mlp.gate_up_proj, hidden) if isinstance(mlp, LlamaMLP) else None
+        hidden, residual = self.post_attention_layernorm(hidden, residual, quant)
         return self.mlp(hidden), residual
 
 

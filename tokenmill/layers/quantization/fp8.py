@@ -13,13 +13,28 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenmill.kernels import FP8_GEMM_MAX_ROWS, GemvFusion, skinny_kernel, triton_kernel
+from tokenmill.kernels import (
+    FP8_GEMM_MAX_ROWS,
+    GemvFusion,
+    QuantizedRows,
+    RowQuant,
+    skinny_kernel,
+    triton_kernel,
+)
 from tokenmill.kernels.quant_reference import quantize_fp8_per_row
 from tokenmill.kernels.reference import FP8_DTYPE, FP8_MAX
 from tokenmill.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 from tokenmill.layers.sharding import WeightLoader
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8LinearMethod", "check_fp8_support", "fp8_linear", "quantize_per_row"]
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "Fp8LinearMethod",
+    "check_fp8_support",
+    "fp8_linear",
+    "fp8_row_quant",
+    "quantize_per_row",
+]
 
 
 def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") -> None:
@@ -66,36 +81,49 @@ def fp8_linear_reference(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + b with W stored as (w_q, w_scale); x [..., K] quantized per token, or with a
-    calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given.
+    calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given, or
+    already quantized so by the launch that made it (QuantizedRows, where fp8_row_quant asked for it).
     Decode-sized batches on CUDA skip the activation quantization: the skinny W8A16 kernel multiplies
     the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two. Up to
     FP8_GEMM_MAX_ROWS rows the Triton FP8 GEMM takes the quantized rows, above that cuBLAS
     (torch._scaled_mm)."""
-    skinny = skinny_kernel(x, "w8a16_skinny")
-    if skinny is not None:
-        return skinny(x, w_q, w_scale, bias)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    x_q, x_scale = quantize_per_row(x2, input_scale)
+    if isinstance(x, QuantizedRows):
+        shape, dtype, x_q, x_scale = x.shape, x.dtype, x.values, x.scale
+        x2 = x_q
+    else:
+        skinny = skinny_kernel(x, "w8a16_skinny")
+        if skinny is not None:
+            return skinny(x, w_q, w_scale, bias)
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        x_q, x_scale = quantize_per_row(x2, input_scale)
     triton_gemm = _triton_fp8_gemm(x2)
     if triton_gemm is not None:
-        y = triton_gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+        y = triton_gemm(x_q, x_scale, w_q, w_scale, bias, dtype)
     elif _scaled_mm_fits(x2, w_q):
         y = torch._scaled_mm(
             x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16
-        ).to(x.dtype)
+        ).to(dtype)
         if bias is not None:
             y = y + bias
     else:
-        y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+        y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, dtype)
     return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def fp8_row_quant(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> RowQuant | None:
+    """What fp8_linear would quantize x's rows to (its RowQuant), for the launch that makes x to do in its
+    stores; None where it multiplies x as it is (the skinny W8A16 kernel's decode sizes)."""
+    if skinny_kernel(x, "w8a16_skinny") is not None:
+        return None
+    return RowQuant(False, input_scale, quantize_per_row)
 
 
 def fp8_gemv_takes(x: torch.Tensor) -> bool:
@@ -156,6 +184,9 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
+        return fp8_row_quant(x)
 
     def gemv_takes(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return fp8_gemv_takes(x)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import GROUPED_MAX_ROWS, skinny_kernel, triton_kernel
+from tokenmill.kernels import GROUPED_MAX_ROWS, QuantizedRows, RowQuant, skinny_kernel, triton_kernel
 from tokenmill.kernels.quant_reference import dequantize_8bit_groups
 
 INT8_MAX = 127
@@ -64,7 +64,7 @@ def _round_int8(values: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     w_q: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -73,22 +73,34 @@ def int8_linear(
 ) -> torch.Tensor:
     """y = x W^T + b with W stored as (w_q int8 [N, K], w_scale fp32 [N, 1]); x [..., K] quantized per
     token (input_scheme "token"), by the per-tensor input_scale ("tensor"), or not at all (None:
-    weight-only, W8A16). See the module's docstring for which path takes a call."""
-    if input_scheme is None:  # weight-only: one group of K columns (int8_grouped_linear's skinny path too)
-        return int8_grouped_linear(x, w_q, w_scale.reshape(-1, 1), None, w_q.shape[1], bias)
-    skinny = skinny_kernel(x, "w8a16_skinny")
-    if skinny is not None:
-        return skinny(x, w_q, w_scale, bias)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    x_q, x_scale = quantize_int8_per_row(x2, None if input_scheme == "token" else input_scale)
-    gemm = triton_kernel("fp8_gemm", "fp8_rowwise_gemm") if x.is_cuda else None
+    weight-only, W8A16), or already quantized so by the launch that made it (QuantizedRows, where
+    int8_row_quant asked for it). See the module's docstring for which path takes a call."""
+    if isinstance(x, QuantizedRows):
+        shape, dtype, x_q, x_scale = x.shape, x.dtype, x.values, x.scale
+    else:
+        if input_scheme is None:  # weight-only: one group of K columns (int8_grouped_linear's skinny path)
+            return int8_grouped_linear(x, w_q, w_scale.reshape(-1, 1), None, w_q.shape[1], bias)
+        skinny = skinny_kernel(x, "w8a16_skinny")
+        if skinny is not None:
+            return skinny(x, w_q, w_scale, bias)
+        shape, dtype = x.shape, x.dtype
+        static = None if input_scheme == "token" else input_scale
+        x_q, x_scale = quantize_int8_per_row(x.reshape(-1, shape[-1]), static)
+    gemm = triton_kernel("fp8_gemm", "fp8_rowwise_gemm") if x_q.is_cuda else None
     if gemm is not None:
-        y = gemm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+        y = gemm(x_q, x_scale, w_q, w_scale, bias, dtype)
     else:
         y = (x_q.float() * x_scale) @ (w_q.float() * w_scale.reshape(-1, 1).float()).t()
-        y = (y + bias.float() if bias is not None else y).to(x.dtype)
+        y = (y + bias.float() if bias is not None else y).to(dtype)
     return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def int8_row_quant(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> RowQuant | None:
+    """What int8_linear (with activation scales) would quantize x's rows to, for the launch that makes x
+    to do in its stores; None where it multiplies x as it is (the skinny kernel's decode sizes)."""
+    if skinny_kernel(x, "w8a16_skinny") is not None:
+        return None
+    return RowQuant(True, input_scale, quantize_int8_per_row)
 
 
 def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:

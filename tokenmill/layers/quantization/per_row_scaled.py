@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import GemvFusion, skinny_kernel
+from tokenmill.kernels import GemvFusion, RowQuant, skinny_kernel
 from tokenmill.kernels.quant_reference import w8a16_gemm
 from tokenmill.layers.linear import (
     LinearMethodBase,
@@ -17,9 +17,9 @@ from tokenmill.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_gemv, fp8_gemv_takes, fp8_linear
+from tokenmill.layers.quantization.fp8 import FP8_DTYPE, fp8_gemv, fp8_gemv_takes, fp8_linear, fp8_row_quant
 from tokenmill.layers.quantization.int4 import add_weight_shape
-from tokenmill.layers.quantization.int8 import int8_linear, unpack_int8
+from tokenmill.layers.quantization.int8 import int8_linear, int8_row_quant, unpack_int8
 from tokenmill.layers.sharding import ShardId, WeightLoader
 
 
@@ -78,6 +78,11 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
         # to the activations' dtype and multiply there).
         gemm = skinny_kernel(x, "w8a16_skinny") or w8a16_gemm
         return gemm(x, layer.weight, layer.weight_scale, bias)
+
+    def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
+        if self.input_scheme is None:  # weight-only
+            return None
+        return fp8_row_quant(x, layer.input_scale if self.input_scheme == "tensor" else None)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float() * layer.weight_scale
@@ -139,6 +144,11 @@ class CompressedTensorsInt8LinearMethod(CompressedTensorsFp8LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_scale = layer.input_scale if self.input_scheme == "tensor" else None
         return int8_linear(x, layer.weight, layer.weight_scale, bias, self.input_scheme, input_scale)
+
+    def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
+        if self.input_scheme is None:
+            return None
+        return int8_row_quant(x, layer.input_scale if self.input_scheme == "tensor" else None)
 
 
 def _part_rows(layer: nn.Module, shard_id: ShardId) -> int:

@@ -1,0 +1,54 @@
+"""The W8A8 linears' input quantized in the launch that makes it (the RMSNorm's and the gated
+activation's: layers/fused_linear.py's row_quant_for) against the linears quantizing it in a launch of
+their own: the same bits, so the same log-probabilities, with fewer quantizing launches."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import BACKEND_ENV
+from tokenmill.layers import fused_linear
+from tokenmill.layers.quantization import fp8
+
+
+def _run(path: str, fused: bool, monkeypatch) -> tuple[list, int]:
+    """Greedy tokens with their top log-probabilities, and how many times an FP8 linear quantized its
+    own input."""
+    calls = 0
+    quantize = fp8.quantize_per_row
+
+    def counted(x, static_scale=None):
+        nonlocal calls
+        calls += 1
+        return quantize(x, static_scale)
+
+    monkeypatch.setattr(fused_linear, "ROW_QUANT_FUSION", fused)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", quantization="fp8", max_model_len=128)
+    monkeypatch.setattr(fp8, "quantize_per_row", counted)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+    outputs = llm.generate(
+        prompt_token_ids=[[1, 5, 7, 9, 11], [1, 20]], sampling_params=params, use_tqdm=False
+    )
+    monkeypatch.setattr(fp8, "quantize_per_row", quantize)
+    got = [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outputs]
+    return got, calls
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_quantization_gives_the_separate_launches_log_probabilities(
+    backend: str, hf_model_dirs, monkeypatch
+) -> None:
+    """Qwen3 (q/k norms after the QKV projection) on the torch references (the norm, then the method's
+    own quantizer) and on the Triton kernels (one launch: kernels/norm.py's and activation.py's)."""
+    if backend == "triton":
+        pytest.importorskip("triton")  # without a GPU: the interpreter (tests/kernels/conftest.py)
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    path = hf_model_dirs["qwen3"][0]
+    fused, fused_calls = _run(path, True, monkeypatch)
+    separate, separate_calls = _run(path, False, monkeypatch)
+    assert fused == separate
+    if backend == "triton":  # only o_proj quantizes its own input: 1 of a layer's 4 W8A8 linears
+        assert separate_calls == 4 * fused_calls > 0
+    else:  # the references quantize with the method's own function either way
+        assert separate_calls == fused_calls > 0
