@@ -26,10 +26,12 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels import (
     GemvFusion,
+    RowQuant,
     StepRotary,
     activation,
     attention,
     dequant8,
+    fp8_quant,
     fused_moe,
     fused_moe_quant,
     gemv,
@@ -85,11 +87,16 @@ class _Recorder:
         options = {
             name: kwargs.pop(name) for name in ("num_warps", "num_stages", "launch_pdl") if name in kwargs
         }
-        bound = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
+        defaults = {
+            name: param.default
+            for name, param in self.fn.signature.parameters.items()
+            if param.default is not param.empty
+        }
+        bound = defaults | dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
         signature, constants, attrs = {}, {}, {}
         for index, (name, param) in enumerate(zip(self.fn.arg_names, self.fn.params, strict=True)):
             value = bound[name]
-            if param.is_constexpr:
+            if param.is_constexpr or value is None:  # the JIT takes a None argument as a constant
                 signature[name], constants[name] = "constexpr", value
             elif isinstance(value, torch.Tensor):
                 # The CUDA caching allocator aligns every tensor to 16 bytes; the JIT would see that.
@@ -207,6 +214,14 @@ def _small_launches(dtype: torch.dtype) -> None:
             torch.zeros(5, dtype=torch.int64),
         )  # fmt: skip
     activation.silu_and_mul(torch.empty(5, 2 * 14336, dtype=dtype))
+    # The W8A8 linears' input quantized by the norms and the activation (and by its own launch).
+    for int8, quantize in ((False, fp8_quant.quantize_fp8_per_row), (True, fp8_quant.quantize_int8_per_row)):
+        for static in (None, torch.ones(1)):
+            quant = RowQuant(int8, static, quantize)
+            norm.rms_norm_quant(x, None, weight, 1e-6, quant)
+            norm.rms_norm_quant(x, x, weight, 1e-6, quant)
+            activation.silu_and_mul_quant(torch.empty(5, 2 * 14336, dtype=dtype), quant)
+            quantize(x, static)
 
 
 def _skinny_launches(dtype: torch.dtype) -> None:
@@ -336,6 +351,8 @@ def build_all(dtype: torch.dtype = torch.bfloat16) -> list[Build]:
         (norm, "_rms_norm_kernel"),
         (rotary, "_rotary_kernel"),
         (activation, "_silu_and_mul_kernel"),
+        (activation, "_silu_and_mul_quant_kernel"),
+        (fp8_quant, "_quantize_rows_kernel"),
         (host_wait, "_wait_then_mask_kernel"),
         (fused_moe_quant, "_quant_grouped_gemm"),
     ]

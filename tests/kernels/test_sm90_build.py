@@ -41,6 +41,8 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
         "_rms_norm_kernel",
         "_rotary_kernel",
         "_silu_and_mul_kernel",
+        "_silu_and_mul_quant_kernel",
+        "_quantize_rows_kernel",
         "_wait_then_mask_kernel",
         "_quant_grouped_gemm",
     }

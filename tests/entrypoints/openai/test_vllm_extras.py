@@ -183,7 +183,7 @@ def test_priority_orders_the_waiting_queue(priority_server):
 
     async def run() -> None:
         running = await client.completions.create(
-            model="default", prompt="Count:", max_tokens=160, stream=True, extra_body={"ignore_eos": True}
+            model="default", prompt="Count:", max_tokens=64, stream=True, extra_body={"ignore_eos": True}
         )
         tasks: list[asyncio.Task] = []
         async for _ in running:
