@@ -212,6 +212,7 @@ def test_fp8_decode_over_long_splits(num_kv_splits: int | None) -> None:
     torch.testing.assert_close(got, want, **BF16_TOL)
 
 
+@pytest.mark.slow  # attention.FP8_PAIR_LOADS is off by default (timed, no gain: docs/performance.md)
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 @pytest.mark.parametrize(("head_dim", "seq_lens"), [(128, [700, 5, 300]), (64, [130, 1000]), (48, [300])])
 def test_fp8_pair_loads_read_what_the_byte_loads_read(

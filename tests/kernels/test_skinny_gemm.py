@@ -92,6 +92,22 @@ def test_w4a16_one_row_in_fp16_halves_keeps_every_magnitude(magnitude, dtype) ->
     assert_close(got, want, dtype)
 
 
+# The default switches at every magnitude; the other three at 1.0 in the default suite, at all under -m slow.
+PAIRED_SWITCHES = [
+    {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True},  # the default
+    {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": False},
+    {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": True},
+    {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": False},
+]
+PAIRED_CASES = [
+    pytest.param(magnitude, switches, marks=pytest.mark.slow)
+    if magnitude != 1.0 and switches is not PAIRED_SWITCHES[0]
+    else pytest.param(magnitude, switches)
+    for magnitude in (1e-4, 1.0, 1e4)
+    for switches in PAIRED_SWITCHES
+]
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k", "group", "zeros", "config"),
     [
@@ -101,16 +117,7 @@ def test_w4a16_one_row_in_fp16_halves_keeps_every_magnitude(magnitude, dtype) ->
         (1, 24, 200, 8, False, None),  # groups of one word (SUB 1): unpaired; K past the tile
     ],
 )
-@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4])
-@pytest.mark.parametrize(
-    "switches",
-    [
-        {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": True},  # the default
-        {"GEMV4_PAIRED": True, "GEMV4_WIDE_X": False},
-        {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": True},
-        {"GEMV4_PAIRED": False, "GEMV4_WIDE_X": False},
-    ],
-)
+@pytest.mark.parametrize(("magnitude", "switches"), PAIRED_CASES)
 def test_w4a16_paired_words_match_dequantize_then_matmul(
     m, n, k, group, zeros, config, magnitude, switches
 ) -> None:
@@ -184,16 +191,25 @@ def test_dense_gemv_matches_matmul(n, k, config, dtype) -> None:
         dense_gemv(torch.randn(2, k).to(DEVICE, dtype), w)
 
 
+# fp16 at the default tiles in the default suite, at every tile under -m slow.
+PACKED_ROWS = [
+    (2, 1024, 128, False, SkinnyConfig(16, 256, 1, 4, 1)),
+    (3, 200, 64, True, SkinnyConfig(8, 128, 2, 4, 1)),  # K not a multiple of the tile or of 8
+    (4, 2048, 128, True, SkinnyConfig(8, 256, 2, 4, 1, prefetch=True)),
+    (4, 512, 16, False, None),  # a scale every two words; the one-row default tiles
+]
+
+
 @pytest.mark.parametrize(
-    ("m", "k", "group", "zeros", "config"),
+    ("m", "k", "group", "zeros", "config", "dtype"),
     [
-        (2, 1024, 128, False, SkinnyConfig(16, 256, 1, 4, 1)),
-        (3, 200, 64, True, SkinnyConfig(8, 128, 2, 4, 1)),  # K not a multiple of the tile or of 8
-        (4, 2048, 128, True, SkinnyConfig(8, 256, 2, 4, 1, prefetch=True)),
-        (4, 512, 16, False, None),  # a scale every two words; the one-row default tiles
+        pytest.param(*case, dtype, marks=pytest.mark.slow)
+        if dtype == torch.float16 and case[-1] is not None
+        else pytest.param(*case, dtype)
+        for case in PACKED_ROWS
+        for dtype in (torch.bfloat16, torch.float16)
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_packed_kernel_over_several_rows(m, k, group, zeros, config, dtype, monkeypatch) -> None:
     """skinny_gemm.GEMV4_ROWS: 2-4 rows of 16-bit activations through the packed-fp16 kernel, each weight
     word unpacked once for every row; rows of very different magnitudes scale apart."""
