@@ -222,6 +222,9 @@ def _small_launches(dtype: torch.dtype) -> None:
             norm.rms_norm_quant(x, x, weight, 1e-6, quant)
             activation.silu_and_mul_quant(torch.empty(5, 2 * 14336, dtype=dtype), quant)
             quantize(x, static)
+    groups = RowQuant(False, None, fp8_quant.quantize_fp8_per_row, group=128)  # fine-grained FP8's
+    norm.rms_norm_quant(x, x, weight, 1e-6, groups)
+    activation.silu_and_mul_quant(torch.empty(5, 2 * 14336, dtype=dtype), groups)
 
 
 def _skinny_launches(dtype: torch.dtype) -> None:

@@ -64,3 +64,20 @@ def test_quantizing_launch_writes_the_separate_launches_bits(shape, block, int8,
 def test_quantizing_launch_of_no_rows() -> None:
     got = activation.silu_and_mul_quant(torch.empty(0, 64, device=DEVICE), _row_quant(False, None))
     assert got.values.shape == (0, 32) and got.scale.shape == (0, 1)
+
+
+@pytest.mark.parametrize(("intermediate", "block"), [(300, None), (1000, 256), (200, None)])
+def test_quantizing_launch_by_groups_writes_the_block_quantizers_bits(intermediate, block, monkeypatch):
+    """Groups of 128 columns each at their own scale (fine-grained FP8's activations): in one block, over
+    blocks of 256 (two groups each), and a row narrower than two groups."""
+    from tokenmill.layers.quantization.fp8_block import fp8_block_row_quant
+
+    if block is not None:
+        monkeypatch.setattr(activation, "_QUANT_BLOCK", block)
+    gen = torch.Generator().manual_seed(intermediate)
+    x = (4 * torch.randn(3, 2 * intermediate, generator=gen)).to(DEVICE, torch.bfloat16)
+    quant = fp8_block_row_quant(128)
+    got = activation.silu_and_mul_quant(x, quant)
+    want_values, want_scale = quant.quantize(activation.silu_and_mul(x), None)
+    assert got.scale.shape == (3, -(-intermediate // 128)) and torch.equal(got.scale, want_scale)
+    assert torch.equal(got.values.view(torch.uint8), want_values.view(torch.uint8))

@@ -81,3 +81,24 @@ def test_quantizing_norm_writes_the_separate_launches_bits(shape, dtype, with_re
     assert (got_residual is None) == (residual is None)
     if residual is not None:
         assert torch.equal(got_residual, want_residual)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("hidden", "group"), [(300, 128), (256, 64), (100, 128)])
+def test_quantizing_norm_by_groups_writes_the_block_quantizers_bits(hidden, group, with_residual) -> None:
+    """Each `group` columns of a row at their own scale (fine-grained FP8's activations,
+    fp8_block.quantize_per_token_group): a ragged last group, and a row narrower than one group."""
+    from tokenmill.layers.quantization.fp8_block import fp8_block_row_quant
+
+    x, residual = rows((5, hidden), torch.bfloat16, 10), rows((5, hidden), torch.bfloat16, 11)
+    weight = rows((hidden,), torch.bfloat16, 12)
+    quant = fp8_block_row_quant(group)
+    got, _ = norm.rms_norm_quant(x, residual if with_residual else None, weight, EPS, quant)
+    normed = (
+        norm.fused_add_rms_norm(x, residual, weight, EPS)[0]
+        if with_residual
+        else norm.rms_norm(x, weight, EPS)
+    )
+    want_values, want_scale = quant.quantize(normed, None)
+    assert got.scale.shape == (5, -(-hidden // group)) and torch.equal(got.scale, want_scale)
+    assert torch.equal(got.values.view(torch.uint8), want_values.view(torch.uint8))

@@ -9,10 +9,10 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import BACKEND_ENV
 from tokenmill.layers import fused_linear
-from tokenmill.layers.quantization import fp8
+from tokenmill.layers.quantization import fp8, fp8_block
 
 
-def _run(path: str, fused: bool, monkeypatch) -> tuple[list, int]:
+def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") -> tuple[list, int]:
     """Greedy tokens with their top log-probabilities, and how many times an FP8 linear quantized its
     own input."""
     calls = 0
@@ -24,13 +24,15 @@ def _run(path: str, fused: bool, monkeypatch) -> tuple[list, int]:
         return quantize(x, static_scale)
 
     monkeypatch.setattr(fused_linear, "ROW_QUANT_FUSION", fused)
-    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", quantization="fp8", max_model_len=128)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization, max_model_len=128)
     monkeypatch.setattr(fp8, "quantize_per_row", counted)
+    monkeypatch.setattr(fp8_block, "quantize_per_row", counted)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
     outputs = llm.generate(
         prompt_token_ids=[[1, 5, 7, 9, 11], [1, 20]], sampling_params=params, use_tqdm=False
     )
     monkeypatch.setattr(fp8, "quantize_per_row", quantize)
+    monkeypatch.setattr(fp8_block, "quantize_per_row", quantize)
     got = [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outputs]
     return got, calls
 
@@ -51,4 +53,25 @@ def test_fused_quantization_gives_the_separate_launches_log_probabilities(
     if backend == "triton":  # only o_proj quantizes its own input: 1 of a layer's 4 W8A8 linears
         assert separate_calls == 4 * fused_calls > 0
     else:  # the references quantize with the method's own function either way
+        assert separate_calls == fused_calls > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_quantization_by_groups_gives_the_separate_launches_log_probabilities(
+    backend: str, tmp_path, monkeypatch
+) -> None:
+    """A fine-grained FP8 checkpoint (blocks of 32, as Qwen3-FP8's of 128), whose activations are
+    quantized per token and per group of 32 columns."""
+    from tests.layers.test_fp8_block import make_checkpoint
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    make_checkpoint("llama", tmp_path)
+    fused, fused_calls = _run(str(tmp_path), True, monkeypatch, quantization=None)
+    separate, separate_calls = _run(str(tmp_path), False, monkeypatch, quantization=None)
+    assert fused == separate
+    if backend == "triton":
+        assert separate_calls == 4 * fused_calls > 0
+    else:
         assert separate_calls == fused_calls > 0

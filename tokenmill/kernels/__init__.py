@@ -64,18 +64,22 @@ class RowQuant(NamedTuple):
     """How a linear layer's method quantizes its input a row (token) at a time, for the launch that makes
     that input to do in its stores instead (LinearMethodBase.row_quant): to int8 (else e4m3), each row at
     its largest magnitude, or every row at static_scale (a checkpoint's calibrated per-tensor input
-    scale). quantize: the method's own per-row function, (x [R, K], static_scale) -> (values, fp32 scales
-    [R, 1]), which runs after the launch where a kernel set has no fused one."""
+    scale), or (group, e4m3 only) each `group` columns of a row at their own largest magnitude (a power
+    of two; the last group of a ragged row as if padded with zeros). quantize: the method's own function,
+    (x [R, K], static_scale) -> (values, fp32 scales [R, 1] or [R, ceil(K / group)]), which runs after
+    the launch where a kernel set has no fused one."""
 
     int8: bool
     static_scale: torch.Tensor | None
     quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    group: int | None = None
 
 
 class QuantizedRows(NamedTuple):
     """Activations already quantized a row at a time as a RowQuant asked (by an RMSNorm's launch or the
     gated activation's), handed to the linear layer in their place: values [R, K] (e4m3 or int8), fp32
-    scales [R, 1], and the shape and dtype of the activations they stand for."""
+    scales [R, 1] (or a group's each, [R, ceil(K / group)]), and the shape and dtype of the activations
+    they stand for."""
 
     values: torch.Tensor
     scale: torch.Tensor

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import QuantizedRows, RowQuant, pdl
-from tokenmill.kernels.fp8_quant import quantize_values, row_scale
+from tokenmill.kernels.fp8_quant import quantize_groups, quantize_values, row_scale
 from tokenmill.kernels.norm import _TL_DTYPES
 from tokenmill.kernels.reference import FP8_DTYPE
 
@@ -61,15 +61,26 @@ def _silu_and_mul_quant_kernel(
     INT8: tl.constexpr,
     STATIC: tl.constexpr,
     PDL: tl.constexpr,
+    GROUP: tl.constexpr = 0,
 ):
     """One program a row: the row's products (zero past its end: they leave the amax alone), its scale
-    (fp8_quant.row_scale's rule), the products quantized at it into `out` and the scale at scale_out."""
+    (fp8_quant.row_scale's rule), the products quantized at it into `out` and the scale at scale_out.
+    GROUP: each GROUP columns at their own scale (e4m3; BLOCK a multiple of GROUP), one pass."""
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x + row * stride_x
     out_row = out + row * stride_out
     cols = tl.arange(0, BLOCK)
-    if BLOCK >= INTERMEDIATE:  # the row in registers
+    if GROUP:
+        num_groups: tl.constexpr = (INTERMEDIATE + GROUP - 1) // GROUP
+        groups = tl.arange(0, BLOCK // GROUP)
+        for start in range(0, INTERMEDIATE, BLOCK):
+            v = _silu_product(x_row, start + cols, INTERMEDIATE, ROUND)
+            q, scales = quantize_groups(v, BLOCK // GROUP, GROUP)
+            tl.store(out_row + start + cols, q.to(out.dtype.element_ty), mask=start + cols < INTERMEDIATE)
+            first = start // GROUP
+            tl.store(scale_out + row * num_groups + first + groups, scales, mask=first + groups < num_groups)
+    elif BLOCK >= INTERMEDIATE:  # the row in registers
         v = _silu_product(x_row, cols, INTERMEDIATE, ROUND)
         scale = row_scale(tl.abs(v), static_scale, INT8, STATIC)
         q = quantize_values(v, scale, INT8)
@@ -83,7 +94,8 @@ def _silu_and_mul_quant_kernel(
         for start in range(0, INTERMEDIATE, BLOCK):
             q = quantize_values(_silu_product(x_row, start + cols, INTERMEDIATE, ROUND), scale, INT8)
             tl.store(out_row + start + cols, q.to(out.dtype.element_ty), mask=start + cols < INTERMEDIATE)
-    tl.store(scale_out + row, scale)
+    if not GROUP:
+        tl.store(scale_out + row, scale)
 
 
 def silu_and_mul_quant(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
@@ -94,14 +106,18 @@ def silu_and_mul_quant(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
         rows = rows.contiguous()
     dtype = torch.int8 if quant.int8 else FP8_DTYPE
     out = torch.empty(rows.shape[0], intermediate, dtype=dtype, device=x.device)
-    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+    scales = 1 if quant.group is None else triton.cdiv(intermediate, quant.group)
+    scale = torch.empty(rows.shape[0], scales, dtype=torch.float32, device=x.device)
     if rows.shape[0] > 0:
         block = min(_QUANT_BLOCK, triton.next_power_of_2(intermediate))
+        if quant.group is not None:
+            block = max(block, quant.group)  # whole groups
         _silu_and_mul_quant_kernel[(rows.shape[0],)](
             rows, out, scale, quant.static_scale if quant.static_scale is not None else scale,
             rows.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
             ROUND=_TL_DTYPES[x.dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
-            num_warps=16 if block >= 8192 else 8 if block >= 4096 else 4, **pdl.launch_args(x),
+            GROUP=quant.group or 0, num_warps=16 if block >= 8192 else 8 if block >= 4096 else 4,
+            **pdl.launch_args(x),
         )  # fmt: skip
     return QuantizedRows(out, scale, torch.Size((*x.shape[:-1], intermediate)), x.dtype)
 

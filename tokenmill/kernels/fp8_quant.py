@@ -42,6 +42,17 @@ def quantize_values(v, scale, INT8: tl.constexpr):
 
 
 @triton.jit
+def quantize_groups(v, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 values of GROUPS groups of GROUP columns (a block of GROUPS * GROUP) -> (their e4m3 steps,
+    still fp32, each group at its own scale; the groups' scales [GROUPS]): the per-row rule of
+    row_scale and quantize_values applied to each group, as fp8_block.quantize_per_token_group does."""
+    groups = tl.reshape(v, [GROUPS, GROUP])
+    scales = tl.maximum(tl.max(tl.abs(groups), 1), 1e-12) / 448.0
+    q = tl.clamp(groups / scales[:, None], -448.0, 448.0)
+    return tl.reshape(q, [GROUPS * GROUP]), scales
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x,
     out,

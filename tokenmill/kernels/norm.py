@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import QuantizedRows, RowQuant, pdl
-from tokenmill.kernels.fp8_quant import quantize_values, row_scale
+from tokenmill.kernels.fp8_quant import quantize_groups, quantize_values, row_scale
 from tokenmill.kernels.reference import FP8_DTYPE
 
 # The 16-bit dtypes a quantizing launch rounds its rows to before it quantizes them (as the separate
@@ -40,12 +40,14 @@ def _rms_norm_kernel(
     QUANT: tl.constexpr = None,
     INT8: tl.constexpr = False,
     STATIC: tl.constexpr = False,
+    GROUP: tl.constexpr = 0,
 ):
     """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
     then normalise in fp32, round to the input dtype, and multiply by the weight. EARLY
     (pdl.EARLY_READS): the weight is read before the PDL wait (no kernel of the step writes it).
     QUANT (the output's 16-bit dtype): the product, rounded to it, is quantized to `out`'s int8 or e4m3
-    at the row's scale (fp8_quant.row_scale's rule, STATIC: the static one), stored at scale_out."""
+    at the row's scale (fp8_quant.row_scale's rule, STATIC: the static one), stored at scale_out; with
+    GROUP, each GROUP columns at their own scale (e4m3), a row's ceil(HIDDEN / GROUP) scales at scale_out."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -63,7 +65,14 @@ def _rms_norm_kernel(
     if not EARLY:
         w = tl.load(weight + cols, mask=mask, other=0.0)
     result = normed.to(tl.float32) * w.to(tl.float32)
-    if QUANT is not None:
+    if QUANT is not None and GROUP:
+        rounded = result.to(QUANT).to(tl.float32)  # masked columns are 0, as the padding of a ragged group
+        q, scales = quantize_groups(rounded, BLOCK // GROUP, GROUP)
+        tl.store(out + row * stride_out + cols, q.to(out.dtype.element_ty), mask=mask)
+        groups = tl.arange(0, BLOCK // GROUP)
+        num_groups: tl.constexpr = (HIDDEN + GROUP - 1) // GROUP
+        tl.store(scale_out + row * num_groups + groups, scales, mask=groups < num_groups)
+    elif QUANT is not None:
         rounded = result.to(QUANT).to(tl.float32)  # masked columns are 0: they leave the amax alone
         scale = row_scale(tl.abs(rounded), static_scale, INT8, STATIC)
         q = quantize_values(rounded, scale, INT8)
@@ -94,15 +103,19 @@ def _launch(
     quant_args: dict = {}
     if quant is not None:
         out = torch.empty(rows.shape, dtype=torch.int8 if quant.int8 else FP8_DTYPE, device=x.device)
-        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+        scales = 1 if quant.group is None else triton.cdiv(hidden_size, quant.group)
+        scale = torch.empty(rows.shape[0], scales, dtype=torch.float32, device=x.device)
         quant_args = dict(
             scale_out=scale, static_scale=quant.static_scale if quant.static_scale is not None else scale,
             QUANT=_TL_DTYPES[out_dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
+            GROUP=quant.group or 0,
         )  # fmt: skip
     else:
         out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] > 0:
         block = triton.next_power_of_2(hidden_size)
+        if quant is not None and quant.group is not None:
+            block = max(block, quant.group)  # whole groups
         _rms_norm_kernel[(rows.shape[0],)](
             rows, residual_rows if residual is not None else rows, weight, out,
             residual_out if residual_out is not None else out,

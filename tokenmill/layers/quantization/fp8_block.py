@@ -11,12 +11,13 @@ per K block), elsewhere the reference (dequantize, multiply in fp32: exact).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
-from tokenmill.kernels import quant_reference, triton_kernel
+from tokenmill.kernels import QuantizedRows, RowQuant, quant_reference, triton_kernel
 from tokenmill.layers.linear import (
     LinearMethodBase,
     MergedColumnParallelLinear,
@@ -89,22 +90,40 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     return q.reshape(m, groups * group)[:, :k], scale.reshape(m, groups)
 
 
+def fp8_block_row_quant(block_k: int) -> RowQuant | None:
+    """What fp8_block_linear quantizes its input to (per token, per group of block_k columns), for the
+    launch that makes that input to do in its stores; None for a group that is not a power of two (the
+    quantizing launches take groups of whole power-of-two blocks)."""
+    if block_k & (block_k - 1):
+        return None
+    return RowQuant(False, None, functools.partial(_quantize_groups, group=block_k), group=block_k)
+
+
+def _quantize_groups(x: torch.Tensor, static_scale: None, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_token_group(x, group)
+
+
 def fp8_block_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
     block_n: int,
     block_k: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    """y = x W^T + b for W in e4m3 blocks of block_n x block_k with their scales; x quantized per token
+    and per group of block_k columns here, or already so by the launch that made it (QuantizedRows,
+    where fp8_block_row_quant asked for it)."""
+    if isinstance(x, QuantizedRows):
+        shape, dtype, x_q, x_scale = x.shape, x.dtype, x.values, x.scale
+    else:
+        shape, dtype = x.shape, x.dtype
+        x_q, x_scale = quantize_per_token_group(x.reshape(-1, shape[-1]), block_k)
     n = weight.shape[0]
-    x_q, x_scale = quantize_per_token_group(x2, block_k)
     gemm = quant_reference.fp8_block_gemm
-    if x.is_cuda and block_k >= 16 and not block_k & (block_k - 1):
+    if x_q.is_cuda and block_k >= 16 and not block_k & (block_k - 1):
         gemm = triton_kernel("fp8_block_gemm", "fp8_block_gemm") or gemm
-    y = gemm(x_q, x_scale, weight, scale_inv, block_n, block_k, x.dtype)
+    y = gemm(x_q, x_scale, weight, scale_inv, block_n, block_k, dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], n)
@@ -195,6 +214,9 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         # on a block boundary (of the layer's own blocks, create_weights).
         scale = getattr(layer, self.scale_name)
         return fp8_block_linear(x, layer.weight, scale, layer.fp8_block_n, self.block_k, bias)
+
+    def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
+        return fp8_block_row_quant(self.block_k)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, k = layer.weight.shape
