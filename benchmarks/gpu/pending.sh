@@ -14,14 +14,16 @@ case $call in
   # FP8 KV as the engine runs it, and with the W8A8 linears quantizing their own input: the norms' and
   # activation's quantizing launches of the forty-fifth session, first on a GPU here, with their tests).
   # ~470 s on the H100.
-  1) timeout 150 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py tests/kernels/test_norm.py \
-       tests/kernels/test_activation.py tests/kernels/test_fp8_quant.py tests/kernels/test_row_quant_fusion.py \
-       -p no:cacheprovider --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -4
+  1) timeout 100 python3 -m pytest -q tests/kernels/test_norm.py tests/kernels/test_activation.py \
+       tests/kernels/test_fp8_quant.py tests/kernels/test_row_quant_fusion.py -p no:cacheprovider \
+       --junitxml="$out/row_quant_tests.xml" 2>&1 | tail -4
      FP8KV_RUNS="bf16 cuda rowq0" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda throughput-8b-fp8kv-cuda ;;
   # Where the FP8 32k step's time goes; the INT4 GEMV's address patch (forty-second session): faster than
   # ~2.5 TB/s? Then the 4-bit kernels are issue-bound, and a leaner one-row kernel is the way to the INT4
   # batch-1 goal.
-  2) bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
+  2) timeout 100 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
+       --junitxml="$out/fp8_cuda_tests.xml" 2>&1 | tail -4
+     bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
      # Two-warp blocks for every launch at batch 1 and 64 (the kernel sweep: 194-200 us against the rule's
      # four-warp 211 at 64 x 4k, 377 against 382 at 16 x 32k): the Triton and CUDA steps in tiles_2w/.
      TOKENMILL_FP8_DECODE_TILES=2,1 FP8KV_BATCHES="1 64" bash benchmarks/gpu/run_all.sh "$out/tiles_2w" \
