@@ -4,6 +4,9 @@ their own: the same bits, so the same log-probabilities, with fewer quantizing l
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -24,7 +27,13 @@ def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") 
         return quantize(x, static_scale)
 
     monkeypatch.setattr(fused_linear, "ROW_QUANT_FUSION", fused)
-    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization, max_model_len=128)
+    # The references run on the CPU (on a GPU they are not captured into CUDA graphs); a small KV cache,
+    # so that the two engines of a test fit one GPU.
+    on_cpu = {"device": "cpu"} if os.environ.get(BACKEND_ENV) == "torch" else {}
+    llm = LLM(
+        path, skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization, max_model_len=128,
+        num_kv_blocks=16, **on_cpu,
+    )  # fmt: skip
     monkeypatch.setattr(fp8, "quantize_per_row", counted)
     monkeypatch.setattr(fp8_block, "quantize_per_row", counted)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -34,6 +43,8 @@ def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") 
     monkeypatch.setattr(fp8, "quantize_per_row", quantize)
     monkeypatch.setattr(fp8_block, "quantize_per_row", quantize)
     got = [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outputs]
+    del llm, outputs
+    gc.collect()  # the engine's GPU memory back before the next one
     return got, calls
 
 
