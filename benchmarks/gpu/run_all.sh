@@ -143,11 +143,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                          TOKENMILL_FP8_DECODE_CUDA=$on timeout 150 $bench decode --shape llama-3.1-8b --batch $b \
                            --max-num-seqs $b --kv-cache-dtype fp8 --out "$out/decode_8b_b${b}_kv_fp8_cuda$on.json" \
                            2>&1 | grep -E '"decode_step_ms"'; done; done ;;
-    # Issue 11's throughput ratio with the CUDA decode over the FP8 cache: bf16, then FP8 weights + FP8 KV
-    # with the Triton decode and with the CUDA one (its tiles from FP8_TILES, warps,ahead[,min_blocks]).
-    # The nano-vllm workload: bf16, then FP8 weights + FP8 KV as the engine runs them (cuda: the CUDA
-    # decode and the norms / activation quantizing for the W8A8 linears), with the quantization in
-    # the linears' own launches (rowq0) and with the Triton decode (triton). FP8KV_RUNS picks some.
+    # Issue 11's throughput ratio on the nano-vllm workload: bf16, then FP8 weights + FP8 KV as the engine
+    # runs them (cuda: the CUDA decode, its tiles from FP8_TILES = warps,ahead[,min_blocks] if set, and the
+    # norms / activation quantizing for the W8A8 linears), with the quantization in the linears' own
+    # launches (rowq0) and with the Triton decode (triton). FP8KV_RUNS picks some.
     throughput-8b-fp8kv-cuda)
       for run in ${FP8KV_RUNS:-bf16 cuda rowq0 triton}; do q=$([ $run = bf16 ] || echo "--quantization fp8 --kv-cache-dtype fp8")
         TOKENMILL_FP8_DECODE_CUDA=$([ $run = triton ] && echo 0 || echo 1) TOKENMILL_FP8_DECODE_TILES=${FP8_TILES:-} \

@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import QuantizedRows, RowQuant, pdl
-from tokenmill.kernels.fp8_quant import quantize_groups, quantize_values, row_scale
-from tokenmill.kernels.norm import _TL_DTYPES
+from tokenmill.kernels.fp8_quant import TL_DTYPES, quantize_groups, quantize_values, row_scale
 from tokenmill.kernels.reference import FP8_DTYPE
 
 _BLOCK = 1024
@@ -23,22 +22,18 @@ _QUANT_BLOCK = 16384
 def _silu_and_mul_kernel(
     x, out, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    """silu(gate) is rounded to the input dtype before the product, as torch's two ops round."""
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < INTERMEDIATE
-    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x + row * stride_x + INTERMEDIATE + cols, mask=mask, other=0.0)
-    gate32 = gate.to(tl.float32)
-    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
-    product = silu.to(tl.float32) * up.to(tl.float32)
-    tl.store(out + row * stride_out + cols, product.to(out.dtype.element_ty), mask=mask)
+    product = _silu_product(x + row * stride_x, cols, INTERMEDIATE, out.dtype.element_ty)
+    tl.store(out + row * stride_out + cols, product.to(out.dtype.element_ty), mask=cols < INTERMEDIATE)
 
 
 @triton.jit
 def _silu_product(x, cols, INTERMEDIATE: tl.constexpr, ROUND: tl.constexpr):
-    """silu(gate) * up of a row's columns `cols`, rounded to ROUND as the plain launch stores it, in fp32."""
+    """silu(gate) * up of a row's columns `cols` (zero past the row's end), rounded to ROUND (the output's
+    dtype) and held in fp32. silu(gate) is rounded to the input dtype before the product, as torch's two
+    ops round."""
     mask = cols < INTERMEDIATE
     gate = tl.load(x + cols, mask=mask, other=0.0)
     up = tl.load(x + INTERMEDIATE + cols, mask=mask, other=0.0)
@@ -115,7 +110,7 @@ def silu_and_mul_quant(x: torch.Tensor, quant: RowQuant) -> QuantizedRows:
         _silu_and_mul_quant_kernel[(rows.shape[0],)](
             rows, out, scale, quant.static_scale if quant.static_scale is not None else scale,
             rows.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
-            ROUND=_TL_DTYPES[x.dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
+            ROUND=TL_DTYPES[x.dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
             GROUP=quant.group or 0, num_warps=16 if block >= 8192 else 8 if block >= 4096 else 4,
             **pdl.launch_args(x),
         )  # fmt: skip

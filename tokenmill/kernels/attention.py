@@ -298,12 +298,9 @@ def paged_attention(
     query and the step's key and stores the step's key and value itself (one launch, not two); other
     steps run kernels/rotary.py's launch first.
     """
-    # Decodes over an FP8 cache that the CUDA kernel takes go there, rotary and all (unless it cannot be
-    # built for this GPU: then here, from then on).
-    if max_query_len == 1 and fp8_decode_cuda.takes(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc
-    ):
-        done = fp8_decode_cuda.decode_unless_unbuildable(
+    # Decodes over an FP8 cache go to the CUDA kernel, rotary and all, where it takes them and builds.
+    if max_query_len == 1:
+        done = fp8_decode_cuda.routed_decode(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
             max_seq_len=max_seq_len, num_kv_splits=num_kv_splits, k_scale=k_scale, v_scale=v_scale,
             rotary=rotary,

@@ -1,6 +1,6 @@
 """Decode attention over an e4m3 KV cache on the tensor cores (kernels/fp8_decode_attention.cu: CUDA C,
-compiled at first use by NVRTC, kernels/cuda_rtc.py), for kernels/attention.py's decode launches where
-`takes` says so. Same inputs and results as the Triton decode kernel (and the reference's
+compiled at first use by NVRTC, kernels/cuda_rtc.py), for kernels/attention.py's decode launches
+(`routed_decode`). Same inputs and results as the Triton decode kernel (and the reference's
 paged_attention): one query token a request, the cache [blocks, block_size, kv_heads, head_dim] in
 float8_e4m3fn with per-tensor k_scale and v_scale, 16-bit queries, head_dim 64 or 128, up to 16 query
 heads a KV head, pages of a multiple of 16 slots, a device of compute capability 8.9 or later.
@@ -79,12 +79,6 @@ MAX_GROUP = 16  # the MMA's 16 rows
 _MIN_KEYS_PER_SPLIT = 512  # 8 tiles a warp at least
 
 
-def takes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-          seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:  # fmt: skip
-    """Whether an FP8 decode routes here (DECODE_CUDA and `supports`), else to the Triton kernel."""
-    return DECODE_CUDA and supports(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-
-
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
              seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:  # fmt: skip
     """Whether fp8_decode_attention can compute this decode (the shapes, dtypes and device above)."""
@@ -140,10 +134,14 @@ def default_num_splits(
     return default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device, 4, _MIN_KEYS_PER_SPLIT)
 
 
-def decode_unless_unbuildable(*args, **kwargs) -> torch.Tensor | None:
-    """fp8_decode_attention(*args, **kwargs), or None (nothing written, the route turned off with a
-    warning) if NVRTC cannot build the kernel for this GPU, so the caller decodes with Triton."""
+def routed_decode(*args, **kwargs) -> torch.Tensor | None:
+    """An FP8 decode (fp8_decode_attention's arguments, its six inputs first) computed here where
+    DECODE_CUDA is on and the kernel `supports` it; None, with nothing written, where not, and where
+    NVRTC cannot build the kernel for this GPU (then the route turns itself off with a warning): the
+    caller decodes with Triton."""
     global DECODE_CUDA
+    if not (DECODE_CUDA and supports(*args[:6])):
+        return None
     try:
         return fp8_decode_attention(*args, **kwargs)
     except cuda_rtc.CudaRtcError as error:

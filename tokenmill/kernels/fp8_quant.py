@@ -12,6 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+# torch's floating dtypes as Triton's, for constexpr arguments: the dtype a launch that quantizes its own
+# output (norm.py's, activation.py's) rounds it to first, as its plain launch would store it; the quantized
+# experts' operand dtypes (fused_moe_quant.py).
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
 
 @triton.jit
 def row_scale(amax, static_scale, INT8: tl.constexpr, STATIC: tl.constexpr):

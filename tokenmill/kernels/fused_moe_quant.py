@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.fp8_quant import TL_DTYPES
 from tokenmill.kernels.fused_moe import block_pairs, store_pairs
 from tokenmill.kernels.interpreter import INTERPRETED
 from tokenmill.kernels.quant_reference import PACK, QuantExperts
@@ -113,9 +114,6 @@ def _quant_grouped_gemm(
     store_pairs(acc, out, pair, valid, rn, n_ok, pair_weights, stride_om, WEIGHTED)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def tile_k(weight: QuantExperts, block_k: int) -> int:
     """The K tile for `weight`: at most block_k, and a divisor of its group unless one group spans K (a
     scale covers each whole tile). A group that is no multiple of 16 (tl.dot's least K) has no tile: a
@@ -158,7 +156,7 @@ def quant_gemm(a, w: QuantExperts, out, layout, by_token: bool, weighted: bool, 
         TOP_K=top_k, A_BY_TOKEN=by_token, WEIGHTED=weighted, INT4=w.int4, HAS_ZERO=w.zero is not None,
         GROUP_K=w.group_size, ONE_GROUP=w.group_size >= k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", A_DTYPE=_TL_DTYPES[a.dtype],
-        W_DTYPE=_TL_DTYPES[w_dtype], SCALE_IN_W_DTYPE=w_dtype in (w.scale.dtype, torch.float32), ASM=asm,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", A_DTYPE=TL_DTYPES[a.dtype],
+        W_DTYPE=TL_DTYPES[w_dtype], SCALE_IN_W_DTYPE=w_dtype in (w.scale.dtype, torch.float32), ASM=asm,
         BF16=a.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -10,12 +10,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels import QuantizedRows, RowQuant, pdl
-from tokenmill.kernels.fp8_quant import quantize_groups, quantize_values, row_scale
+from tokenmill.kernels.fp8_quant import TL_DTYPES, quantize_groups, quantize_values, row_scale
 from tokenmill.kernels.reference import FP8_DTYPE
-
-# The 16-bit dtypes a quantizing launch rounds its rows to before it quantizes them (as the separate
-# launches' output dtype would).
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -107,7 +103,7 @@ def _launch(
         scale = torch.empty(rows.shape[0], scales, dtype=torch.float32, device=x.device)
         quant_args = dict(
             scale_out=scale, static_scale=quant.static_scale if quant.static_scale is not None else scale,
-            QUANT=_TL_DTYPES[out_dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
+            QUANT=TL_DTYPES[out_dtype], INT8=quant.int8, STATIC=quant.static_scale is not None,
             GROUP=quant.group or 0,
         )  # fmt: skip
     else:

@@ -11,7 +11,6 @@ per K block), elsewhere the reference (dequantize, multiply in fp32: exact).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -96,11 +95,7 @@ def fp8_block_row_quant(block_k: int) -> RowQuant | None:
     quantizing launches take groups of whole power-of-two blocks)."""
     if block_k & (block_k - 1):
         return None
-    return RowQuant(False, None, functools.partial(_quantize_groups, group=block_k), group=block_k)
-
-
-def _quantize_groups(x: torch.Tensor, static_scale: None, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_per_token_group(x, group)
+    return RowQuant(False, None, lambda x, _static: quantize_per_token_group(x, block_k), group=block_k)
 
 
 def fp8_block_linear(
@@ -141,6 +136,7 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         weight_scale; the same numbers, w = weight * scale). field: the config field of the block, for
         errors."""
         self.block_n, self.block_k, self.scale_name, self.field = block_n, block_k, scale_name, field
+        self._row_quant = fp8_block_row_quant(block_k)
 
     def create_weights(
         self,
@@ -216,7 +212,7 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         return fp8_block_linear(x, layer.weight, scale, layer.fp8_block_n, self.block_k, bias)
 
     def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
-        return fp8_block_row_quant(self.block_k)
+        return self._row_quant  # every batch size quantizes its input (no one-row kernel here)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, k = layer.weight.shape

@@ -82,7 +82,9 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
     def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
         if self.input_scheme is None:  # weight-only
             return None
-        return fp8_row_quant(x, layer.input_scale if self.input_scheme == "tensor" else None)
+        return self.row_quant_for_scale(x, layer.input_scale if self.input_scheme == "tensor" else None)
+
+    row_quant_for_scale = staticmethod(fp8_row_quant)  # the int8 method's own: int8_row_quant
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float() * layer.weight_scale
@@ -145,10 +147,7 @@ class CompressedTensorsInt8LinearMethod(CompressedTensorsFp8LinearMethod):
         input_scale = layer.input_scale if self.input_scheme == "tensor" else None
         return int8_linear(x, layer.weight, layer.weight_scale, bias, self.input_scheme, input_scale)
 
-    def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
-        if self.input_scheme is None:
-            return None
-        return int8_row_quant(x, layer.input_scale if self.input_scheme == "tensor" else None)
+    row_quant_for_scale = staticmethod(int8_row_quant)
 
 
 def _part_rows(layer: nn.Module, shard_id: ShardId) -> int:
