@@ -37,9 +37,10 @@ def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") 
     monkeypatch.setattr(fp8, "quantize_per_row", counted)
     monkeypatch.setattr(fp8_block, "quantize_per_row", counted)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
-    outputs = llm.generate(
-        prompt_token_ids=[[1, 5, 7, 9, 11], [1, 20]], sampling_params=params, use_tqdm=False
-    )
+    # A prefill of more rows than a GPU's one-row kernels take (kernels.SKINNY_MAX_ROWS), which multiply
+    # the 16-bit rows as they are; the decode steps after it are such.
+    prompts = [[1 + (7 * i) % 900 for i in range(14)], [2 + (11 * i) % 900 for i in range(9)]]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     monkeypatch.setattr(fp8, "quantize_per_row", quantize)
     monkeypatch.setattr(fp8_block, "quantize_per_row", quantize)
     got = [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outputs]
