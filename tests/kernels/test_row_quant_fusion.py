@@ -14,6 +14,11 @@ from tokenmill.kernels import BACKEND_ENV
 from tokenmill.layers import fused_linear
 from tokenmill.layers.quantization import fp8, fp8_block
 
+# The Triton variant on the CPU's interpreter takes ~14 s a test; its kernels' bits are
+# tests/kernels/test_norm.py's and test_activation.py's, and the torch variant runs the same wiring: -m slow
+# (the GPU calls run every test of the file).
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.slow)]
+
 
 def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") -> tuple[list, int]:
     """Greedy tokens with their top log-probabilities, and how many times an FP8 linear quantized its
@@ -49,7 +54,7 @@ def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") 
     return got, calls
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_quantization_gives_the_separate_launches_log_probabilities(
     backend: str, hf_model_dirs, monkeypatch
 ) -> None:
@@ -68,7 +73,7 @@ def test_fused_quantization_gives_the_separate_launches_log_probabilities(
         assert separate_calls == fused_calls > 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_quantization_by_groups_gives_the_separate_launches_log_probabilities(
     backend: str, tmp_path, monkeypatch
 ) -> None:
