@@ -1,6 +1,9 @@
 """Where a batch-1 decode step's device time goes: torch.profiler over one request's decode, kernels
 grouped by name, with the sum of kernel time per step against the step's wall time (the gap is the
-device waiting for the host, or launch gaps inside the graph).
+device waiting for the host, or launch gaps inside the graph). With PDL (the graphs' launches on sm_90,
+kernels/pdl.py) a kernel starts before the one ahead of it ends and its time includes that wait: the
+kernels can then sum past the wall time, and a short launch after a long one reads long. TOKENMILL_PDL=0
+gives each kernel's own time (and a slower step).
 Usage: python benchmarks/gpu/profile_decode.py [--shape llama-3.1-8b] [--output-len 256] [--out FILE]
                                               [--batch 1] [--quantization fp8|int4] [--kv-cache-dtype fp8]
                                               [--input-len 128] [--max-model-len 4096] [--decode-only]"""
@@ -80,13 +83,19 @@ def main() -> None:
         for name, (us, count) in sorted(totals.items(), key=lambda item: -item[1][0])
     ]
     total_us = sum(us for us, _ in totals.values())
+    pdl_on = os.environ.get("TOKENMILL_PDL", "1") != "0" and torch.cuda.get_device_capability()[0] >= 9
     print(f"wall {wall / steps * 1e3:.3f} ms/step, kernels {total_us / steps / 1e3:.3f} ms/step, "
-          f"{sum(count for _, count in totals.values()) / steps:.0f} kernels/step")  # fmt: skip
+          f"{sum(count for _, count in totals.values()) / steps:.0f} kernels/step, "
+          f"PDL {'on' if pdl_on else 'off'}")  # fmt: skip
+    if pdl_on and total_us / 1e6 > wall:
+        print("the kernels sum past the wall time: with PDL a launch's time includes its wait for the one "
+              "before (TOKENMILL_PDL=0 for each kernel's own)")  # fmt: skip
     for row in rows[: args.top]:
         print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['name']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"wall_ms_per_step": wall / steps * 1e3, "kernels": rows}, f, indent=2)
+            summary = {"wall_ms_per_step": wall / steps * 1e3, "kernel_ms_per_step": total_us / steps / 1e3}
+            json.dump({**summary, "pdl": pdl_on, "kernels": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
