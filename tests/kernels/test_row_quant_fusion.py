@@ -33,11 +33,12 @@ def _run(path: str, fused: bool, monkeypatch, quantization: str | None = "fp8") 
 
     monkeypatch.setattr(fused_linear, "ROW_QUANT_FUSION", fused)
     # The references run on the CPU (on a GPU they are not captured into CUDA graphs); a small KV cache,
-    # so that the two engines of a test fit one GPU.
+    # so that the two engines of a test fit one GPU; eager, since a graph's replay (prompt steps' too, in
+    # pieces) calls no Python, so nothing would count.
     on_cpu = {"device": "cpu"} if os.environ.get(BACKEND_ENV) == "torch" else {}
     llm = LLM(
         path, skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization, max_model_len=128,
-        num_kv_blocks=16, **on_cpu,
+        num_kv_blocks=16, enforce_eager=True, **on_cpu,
     )  # fmt: skip
     monkeypatch.setattr(fp8, "quantize_per_row", counted)
     monkeypatch.setattr(fp8_block, "quantize_per_row", counted)
