@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
   # Issue 11's goals on an H200 (the forty-sixth session ran this call on an H100: nano-vllm 1.437x, the
   # FP8 32k step 17.37 ms with the CUDA decode, the bf16 cache does not fit there): the model-level
-  # row-quant test with a prefill above the one-row kernels, the 16 x 32k goal step (bf16 KV, the Triton
+  # row-quant test (a prefill above the one-row kernels, eager), the 16 x 32k goal step (bf16 KV, the Triton
   # FP8 decode, the CUDA one), the CUDA decode's sweep at 16 x 32k (warps, tiles ahead, splits: is the
   # engine's four-warp rule the H200's best?), the nano-vllm ratio (bf16 and main's FP8). ~470 s.
   1) timeout 100 python3 -m pytest -q tests/kernels/test_row_quant_fusion.py -p no:cacheprovider \
