@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1 or 2). Each call applies the patches it tests
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 2 or 3). Each call applies the patches it tests
 # to the device's copy of the tree and takes them out again; run_all.sh holds the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
 call=${2:?usage: pending.sh OUTDIR CALL}
@@ -45,5 +45,9 @@ case $call in
          --shape llama-3.1-8b --batch 64 --max-num-seqs 64 --kv-cache-dtype fp8 \
          --out "$out/decode_8b_b64_kv_fp8_tiles${tiles:-rule}.json" 2>&1 | grep -E '"decode_step_ms"'; done
      TOKENMILL_PDL=0 bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
-  *) echo "CALL is 1 or 2" >&2; exit 2 ;;
+  # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), and FP8 weights with the FP8 KV
+  # cache too (the CUDA decode: one attention launch a layer, no split merge). ~300 s.
+  3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 2>&1 \
+       | grep -E '===|"decode_step_ms"|ratio_to_plan' ;;
+  *) echo "CALL is 1, 2 or 3" >&2; exit 2 ;;
 esac

@@ -3,9 +3,10 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
-#         all but server-scale and server-burst, which need a call each: --api-server-count 1, 2, 4 at 256
-#         streams, and 1, 4 with 1,000 requests at once). The -sync stages rerun with
+#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
+#         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
+#         1, 4 with 1,000 requests at once). The -sync stages rerun with
 #         --no-async-scheduling, so async and sync are compared in the same call. gpu-tests: the tests
 #         marked gpu, without the kernel tests. The server stage needs
 #         the wheels in .whl installed (README of the device tool) and a tokenizer in .gpu_assets/tokenizer.
@@ -188,6 +189,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     speculative) timeout 480 $bench speculative --shape llama-3.1-8b --out "$out/speculative_8b.json" ;;
     decode-fp8) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization fp8 \
                   --out "$out/decode_8b_fp8.json" ;;
+    # The same with the FP8 KV cache as well (the CUDA decode takes its attention, one launch a layer with
+    # its warps merged in the block), beside the goal's FP8-weights figure.
+    decode-fp8-fp8kv) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization fp8 \
+                        --kv-cache-dtype fp8 --out "$out/decode_8b_fp8_fp8kv.json" ;;
     throughput-8b-fp8) timeout 480 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 \
                          --quantization fp8 --out "$out/throughput_llama_8b_fp8.json" ;;
     # FP8 weights and an FP8 KV cache together (at 256 requests of up to 1,024 + 1,024 tokens the KV
