@@ -424,7 +424,9 @@ def test_the_grouped_kernel_matches_dequantize_then_matmul(
 @pytest.mark.parametrize(
     ("rows", "n", "k", "tiles"),  # tiles: (swap_ab, split_k, block_m) as grouped_config picks them
     [
-        (40, 16400, 256, (True, 1, 0)), (100, 16400, 256, (True, 1, 128)), (40, 48, 8192, (True, 4, 0)),
+        (40, 16400, 256, (True, 1, 0)), (40, 48, 8192, (True, 4, 0)),
+        # blocks of 128 rows over the wide weight: ~10 s on the interpreter
+        pytest.param(100, 16400, 256, (True, 1, 128), marks=pytest.mark.slow),
         (100, 48, 8192, (False, 2, 128)), (100, 40, 256, (False, 1, 128)), (20, 40, 256, (False, 1, 0)),
         (40, 40, 256, (False, 1, 0)),
         (100, 400, 256, (False, 1, 0)),  # past one wave of programs (the CPU counts 8 SMs): blocks of 64

@@ -97,25 +97,25 @@ def assert_equal_one_process(runs: list[tuple]) -> None:
 
 
 def test_tp2_equal_one_process(hf_model_dirs) -> None:
-    """KV heads that split (Llama) and that are replicated (Mistral's one KV head at TP=2); experts sliced
-    (Qwen3-MoE), and held whole (expert parallelism: 2 of Mixtral's 4 experts a rank), their partial
-    sums all-reduced or each pick sent to its expert's rank and back. (TP=4 in the slow test below: four
-    ranks on the suite's two cores took ~10 s of it.)"""
-    ep_model = hf_model_dirs["mixtral_ep"][0]
-    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in ("llama", "qwen3_moe", "mistral")]
-    runs += [(ep_model, 2, False, True), (ep_model, 2, False, "all_to_all")]
+    """KV heads that split (Llama); experts sliced (Qwen3-MoE), and held whole (expert parallelism: 2 of
+    Mixtral's 4 experts a rank), each pick sent to its expert's rank and back. (Replicated KV heads and
+    expert parallelism's all-reduced partial sums in the slow test below: each run starts a rank process,
+    ~7 s of the suite's two cores.)"""
+    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in ("llama", "qwen3_moe")]
+    runs += [(hf_model_dirs["mixtral_ep"][0], 2, False, "all_to_all")]
     assert_equal_one_process(runs)
 
 
 @pytest.mark.slow
 def test_more_architectures_schedules_and_drafters_equal_one_process(hf_model_dirs) -> None:
-    """Qwen3 and Mixtral at TP=2, Mistral's replicated KV head at TP=4 (one query head a rank);
+    """Qwen3 and Mixtral at TP=2, Mistral's replicated KV head at TP=2 and TP=4 (one query head a rank);
+    expert parallelism with its partial sums all-reduced (TP=2);
     asynchronous scheduling; expert parallelism by all-to-all at TP=4 (one expert a rank, and steps of
     fewer tokens than ranks: some ranks route none); speculative decoding, whose drafts come from rank
     0's drafter while a draft model's or the target's own layers' (layer skip) forward passes run on
     every rank, in step."""
-    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in ("qwen3", "mixtral")]
-    runs += [(hf_model_dirs["mistral"][0], 4, False)]
+    runs: list[tuple] = [(hf_model_dirs[arch][0], 2, False) for arch in ("qwen3", "mixtral", "mistral")]
+    runs += [(hf_model_dirs["mistral"][0], 4, False), (hf_model_dirs["mixtral_ep"][0], 2, False, True)]
     runs += [(hf_model_dirs["qwen3"][0], 2, True), (hf_model_dirs["mixtral_ep"][0], 4, False, "all_to_all")]
     draft_model = {"method": "draft_model", "num_speculative_tokens": 3, "model": hf_model_dirs["mistral"][0]}
     layer_skip = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1}
@@ -192,6 +192,7 @@ llm.engine.core.executor.shutdown()
 """
 
 
+@pytest.mark.slow  # ~17 s: its own rank processes; TP's numerics are the tests above, pooling's tests/models
 def test_the_pooling_runner_under_tensor_parallelism(hf_model_dirs) -> None:
     import torch
 
