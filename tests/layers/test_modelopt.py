@@ -96,6 +96,20 @@ def test_hf_quant_config_beside_a_config_without_quantization_config(tmp_path) -
     prompt_logprobs_match(load(tmp_path, quantization="fp8"), logits)  # what vLLM users pass, taken too
 
 
+def test_an_unsupported_algorithm_in_hf_quant_config_is_refused_by_its_field(tmp_path) -> None:
+    """The older form names its own file and field in the refusal (the serve CLI's one-line error for it
+    is a slow test of tests/entrypoints/test_quantized_serving.py)."""
+    make_checkpoint("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    beside = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    beside["quantization"]["quant_algo"] = "NVFP4"
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(beside))
+    with pytest.raises(ValueError, match=r"hf_quant_config.json quantization.quant_algo 'NVFP4' is not"):
+        load(tmp_path)
+
+
 def test_kv_cache_scales_are_read_and_used(tmp_path) -> None:
     logits = make_checkpoint("llama", tmp_path, kv=True)
     stored = load_file(str(tmp_path / "model.safetensors"))
