@@ -4,7 +4,6 @@ and the checkpoints the engine refuses, each one error line naming the field and
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from tokenmill import LLM, SamplingParams
 from .openai.conftest import REPO, ServerProcess
 
 pytest.importorskip("modelopt.torch.quantization")
-from tests.layers.test_modelopt import make_checkpoint  # noqa: E402
+from tests.layers.test_modelopt import as_hf_quant_config_only, make_checkpoint  # noqa: E402
 
 PROMPT = [3, 17, 250, 9, 41, 77]
 ENGINE_ARGS = [
@@ -77,12 +76,7 @@ def refused_checkpoints(checkpoint: Path, root: Path) -> dict[str, tuple[list[st
         path.mkdir()
         for name in ("config.json", "hf_quant_config.json", "model.safetensors"):
             (path / name).write_bytes((checkpoint / name).read_bytes())
-    config = json.loads((nvfp4 / "config.json").read_text())
-    del config["quantization_config"]
-    (nvfp4 / "config.json").write_text(json.dumps(config))
-    beside = json.loads((nvfp4 / "hf_quant_config.json").read_text())
-    beside["quantization"]["quant_algo"] = "NVFP4"
-    (nvfp4 / "hf_quant_config.json").write_text(json.dumps(beside))
+    as_hf_quant_config_only(nvfp4, quant_algo="NVFP4")
     tensors = load_file(str(missing / "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.input_scale"]
     save_file(tensors, str(missing / "model.safetensors"))

@@ -85,12 +85,21 @@ def test_fp8_per_channel_per_token(tmp_path) -> None:
     prompt_logprobs_match(llm, logits)
 
 
+def as_hf_quant_config_only(path, **quantization) -> None:
+    """A checkpoint's config.json without its quantization_config, as the older exports are (they say it
+    only in hf_quant_config.json), with `quantization`'s fields changed in that file."""
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    beside = json.loads((path / "hf_quant_config.json").read_text())
+    beside["quantization"].update(quantization)
+    (path / "hf_quant_config.json").write_text(json.dumps(beside))
+
+
 def test_hf_quant_config_beside_a_config_without_quantization_config(tmp_path) -> None:
     """The older exports (and many nvidia/*-FP8 models on the hub) say it only in hf_quant_config.json."""
     logits = make_checkpoint("llama", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    del config["quantization_config"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    as_hf_quant_config_only(tmp_path)
     assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8"
     prompt_logprobs_match(load(tmp_path), logits)
     prompt_logprobs_match(load(tmp_path, quantization="fp8"), logits)  # what vLLM users pass, taken too
@@ -100,12 +109,7 @@ def test_an_unsupported_algorithm_in_hf_quant_config_is_refused_by_its_field(tmp
     """The older form names its own file and field in the refusal (the serve CLI's one-line error for it
     is a slow test of tests/entrypoints/test_quantized_serving.py)."""
     make_checkpoint("llama", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    del config["quantization_config"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    beside = json.loads((tmp_path / "hf_quant_config.json").read_text())
-    beside["quantization"]["quant_algo"] = "NVFP4"
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps(beside))
+    as_hf_quant_config_only(tmp_path, quant_algo="NVFP4")
     with pytest.raises(ValueError, match=r"hf_quant_config.json quantization.quant_algo 'NVFP4' is not"):
         load(tmp_path)
 
