@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import dummy_llm  # noqa: E402
 
 from tokenmill import SamplingParams  # noqa: E402
+from tokenmill.kernels import pdl  # noqa: E402
 
 
 def profiled(llm, prompt, params) -> tuple[float, dict[str, tuple[float, int]]]:
@@ -83,7 +84,7 @@ def main() -> None:
         for name, (us, count) in sorted(totals.items(), key=lambda item: -item[1][0])
     ]
     total_us = sum(us for us, _ in totals.values())
-    pdl_on = os.environ.get("TOKENMILL_PDL", "1") != "0" and torch.cuda.get_device_capability()[0] >= 9
+    pdl_on = pdl._device_supports(None)  # the graphs' launches use PDL here (TOKENMILL_PDL, sm_90+)
     print(f"wall {wall / steps * 1e3:.3f} ms/step, kernels {total_us / steps / 1e3:.3f} ms/step, "
           f"{sum(count for _, count in totals.values()) / steps:.0f} kernels/step, "
           f"PDL {'on' if pdl_on else 'off'}")  # fmt: skip

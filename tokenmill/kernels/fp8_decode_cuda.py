@@ -134,16 +134,19 @@ def default_num_splits(
     return default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device, 4, _MIN_KEYS_PER_SPLIT)
 
 
-def routed_decode(*args, **kwargs) -> torch.Tensor | None:
-    """An FP8 decode (fp8_decode_attention's arguments, its six inputs first) computed here where
-    DECODE_CUDA is on and the kernel `supports` it; None, with nothing written, where not, and where
-    NVRTC cannot build the kernel for this GPU (then the route turns itself off with a warning): the
-    caller decodes with Triton."""
+def routed_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *args, **kwargs,
+) -> torch.Tensor | None:  # fmt: skip
+    """An FP8 decode (fp8_decode_attention's arguments) computed here where DECODE_CUDA is on and the
+    kernel `supports` it; None, with nothing written, where not, and where NVRTC cannot build the kernel
+    for this GPU (then the route turns itself off with a warning): the caller decodes with Triton."""
     global DECODE_CUDA
-    if not (DECODE_CUDA and supports(*args[:6])):
+    inputs = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if not (DECODE_CUDA and supports(*inputs)):
         return None
     try:
-        return fp8_decode_attention(*args, **kwargs)
+        return fp8_decode_attention(*inputs, *args, **kwargs)
     except cuda_rtc.CudaRtcError as error:
         DECODE_CUDA = False
         logger.warning("the CUDA FP8 decode does not build here, decoding with Triton: %s", error)
