@@ -28,6 +28,10 @@ SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 # one-row kernel stays faster (7.6 / 5.1 / 20.2 / 11.0 against 7.5 / 5.4 / 23.8 / 15.2): MIN_ROWS 2.
 MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
 MIN_ROWS = 2
+# Whether the kernel takes the magic and zero point off a chunk's sums (LEAN in the .cu: one instruction a
+# pair of values fewer) instead of off each pair. Off until an A/B on a device says it is faster
+# (TOKENMILL_INT4_MMA_LEAN=1 turns it on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times both).
+LEAN = os.environ.get("TOKENMILL_INT4_MMA_LEAN", "0") == "1"
 MAX_ROWS = 8  # the MMA's eight columns
 CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
 _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -99,9 +103,11 @@ def w4a16_gemv_mma(
     bias: torch.Tensor | None = None,
     fusion: GemvFusion | None = None,
     config: MmaConfig | None = None,
+    lean: bool | None = None,
 ) -> torch.Tensor:
     """x [..., K] (1-8 rows) @ W^T (+ bias) -> [..., N] in x's dtype; with fusion.silu_mul the weight is
-    gate || up and silu(gate) * up is returned ([..., N / 2]), rounded where the separate launches round."""
+    gate || up and silu(gate) * up is returned ([..., N / 2]), rounded where the separate launches round.
+    lean: the LEAN variant (by default the module's LEAN)."""
     if not supports(x, w_packed, scale, zero, group_size):
         raise ValueError("w4a16_gemv_mma does not take these shapes (see supports)")
     x2 = x.reshape(-1, x.shape[-1])
@@ -114,6 +120,7 @@ def w4a16_gemv_mma(
     defines = dict(
         BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
         GATED=int(fused.gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages,
+        LEAN=int(LEAN if lean is None else lean),
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
 
