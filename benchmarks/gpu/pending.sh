@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 2 or 3). Each call applies the patches it tests
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1 to 4). Each call applies the patches it tests
 # to the device's copy of the tree and takes them out again; run_all.sh holds the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
 call=${2:?usage: pending.sh OUTDIR CALL}
@@ -26,28 +26,33 @@ case $call in
      bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
      FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
      FP8KV_RUNS="bf16 cuda" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
-  # What the forty-sixth session's H100 call left open. The INT4 GEMV's address patch (forty-second
-  # session; its first run applied only in part and failed, rebased since): faster than ~2.5 TB/s? Then the
-  # 4-bit kernels are issue-bound, and a leaner one-row kernel is the way to the INT4 batch-1 goal. The
-  # CUDA FP8 decode with two-warp blocks at batch 64 against the engine's four-warp rule, in one call
-  # (against the Triton decode two-warp blocks gained 2.7% at 64 where the rule had gained -0.2% in the
-  # forty-fourth session's call). The 32k step's profile without PDL: with it a launch's time includes
-  # its wait for the one before (the split merge read 173 us a layer). ~400 s on an H100.
+  # The INT4 GEMV's two prepared changes, by shape and end to end: the LEAN variant on main (the magic and
+  # zero point off each chunk's sums: mma_lean beside mma in the same process) and the address patch
+  # (forty-second session, rebased on LEAN; 390 -> 317 sm_90 instructions an iteration at gate+up's tile,
+  # 284 with LEAN), its tests, its timings, and batch-1 decode with the one-row GEMVs on it. Faster than
+  # ~2.5 TB/s (H200) with fewer instructions: the 4-bit kernels are issue-bound. ~450 s.
   2) INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_main bash benchmarks/gpu/run_all.sh "$out" int4-mma
      patch_file=docs/results/h100-2026-12-07-s46/prepared-int4-mma-addresses.patch
      if apply $patch_file; then
        INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_addr bash benchmarks/gpu/run_all.sh "$out" \
          int4-mma-tests int4-mma
+       INT4_TAG=_addr bash benchmarks/gpu/run_all.sh "$out" decode-int4-mma-one-row
        apply $patch_file -R
-     fi
-     for tiles in "" 2,1 "" 2,1; do echo "tiles ${tiles:-rule}"
+     fi ;;
+  # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), FP8 weights with the FP8 KV cache
+  # too (the CUDA decode: one attention launch a layer, no split merge), and INT4 with its one-row GEMVs
+  # on the CUDA kernel, plain and LEAN (main's Triton one-row kernels in decode-int4). ~450 s.
+  3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 decode-int4-mma-one-row \
+       2>&1 | grep -E '===|"decode_step_ms"|ratio_to_plan|lean' ;;
+  # What the forty-sixth session's H100 call left open, least wanted: the CUDA FP8 decode with two-warp
+  # blocks at batch 64 against the engine's four-warp rule, in one call (against the Triton decode two-warp
+  # blocks gained 2.7% at 64 where the rule had gained -0.2% in the forty-fourth session's call); the 32k
+  # step's profile without PDL (with it a launch's time includes its wait for the one before: the split
+  # merge read 173 us a layer). ~250 s on an H100.
+  4) for tiles in "" 2,1 "" 2,1; do echo "tiles ${tiles:-rule}"
        TOKENMILL_FP8_DECODE_TILES=$tiles timeout 150 python3 benchmarks/gpu/bench_engine.py decode \
          --shape llama-3.1-8b --batch 64 --max-num-seqs 64 --kv-cache-dtype fp8 \
          --out "$out/decode_8b_b64_kv_fp8_tiles${tiles:-rule}.json" 2>&1 | grep -E '"decode_step_ms"'; done
      TOKENMILL_PDL=0 bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
-  # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), and FP8 weights with the FP8 KV
-  # cache too (the CUDA decode: one attention launch a layer, no split merge). ~300 s.
-  3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 2>&1 \
-       | grep -E '===|"decode_step_ms"|ratio_to_plan' ;;
-  *) echo "CALL is 1, 2 or 3" >&2; exit 2 ;;
+  *) echo "CALL is 1, 2, 3 or 4" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync speculative prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
 #         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
 #         1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -252,6 +252,13 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                  done; done ;;
     decode-int4) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
                    --out "$out/decode_8b_int4.json" ;;
+    # decode-int4 with its one-row GEMVs on the CUDA tensor-core kernel (MIN_ROWS 1), plain and LEAN, where
+    # decode-int4 takes the Triton one-row kernels (INT4_TAG names the JSON apart, for a patched tree).
+    decode-int4-mma-one-row) for lean in 0 1; do echo "int4 one row on the CUDA kernel, lean $lean"
+                   TOKENMILL_INT4_MMA_MIN_ROWS=1 TOKENMILL_INT4_MMA_LEAN=$lean timeout 200 $bench decode \
+                     --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
+                     --out "$out/decode_8b_int4_mma1_lean$lean${INT4_TAG:-}.json" | grep -E "decode_step_ms|ratio_to_plan"
+                   done ;;
     # INT4 beside bf16 where batches are more than one row: the GEMMs at every batch size (which kernel
     # the INT4 linears take there), decode steps at batch 16 and 64, and the nano-vllm workload.
     int4-batches)

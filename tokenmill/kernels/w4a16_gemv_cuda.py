@@ -25,9 +25,10 @@ SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 # Whether the INT4 linears route MIN_ROWS-8 rows here (TOKENMILL_INT4_MMA_GEMV=0 turns it off). H200,
 # 2026-12-06: at 4 rows the 8B linears take 7.8 / 5.8 / 24.7 / 15.5 us (QKV, O, gate+up, down) where the
 # Triton tensor-core kernel the engine ran there took 14.9 / 11.9 / 47.0 / 26.0; at one row the Triton
-# one-row kernel stays faster (7.6 / 5.1 / 20.2 / 11.0 against 7.5 / 5.4 / 23.8 / 15.2): MIN_ROWS 2.
+# one-row kernel stays faster (7.6 / 5.1 / 20.2 / 11.0 against 7.5 / 5.4 / 23.8 / 15.2): MIN_ROWS 2
+# (TOKENMILL_INT4_MMA_MIN_ROWS=1 routes one row here too, for the benchmarks' A/B).
 MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
-MIN_ROWS = 2
+MIN_ROWS = int(os.environ.get("TOKENMILL_INT4_MMA_MIN_ROWS", "2"))
 # Whether the kernel takes the magic and zero point off a chunk's sums (LEAN in the .cu: one instruction a
 # pair of values fewer) instead of off each pair. Off until an A/B on a device says it is faster
 # (TOKENMILL_INT4_MMA_LEAN=1 turns it on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times both).
