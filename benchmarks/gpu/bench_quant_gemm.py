@@ -23,8 +23,8 @@ weight dequantized for cuBLAS, and that dequantization alone), so its row bounds
 --int4-mma times the tensor-core INT4 GEMV (kernels/w4a16_gemv_cuda.py) against the Triton one-row kernels
 the engine ran before it (skinny_gemm.w4a16_skinny at its default tiles) at --rows (1-8), both launched
 with PDL inside the graph as the decode step launches them, gate+up also with SiLU-and-multiply in the
-store (GemvFusion), with and without its LEAN variant (mma, mma_lean), and sweeps the CUDA kernel's
-(warps, tiles, stages).
+store (GemvFusion), with and without its LEAN variant and its main loop unrolled twice (mma, mma_lean,
+mma_u2, mma_lean_u2), and sweeps the CUDA kernel's (warps, tiles, stages).
 
 --int8-gemm sweeps the INT8 W8A8 GEMM's tiles at --rows (past the skinny kernel's 16) beside bf16 cuBLAS
 and cuBLAS's int8 GEMM (torch._int_mm); --grouped-sweep sweeps GPTQ 8-bit's grouped W8A16 kernel.
@@ -366,8 +366,11 @@ def int4_mma_case(name: str, rows: int, sweep: bool = True) -> dict:
     mma = w4a16_gemv_cuda.w4a16_gemv_mma
     paths = {
         "triton": w4a16_skinny if rows <= MAX_GEMV_ROWS else None,
-        "mma": lambda *a, **kw: mma(*a, lean=False, **kw),
-        "mma_lean": lambda *a, **kw: mma(*a, lean=True, **kw),  # (LEAN in the .cu)
+        "mma": lambda *a, **kw: mma(*a, lean=False, unroll=1, **kw),
+        # (LEAN, and UNROLL 2, in the .cu)
+        "mma_lean": lambda *a, **kw: mma(*a, lean=True, unroll=1, **kw),
+        "mma_u2": lambda *a, **kw: mma(*a, lean=False, unroll=2, **kw),
+        "mma_lean_u2": lambda *a, **kw: mma(*a, lean=True, unroll=2, **kw),
     }
     fusions = [None, GemvFusion(silu_mul=True)] if name == "gate_up" else [None]
     tiles = -(-n // 16)

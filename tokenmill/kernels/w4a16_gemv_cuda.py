@@ -33,6 +33,10 @@ MIN_ROWS = int(os.environ.get("TOKENMILL_INT4_MMA_MIN_ROWS", "2"))
 # pair of values fewer) instead of off each pair. Off until an A/B on a device says it is faster
 # (TOKENMILL_INT4_MMA_LEAN=1 turns it on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times both).
 LEAN = os.environ.get("TOKENMILL_INT4_MMA_LEAN", "0") == "1"
+# Chunks an iteration of the kernel's main loop (UNROLL in the .cu): 2 reads the activations a chunk ahead
+# without copying registers, for more registers a thread. 1 until a device says otherwise
+# (TOKENMILL_INT4_MMA_UNROLL=2).
+UNROLL = int(os.environ.get("TOKENMILL_INT4_MMA_UNROLL", "1"))
 MAX_ROWS = 8  # the MMA's eight columns
 CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
 _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -105,10 +109,11 @@ def w4a16_gemv_mma(
     fusion: GemvFusion | None = None,
     config: MmaConfig | None = None,
     lean: bool | None = None,
+    unroll: int | None = None,
 ) -> torch.Tensor:
     """x [..., K] (1-8 rows) @ W^T (+ bias) -> [..., N] in x's dtype; with fusion.silu_mul the weight is
     gate || up and silu(gate) * up is returned ([..., N / 2]), rounded where the separate launches round.
-    lean: the LEAN variant (by default the module's LEAN)."""
+    lean, unroll: the LEAN variant and the main loop's unrolling (by default the module's LEAN, UNROLL)."""
     if not supports(x, w_packed, scale, zero, group_size):
         raise ValueError("w4a16_gemv_mma does not take these shapes (see supports)")
     x2 = x.reshape(-1, x.shape[-1])
@@ -121,7 +126,7 @@ def w4a16_gemv_mma(
     defines = dict(
         BF16=int(x.dtype == torch.bfloat16), SCALE=_SCALES[scale.dtype], HAS_ZERO=int(zero is not None),
         GATED=int(fused.gated), WARPS=config.warps, TILES=config.tiles, STAGES=config.stages,
-        LEAN=int(LEAN if lean is None else lean),
+        LEAN=int(LEAN if lean is None else lean), UNROLL=UNROLL if unroll is None else unroll,
     )  # fmt: skip
     kernel = cuda_rtc.kernel(SOURCE, "w4a16_gemv_mma", x.device, defines)
 

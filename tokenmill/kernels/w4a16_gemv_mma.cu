@@ -31,7 +31,8 @@
 // Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
 // gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
 // silu(gate) * up with the separate launches' roundings), WARPS, TILES (16-row tiles a block), STAGES
-// (ring slots a warp, >= 2), LEAN. Dynamic shared memory: WARPS * STAGES * TILES KB.
+// (ring slots a warp, >= 2), LEAN, UNROLL (chunks an iteration of the main loop: 1 or 2). Dynamic shared
+// memory: WARPS * STAGES * TILES KB.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -244,6 +245,10 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
 #endif
   }
 
+  // UNROLL 2: two chunks an iteration, so that the activations read a chunk ahead change registers by
+  // renaming instead of 16 moves a chunk.
+  constexpr int unroll = UNROLL;
+#pragma unroll unroll
   for (int j = 0; j < mine; ++j) {
     const int c = warp + j * WARPS;
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");  // chunk j has landed
