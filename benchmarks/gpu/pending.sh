@@ -26,11 +26,13 @@ case $call in
      bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
      FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
      FP8KV_RUNS="bf16 cuda" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
-  # The INT4 GEMV's two prepared changes, by shape and end to end: the LEAN variant on main (the magic and
-  # zero point off each chunk's sums: mma_lean beside mma in the same process) and the address patch
-  # (forty-second session, rebased on LEAN; 390 -> 317 sm_90 instructions an iteration at gate+up's tile,
-  # 284 with LEAN), its tests, its timings, and batch-1 decode with the one-row GEMVs on it. Faster than
-  # ~2.5 TB/s (H200) with fewer instructions: the 4-bit kernels are issue-bound. ~450 s.
+  # The INT4 GEMV's prepared changes, by shape and end to end: on main LEAN (the magic and zero point off
+  # each chunk's sums) and UNROLL 2 (two chunks an iteration: no register copies), timed as mma, mma_lean,
+  # mma_u2, mma_lean_u2 in one process; then the address patch (forty-second session, rebased), its tests,
+  # the same four and batch-1 decode with the one-row GEMVs on it. sm_90 instructions an iteration at
+  # gate+up / down's tiles: main 390 / 257, LEAN 346 / 242, both 316 / 227; with the patch 317 / 223,
+  # 284 / 209, 256 / 158. Faster than ~2.5 TB/s (H200) with fewer: the 4-bit kernels are issue-bound.
+  # ~450 s.
   2) INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_main bash benchmarks/gpu/run_all.sh "$out" int4-mma
      patch_file=docs/results/h100-2026-12-07-s46/prepared-int4-mma-addresses.patch
      if apply $patch_file; then
@@ -41,7 +43,7 @@ case $call in
      fi ;;
   # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), FP8 weights with the FP8 KV cache
   # too (the CUDA decode: one attention launch a layer, no split merge), and INT4 with its one-row GEMVs
-  # on the CUDA kernel, plain and LEAN (main's Triton one-row kernels in decode-int4). ~450 s.
+  # on the CUDA kernel, plain and LEAN unrolled (main's Triton one-row kernels in decode-int4). ~450 s.
   3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 decode-int4-mma-one-row \
        2>&1 | grep -E '===|"decode_step_ms"|ratio_to_plan|lean' ;;
   # What the forty-sixth session's H100 call left open, least wanted: the CUDA FP8 decode with two-warp

@@ -252,12 +252,15 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                  done; done ;;
     decode-int4) timeout 300 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
                    --out "$out/decode_8b_int4.json" ;;
-    # decode-int4 with its one-row GEMVs on the CUDA tensor-core kernel (MIN_ROWS 1), plain and LEAN, where
-    # decode-int4 takes the Triton one-row kernels (INT4_TAG names the JSON apart, for a patched tree).
-    decode-int4-mma-one-row) for lean in 0 1; do echo "int4 one row on the CUDA kernel, lean $lean"
-                   TOKENMILL_INT4_MMA_MIN_ROWS=1 TOKENMILL_INT4_MMA_LEAN=$lean timeout 200 $bench decode \
-                     --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
-                     --out "$out/decode_8b_int4_mma1_lean$lean${INT4_TAG:-}.json" | grep -E "decode_step_ms|ratio_to_plan"
+    # decode-int4 with its one-row GEMVs on the CUDA tensor-core kernel (MIN_ROWS 1) where decode-int4
+    # takes the Triton one-row kernels: INT4_ONE_ROW lists its variants as LEAN,UNROLL (default plain, and
+    # LEAN unrolled twice); INT4_TAG names the JSON apart, for a patched tree.
+    decode-int4-mma-one-row) for v in ${INT4_ONE_ROW:-0,1 1,2}; do lean=${v%,*} unroll=${v#*,}
+                   echo "int4 one row on the CUDA kernel, lean $lean unroll $unroll"
+                   TOKENMILL_INT4_MMA_MIN_ROWS=1 TOKENMILL_INT4_MMA_LEAN=$lean TOKENMILL_INT4_MMA_UNROLL=$unroll \
+                     timeout 200 $bench decode --shape llama-3.1-8b --max-num-seqs 64 --quantization int4 \
+                     --out "$out/decode_8b_int4_mma1_lean${lean}_u$unroll${INT4_TAG:-}.json" \
+                     | grep -E "decode_step_ms|ratio_to_plan"
                    done ;;
     # INT4 beside bf16 where batches are more than one row: the GEMMs at every batch size (which kernel
     # the INT4 linears take there), decode steps at batch 16 and 64, and the nano-vllm workload.
