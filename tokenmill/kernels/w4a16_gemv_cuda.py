@@ -1,11 +1,11 @@
 """The 4-bit GEMV on the tensor cores for decode's 1-8 rows (kernels/w4a16_gemv_mma.cu: CUDA C, compiled
 at first use by NVRTC, kernels/cuda_rtc.py). Same layout and results as skinny_gemm.w4a16_skinny, whose
 Triton kernels it stands in for at 2-8 rows where it takes the shapes (`takes`; at one row the Triton
-one-row kernel is faster): 16-bit activations, K a multiple of
-128, groups a multiple of 128 or one group a row (channelwise), a device of compute capability 8.0 or
-later with NVRTC loadable. Why CUDA: its operands go from the loaded words to the MMA's fragments with no
-shuffle (the sum over K may take the values in any order A and B share), which Triton's layouts do not
-let a kernel say; the Triton one-row kernels spend 16-28 instructions a word on the CUDA cores.
+one-row kernel is faster): 16-bit activations, K a multiple of 128, groups of 128 times a power of two
+or one group a row (channelwise), a device of compute capability 8.0 or later with NVRTC loadable. Why
+CUDA: its operands go from the loaded words to the MMA's fragments with no shuffle (the sum over K may
+take the values in any order A and B share), which Triton's layouts do not let a kernel say; the Triton
+one-row kernels spend 16-28 instructions a word on the CUDA cores.
 
 MMA_GEMV decides whether the INT4 linears (int4_gemm.w4a16_linear, layers/quantization/int4.py) route to
 it; docs/performance.md has the A/B.
@@ -88,7 +88,7 @@ def supports(
         return False
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 1 <= rows <= MAX_ROWS or k % CHUNK or (group_size % CHUNK and group_size < k):
+    if not 1 <= rows <= MAX_ROWS or k % CHUNK or (group_size < k and not _power_of_two_chunks(group_size)):
         return False
     if scale.dtype not in _SCALES or w_packed.stride(-1) != 1 or scale.stride(-1) != 1:
         return False
@@ -97,6 +97,17 @@ def supports(
     if zero is not None and (zero.dtype != torch.int8 or zero.stride(-1) != 1):
         return False
     return cuda_rtc.runs_on(x.device, (8, 0))
+
+
+def _power_of_two_chunks(group_size: int) -> bool:
+    """Whether a group is 2^s chunks: the kernel finds a chunk's group by a shift."""
+    chunks = group_size // CHUNK
+    return group_size % CHUNK == 0 and chunks & (chunks - 1) == 0
+
+
+def _group_shift(group_size: int, k: int) -> int:
+    """The shift that takes a chunk's index to its group's (31 where one group covers K)."""
+    return 31 if group_size >= k else (group_size // CHUNK).bit_length() - 1
 
 
 def w4a16_gemv_mma(
@@ -138,7 +149,7 @@ def w4a16_gemv_mma(
             args=[
                 x2, w_packed, scale, zero if zero is not None else scale, out, m, out.shape[1], k,
                 x2.stride(0), w_packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
-                out.stride(0), min(group_size, k),
+                out.stride(0), _group_shift(group_size, k),
             ],
             pdl=pdl.enabled(x2),
         )  # fmt: skip
