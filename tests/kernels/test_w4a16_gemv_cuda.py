@@ -198,16 +198,20 @@ def test_supports_only_what_it_can() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 9])
-def test_int4_linear_routes_decode_rows_here(monkeypatch, rows) -> None:
-    """MIN_ROWS-8 rows (at one row the Triton one-row kernel is faster)."""
+@pytest.mark.parametrize("long_weight", [False, True])
+def test_int4_linear_routes_decode_rows_here(monkeypatch, rows, long_weight) -> None:
+    """MIN_ROWS-8 rows, and one row of a weight of at most ONE_ROW_MAX_VALUES values (a longer one stays on
+    the Triton one-row kernel, faster there); the bound is lowered here to keep the weights small."""
     assert w4a16_gemv_cuda.MMA_GEMV and w4a16_gemv_cuda.MIN_ROWS == 2
+    monkeypatch.setattr(w4a16_gemv_cuda, "ONE_ROW_MAX_VALUES", 40 * 512)
     taken = []
     real = w4a16_gemv_cuda.w4a16_gemv_mma
     monkeypatch.setattr(w4a16_gemv_cuda, "w4a16_gemv_mma", lambda *a, **kw: taken.append(1) or real(*a, **kw))
-    packed, scale, zero = weight(40, 512, 128, True, torch.bfloat16, seed=rows)
+    n = 48 if long_weight else 40
+    packed, scale, zero = weight(n, 512, 128, True, torch.bfloat16, seed=rows)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     got = int4_gemm.w4a16_linear(x, packed, scale, zero, 128)
-    assert taken == ([1] if 2 <= rows <= 8 else [])
+    assert taken == ([1] if 2 <= rows <= 8 or (rows == 1 and not long_weight) else [])
     assert_close(got, reference(x, packed, scale, zero, 128))
 
 

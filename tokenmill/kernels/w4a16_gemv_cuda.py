@@ -1,7 +1,7 @@
 """The 4-bit GEMV on the tensor cores for decode's 1-8 rows (kernels/w4a16_gemv_mma.cu: CUDA C, compiled
 at first use by NVRTC, kernels/cuda_rtc.py). Same layout and results as skinny_gemm.w4a16_skinny, whose
-Triton kernels it stands in for at 2-8 rows where it takes the shapes (`takes`; at one row the Triton
-one-row kernel is faster): 16-bit activations, K a multiple of 128, groups of 128 times a power of two
+Triton kernels it stands in for at 2-8 rows where it takes the shapes, and at one row for the shorter
+weights (`takes`; the Triton one-row kernel is faster on the long ones): 16-bit activations, K a multiple of 128, groups of 128 times a power of two
 or one group a row (channelwise), a device of compute capability 8.0 or later with NVRTC loadable. Why
 CUDA: its operands go from the loaded words to the MMA's fragments with no shuffle (the sum over K may
 take the values in any order A and B share), which Triton's layouts do not let a kernel say; the Triton
@@ -29,6 +29,11 @@ SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
 # (TOKENMILL_INT4_MMA_MIN_ROWS=1 routes one row here too, for the benchmarks' A/B).
 MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
 MIN_ROWS = int(os.environ.get("TOKENMILL_INT4_MMA_MIN_ROWS", "2"))
+# One row comes here too where the weight has at most ONE_ROW_MAX_VALUES values: the short GEMVs, where
+# the one-row kernels' ramp weighs most. H100, 2026-12-07, one row, with the running addresses: QKV 7.41
+# and O 5.05 us here against 8.30 and 5.66 for the one-row kernels; gate+up (with its SiLU) 25.3 and down
+# 14.4 against 23.8 and 12.8, which stay there. TOKENMILL_INT4_MMA_ONE_ROW_MAX=0 turns it off.
+ONE_ROW_MAX_VALUES = int(os.environ.get("TOKENMILL_INT4_MMA_ONE_ROW_MAX", str(1 << 25)))
 # Whether the kernel takes the magic and zero point off a chunk's sums (LEAN in the .cu: one instruction a
 # pair of values fewer) instead of off each pair. Off until an A/B on a device says it is faster
 # (TOKENMILL_INT4_MMA_LEAN=1 turns it on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times both).
@@ -74,10 +79,11 @@ def default_config(n_tiles: int, k: int) -> MmaConfig:
 def takes(
     x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> bool:
-    """Whether the INT4 linears route this product here (MMA_GEMV, at least MIN_ROWS rows, `supports`),
-    else to the Triton kernels."""
+    """Whether the INT4 linears route this product here (MMA_GEMV; at least MIN_ROWS rows, or one row of
+    a weight of at most ONE_ROW_MAX_VALUES values; `supports`), else to the Triton kernels."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return MMA_GEMV and rows >= MIN_ROWS and supports(x, w_packed, scale, zero, group_size)
+    short = rows == 1 and w_packed.shape[0] * x.shape[-1] <= ONE_ROW_MAX_VALUES
+    return MMA_GEMV and (rows >= MIN_ROWS or short) and supports(x, w_packed, scale, zero, group_size)
 
 
 def supports(
