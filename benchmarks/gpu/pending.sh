@@ -26,26 +26,21 @@ case $call in
      bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
      FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
      FP8KV_RUNS="bf16 cuda" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
-  # The INT4 GEMV's prepared changes, by shape and end to end: on main LEAN (the magic and zero point off
-  # each chunk's sums) and UNROLL 2 (two chunks an iteration: no register copies), timed as mma, mma_lean,
-  # mma_u2, mma_lean_u2 in one process; then the address patch (forty-second session, rebased), its tests,
-  # the same four and batch-1 decode with the one-row GEMVs on it. sm_90 instructions an iteration at
-  # gate+up / down's tiles: main 390 / 257, LEAN 346 / 242, both 316 / 227; with the patch 317 / 223,
-  # 284 / 209, 256 / 158. Faster than ~2.5 TB/s (H200) with fewer: the 4-bit kernels are issue-bound.
-  # ~450 s.
-  2) INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_main bash benchmarks/gpu/run_all.sh "$out" int4-mma
-     patch_file=docs/results/h100-2026-12-07-s46/prepared-int4-mma-addresses.patch
-     if apply $patch_file; then
-       INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 INT4_MMA_TAG=_addr bash benchmarks/gpu/run_all.sh "$out" \
-         int4-mma-tests int4-mma
-       INT4_TAG=_addr bash benchmarks/gpu/run_all.sh "$out" decode-int4-mma-one-row
-       apply $patch_file -R
-     fi ;;
+  # The INT4 GEMV on an H200 (the forty-seventh session's H100 call: the running addresses 10-12% faster,
+  # on main since; LEAN and UNROLL 2 no faster there, where the kernel already reads 85-90% of the copy
+  # bandwidth; on the H200 it reads ~58%, where fewer instructions should show if anything does): the
+  # four variants by shape at 1 and 4 rows beside the Triton one-row kernel (is the one-row rule's
+  # bound, QKV and O to the CUDA kernel, right there too?), and batch-1 decode with the rule off and on,
+  # alternated (the H100 call ran out of device time before it). ~350 s.
+  2) INT4_MMA_NO_SWEEP=1 INT4_MMA_ROWS=1,4 bash benchmarks/gpu/run_all.sh "$out" int4-mma
+     for v in 0 "" 0 ""; do echo "one-row bound ${v:-default}"
+       TOKENMILL_INT4_MMA_ONE_ROW_MAX=$v timeout 150 python3 benchmarks/gpu/bench_engine.py decode \
+         --shape llama-3.1-8b --max-num-seqs 4 --quantization int4 \
+         --out "$out/decode_8b_int4_onerow${v:-default}.json" 2>&1 | grep -E '"decode_step_ms"'; done ;;
   # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), FP8 weights with the FP8 KV cache
-  # too (the CUDA decode: one attention launch a layer, no split merge), and INT4 with its one-row GEMVs
-  # on the CUDA kernel, plain and LEAN unrolled (main's Triton one-row kernels in decode-int4). ~450 s.
-  3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 decode-int4-mma-one-row \
-       2>&1 | grep -E '===|"decode_step_ms"|ratio_to_plan|lean' ;;
+  # too (the CUDA decode: one attention launch a layer, no split merge). ~300 s.
+  3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 2>&1 \
+       | grep -E '===|"decode_step_ms"|ratio_to_plan' ;;
   # What the forty-sixth session's H100 call left open, least wanted: the CUDA FP8 decode with two-warp
   # blocks at batch 64 against the engine's four-warp rule, in one call (against the Triton decode two-warp
   # blocks gained 2.7% at 64 where the rule had gained -0.2% in the forty-fourth session's call); the 32k
