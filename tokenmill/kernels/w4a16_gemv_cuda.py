@@ -1,11 +1,12 @@
 """The 4-bit GEMV on the tensor cores for decode's 1-8 rows (kernels/w4a16_gemv_mma.cu: CUDA C, compiled
 at first use by NVRTC, kernels/cuda_rtc.py). Same layout and results as skinny_gemm.w4a16_skinny, whose
 Triton kernels it stands in for at 2-8 rows where it takes the shapes, and at one row for the shorter
-weights (`takes`; the Triton one-row kernel is faster on the long ones): 16-bit activations, K a multiple of 128, groups of 128 times a power of two
-or one group a row (channelwise), a device of compute capability 8.0 or later with NVRTC loadable. Why
-CUDA: its operands go from the loaded words to the MMA's fragments with no shuffle (the sum over K may
-take the values in any order A and B share), which Triton's layouts do not let a kernel say; the Triton
-one-row kernels spend 16-28 instructions a word on the CUDA cores.
+weights (`takes`; the Triton one-row kernel is faster on the long ones): 16-bit activations, K a
+multiple of 128, groups of 128 times a power of two or one group a row (channelwise), a device of
+compute capability 8.0 or later with NVRTC loadable. Why CUDA: its operands go from the loaded words to
+the MMA's fragments with no shuffle (the sum over K may take the values in any order A and B share),
+which Triton's layouts do not let a kernel say; the Triton one-row kernels spend 16-28 instructions a
+word on the CUDA cores.
 
 MMA_GEMV decides whether the INT4 linears (int4_gemm.w4a16_linear, layers/quantization/int4.py) route to
 it; docs/performance.md has the A/B.
@@ -35,12 +36,12 @@ MIN_ROWS = int(os.environ.get("TOKENMILL_INT4_MMA_MIN_ROWS", "2"))
 # 14.4 against 23.8 and 12.8, which stay there. TOKENMILL_INT4_MMA_ONE_ROW_MAX=0 turns it off.
 ONE_ROW_MAX_VALUES = int(os.environ.get("TOKENMILL_INT4_MMA_ONE_ROW_MAX", str(1 << 25)))
 # Whether the kernel takes the magic and zero point off a chunk's sums (LEAN in the .cu: one instruction a
-# pair of values fewer) instead of off each pair. Off until an A/B on a device says it is faster
-# (TOKENMILL_INT4_MMA_LEAN=1 turns it on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times both).
+# pair of values fewer) instead of off each pair, and how many chunks an iteration of its main loop takes
+# (UNROLL: 2 reads the activations a chunk ahead without copying registers, for more registers a thread).
+# H100, 2026-12-07: LEAN within 2% either way, UNROLL 2 +34% to -3% by shape; off until the H200 (where
+# the kernel reads a smaller share of the bandwidth) says otherwise. TOKENMILL_INT4_MMA_LEAN=1 and
+# TOKENMILL_INT4_MMA_UNROLL=2 turn them on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times all four.
 LEAN = os.environ.get("TOKENMILL_INT4_MMA_LEAN", "0") == "1"
-# Chunks an iteration of the kernel's main loop (UNROLL in the .cu): 2 reads the activations a chunk ahead
-# without copying registers, for more registers a thread. 1 until a device says otherwise
-# (TOKENMILL_INT4_MMA_UNROLL=2).
 UNROLL = int(os.environ.get("TOKENMILL_INT4_MMA_UNROLL", "1"))
 MAX_ROWS = 8  # the MMA's eight columns
 CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
