@@ -32,7 +32,8 @@
 // sum(x) by eight more MMAs a chunk against a tile of ones (shared by the block's tiles of a warp). One
 // instruction a pair fewer (four a word a row; ~2/3 of the dequantizing left), at the cost of a
 // cancellation in fp32: the sums are ~17x (bf16) or ~130x (fp16) the result's size, a relative error
-// near 1e-6, far under the 16-bit output's rounding.
+// near 1e-6, far under the 16-bit output's rounding. On the H100 it is no faster (within 2%); off by
+// default until an H200 says otherwise.
 //
 // Defines: BF16 (x, out: 1 bf16, 0 fp16), SCALE (0 bf16, 1 fp16, 2 fp32), HAS_ZERO, GATED (the weight is
 // gate || up, N_OUT rows each; a tile's rows g are gate rows, g + 8 the same outputs' up rows, stored as
