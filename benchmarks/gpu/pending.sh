@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1 to 4). Each call applies the patches it tests
-# to the device's copy of the tree and takes them out again; run_all.sh holds the stages.
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1 to 4). A call that tests a patch applies it to
+# the device's copy of the tree with `apply` and takes it out again (none does now); run_all.sh holds
+# the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
 call=${2:?usage: pending.sh OUTDIR CALL}
 export PYTHONUNBUFFERED=1
