@@ -98,3 +98,22 @@ def test_kernels_import_without_triton() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
     )
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_integer_knobs_name_the_variable_when_malformed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' integer environment knobs (read at import): unset or empty, the default; not an
+    integer or not an allowed value, a ValueError naming the variable."""
+    from tokenmill.kernels import env_int
+
+    monkeypatch.delenv("TOKENMILL_TEST_KNOB", raising=False)
+    assert env_int("TOKENMILL_TEST_KNOB", 7) == 7
+    monkeypatch.setenv("TOKENMILL_TEST_KNOB", "")
+    assert env_int("TOKENMILL_TEST_KNOB", 7) == 7
+    monkeypatch.setenv("TOKENMILL_TEST_KNOB", "2")
+    assert env_int("TOKENMILL_TEST_KNOB", 1, allowed=(1, 2)) == 2
+    monkeypatch.setenv("TOKENMILL_TEST_KNOB", "two")
+    with pytest.raises(ValueError, match="TOKENMILL_TEST_KNOB='two': give an integer"):
+        env_int("TOKENMILL_TEST_KNOB", 1)
+    monkeypatch.setenv("TOKENMILL_TEST_KNOB", "3")
+    with pytest.raises(ValueError, match="TOKENMILL_TEST_KNOB='3': give one of 1, 2"):
+        env_int("TOKENMILL_TEST_KNOB", 1, allowed=(1, 2))

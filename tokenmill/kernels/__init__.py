@@ -105,6 +105,21 @@ def triton_kernel(module: str, name: str) -> Callable | None:
     return getattr(importlib.import_module(f"tokenmill.kernels.{module}"), name)
 
 
+def env_int(name: str, default: int, allowed: tuple[int, ...] | None = None) -> int:
+    """A kernel's integer knob from the environment (read at import): `default` when unset; a value that
+    is not an integer, or not one of `allowed`, is a ValueError naming the variable."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: give an integer") from None
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}={text!r}: give one of {', '.join(map(str, allowed))}")
+    return value
+
+
 @functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":

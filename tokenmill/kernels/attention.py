@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import StepRotary, fp8_decode_cuda, pdl, sm_count
+from tokenmill.kernels import StepRotary, env_int, fp8_decode_cuda, pdl, sm_count
 from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs: attention's own names)
     _FP8_MANY_PROGRAMS,
     TileConfig,
@@ -39,7 +39,7 @@ from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_spli
 FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
 # A register cap for those decodes (None: the compiler's choice), so that more blocks share a
 # multiprocessor: at 168, 6 blocks of the 64-key two-warp tile instead of 5. For A/B until timed.
-FP8_PAIR_MAXNREG = int(os.environ.get("TOKENMILL_FP8_PAIR_MAXNREG", "0")) or None
+FP8_PAIR_MAXNREG = env_int("TOKENMILL_FP8_PAIR_MAXNREG", 0) or None
 
 
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
