@@ -23,13 +23,14 @@ import torch
 from tokenmill.kernels import GemvFusion, cuda_rtc, env_int, gemv, pdl, skinny_gemm
 
 SOURCE = Path(__file__).with_name("w4a16_gemv_mma.cu")
+MAX_ROWS = 8  # the MMA's eight columns
 # Whether the INT4 linears route MIN_ROWS-8 rows here (TOKENMILL_INT4_MMA_GEMV=0 turns it off). H200,
 # 2026-12-06: at 4 rows the 8B linears take 7.8 / 5.8 / 24.7 / 15.5 us (QKV, O, gate+up, down) where the
 # Triton tensor-core kernel the engine ran there took 14.9 / 11.9 / 47.0 / 26.0; at one row the Triton
 # one-row kernel stays faster (7.6 / 5.1 / 20.2 / 11.0 against 7.5 / 5.4 / 23.8 / 15.2): MIN_ROWS 2
 # (TOKENMILL_INT4_MMA_MIN_ROWS=1 routes one row here too, for the benchmarks' A/B).
 MMA_GEMV = os.environ.get("TOKENMILL_INT4_MMA_GEMV", "1") != "0"
-MIN_ROWS = env_int("TOKENMILL_INT4_MMA_MIN_ROWS", 2, allowed=tuple(range(1, 9)))  # (1 to MAX_ROWS)
+MIN_ROWS = env_int("TOKENMILL_INT4_MMA_MIN_ROWS", 2, allowed=tuple(range(1, MAX_ROWS + 1)))
 # One row comes here too where the weight has at most ONE_ROW_MAX_VALUES values: the short GEMVs, where
 # the one-row kernels' ramp weighs most. H100, 2026-12-07, one row, with the running addresses: QKV 7.41
 # and O 5.05 us here against 8.30 and 5.66 for the one-row kernels; gate+up (with its SiLU) 25.3 and down
@@ -43,7 +44,6 @@ ONE_ROW_MAX_VALUES = env_int("TOKENMILL_INT4_MMA_ONE_ROW_MAX", 1 << 25)
 # TOKENMILL_INT4_MMA_UNROLL=2 turn them on; benchmarks/gpu/bench_quant_gemm.py --int4-mma times all four.
 LEAN = os.environ.get("TOKENMILL_INT4_MMA_LEAN", "0") == "1"
 UNROLL = env_int("TOKENMILL_INT4_MMA_UNROLL", 1, allowed=(1, 2))
-MAX_ROWS = 8  # the MMA's eight columns
 CHUNK = 128  # values along K a lane pair's loads cover: a group's scale applies to a whole chunk
 _SCALES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 

@@ -150,22 +150,22 @@ __device__ __forceinline__ void load_x_chunk(uint4 (&xv)[4], const u16* p, bool 
   for (int q = 0; q < 4; ++q) xv[q] = load ? load_x(p + 8 * q) : make_uint4(0, 0, 0, 0);
 }
 
-// One word of rows g (a) and g + 8 (b) against its eight activations xv: two MMAs into d.
-__device__ __forceinline__ void word_mma(float (&d)[4], u32 a, u32 b, uint4 xv, u32 neg_a, u32 neg_b) {
-  u32 x04 = prmt(xv.x, xv.z, 0x5410), x15 = prmt(xv.x, xv.z, 0x7632);
-  u32 x26 = prmt(xv.y, xv.w, 0x5410), x37 = prmt(xv.y, xv.w, 0x7632);
-  mma(d, dequant_pair(a, neg_a), dequant_pair(b, neg_b), dequant_pair(a >> 4, neg_a),
-      dequant_pair(b >> 4, neg_b), x04, x15);
-  mma(d, dequant_pair(a >> 8, neg_a), dequant_pair(b >> 8, neg_b), dequant_pair(a >> 12, neg_a),
-      dequant_pair(b >> 12, neg_b), x26, x37);
-}
-
 // A lane's B fragments of one word's eight activations xv: the pairs (0, 4), (1, 5), (2, 6), (3, 7).
 __device__ __forceinline__ void x_fragments(u32 (&b)[4], uint4 xv) {
   b[0] = prmt(xv.x, xv.z, 0x5410);
   b[1] = prmt(xv.x, xv.z, 0x7632);
   b[2] = prmt(xv.y, xv.w, 0x5410);
   b[3] = prmt(xv.y, xv.w, 0x7632);
+}
+
+// One word of rows g (a) and g + 8 (b) against its eight activations xv: two MMAs into d.
+__device__ __forceinline__ void word_mma(float (&d)[4], u32 a, u32 b, uint4 xv, u32 neg_a, u32 neg_b) {
+  u32 xb[4];
+  x_fragments(xb, xv);
+  mma(d, dequant_pair(a, neg_a), dequant_pair(b, neg_b), dequant_pair(a >> 4, neg_a),
+      dequant_pair(b >> 4, neg_b), xb[0], xb[1]);
+  mma(d, dequant_pair(a >> 8, neg_a), dequant_pair(b >> 8, neg_b), dequant_pair(a >> 12, neg_a),
+      dequant_pair(b >> 12, neg_b), xb[2], xb[3]);
 }
 
 // LEAN: one word of rows g (a) and g + 8 (b) as magic + stored nibble against its fragments xb.
@@ -291,6 +291,7 @@ w4a16_gemv_mma(const u16* __restrict__ x, const u32* __restrict__ w, const scale
     for (int i = 0; i < TILES; ++i) {
       const uint4 wa = slot[(2 * i) * 32], wb = slot[(2 * i + 1) * 32];
       const float sa = scale_value(s_next[i][0]), sb = scale_value(s_next[i][1]);
+      // (The zero points' reads in each branch: shared, they cost the loop 2-3 instructions.)
 #if LEAN
 #if HAS_ZERO
       const float off_a = MAGIC_VALUE + 8.f + z_next[i][0], off_b = MAGIC_VALUE + 8.f + z_next[i][1];
