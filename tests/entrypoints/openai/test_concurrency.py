@@ -162,5 +162,7 @@ def test_a_short_request_is_answered_while_a_long_prompt_prefills(server):
     # Answered within a couple of CPU steps, not after the whole prompt: the long one ends later, or in the
     # same step when the short one came in with its last chunk (their answers then cross within
     # milliseconds in either order; a short request held back would come a whole step, ~0.5 s, after).
-    assert answered - start < 3.0
+    # The absolute bound is only a sanity check: a step's time moves with the machine's load (3.4 s once
+    # beside another test worker on two cores), the order of the answers does not.
+    assert answered - start < 15.0
     assert answered < finished["long"] + 0.1
