@@ -17,15 +17,14 @@ apply() {
 }
 nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
-  # Issue 11's goals on an H200 (the forty-sixth session ran this call on an H100: nano-vllm 1.437x, the
-  # FP8 32k step 17.37 ms with the CUDA decode, the bf16 cache does not fit there): the model-level
-  # row-quant test (a prefill above the one-row kernels, eager), the 16 x 32k goal step (bf16 KV, the Triton
-  # FP8 decode, the CUDA one), the CUDA decode's sweep at 16 x 32k (warps, tiles ahead, splits: is the
-  # engine's four-warp rule the H200's best?), the nano-vllm ratio (bf16 and main's FP8). ~470 s.
-  1) timeout 100 python3 -m pytest -q tests/kernels/test_row_quant_fusion.py -p no:cacheprovider \
-       --junitxml="$out/row_quant_tests.xml" 2>&1 | tail -4
-     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
-     FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda
+  # Issue 11's FP8 KV goal on an H200 (the forty-sixth session ran the 32k step on an H100, 17.37 ms with
+  # the CUDA decode, where the bf16 cache does not fit): the CUDA decode at 16 x 32k with tiles asked of L2
+  # ahead and the loads' L2 fetch size (the H200's FP8 decodes read ~2.8 TB/s of its ~4.2: bytes in
+  # flight are the suspect), then the goal step (bf16 KV, the Triton FP8 decode, the CUDA one at the
+  # engine's tiles, and at the sweep's fastest variant), then the nano-vllm ratio (bf16 and main's FP8).
+  # ~500 s.
+  1) FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-l2
+     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda decode-kv32k-best
      FP8KV_RUNS="bf16 cuda" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
   # The INT4 GEMV on an H200 (the forty-seventh session's H100 call: the running addresses 10-12% faster,
   # on main since; LEAN and UNROLL 2 no faster there, where the kernel already reads 85-90% of the copy
@@ -40,8 +39,14 @@ case $call in
          --out "$out/decode_8b_int4_onerow${v:-default}.json" 2>&1 | grep -E '"decode_step_ms"'; done ;;
   # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), FP8 weights with the FP8 KV cache
   # too (the CUDA decode: one attention launch a layer, no split merge). ~300 s.
+  # And the model-level row-quant test (a prefill above the one-row kernels, eager; mended after its
+  # forty-sixth-session run) and the new L2-request tests of the CUDA decode.
   3) bash benchmarks/gpu/run_all.sh "$out" decode decode-fp8 decode-fp8-fp8kv decode-int4 2>&1 \
-       | grep -E '===|"decode_step_ms"|ratio_to_plan' ;;
+       | grep -E '===|"decode_step_ms"|ratio_to_plan'
+     timeout 100 python3 -m pytest -q tests/kernels/test_row_quant_fusion.py -p no:cacheprovider \
+       --junitxml="$out/row_quant_tests.xml" 2>&1 | tail -4
+     timeout 100 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -k "l2_requests or tile_config" \
+       -p no:cacheprovider --junitxml="$out/fp8_decode_l2_tests.xml" 2>&1 | tail -4 ;;
   # What the forty-sixth session's H100 call left open, least wanted: the CUDA FP8 decode with two-warp
   # blocks at batch 64 against the engine's four-warp rule, in one call (against the Triton decode two-warp
   # blocks gained 2.7% at 64 where the rule had gained -0.2% in the forty-fourth session's call); the 32k

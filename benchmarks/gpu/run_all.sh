@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync speculative prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-l2 decode-kv32k-cuda decode-kv32k-best decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
 #         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
 #         1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -133,11 +133,26 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     fp8-cuda) for case in ${FP8_CUDA_CASES:-16x32768 256x544 128x1024 64x4096}; do timeout 150 $py \
                 benchmarks/gpu/ab_attention.py --groups cuda --case $case --out "$out/fp8_cuda_$case.json" \
                 2>&1 | grep -v Warning | tail -10; done ;;
+    # The CUDA decode at the engine's tiles with tiles asked of L2 ahead and the loads' L2 fetch size
+    # (DecodeConfig.prefetch, l2_bytes), by case; each case's JSON names its fastest variant's environment.
+    fp8-cuda-l2) for case in ${FP8_CUDA_CASES:-16x32768 64x4096 256x544}; do timeout 150 $py \
+                benchmarks/gpu/ab_attention.py --groups cuda-l2 --case $case --out "$out/fp8_cuda_l2_$case.json" \
+                2>&1 | grep -v Warning | tail -40; done ;;
     decode-kv32k-cuda) for run in auto fp8 fp8-cuda; do kv=${run%-cuda}
                          TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) timeout 200 $bench decode \
                            --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
                            --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv --out "$out/decode_8b_b16_32k_$run.json" \
                            2>&1 | grep -E '"decode_step_ms"'; done ;;
+    # The 32k step (FP8 KV, the CUDA decode) at the fastest variant fp8-cuda-l2 found at 16 x 32k in this
+    # output directory (its TOKENMILL_FP8_DECODE_TILES and _SPLITS).
+    decode-kv32k-best) envs=$($py -c "import json, sys
+best = json.load(open(sys.argv[1]))['cases']['best_cuda_l2']
+print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_16x32768.json") || continue
+                       echo "fastest variant: $envs"
+                       env $envs TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $bench decode \
+                         --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
+                         --max-num-seqs 16 --repeats 1 --kv-cache-dtype fp8 --out "$out/decode_8b_b16_32k_fp8-cuda-best.json" \
+                         2>&1 | grep -E '"decode_step_ms"' ;;
     # The whole decode step over an FP8 cache at short contexts, the CUDA decode against the Triton one
     # (each with the step's rotary in its launch), by batch.
     decode-fp8kv-cuda) for b in ${FP8KV_BATCHES:-1 64}; do for on in 0 1; do echo "batch $b cuda $on"
