@@ -138,7 +138,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     fp8-cuda-l2) for case in ${FP8_CUDA_CASES:-16x32768 64x4096 256x544}; do timeout 150 $py \
                 benchmarks/gpu/ab_attention.py --groups cuda-l2 --case $case --out "$out/fp8_cuda_l2_$case.json" \
                 2>&1 | grep -v Warning | tail -40; done ;;
-    decode-kv32k-cuda) for run in auto fp8 fp8-cuda; do kv=${run%-cuda}
+    decode-kv32k-cuda) for run in ${KV32K_RUNS:-auto fp8 fp8-cuda}; do kv=${run%-cuda}
                          TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) timeout 200 $bench decode \
                            --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
                            --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv --out "$out/decode_8b_b16_32k_$run.json" \
