@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1 to 4). A call that tests a patch applies it to
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 2, 3 or 4). A call that tests a patch applies it to
 # the device's copy of the tree with `apply` and takes it out again (none does now); run_all.sh holds
 # the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -19,13 +19,17 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
   # Issue 11's FP8 KV goal on an H200 (the forty-sixth session ran the 32k step on an H100, 17.37 ms with
   # the CUDA decode, where the bf16 cache does not fit): the CUDA decode at 16 x 32k with tiles asked of L2
-  # ahead and the loads' L2 fetch size (the H200's FP8 decodes read ~2.8 TB/s of its ~4.2: bytes in
-  # flight are the suspect), then the goal step (bf16 KV, the Triton FP8 decode, the CUDA one at the
-  # engine's tiles, and at the sweep's fastest variant), then the nano-vllm ratio (bf16 and main's FP8).
-  # ~500 s.
+  # ahead, the loads' L2 fetch size and head-major pages (the H200's FP8 decodes read ~2.8 TB/s of its
+  # ~4.2; on the H100 neither L2 switch gained, forty-eighth session), then the goal step: bf16 KV and FP8
+  # KV with the CUDA decode, FP8 KV on head-major pages (TOKENMILL_KV_LAYOUT=hnd), at the sweep's fastest
+  # variant, and bf16 KV on head-major pages (a layout adopted for both caches moves both). ~480 s.
   1) FP8_CUDA_CASES=16x32768 bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-l2
-     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda decode-kv32k-best
-     FP8KV_RUNS="bf16 cuda" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
+     KV32K_RUNS="auto fp8-cuda" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
+     TOKENMILL_KV_LAYOUT=hnd KV32K_RUNS="fp8-cuda" bash benchmarks/gpu/run_all.sh "$out/hnd" decode-kv32k-cuda
+     bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-best
+     TOKENMILL_KV_LAYOUT=hnd KV32K_RUNS="auto" bash benchmarks/gpu/run_all.sh "$out/hnd" decode-kv32k-cuda ;;
+  # The nano-vllm ratio on an H200 (bf16 and main's FP8; 1.437x on an H100 in the forty-sixth session). ~150 s.
+  1b) FP8KV_RUNS="bf16 cuda" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
   # The INT4 GEMV on an H200 (the forty-seventh session's H100 call: the running addresses 10-12% faster,
   # on main since; LEAN and UNROLL 2 no faster there, where the kernel already reads 85-90% of the copy
   # bandwidth; on the H200 it reads ~58%, where fewer instructions should show if anything does): the
@@ -45,8 +49,9 @@ case $call in
        | grep -E '===|"decode_step_ms"|ratio_to_plan'
      timeout 100 python3 -m pytest -q tests/kernels/test_row_quant_fusion.py -p no:cacheprovider \
        --junitxml="$out/row_quant_tests.xml" 2>&1 | tail -4
-     timeout 100 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -k "l2_requests or tile_config" \
-       -p no:cacheprovider --junitxml="$out/fp8_decode_l2_tests.xml" 2>&1 | tail -4 ;;
+     timeout 150 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py tests/kernels/test_kv_layout.py \
+       -k "l2_requests or tile_config or layout or head_major or block_rows" -p no:cacheprovider \
+       --junitxml="$out/fp8_decode_layout_tests.xml" 2>&1 | tail -4 ;;
   # What the forty-sixth session's H100 call left open, least wanted: the CUDA FP8 decode with two-warp
   # blocks at batch 64 against the engine's four-warp rule, in one call (against the Triton decode two-warp
   # blocks gained 2.7% at 64 where the rule had gained -0.2% in the forty-fourth session's call); the 32k
@@ -57,5 +62,5 @@ case $call in
          --shape llama-3.1-8b --batch 64 --max-num-seqs 64 --kv-cache-dtype fp8 \
          --out "$out/decode_8b_b64_kv_fp8_tiles${tiles:-rule}.json" 2>&1 | grep -E '"decode_step_ms"'; done
      TOKENMILL_PDL=0 bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
-  *) echo "CALL is 1, 2, 3 or 4" >&2; exit 2 ;;
+  *) echo "CALL is 1, 1b, 2, 3 or 4" >&2; exit 2 ;;
 esac
