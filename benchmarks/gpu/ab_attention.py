@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_us  # noqa: E402
 
 from tokenmill.kernels import attention, fp8_decode_cuda, pdl, reference  # noqa: E402
+from tokenmill.worker import kv_layout  # noqa: E402
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 32768, 32, 8, 128, 16
 
@@ -74,8 +75,11 @@ def main() -> int:
     v_bf = torch.randn_like(k_bf)
     k8, v8 = k_bf.to(torch.float8_e4m3fn), v_bf.to(torch.float8_e4m3fn)
 
-    def head_major(t: torch.Tensor) -> torch.Tensor:
-        return t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    def head_major(
+        t: torch.Tensor,
+    ) -> torch.Tensor:  # as the engine allocates it with TOKENMILL_KV_LAYOUT=hnd
+        copy = kv_layout.empty_kv_cache(*t.shape, t.dtype, t.device, "hnd")
+        return copy.copy_(t)
 
     pages = torch.randperm(num_blocks, device=dev).to(torch.int32).view(copies, BATCH, blocks_per_seq)
     seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device=dev)
@@ -204,9 +208,10 @@ def main() -> int:
         variants = [(base.warps, p, l2) for p in (0, 1, 2, 4) for l2 in (0, 128, 256)]
         variants += [(2, p, l2) for p in (0, 2) for l2 in (0, 256)] if base.warps != 2 else []
         settings = {}  # name: the environment that gives the variant to the engine
+        split_choices = (None, 2, 4) if BATCH * KV_HEADS < 512 else (None,)  # many requests: one split
         for warps, prefetch, l2_bytes in variants:
             fp8_decode_cuda.CONFIG = config = base._replace(warps=warps, prefetch=prefetch, l2_bytes=l2_bytes)
-            for splits in (None, 2, 4) if BATCH * KV_HEADS < 512 else (None,):
+            for splits in split_choices:
                 name = f"fp8_cuda_{warps}w_p{prefetch}_l2{l2_bytes}_s{splits or 'default'}"
                 run(name, k8, v8, splits, cuda=True)
                 settings[name] = {"TOKENMILL_FP8_DECODE_TILES": ",".join(map(str, config))}
@@ -217,7 +222,7 @@ def main() -> int:
         # page contiguous, where token-major they are 128-byte pieces 1 KB apart): the bf16 Triton kernel
         # read 16% faster so on the H200 (nineteenth session).
         k8_hm, v8_hm = head_major(k8), head_major(v8)
-        for splits in (None, 2, 4) if BATCH * KV_HEADS < 512 else (None,):
+        for splits in split_choices:
             run(f"fp8_cuda_head_major_s{splits or 'default'}", k8_hm, v8_hm, splits, cuda=True)
         del k8_hm, v8_hm
         run("bf16_head_major_default", head_major(k_bf), head_major(v_bf), None)

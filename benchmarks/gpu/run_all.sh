@@ -20,6 +20,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 bench="$py benchmarks/gpu/bench_engine.py"
 log() { echo "=== $(date +%T) $*"; }
+# The 16 x 32k decode step (8B, bf16 weights) with KV cache dtype $1 into $out/decode_8b_b16_32k_$2.json.
+kv32k_step() {
+  timeout 200 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 \
+    --max-model-len 33024 --max-num-seqs 16 --repeats 1 --kv-cache-dtype "$1" \
+    --out "$out/decode_8b_b16_32k_$2.json" 2>&1 | grep -E '"decode_step_ms"'
+}
 
 for stage in $stages; do
   log "$stage"
@@ -138,21 +144,16 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     fp8-cuda-l2) for case in ${FP8_CUDA_CASES:-16x32768 64x4096 256x544}; do timeout 150 $py \
                 benchmarks/gpu/ab_attention.py --groups cuda-l2 --case $case --out "$out/fp8_cuda_l2_$case.json" \
                 2>&1 | grep -v Warning | tail -40; done ;;
-    decode-kv32k-cuda) for run in ${KV32K_RUNS:-auto fp8 fp8-cuda}; do kv=${run%-cuda}
-                         TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) timeout 200 $bench decode \
-                           --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
-                           --max-num-seqs 16 --repeats 1 --kv-cache-dtype $kv --out "$out/decode_8b_b16_32k_$run.json" \
-                           2>&1 | grep -E '"decode_step_ms"'; done ;;
+    decode-kv32k-cuda) for run in ${KV32K_RUNS:-auto fp8 fp8-cuda}; do
+                         TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) kv32k_step ${run%-cuda} $run
+                       done ;;
     # The 32k step (FP8 KV, the CUDA decode) at the fastest variant fp8-cuda-l2 found at 16 x 32k in this
     # output directory (its TOKENMILL_FP8_DECODE_TILES and _SPLITS).
     decode-kv32k-best) envs=$($py -c "import json, sys
 best = json.load(open(sys.argv[1]))['cases']['best_cuda_l2']
 print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_16x32768.json") || continue
                        echo "fastest variant: $envs"
-                       env $envs TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $bench decode \
-                         --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 --max-model-len 33024 \
-                         --max-num-seqs 16 --repeats 1 --kv-cache-dtype fp8 --out "$out/decode_8b_b16_32k_fp8-cuda-best.json" \
-                         2>&1 | grep -E '"decode_step_ms"' ;;
+                       (export $envs TOKENMILL_FP8_DECODE_CUDA=1; kv32k_step fp8 fp8-cuda-best) ;;
     # The whole decode step over an FP8 cache at short contexts, the CUDA decode against the Triton one
     # (each with the step's rotary in its launch), by batch.
     decode-fp8kv-cuda) for b in ${FP8KV_BATCHES:-1 64}; do for on in 0 1; do echo "batch $b cuda $on"

@@ -12,12 +12,12 @@ pytest.importorskip("triton")
 
 from tests.kernels.test_attention import DEVICE, fp8_cache, make_batch  # noqa: E402
 from tokenmill.kernels import attention, kv_cache, rotary  # noqa: E402
-from tokenmill.worker import model_runner  # noqa: E402
+from tokenmill.worker import kv_layout  # noqa: E402
 from tokenmill.worker.kv_offload import BlockRows  # noqa: E402
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
-    copy = model_runner.empty_kv_cache(*cache.shape, cache.dtype, cache.device, "hnd")
+    copy = kv_layout.empty_kv_cache(*cache.shape, cache.dtype, cache.device, "hnd")
     copy.copy_(cache)
     assert copy.stride(2) == cache.shape[1] * cache.shape[3] and copy.stride(1) == cache.shape[3]
     return copy
@@ -78,7 +78,7 @@ def test_block_rows_are_the_same_logical_bytes() -> None:
     )
     rows = token_major.gather([4, 1])
     assert torch.equal(heads_first.gather([4, 1]), rows)
-    blank = [model_runner.empty_kv_cache(6, 16, 2, 8, torch.float8_e4m3fn, DEVICE, "hnd") for _ in range(2)]
+    blank = [kv_layout.empty_kv_cache(6, 16, 2, 8, torch.float8_e4m3fn, DEVICE, "hnd") for _ in range(2)]
     into = BlockRows([_Layer(*blank)], DEVICE)
     into.scatter(rows, [0, 5])
     assert torch.equal(blank[0][0].view(torch.uint8), k[4].view(torch.uint8))
@@ -87,15 +87,15 @@ def test_block_rows_are_the_same_logical_bytes() -> None:
 
 def test_the_layout_knob(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.delenv(model_runner.KV_LAYOUT_ENV, raising=False)
-    assert model_runner.kv_cache_layout(cpu) == "nhd"
-    monkeypatch.setenv(model_runner.KV_LAYOUT_ENV, "hnd")
+    monkeypatch.delenv(kv_layout.ENV, raising=False)
+    assert kv_layout.kv_cache_layout(cpu) == "nhd"
+    monkeypatch.setenv(kv_layout.ENV, "hnd")
     with pytest.raises(ValueError, match="TOKENMILL_KV_LAYOUT=hnd needs a CUDA device"):
-        model_runner.kv_cache_layout(cpu)
-    assert model_runner.kv_cache_layout(torch.device("cuda", 0)) == "hnd"
-    monkeypatch.setenv(model_runner.KV_LAYOUT_ENV, "HND ")
+        kv_layout.kv_cache_layout(cpu)
+    assert kv_layout.kv_cache_layout(torch.device("cuda", 0)) == "hnd"
+    monkeypatch.setenv(kv_layout.ENV, "HND ")
     with pytest.raises(ValueError, match="TOKENMILL_KV_LAYOUT='HND '"):
-        model_runner.kv_cache_layout(cpu)
+        kv_layout.kv_cache_layout(cpu)
 
 
 @pytest.mark.gpu
@@ -112,8 +112,8 @@ def test_an_engine_on_a_head_major_cache_writes_the_same_tokens(
     path, _ = hf_model_dirs["llama"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for layout in model_runner.KV_LAYOUTS:
-        monkeypatch.setenv(model_runner.KV_LAYOUT_ENV, layout)
+    for layout in kv_layout.LAYOUTS:
+        monkeypatch.setenv(kv_layout.ENV, layout)
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, block_size=16,
                   kv_cache_dtype=kv_cache_dtype, kv_cache_memory=128 << 20)  # fmt: skip
         cache = llm.engine.runner.model.attention_layers()[0].k_cache

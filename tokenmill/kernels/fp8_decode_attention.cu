@@ -39,12 +39,6 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
-#ifndef L2_BYTES
-#define L2_BYTES 0
-#endif
 #if L2_BYTES == 0
 #define NC_LOAD "ld.global.nc.L1::no_allocate"
 #elif L2_BYTES == 64

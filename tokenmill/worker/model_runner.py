@@ -5,7 +5,6 @@ pass and samples on the device."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +20,7 @@ from tokenmill.worker.device import resolve_device, resolve_dtype, staged
 from tokenmill.worker.drafter import make_drafter
 from tokenmill.worker.grammar_masks import GrammarMasks, HostMasks
 from tokenmill.worker.input_batch import InputBatch, StepInputs
+from tokenmill.worker.kv_layout import empty_kv_cache, kv_cache_layout
 from tokenmill.worker.kv_offload import BlockRows, HostKVCache
 from tokenmill.worker.model_loader import build_model, kv_cache_dtype
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs
@@ -31,39 +31,6 @@ from tokenmill.worker.spec_verify import VerifyRows, verify, verify_rows
 from tokenmill.worker.step_output import AwaitingGrammar, Launched, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
-
-KV_LAYOUT_ENV = "TOKENMILL_KV_LAYOUT"
-KV_LAYOUTS = ("nhd", "hnd")
-
-
-def kv_cache_layout(device: torch.device) -> str:
-    """Where a KV cache block's bytes lie (TOKENMILL_KV_LAYOUT): "nhd", token-major as the tensor's shape
-    reads ([block, slot, KV head, dim]: a slot's heads side by side), or "hnd", head-major (a KV head's
-    slots of a block side by side, FlashInfer's HND). The tensor's shape is [block, slot, head, dim]
-    either way and the GPU kernels read it through its strides; head-major, a decode's reads of one KV
-    head are whole runs of a block instead of pieces of head_dim values one slot apart. The CPU's
-    reference path views the cache flat by slots: "nhd" only there."""
-    layout = os.environ.get(KV_LAYOUT_ENV, "nhd")
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"{KV_LAYOUT_ENV}={layout!r}: give one of {KV_LAYOUTS}")
-    if layout == "hnd" and device.type != "cuda":
-        raise ValueError(
-            f"{KV_LAYOUT_ENV}=hnd needs a CUDA device (the CPU path reads the cache token-major)"
-        )
-    return layout
-
-
-def empty_kv_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    device: torch.device, layout: str = "nhd",
-) -> torch.Tensor:  # fmt: skip
-    """An uninitialised cache tensor [num_blocks, block_size, num_kv_heads, head_dim] whose bytes lie
-    in `layout` (kv_cache_layout)."""
-    if layout == "hnd":
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        return torch.empty(shape, dtype=dtype, device=device).permute(0, 2, 1, 3)
-    return torch.empty((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-
 
 # Default token budget of a step. On a CPU a step costs its tokens at full price (no idle device to
 # fill), so a small budget keeps every step short and lets a request that arrives behind a long prompt
