@@ -48,7 +48,8 @@ _ACT = frozenset({"act"})
 def variants(quantization: str | None) -> list[dict]:
     """Each variant's name, PDL, dense GEMV and PDL on the 4-bit one-row kernel: a bf16 model with cuBLAS
     and with dense_gemv; a quantized one with and without PDL; each with the one-row GEMVs' first weight
-    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late), with SiLU-and-multiply
+    tile loaded after the PDL wait as before skinny_gemm.GEMV_EARLY (late) or their first 2 and 4 tiles
+    before it (early2, early4), with SiLU-and-multiply
     folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act"), and that with the metadata and a
     decode's earlier keys read after the PDL wait (pdl.EARLY_READS off: late-reads), and with the
     rotary and KV store done by the decode attention's launch instead of their own (layers/attention.py
@@ -61,20 +62,22 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "cublas-pdl", "pdl": True, "gemv": False},
             {"name": "triton-nopdl", "pdl": False, "gemv": True},
             {"name": "triton-pdl", "pdl": True, "gemv": True},
-            {"name": "triton-pdl-late", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": False}},
+            {"name": "triton-pdl-late", "pdl": True, "gemv": True, "switches": {"GEMV_EARLY": 0}},
             {"name": "triton-pdl-fuse-act", "pdl": True, "gemv": True, "fusion": _ACT},
             {"name": "triton-pdl-fuse-act-late-reads", "pdl": True, "gemv": True, "fusion": _ACT,
              "early_reads": False},
             {"name": "triton-pdl-fuse-act-rotary-in-attention", "pdl": True, "gemv": True, "fusion": _ACT,
              "decode_rotary": True},
+            *_early("triton-pdl-fuse-act", {"gemv": True}),
         ]  # fmt: skip
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
-    out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": False}})
+    out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": 0}})
     out.append({"name": "pdl-fuse-act", "pdl": True, "fusion": _ACT})
     out.append({"name": "pdl-fuse-act-late-reads", "pdl": True, "fusion": _ACT, "early_reads": False})
     out.append(
         {"name": "pdl-fuse-act-rotary-in-attention", "pdl": True, "fusion": _ACT, "decode_rotary": True}
     )
+    out.extend(_early("pdl-fuse-act", {}))
     if quantization == "int4":
         # The packed-fp16 kernel without its defaults, with the default act: two words' products summed
         # in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load
@@ -91,6 +94,14 @@ def variants(quantization: str | None) -> list[dict]:
         plain_fp32 = {"GEMV4_F16X2": False, "GEMV4_PDL": False}
         out.append({"name": "pdl-gemv4-fp32-plain", "pdl": True, "switches": plain_fp32})
     return out
+
+
+def _early(base: str, extra: dict) -> list[dict]:
+    """The default step (PDL, SiLU-and-multiply in the gate/up GEMV) with the one-row GEMVs' first 2 and
+    4 weight tiles loaded before the PDL wait (skinny_gemm.GEMV_EARLY; at 4 the whole of the 8B's FP8 O
+    and QKV weights)."""
+    variant = {"pdl": True, "fusion": _ACT} | extra
+    return [variant | {"name": f"{base}-early{tiles}", "switches": {"GEMV_EARLY": tiles}} for tiles in (2, 4)]
 
 
 def _no_norm(x, *rest):

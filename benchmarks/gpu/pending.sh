@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 2, 3 or 4). A call that tests a patch applies it to
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 2, 3, 4 or 5). A call that tests a patch applies it to
 # the device's copy of the tree with `apply` and takes it out again (none does now); run_all.sh holds
 # the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -62,5 +62,12 @@ case $call in
          --shape llama-3.1-8b --batch 64 --max-num-seqs 64 --kv-cache-dtype fp8 \
          --out "$out/decode_8b_b64_kv_fp8_tiles${tiles:-rule}.json" 2>&1 | grep -E '"decode_step_ms"'; done
      TOKENMILL_PDL=0 bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
-  *) echo "CALL is 1, 1b, 2, 3 or 4" >&2; exit 2 ;;
+  # The batch-1 FP8 goal's short GEMVs (the 8B's FP8 O and QKV read 2.6 and 3.0 TB/s on the H200, gate+up
+  # 4.1): their first 2 and 4 weight tiles (at 4 their whole weights) requested before the PDL wait,
+  # while the attention or the norm before them runs, against the first tile only; bf16 and FP8 step
+  # graphs in turns (bench_pdl), then the one-row kernel tests. Any card. ~250 s.
+  5) bash benchmarks/gpu/run_all.sh "$out" pdl-early
+     timeout 150 python3 -m pytest -q tests/kernels/test_skinny_gemm.py -k "early or several_rows" \
+       -p no:cacheprovider --junitxml="$out/gemv_early_tests.xml" 2>&1 | tail -3 ;;
+  *) echo "CALL is 1, 1b, 2, 3, 4 or 5" >&2; exit 2 ;;
 esac

@@ -253,6 +253,12 @@ print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_1
                        $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_${q}_rotary$on.json" \
                        2>&1 | grep -E '"decode_step_ms"' | tail -1
                    done; done ;;
+    # Batch-1 decode with the one-row GEMVs' first 2 and 4 weight tiles before the PDL wait against the
+    # first one (skinny_gemm.GEMV_EARLY), bf16 and FP8, alternating in one process each.
+    pdl-early) for q in none fp8; do base=pdl-fuse-act; [ $q = none ] && base=triton-pdl-fuse-act
+                 timeout 150 $py benchmarks/gpu/bench_pdl.py $([ $q = none ] || echo --quantization $q) \
+                   --rounds 7 --variants $base,$base-early2,$base-early4 --out "$out/pdl_early_$q.json" \
+                   2>&1 | grep -v "Warn\|variant met" | tail -4; done ;;
     # What each small launch costs the FP8 step (bench_pdl --probes: variants that leave one out), and the
     # decode attention tile's pipeline stages, warps and keys.
     pdl-probes) timeout 300 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \

@@ -271,13 +271,15 @@ def test_w8a16_and_dense_one_row_kernels_over_several_rows(m, k, config, early, 
     assert skinny_gemm.dense_gemv_takes(m) and not skinny_gemm.dense_gemv_takes(5)
 
 
+@pytest.mark.parametrize("tiles", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["w4", "w8", "dense"])
-def test_one_row_kernels_with_their_first_tile_before_the_pdl_wait(kind, monkeypatch) -> None:
-    """skinny_gemm.GEMV_EARLY: the first weight tile is loaded ahead of the loop (before the PDL wait on a
-    GPU); the results stay those of the reference, over several steps a program and split K."""
+def test_one_row_kernels_with_their_first_tiles_before_the_pdl_wait(kind, tiles, monkeypatch) -> None:
+    """skinny_gemm.GEMV_EARLY: the first weight tiles are loaded ahead of the loop (before the PDL wait on
+    a GPU; the 4-bit kernel its first only): the results stay those of the reference, over several steps
+    a program and split K, with tiles left to the loop (3 of 4) and none (8: all 4)."""
     from tokenmill.kernels import skinny_gemm
 
-    monkeypatch.setattr(skinny_gemm, "GEMV_EARLY", True)
+    monkeypatch.setattr(skinny_gemm, "GEMV_EARLY", tiles)
     n, k = 40, 2048
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
@@ -297,6 +299,25 @@ def test_one_row_kernels_with_their_first_tile_before_the_pdl_wait(kind, monkeyp
         got = dense_gemv(x, w, config=SkinnyConfig(16, 512, 1, 4, 1))
         want = x.double() @ w.double().t()
     assert_close(got, want, torch.bfloat16)
+
+
+def test_early_tiles_are_bounded_by_the_split_the_registers_and_whole_steps(monkeypatch) -> None:
+    """skinny_gemm.early_tiles: GEMV_EARLY tiles, at most a split's and what EARLY_BYTES a thread hold;
+    none with GEMV_EARLY 0 or where K's steps are not whole tiles."""
+    from tokenmill.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "GEMV_EARLY", 8)
+    monkeypatch.setattr(skinny_gemm, "EARLY_BYTES", 256)
+    fp8_o = SkinnyConfig(8, 2048, 1, num_warps=8, num_stages=1)  # 64 B a thread a tile
+    assert skinny_gemm.early_tiles(4096, 1, fp8_o) == 2  # the whole weight
+    assert skinny_gemm.early_tiles(14336, 1, fp8_o) == 4  # 256 B a thread
+    assert skinny_gemm.early_tiles(14336, 2, fp8_o) == 2  # 16-bit: twice the bytes a tile
+    assert skinny_gemm.early_tiles(4096, 1, fp8_o._replace(split_k=2)) == 1
+    assert skinny_gemm.early_tiles(4000, 1, fp8_o) == 0  # masked steps
+    wide = SkinnyConfig(16, 4096, 1, num_warps=2, num_stages=1)  # 1 KB a thread: one tile all the same
+    assert skinny_gemm.early_tiles(8192, 1, wide) == 1
+    monkeypatch.setattr(skinny_gemm, "GEMV_EARLY", 0)
+    assert skinny_gemm.early_tiles(4096, 1, fp8_o) == 0
 
 
 def test_switches_are_set_inside_and_restored_after() -> None:

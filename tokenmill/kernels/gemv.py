@@ -227,10 +227,10 @@ def w8a16_gemv_kernel(
     values to a 16-byte load: 16 or 8): products summed in fp32 registers and reduced across threads once
     at the end. (A tile of 8-bit values carried across iterations, as a register prefetch would, is held
     a byte per register: the repacking costs more than the overlap gains, seen in the SASS. Unrolling
-    puts the loads in flight together instead.) EARLY (EVEN_K, under PDL): the first tile of weights is
-    loaded before the PDL wait, while the kernel before still runs, and multiplied once x may be read;
-    the loop takes the rest. GATED: store_row stores silu(gate) * up of the sums (with program_rows'
-    rows)."""
+    puts the loads in flight together instead.) EARLY (EVEN_K, under PDL; at most the program's tiles):
+    the first EARLY tiles of weights are loaded before the PDL wait, while the kernel before still runs,
+    and multiplied once x may be read; the loop takes the rest. GATED: store_row stores silu(gate) * up
+    of the sums (with program_rows' rows)."""
     rn_ld, rn, n_ok, base, lo, hi = program_rows(
         w, N, K, stride_wn, BLOCK_N, BLOCK_K, SPLIT_K, PDL, EARLY, GATED
     )
@@ -240,10 +240,14 @@ def w8a16_gemv_kernel(
         accs = accs + (tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32),)
     start = lo
     if EARLY:
-        first = tl.load(base + lo)
+        firsts = ()
+        for i in tl.static_range(EARLY):
+            firsts = firsts + (tl.load(base + lo + i * BLOCK_K),)
         pdl.start(PDL)
-        accs = _w8_step(first, x, stride_xm, lo + cols, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, True)
-        start = lo + BLOCK_K
+        for i in tl.static_range(EARLY):
+            rk = lo + i * BLOCK_K + cols
+            accs = _w8_step(firsts[i], x, stride_xm, rk, hi, accs, ROWS, BLOCK_N, BLOCK_K, VEC, True)
+        start = lo + EARLY * BLOCK_K
     for k0 in tl.range(start, hi, BLOCK_K, loop_unroll_factor=UNROLL):
         k0 = tl.multiple_of(k0, BLOCK_K)
         rk = k0 + cols

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -133,6 +134,17 @@ def _even(units: int, block: int, config: SkinnyConfig) -> bool:
     return units % (block * config.split_k) == 0
 
 
+def early_tiles(k: int, itemsize: int, config: SkinnyConfig) -> int:
+    """The weight tiles the 8- and 16-bit one-row kernel loads before its PDL wait (its EARLY): GEMV_EARLY,
+    at most the tiles of a split and the tiles EARLY_BYTES a thread hold; none where a split's steps
+    are not whole tiles (their loads are masked)."""
+    if not GEMV_EARLY or not _even(k, config.block_k, config):
+        return 0
+    tile_bytes = config.block_n * config.block_k * itemsize // (32 * config.num_warps)
+    held = max(1, EARLY_BYTES // max(1, tile_bytes))
+    return min(int(GEMV_EARLY), k // (config.block_k * config.split_k), held)
+
+
 def packed_kernel_takes(dtype: torch.dtype, rows: int) -> bool:
     """Whether `rows` rows of activations in `dtype` go to the packed-fp16 4-bit kernel."""
     return GEMV4_F16X2 and dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= _gemv_rows(GEMV4_ROWS)
@@ -183,7 +195,7 @@ def w4a16_skinny(
                     stride_wn=w_packed.stride(0), stride_sn=scale.stride(0), stride_zn=z_stride,
                     stride_om=out.stride(0), ROWS=m, SUB=sub, EVEN_K=even, UNROLL=config.unroll,
                     ASM=not INTERPRETED, PREFETCH=config.prefetch and even,
-                    EARLY=GEMV_EARLY and config.prefetch and even, GATED=fused.gated,
+                    EARLY=bool(GEMV_EARLY) and config.prefetch and even, GATED=fused.gated,
                     PAIRED=GEMV4_PAIRED and sub % 2 == 0, WIDE_X=GEMV4_WIDE_X and even, **common,
                     **pdl.launch_args(x2, GEMV4_PDL),
                 )  # fmt: skip
@@ -238,7 +250,7 @@ def w8a16_skinny(
             gemv.w8a16_gemv_kernel[grid](
                 x2, w_q, w_scale, out, N=n, K=k, stride_xm=x2.stride(0), stride_wn=w_q.stride(0),
                 stride_om=out.stride(0), ROWS=m,
-                EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=GEMV_EARLY and even,
+                EVEN_K=even, UNROLL=config.unroll, HAS_SCALE=True, VEC=16, EARLY=early_tiles(k, 1, config),
                 GATED=fused.gated, **common, **pdl.launch_args(x2),
             )  # fmt: skip
         else:
@@ -285,7 +297,7 @@ def dense_gemv(
             x2, w, w, out, N=n, K=k, stride_xm=x2.stride(0), stride_wn=w.stride(0), stride_om=out.stride(0),
             ROWS=m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             SPLIT_K=config.split_k, EVEN_K=even, UNROLL=config.unroll,
-            HAS_SCALE=False, VEC=8, EARLY=GEMV_EARLY and even, num_warps=config.num_warps,
+            HAS_SCALE=False, VEC=8, EARLY=early_tiles(k, 2, config), num_warps=config.num_warps,
             num_stages=config.num_stages, GATED=fused.gated, **pdl.launch_args(x2),
         )  # fmt: skip
 
@@ -339,12 +351,15 @@ def switches(**values: object) -> Iterator[None]:
         globals().update(saved)
 
 
-# Whether the one-row kernels load their first weight tile before the PDL wait, while the kernel before
-# still runs (the 4-bit one where its config loads a step ahead). On: the 8B batch-1 step's graph
-# (bench_pdl.py, H200, 2026-12-03) bf16 4.141 -> 4.029 ms, FP8 2.611 -> 2.532, INT4 2.190 -> 2.174. (A GEMV
-# that asked L2 for 4-16 KB of every weight row there, far more bytes, had made the step slower:
-# eighteenth session, docs/performance.md.)
-GEMV_EARLY = True
+# How many weight tiles the one-row kernels load before the PDL wait, while the kernel before still runs
+# (the 4-bit one: its first, where its config loads a step ahead; 0: none). One: the 8B batch-1 step's
+# graph (bench_pdl.py, H200, 2026-12-03) bf16 4.141 -> 4.029 ms, FP8 2.611 -> 2.532, INT4 2.190 -> 2.174.
+# (A GEMV that asked L2 for 4-16 KB of every weight row there, far more bytes, had made the step slower:
+# eighteenth session, docs/performance.md.) More (TOKENMILL_GEMV_EARLY): a short GEMV's whole weight
+# (the 8B's O and QKV in FP8) requested while the attention or the norm before it runs; not yet timed.
+GEMV_EARLY = int(os.environ.get("TOKENMILL_GEMV_EARLY", "1"))
+# The most weight bytes a thread holds over the wait for those early tiles (registers: 4 bytes each).
+EARLY_BYTES = 256
 
 
 def dot_precision(x: torch.Tensor) -> str:
