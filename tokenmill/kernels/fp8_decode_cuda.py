@@ -47,11 +47,13 @@ class DecodeConfig(NamedTuple):
     l2_bytes: int = 0
 
 
-# Few requests (long contexts, split): four warps a block, two blocks a multiprocessor. Many requests (at
-# least MANY_BLOCKS_PER_SM blocks a multiprocessor, one split): one warp a block, nine blocks a
-# multiprocessor, so each block's first loads and final merge hide behind the others' tiles (an H100, us
-# a layer against four warps: 110 / 124 at 256 x 544, 102 / 111 at 128 x 1,024).
-FEW_REQUESTS = DecodeConfig(warps=4, ahead=1)
+# Few requests (long contexts, split): two warps a block. Many requests (at least MANY_BLOCKS_PER_SM
+# blocks a multiprocessor, one split): one warp a block, nine blocks a multiprocessor, so each block's
+# first loads and final merge hide behind the others' tiles (an H100, us a layer against four warps: 110 /
+# 124 at 256 x 544, 102 / 111 at 128 x 1,024). Two warps against four (H100): 193.6 / 200.7 us a layer at
+# 64 x 4k, level at 16 x 32k; the batch-64 FP8-KV step 6.77 / 6.98 ms, alternated in one call
+# (forty-ninth session, docs/performance.md).
+FEW_REQUESTS = DecodeConfig(warps=2, ahead=1)
 MANY_REQUESTS = DecodeConfig(warps=1, ahead=1)
 MANY_BLOCKS_PER_SM = 4
 
