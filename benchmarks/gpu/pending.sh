@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 2, 3, 4 or 5). A call that tests a patch applies it to
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 2, 2b, 3, 4 or 5). A call that tests a patch applies it to
 # the device's copy of the tree with `apply` and takes it out again (none does now); run_all.sh holds
 # the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -41,6 +41,10 @@ case $call in
        TOKENMILL_INT4_MMA_ONE_ROW_MAX=$v timeout 150 python3 benchmarks/gpu/bench_engine.py decode \
          --shape llama-3.1-8b --max-num-seqs 4 --quantization int4 \
          --out "$out/decode_8b_int4_onerow${v:-default}.json" 2>&1 | grep -E '"decode_step_ms"'; done ;;
+  # Why the one-row GEMVs read what they read on this card (INT4 ~2.5 TB/s on the H200 where the H100
+  # gives 85-90% of its copy bandwidth; FP8's O and QKV 2.6-3.0): Nsight Compute over the 8B's four
+  # shapes in bf16, FP8 and both INT4 kernels (warp stalls, occupancy, DRAM throughput). ~120 s.
+  2b) bash benchmarks/gpu/run_all.sh "$out" ncu-gemv ;;
   # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), FP8 weights with the FP8 KV cache
   # too (the CUDA decode: one attention launch a layer, no split merge). ~300 s.
   # And the model-level row-quant test (a prefill above the one-row kernels, eager; mended after its
@@ -64,5 +68,5 @@ case $call in
   5) bash benchmarks/gpu/run_all.sh "$out" pdl-early
      timeout 150 python3 -m pytest -q tests/kernels/test_skinny_gemm.py -k "early or several_rows or first_tiles" \
        -p no:cacheprovider --junitxml="$out/gemv_early_tests.xml" 2>&1 | tail -3 ;;
-  *) echo "CALL is 1, 1b, 2, 3, 4 or 5" >&2; exit 2 ;;
+  *) echo "CALL is 1, 1b, 2, 2b, 3, 4 or 5" >&2; exit 2 ;;
 esac

@@ -253,6 +253,13 @@ print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_1
                        $([ $q = none ] || echo --quantization $q) --out "$out/decode_8b_${q}_rotary$on.json" \
                        2>&1 | grep -E '"decode_step_ms"' | tail -1
                    done; done ;;
+    # Nsight Compute over the 8B's one-row GEMVs (bf16, FP8, INT4 Triton and CUDA; gemv_ncu.py): memory
+    # throughput, warp stalls and occupancy of each, cold L2, the card's own clocks.
+    ncu-gemv) timeout 400 ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+                --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+                $py benchmarks/gpu/gemv_ncu.py > "$out/ncu_gemv.txt" 2>&1
+              grep -E "^launch|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issued Warp|No Eligible|^  [a-z_0-9]+ \(" \
+                "$out/ncu_gemv.txt" | head -120 ;;
     # Batch-1 decode with the one-row GEMVs' first 2 and 4 weight tiles before the PDL wait against the
     # first one (skinny_gemm.GEMV_EARLY), bf16 and FP8, alternating in one process each.
     pdl-early) for q in none fp8; do base=pdl-fuse-act; [ $q = none ] && base=triton-pdl-fuse-act
