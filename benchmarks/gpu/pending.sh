@@ -43,8 +43,9 @@ case $call in
          --out "$out/decode_8b_int4_onerow${v:-default}.json" 2>&1 | grep -E '"decode_step_ms"'; done ;;
   # Why the one-row GEMVs read what they read on this card (INT4 ~2.5 TB/s on the H200 where the H100
   # gives 85-90% of its copy bandwidth; FP8's O and QKV 2.6-3.0): Nsight Compute over the 8B's four
-  # shapes in bf16, FP8 and both INT4 kernels (warp stalls, occupancy, DRAM throughput). ~120 s.
-  2b) bash benchmarks/gpu/run_all.sh "$out" ncu-gemv ;;
+  # shapes in bf16, FP8 and both INT4 kernels (warp stalls, occupancy, DRAM throughput), ~120 s.
+  # And the same over the decode attention at 16 x 32k (the CUDA FP8 decode, the bf16 Triton one). ~250 s.
+  2b) bash benchmarks/gpu/run_all.sh "$out" ncu-gemv ncu-decode ;;
   # Issue 11's batch-1 ratios in one call (bf16, FP8 weights, INT4), FP8 weights with the FP8 KV cache
   # too (the CUDA decode: one attention launch a layer, no split merge). ~300 s.
   # And the model-level row-quant test (a prefill above the one-row kernels, eager; mended after its

@@ -260,6 +260,16 @@ print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_1
                 $py benchmarks/gpu/gemv_ncu.py > "$out/ncu_gemv.txt" 2>&1
               grep -E "^launch|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issued Warp|No Eligible|^  [a-z_0-9]+ \(" \
                 "$out/ncu_gemv.txt" | head -120 ;;
+    # Nsight Compute over the decode attention at 16 x 32k (ab_attention's cuda-short group): the CUDA
+    # FP8 decode's first two launches, then the bf16 Triton decode's first (the FP8-KV goal's question:
+    # what bounds the FP8 decode on this card, where it reads ~2.8 of the H200's ~4.2 TB/s).
+    ncu-decode) for kernel in fp8_decode_attention:2 _paged_attention_kernel:1; do
+                  timeout 240 ncu --clock-control none -k "regex:${kernel%:*}" --launch-count "${kernel#*:}" \
+                    --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+                    --section MemoryWorkloadAnalysis $py benchmarks/gpu/ab_attention.py --groups cuda-short \
+                    --case 16x32768 > "$out/ncu_decode_${kernel%:*}.txt" 2>&1
+                  grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issued Warp|No Eligible|Block Size|Grid Size" \
+                    "$out/ncu_decode_${kernel%:*}.txt" | head -40; done ;;
     # Batch-1 decode with the one-row GEMVs' first 2 and 4 weight tiles before the PDL wait against the
     # first one (skinny_gemm.GEMV_EARLY), bf16 and FP8, alternating in one process each.
     pdl-early) for q in none fp8; do base=pdl-fuse-act; [ $q = none ] && base=triton-pdl-fuse-act
