@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync speculative prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes fp8-pairs fp8-pairs-step server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes pdl-early ncu-gemv ncu-decode fp8-pairs fp8-pairs-step server
 #         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-l2 decode-kv32k-cuda decode-kv32k-best decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
 #         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
