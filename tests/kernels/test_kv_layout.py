@@ -86,16 +86,31 @@ def test_block_rows_are_the_same_logical_bytes() -> None:
 
 
 def test_the_layout_knob(monkeypatch) -> None:
-    cpu = torch.device("cpu")
+    """auto (the default): head-major for an FP8 cache under the GPU kernels, token-major otherwise; hnd
+    refused where the torch reference kernels run (a CPU, or TOKENMILL_ATTENTION_BACKEND=torch)."""
+    from tokenmill.kernels import BACKEND_ENV
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     monkeypatch.delenv(kv_layout.ENV, raising=False)
-    assert kv_layout.kv_cache_layout(cpu) == "nhd"
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert kv_layout.kv_cache_layout(cpu, fp8) == kv_layout.kv_cache_layout(cpu, bf16) == "nhd"
+    assert kv_layout.kv_cache_layout(gpu, fp8) == "hnd"
+    assert kv_layout.kv_cache_layout(gpu, bf16) == "nhd"
+    monkeypatch.setenv(kv_layout.ENV, "nhd")
+    assert kv_layout.kv_cache_layout(gpu, fp8) == "nhd"
     monkeypatch.setenv(kv_layout.ENV, "hnd")
     with pytest.raises(ValueError, match="TOKENMILL_KV_LAYOUT=hnd needs a CUDA device"):
-        kv_layout.kv_cache_layout(cpu)
-    assert kv_layout.kv_cache_layout(torch.device("cuda", 0)) == "hnd"
+        kv_layout.kv_cache_layout(cpu, bf16)
+    assert kv_layout.kv_cache_layout(gpu, bf16) == "hnd"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    with pytest.raises(ValueError, match="TOKENMILL_KV_LAYOUT=hnd needs a CUDA device and its Triton"):
+        kv_layout.kv_cache_layout(gpu, fp8)
+    monkeypatch.delenv(kv_layout.ENV)
+    assert kv_layout.kv_cache_layout(gpu, fp8) == "nhd"
     monkeypatch.setenv(kv_layout.ENV, "HND ")
     with pytest.raises(ValueError, match="TOKENMILL_KV_LAYOUT='HND '"):
-        kv_layout.kv_cache_layout(cpu)
+        kv_layout.kv_cache_layout(cpu, fp8)
 
 
 @pytest.mark.gpu
@@ -117,9 +132,10 @@ def test_an_engine_on_a_head_major_cache_writes_the_same_tokens(
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, block_size=16,
                   kv_cache_dtype=kv_cache_dtype, kv_cache_memory=128 << 20)  # fmt: skip
         cache = llm.engine.runner.model.attention_layers()[0].k_cache
-        assert cache.is_contiguous() == (layout == "nhd")
+        head_major = layout == "hnd" or (layout == "auto" and kv_cache_dtype == "fp8")
+        assert cache.is_contiguous() != head_major
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
         tokens[layout] = [output.outputs[0].token_ids for output in outputs]
         del llm
         torch.cuda.empty_cache()
-    assert tokens["hnd"] == tokens["nhd"]
+    assert tokens["hnd"] == tokens["nhd"] == tokens["auto"]

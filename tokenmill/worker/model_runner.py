@@ -123,7 +123,7 @@ class ModelRunner:
         return attention / matmul
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        layout = kv_cache_layout(self.device)
+        layout = kv_cache_layout(self.device, self.kv_dtype)
         for attn in self._attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Left uninitialised: attention uses only slots a request has written and masks (or zeroes)
