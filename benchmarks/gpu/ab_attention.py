@@ -10,12 +10,12 @@ editing the kernel's text, V stored transposed, integer e4m3 conversion and keys
 dimension, were measured and dropped: docs/performance.md, nineteenth to twenty-first sessions.) Each
 timing is a CUDA graph of launches over two copies of the pool (bench_kernels.time_us).
 
-    python benchmarks/gpu/ab_attention.py [--groups base,layout,occupancy,tiles,pairs,cuda,cuda-l2]
+    python benchmarks/gpu/ab_attention.py [--groups base,layout,occupancy,tiles,pairs,cuda,cuda-layout]
                                           [--case 16x32768] [--out FILE]
 (tiles: the FP8 cache's tile, warps and stages without KV splits, for many short requests; pairs: the
 pair loads against the value-by-value ones at the engine's own tiles; cuda: the CUDA decode over the FP8
-cache, kernels/fp8_decode_cuda.py, by its splits; cuda-l2: the CUDA decode at the engine's tiles with
-tiles asked of L2 ahead and the loads' L2 fetch size, `DecodeConfig.prefetch` and `l2_bytes`)
+cache, kernels/fp8_decode_cuda.py, by its splits; cuda-layout: the CUDA decode and the bf16 Triton one at
+the engine's tiles over token-major and head-major pages)
 """
 
 from __future__ import annotations
@@ -198,40 +198,20 @@ def main() -> int:
                 name = "_".join(f"{v}{u}" for v, u in zip(config, ("w", "a", "b")))
                 run(f"fp8_cuda_{name}_s{splits or 'default'}", k8, v8, splits, cuda=True)
         fp8_decode_cuda.CONFIG = default
-    if "cuda-l2" in groups:
-        # Bytes in flight past what the registers hold: the engine's tiles (and two-warp blocks) with the
-        # warp's tiles asked of L2 1-4 tiles ahead, and the loads fetching 128 or 256 bytes into L2 (256:
-        # the next KV head's rows of the same keys, which its block reads beside this one).
-        run("bf16_default", k_bf, v_bf, None)
-        default = fp8_decode_cuda.CONFIG
-        base = fp8_decode_cuda.launch_config(BATCH, KV_HEADS, torch.device(dev))
-        variants = [(base.warps, p, l2) for p in (0, 1, 2, 4) for l2 in (0, 128, 256)]
-        variants += [(2, p, l2) for p in (0, 2) for l2 in (0, 256)] if base.warps != 2 else []
-        settings = {}  # name: the environment that gives the variant to the engine
+    if "cuda-layout" in groups:
+        # The engine's tiles over token-major and head-major pages ([block, head, slot, dim] through the same
+        # strides, as worker/kv_layout.py allocates them: a KV head's rows of a page contiguous, where
+        # token-major they are 128-byte pieces 1 KB apart), the CUDA FP8 decode by splits and the bf16
+        # Triton one: the H200 read 3.94 against 3.70 TB/s so for FP8 (forty-ninth session).
         split_choices = (None, 2, 4) if BATCH * KV_HEADS < 512 else (None,)  # many requests: one split
-        for warps, prefetch, l2_bytes in variants:
-            fp8_decode_cuda.CONFIG = config = base._replace(warps=warps, prefetch=prefetch, l2_bytes=l2_bytes)
-            for splits in split_choices:
-                name = f"fp8_cuda_{warps}w_p{prefetch}_l2{l2_bytes}_s{splits or 'default'}"
-                run(name, k8, v8, splits, cuda=True)
-                settings[name] = {"TOKENMILL_FP8_DECODE_TILES": ",".join(map(str, config))}
-                if splits:
-                    settings[name]["TOKENMILL_FP8_DECODE_SPLITS"] = str(splits)
-        fp8_decode_cuda.CONFIG = default
-        # And the pages head-major ([block, head, slot, dim] through the same strides: a KV head's rows of a
-        # page contiguous, where token-major they are 128-byte pieces 1 KB apart): the bf16 Triton kernel
-        # read 16% faster so on the H200 (nineteenth session).
+        run("bf16_default", k_bf, v_bf, None)
+        for splits in split_choices:
+            run(f"fp8_cuda_token_major_s{splits or 'default'}", k8, v8, splits, cuda=True)
         k8_hm, v8_hm = head_major(k8), head_major(v8)
         for splits in split_choices:
             run(f"fp8_cuda_head_major_s{splits or 'default'}", k8_hm, v8_hm, splits, cuda=True)
         del k8_hm, v8_hm
         run("bf16_head_major_default", head_major(k_bf), head_major(v_bf), None)
-        # Only variants that computed the attention (the hints change no bit: an error here is a fault).
-        timed = [name for name in settings if results[name].get("rel_rms_err", 1.0) < 0.01]
-        if timed:  # for a decode step with the fastest variant (benchmarks/gpu/pending.sh)
-            best = min(timed, key=lambda name: results[name]["us"])
-            results["best_cuda_l2"] = {"name": best, "us": results[best]["us"], "env": settings[best]}
-            print("best_cuda_l2", json.dumps(results["best_cuda_l2"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=1))
     return 0

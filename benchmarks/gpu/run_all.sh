@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync speculative prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes pdl-early ncu-gemv ncu-decode fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-l2 decode-kv32k-cuda decode-kv32k-best decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-layout decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
 #         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
 #         1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -139,21 +139,13 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     fp8-cuda) for case in ${FP8_CUDA_CASES:-16x32768 256x544 128x1024 64x4096}; do timeout 150 $py \
                 benchmarks/gpu/ab_attention.py --groups cuda --case $case --out "$out/fp8_cuda_$case.json" \
                 2>&1 | grep -v Warning | tail -10; done ;;
-    # The CUDA decode at the engine's tiles with tiles asked of L2 ahead and the loads' L2 fetch size
-    # (DecodeConfig.prefetch, l2_bytes), by case; each case's JSON names its fastest variant's environment.
-    fp8-cuda-l2) for case in ${FP8_CUDA_CASES:-16x32768 64x4096 256x544}; do timeout 150 $py \
-                benchmarks/gpu/ab_attention.py --groups cuda-l2 --case $case --out "$out/fp8_cuda_l2_$case.json" \
-                2>&1 | grep -v Warning | tail -40; done ;;
+    # The CUDA decode and the bf16 Triton one over token-major and head-major pages, by case.
+    fp8-cuda-layout) for case in ${FP8_CUDA_CASES:-16x32768 64x4096 256x544}; do timeout 150 $py \
+                benchmarks/gpu/ab_attention.py --groups cuda-layout --case $case --out "$out/fp8_cuda_layout_$case.json" \
+                2>&1 | grep -v Warning | tail -12; done ;;
     decode-kv32k-cuda) for run in ${KV32K_RUNS:-auto fp8 fp8-cuda}; do
                          TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) kv32k_step ${run%-cuda} $run
                        done ;;
-    # The 32k step (FP8 KV, the CUDA decode) at the fastest variant fp8-cuda-l2 found at 16 x 32k in this
-    # output directory (its TOKENMILL_FP8_DECODE_TILES and _SPLITS).
-    decode-kv32k-best) envs=$($py -c "import json, sys
-best = json.load(open(sys.argv[1]))['cases']['best_cuda_l2']
-print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_16x32768.json") || continue
-                       echo "fastest variant: $envs"
-                       (export $envs TOKENMILL_FP8_DECODE_CUDA=1; kv32k_step fp8 fp8-cuda-best) ;;
     # The whole decode step over an FP8 cache at short contexts, the CUDA decode against the Triton one
     # (each with the step's rotary in its launch), by batch.
     decode-fp8kv-cuda) for b in ${FP8KV_BATCHES:-1 64}; do for on in 0 1; do echo "batch $b cuda $on"
@@ -170,10 +162,12 @@ print(' '.join(f'{k}={v}' for k, v in best['env'].items()))" "$out/fp8_cuda_l2_1
           TOKENMILL_ROW_QUANT_FUSION=$([ $run = rowq0 ] && echo 0 || echo 1) \
           timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 $q \
           --out "$out/throughput_llama_8b_fp8kv_$run.json" 2>&1 | grep output_tok_s | tail -1; done ;;
-    # Where the FP8-cache 32k step's time goes with the CUDA decode (its kernels by name, a step).
-    profile-kv32k-cuda) TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $py benchmarks/gpu/profile_decode.py --batch 16 \
-                          --input-len 32768 --output-len 24 --max-model-len 33024 --kv-cache-dtype fp8 --top 12 \
-                          --out "$out/profile_kv32k_cuda.json" 2>&1 | tail -14 ;;
+    # Where the 32k step's time goes (its kernels by name, a step): the FP8 cache with the CUDA decode, and
+    # with PROFILE_KV="fp8 auto" the bf16 cache beside it.
+    profile-kv32k-cuda) for kv in ${PROFILE_KV:-fp8}; do TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $py \
+                          benchmarks/gpu/profile_decode.py --batch 16 --input-len 32768 --output-len 24 \
+                          --max-model-len 33024 --kv-cache-dtype $kv --top 12 \
+                          --out "$out/profile_kv32k_$([ $kv = fp8 ] && echo cuda || echo $kv).json" 2>&1 | tail -14; done ;;
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
     profile-quant) for q in fp8 int4; do timeout 150 $py benchmarks/gpu/profile_decode.py --quantization $q \

@@ -28,28 +28,17 @@
 // load before the PDL wait), SPLIT (1: write partial outputs and log-sum-exps),
 // ROTARY (1: the query and the step's key arrive unrotated, as paged_attention's `rotary` has them: each
 // block rotates its query rows, and the block whose split holds the step's key rotates it and stores it
-// and the value into the cache itself, one launch instead of two), PREFETCH (0: none; p: a warp asks L2
-// for the tile p tiles past its register tiles, a lane a key's or a value's row, no register held until
-// it is loaded), L2_BYTES (0, 64, 128 or 256: the loads' L2 fetch-size hint; 256 fetches the rows of
-// the next KV head too, which its block, running beside this one, reads next). Dynamic shared memory:
-// WARPS * GROUP * (HEAD_DIM + 2) * 4 B.
+// and the value into the cache itself, one launch instead of two). Dynamic shared memory:
+// WARPS * GROUP * (HEAD_DIM + 2) * 4 B. (Tiles asked of L2 ahead of the register tiles, prefetch.global.L2,
+// and the loads' L2 fetch-size hints gained nothing on an H100 or an H200 and were taken out:
+// docs/performance.md, forty-eighth and forty-ninth sessions.)
 // sm_89 or later (cvt.rn.f16x2.e4m3x2).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-#if L2_BYTES == 0
 #define NC_LOAD "ld.global.nc.L1::no_allocate"
-#elif L2_BYTES == 64
-#define NC_LOAD "ld.global.nc.L1::no_allocate.L2::64B"
-#elif L2_BYTES == 128
-#define NC_LOAD "ld.global.nc.L1::no_allocate.L2::128B"
-#elif L2_BYTES == 256
-#define NC_LOAD "ld.global.nc.L1::no_allocate.L2::256B"
-#else
-#error "L2_BYTES is 0, 64, 128 or 256"
-#endif
 
 #define K_WORDS (HEAD_DIM / 16)  // a lane's words of a key, one a k-step of Q.K^T
 #define V_WORDS (HEAD_DIM / 32)  // a lane's words of a value: four n8 tiles of P.V each
@@ -151,8 +140,6 @@ struct Tile {
   u32 v[4][V_WORDS];
 };
 
-__device__ __forceinline__ void prefetch_l2(const u8* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 struct Cursor {  // where a lane's bytes of tile i lie: a page's row, plus the lane's offsets in it
   const u8* k_cache;
   const u8* v_cache;
@@ -160,14 +147,6 @@ struct Cursor {  // where a lane's bytes of tile i lie: a page's row, plus the l
   long long stride_block;
   int stride_slot, kv_lo;
   int k_off[2], v_off[4];  // within a page (the head's offset included): keys g, g + 8; 2t, 2t+1, 2t+8, 2t+9
-  int line_off;            // the lane's row for PREFETCH: key lane % 16 (lanes 0-15), or its value (16-31)
-
-  // The row of tile i this lane asks L2 for (PREFETCH): the tile's 16 keys' and 16 values' rows, a lane each.
-  __device__ __forceinline__ const u8* line(int i, int lane) const {
-    const unsigned base = kv_lo + 16 * i;
-    const long long row = (long long)table[base / BLOCK_SIZE] * stride_block + (int)(base % BLOCK_SIZE) * stride_slot;
-    return (lane < 16 ? k_cache : v_cache) + row + line_off;
-  }
 
   template <bool COHERENT = false>
   __device__ __forceinline__ void load_tile(Tile& x, int i) const {
@@ -189,15 +168,6 @@ struct Cursor {  // where a lane's bytes of tile i lie: a page's row, plus the l
       load_tile<false>(x, i);
   }
 };
-
-// The warp's tiles that its main loop's iterations 1 to PREFETCH - 1 load, asked of L2 (PREFETCH).
-__device__ __forceinline__ void prefetch_first(const Cursor& at, int warp, int n_tiles, int lane) {
-#pragma unroll
-  for (int s = 1; s < PREFETCH; ++s) {
-    const int tile = warp + (AHEAD + s) * WARPS;
-    if (tile < n_tiles) prefetch_l2(at.line(tile, lane));
-  }
-}
 
 struct State {  // a warp's online softmax over its tiles: rows g (0) and g + 8 (1)
   float o[N_TILES][4];
@@ -328,8 +298,7 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
                   {head_offset + 2 * t * stride_slot + (HEAD_DIM / 8) * g,
                    head_offset + (2 * t + 1) * stride_slot + (HEAD_DIM / 8) * g,
                    head_offset + (2 * t + 8) * stride_slot + (HEAD_DIM / 8) * g,
-                   head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g},
-                  head_offset + (lane & 15) * stride_slot};
+                   head_offset + (2 * t + 9) * stride_slot + (HEAD_DIM / 8) * g}};
   // The tile that holds the step's key: stored by the launch before this one (ROTARY: by this block, below).
   const int step = seq_len - 1;
   const int step_tile = kv_lo <= step && step < kv_hi ? (step - kv_lo) >> 4 : -1;
@@ -345,17 +314,8 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
     if (tile < n_tiles && tile != step_tile) at.load(buf[s], tile, -1);
   }
 #endif
-  // PREFETCH: the tiles the loop's iterations 1 to PREFETCH - 1 load into registers, asked of L2 now (the
-  // loop asks for each later one PREFETCH iterations before it loads it); with EARLY before the PDL wait,
-  // as L2 is where the stores of the launch before land: a row asked for early is never stale there.
-#if EARLY
-  prefetch_first(at, warp, n_tiles, lane);
-#endif
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-#if !EARLY
-  prefetch_first(at, warp, n_tiles, lane);
 #endif
   int fresh = -1;  // the tile this block stores the step's key and value into, if any
 #if ROTARY
@@ -418,15 +378,7 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
     for (int s = 0; s <= AHEAD; ++s) {
       if (i >= n_tiles) break;
       if (i + AHEAD * WARPS < n_tiles) at.load(buf[(s + AHEAD) % (AHEAD + 1)], i + AHEAD * WARPS, fresh);
-#if PREFETCH
-      // Its page read before the tile is computed, the request made after: no wait on the table's read.
-      const int ahead = i + (AHEAD + PREFETCH) * WARPS;
-      const u8* row = ahead < n_tiles ? at.line(ahead, lane) : nullptr;
-#endif
       attend(st, buf[s], q, kv_lo + 16 * i, kv_hi, qk_scale, t);
-#if PREFETCH
-      if (row != nullptr) prefetch_l2(row);
-#endif
       i += WARPS;
     }
   }

@@ -39,12 +39,6 @@ class DecodeConfig(NamedTuple):
     # Blocks a multiprocessor the compiler must leave registers for (__launch_bounds__): more blocks hide
     # each one's first loads and final merge behind the others' tiles, at the price of spills if too many.
     min_blocks: int = 1
-    # Tiles past the register tiles a warp asks L2 for (prefetch.global.L2, no registers held): more bytes
-    # in flight than the registers allow. 0: none.
-    prefetch: int = 0
-    # The loads' L2 fetch-size hint in bytes (0: none, 64, 128, 256). 256 also brings the next KV head's
-    # rows of the same keys (the cache is [block, slot, head, dim]), which its block reads beside this one.
-    l2_bytes: int = 0
 
 
 # Few requests (long contexts, split): two warps a block. Many requests (at least MANY_BLOCKS_PER_SM
@@ -66,29 +60,23 @@ def launch_config(num_seqs: int, num_kv_heads: int, device: torch.device) -> Dec
     return MANY_REQUESTS if many else FEW_REQUESTS
 
 
-L2_BYTES = (0, 64, 128, 256)  # DecodeConfig.l2_bytes' values
-
-
 def _config_from_env() -> DecodeConfig | None:
     forced = os.environ.get("TOKENMILL_FP8_DECODE_TILES")
     if not forced:
         return None
     try:
         values = [int(v) for v in forced.split(",")]
-        if not 2 <= len(values) <= 5 or min(values[:3]) < 1 or min(values[3:], default=0) < 0:
+        if not 2 <= len(values) <= 3 or min(values) < 1:
             raise ValueError
         config = DecodeConfig(*values)
-        if config.l2_bytes not in L2_BYTES:
-            raise ValueError
     except ValueError:
         raise ValueError(
-            f"TOKENMILL_FP8_DECODE_TILES={forced!r}: give warps,ahead[,min_blocks[,prefetch[,l2_bytes]]] "
-            f"(l2_bytes one of {L2_BYTES})"
+            f"TOKENMILL_FP8_DECODE_TILES={forced!r}: give warps,ahead[,min_blocks] (positive integers)"
         ) from None
     return config
 
 
-# Every launch's tiles where TOKENMILL_FP8_DECODE_TILES="warps,ahead[,min_blocks[,prefetch[,l2_bytes]]]"
+# Every launch's tiles where TOKENMILL_FP8_DECODE_TILES="warps,ahead[,min_blocks]"
 # sets them (the benchmarks); None: launch_config's rule.
 CONFIG = _config_from_env()
 HEAD_DIMS = (64, 128)  # (256 spills: its output fragments alone are 128 registers)
@@ -210,7 +198,7 @@ def fp8_decode_attention(
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
         WARPS=config.warps, AHEAD=config.ahead, MIN_BLOCKS=config.min_blocks, SPLIT=int(splits > 1),
-        ROTARY=int(fused), EARLY=int(pdl.EARLY_READS), PREFETCH=config.prefetch, L2_BYTES=config.l2_bytes,
+        ROTARY=int(fused), EARLY=int(pdl.EARLY_READS),
     )  # fmt: skip
     # Built (or a CudaRtcError raised) before anything is written: a caller may then decode elsewhere.
     kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
