@@ -21,8 +21,10 @@ case $call in
   # the default, against bf16 KV's 20.75, 1.56x of the 1.6x asked; the isolated decode and the bf16 step's
   # other parts add up to ~12.1 ms): where the FP8 step's other ~1.2 ms go. Profiles of the step, FP8 and
   # bf16 cache, with PDL (the engine's) and without it (with it a launch's time includes its wait for the
-  # one before). ~400 s.
-  1) PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
+  # one before); first the decode kernel alone with the step's rotary and store in its launch and with
+  # PDL, against the plain launch the ~14% was measured from. ~430 s.
+  1) bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-step
+     PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
      TOKENMILL_PDL=0 bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
   # The nano-vllm ratio on an H200 (bf16 and FP8 weights + cache: 1.357x in the forty-ninth session,
   # goal 1.4x), FP8 on head-major pages (the default now) and token-major: the prefill side over head-major
