@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 2, 2b, 3 or 4). A call that tests a patch applies it to
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 1c, 2, 2b, 3 or 4). A call that tests a patch applies it to
 # the device's copy of the tree with `apply` and takes it out again (none does now); run_all.sh holds
 # the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -22,10 +22,13 @@ case $call in
   # other parts add up to ~12.1 ms): where the FP8 step's other ~1.2 ms go. Profiles of the step, FP8 and
   # bf16 cache, with PDL (the engine's) and without it (with it a launch's time includes its wait for the
   # one before); first the decode kernel alone with the step's rotary and store in its launch and with
-  # PDL, against the plain launch the ~14% was measured from. ~430 s.
+  # PDL, against the plain launch the ~14% was measured from, and the FP8 step with the rotary and store
+  # in a launch of their own (TOKENMILL_DECODE_ROTARY=0) and without PDL. ~420 s; the no-PDL profile is 1c.
   1) bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-step
-     PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda
-     TOKENMILL_PDL=0 bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
+     TOKENMILL_DECODE_ROTARY=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/rotary0" decode-kv32k-cuda
+     TOKENMILL_PDL=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/nopdl" decode-kv32k-cuda
+     PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda ;;
+  1c) TOKENMILL_PDL=0 PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
   # The nano-vllm ratio on an H200 (bf16 and FP8 weights + cache: 1.357x in the forty-ninth session,
   # goal 1.4x), FP8 on head-major pages (the default now) and token-major: the prefill side over head-major
   # FP8 pages is untimed. ~230 s.
@@ -61,5 +64,5 @@ case $call in
   4) bash benchmarks/gpu/run_all.sh "$out" pdl-early
      timeout 150 python3 -m pytest -q tests/kernels/test_skinny_gemm.py -k "early or several_rows or first_tiles" \
        -p no:cacheprovider --junitxml="$out/gemv_early_tests.xml" 2>&1 | tail -3 ;;
-  *) echo "CALL is 1, 1b, 2, 2b, 3 or 4" >&2; exit 2 ;;
+  *) echo "CALL is 1, 1b, 1c, 2, 2b, 3 or 4" >&2; exit 2 ;;
 esac
