@@ -20,12 +20,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_quant_gemm import SHAPES  # noqa: E402
+from bench_quant_gemm import GROUP, SHAPES, int4_weights  # noqa: E402
 
 from tokenmill.kernels import skinny_gemm, w4a16_gemv_cuda  # noqa: E402
 
 KINDS = ("bf16", "fp8", "int4-triton", "int4-cuda")
-GROUP = 128
 
 
 def launches(kind: str, n: int, k: int, gen: torch.Generator):
@@ -38,8 +37,7 @@ def launches(kind: str, n: int, k: int, gen: torch.Generator):
         w = (torch.randn(n, k, device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
         scale = torch.rand(n, device="cuda", generator=gen) * 0.01
         return lambda: skinny_gemm.w8a16_skinny(x, w, scale)
-    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32, generator=gen)
-    scale = (torch.rand(n, k // GROUP, device="cuda", generator=gen) * 0.01).to(torch.bfloat16)
+    packed, scale = int4_weights(n, k, gen)[2][0]  # the first of bench_quant_gemm's copies
     if kind == "int4-triton":
         return lambda: skinny_gemm.w4a16_skinny(x, packed, scale, None, GROUP)
     return lambda: w4a16_gemv_cuda.w4a16_gemv_mma(x, packed, scale, None, GROUP)

@@ -99,7 +99,7 @@ def program_rows(w, N, units, stride_wn, BLOCK_N: tl.constexpr, BLOCK: tl.conste
     """A one-row program's weight rows (for the loads of weights and scales; rows past N read a copy of
     another, never stored), its output columns, whether each is real, the pointers to the first BLOCK
     units of its weight rows and its [lo, hi) along K; then the PDL wait, after which the program may
-    read x (with EARLY the caller waits, after loading its first weight tile: the weights are no
+    read x (with EARLY the caller waits, after loading its first weight tiles: the weights are no
     earlier kernel's output). GATED: the weight is gate || up (N / 2 rows each) and the program takes
     gate rows j..j + BLOCK_N / 2 and the up rows of the same j (store_row combines them)."""
     r = tl.arange(0, BLOCK_N)

@@ -356,7 +356,9 @@ def switches(**values: object) -> Iterator[None]:
 # graph (bench_pdl.py, H200, 2026-12-03) bf16 4.141 -> 4.029 ms, FP8 2.611 -> 2.532, INT4 2.190 -> 2.174.
 # (A GEMV that asked L2 for 4-16 KB of every weight row there, far more bytes, had made the step slower:
 # eighteenth session, docs/performance.md.) More (TOKENMILL_GEMV_EARLY): a short GEMV's whole weight
-# (the 8B's O and QKV in FP8) requested while the attention or the norm before it runs; not yet timed.
+# (the 8B's O and QKV in FP8) requested while the attention or the norm before it runs; 2 and 4 tiles made
+# the FP8 step 4.9% and 7.1% slower on an H100 (more registers: the O GEMV's programs in two waves), bf16
+# 0.7% faster (forty-ninth session).
 GEMV_EARLY = int(os.environ.get("TOKENMILL_GEMV_EARLY", "1"))
 # The most weight bytes a thread holds over the wait for those early tiles (registers: 4 bytes each).
 EARLY_BYTES = 256
