@@ -24,7 +24,7 @@ case $call in
   # one before); first the decode kernel alone with the step's rotary and store in its launch and with
   # PDL, against the plain launch the ~14% was measured from, and the FP8 step with the rotary and store
   # in a launch of their own (TOKENMILL_DECODE_ROTARY=0) and without PDL. ~420 s; the no-PDL profile is 1c.
-  1) bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-step
+  1) bash benchmarks/gpu/run_all.sh "$out" attention-pages fp8-cuda-step
      TOKENMILL_DECODE_ROTARY=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/rotary0" decode-kv32k-cuda
      TOKENMILL_PDL=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/nopdl" decode-kv32k-cuda
      PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda ;;
