@@ -19,16 +19,18 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
   # Issue 11's FP8 KV goal on an H200 (forty-ninth session: the 32k step 13.32 ms on head-major pages, now
   # the default, against bf16 KV's 20.75, 1.56x of the 1.6x asked; the isolated decode and the bf16 step's
-  # other parts add up to ~12.1 ms): where the FP8 step's other ~1.2 ms go. Profiles of the step, FP8 and
-  # bf16 cache, with PDL (the engine's) and without it (with it a launch's time includes its wait for the
-  # one before); first the decode kernel alone with the step's rotary and store in its launch and with
-  # PDL, against the plain launch the ~14% was measured from, and the FP8 step with the rotary and store
-  # in a launch of their own (TOKENMILL_DECODE_ROTARY=0) and without PDL. ~420 s; the no-PDL profile is 1c.
-  1) bash benchmarks/gpu/run_all.sh "$out" attention-pages fp8-cuda-step
-     TOKENMILL_DECODE_ROTARY=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/rotary0" decode-kv32k-cuda
+  # other parts add up to ~12.1 ms): where the FP8 step's other ~1.2 ms go. First the decode over pages in
+  # the block pool's order against the benchmark's random order (the step's pages are consecutive a
+  # request), then the FP8 step without PDL and profiles of both steps (FP8 and bf16 cache) without PDL
+  # (with it a launch's time includes its wait for the one before), then the decode kernel alone with the
+  # step's rotary and store in its launch and with PDL. ~450 s. 1c: the FP8 step with the rotary and store
+  # in a launch of their own (TOKENMILL_DECODE_ROTARY=0) and the profiles with PDL.
+  1) bash benchmarks/gpu/run_all.sh "$out" attention-pages
      TOKENMILL_PDL=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/nopdl" decode-kv32k-cuda
-     PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda ;;
-  1c) TOKENMILL_PDL=0 PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda ;;
+     TOKENMILL_PDL=0 PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out/nopdl" profile-kv32k-cuda
+     bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-step ;;
+  1c) TOKENMILL_DECODE_ROTARY=0 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/rotary0" decode-kv32k-cuda
+      PROFILE_KV="fp8 auto" bash benchmarks/gpu/run_all.sh "$out" profile-kv32k-cuda ;;
   # The nano-vllm ratio on an H200 (bf16 and FP8 weights + cache: 1.357x in the forty-ninth session,
   # goal 1.4x), FP8 on head-major pages (the default now) and token-major: the prefill side over head-major
   # FP8 pages is untimed. ~230 s.
