@@ -55,7 +55,9 @@ def test_decode_reads_this_steps_key_and_value_after_its_wait(
     )
 
 
-def step_rotary(batch: Batch, num_kv_heads: int, seed: int = 0) -> StepRotary:
+def step_rotary(
+    batch: Batch, num_kv_heads: int, seed: int = 0, cos_sin_dtype: torch.dtype | None = None
+) -> StepRotary:
     """A decode step's rotary inputs for `batch` (request b's one query token is token b): each token at
     position seq_len - 1 with its real slot, rows past the requests' tokens (padding) at position 0 and
     slot -1; an unrotated key and a value, and a cos/sin cache of real angles."""
@@ -76,7 +78,8 @@ def step_rotary(batch: Batch, num_kv_heads: int, seed: int = 0) -> StepRotary:
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     dtype = batch.query.dtype
     return StepRotary(
-        positions=positions.to(DEVICE), cos_sin_cache=cos_sin.to(DEVICE, dtype), key=key.to(DEVICE, dtype),
+        positions=positions.to(DEVICE), cos_sin_cache=cos_sin.to(DEVICE, cos_sin_dtype or dtype),
+        key=key.to(DEVICE, dtype),
         value=value.to(DEVICE, dtype), slot_mapping=slots.to(DEVICE),
     )  # fmt: skip
 

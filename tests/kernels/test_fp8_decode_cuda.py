@@ -14,10 +14,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from transformers import LlamaConfig  # noqa: E402
+
 from tests.kernels.test_attention import BF16_TOL, fp8_cache, make_batch  # noqa: E402
 from tests.kernels.test_decode_attention import step_rotary  # noqa: E402
-from tokenmill.kernels import attention, cuda_rtc, fp8_decode_cuda, pdl, reference  # noqa: E402
+from tokenmill.kernels import StepRotary, attention, cuda_rtc, fp8_decode_cuda, pdl, reference  # noqa: E402
 from tokenmill.kernels.fp8_decode_cuda import fp8_decode_attention, supports  # noqa: E402
+from tokenmill.layers.rotary import RotaryEmbedding  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 FP8_CUDA = CUDA and torch.cuda.get_device_capability() >= (8, 9)
@@ -35,10 +38,28 @@ def test_every_variant_compiles_without_spills(arch) -> None:
     for (head_dim, group), (warps, ahead), n in zip(shapes * 2, configs, itertools.count()):
         bf16, split, rotary = n % 2, (n // 2) % 2, (n // 3) % 2
         defines = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, BF16=bf16, WARPS=warps, AHEAD=ahead,
-                       MIN_BLOCKS=1, SPLIT=split, ROTARY=rotary, EARLY=(n // 5) % 2)  # fmt: skip
+                       MIN_BLOCKS=1, SPLIT=split, ROTARY=rotary, EARLY=(n // 5) % 2,
+                       COS_SIN_F32=rotary * (n // 7) % 2)  # fmt: skip
         cubin, log = cuda_rtc.compile_cubin(source, "fp8_decode_attention", arch, defines, verbose=True)
         assert cubin[:4] == b"\x7fELF", defines
         assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, (defines, log)
+
+
+def test_the_engines_step_rotary_fuses() -> None:
+    """A decode step's rotary inputs as the engine builds them (layers/rotary.py's float32 cos/sin cache,
+    int64 positions and slots as the graphs and the input batch hold them, key and value split off the QKV
+    projection's output) are ones the launch rotates and stores itself. Until the fiftieth session the
+    cache was float32 where the kernel took 16-bit only: every FP8 decode step ran a rotary launch a layer."""
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    rotary_embedding = RotaryEmbedding(config, head_dim=64, max_position=128)
+    tokens, heads, kv_heads, head_dim = 3, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    rotary = StepRotary(
+        torch.arange(tokens), rotary_embedding.cos_sin_cache, k.view(tokens, kv_heads, head_dim),
+        v.view(tokens, kv_heads, head_dim), torch.arange(tokens),
+    )  # fmt: skip
+    assert fp8_decode_cuda.fuses_rotary(q.view(tokens, heads, head_dim), rotary)
 
 
 def test_many_requests_take_one_warp_blocks(monkeypatch) -> None:
@@ -228,16 +249,18 @@ def test_a_kernel_nvrtc_cannot_build_leaves_the_decode_to_triton(monkeypatch, ca
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (12, 1, 128), (16, 8, 64)])
 @pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("cos_sin_dtype", [torch.float32, torch.bfloat16])
 def test_rotates_and_stores_the_steps_key_itself(
-    num_kv_splits, num_heads, num_kv_heads, head_dim, fused
+    num_kv_splits, num_heads, num_kv_heads, head_dim, fused, cos_sin_dtype
 ) -> None:
     """With `rotary` the launch rotates the query and the step's key and stores the key and value (fused:
-    int64 positions and slots), or a rotary launch goes first (int32 ones): the reference's output and
-    cache either way, the step's key in the first tile of a split, a later one, a page's last slot, and a
-    padded request that stores nothing."""
+    int64 positions and slots; the cos/sin cache in float32 as the engine holds it, or in the query's
+    dtype), or a rotary launch goes first (int32 ones): the reference's output and cache either way, the
+    step's key in the first tile of a split, a later one, a page's last slot, and a padded request that
+    stores nothing."""
     seq_lens = [1, 16, 17, 64, 65, 300, 2000]
     batch = fp8_batch(seq_lens, num_heads, num_kv_heads, head_dim, torch.bfloat16, padded=True, seed=head_dim)
-    rotary = step_rotary(batch, num_kv_heads, seed=num_heads)
+    rotary = step_rotary(batch, num_kv_heads, seed=num_heads, cos_sin_dtype=cos_sin_dtype)
     if not fused:
         rotary = rotary._replace(positions=rotary.positions.int(), slot_mapping=rotary.slot_mapping.int())
     assert fp8_decode_cuda.fuses_rotary(batch.query, rotary) == fused

@@ -28,8 +28,9 @@
 // load before the PDL wait), SPLIT (1: write partial outputs and log-sum-exps),
 // ROTARY (1: the query and the step's key arrive unrotated, as paged_attention's `rotary` has them: each
 // block rotates its query rows, and the block whose split holds the step's key rotates it and stores it
-// and the value into the cache itself, one launch instead of two). Dynamic shared memory:
-// WARPS * GROUP * (HEAD_DIM + 2) * 4 B. (Tiles asked of L2 ahead of the register tiles, prefetch.global.L2,
+// and the value into the cache itself, one launch instead of two), COS_SIN_F32 (1: the rotary's cos/sin
+// cache is float32, as the engine's rotary embedding holds it; 0: the query's 16-bit dtype).
+// Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B. (Tiles asked of L2 ahead of the register tiles, prefetch.global.L2,
 // and the loads' L2 fetch-size hints gained nothing on an H100 or an H200 and were taken out:
 // docs/performance.md, forty-eighth and forty-ninth sessions.)
 // sm_89 or later (cvt.rn.f16x2.e4m3x2).
@@ -37,6 +38,11 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
+#if COS_SIN_F32
+typedef float cos_sin_t;
+#else
+typedef unsigned short cos_sin_t;
+#endif
 
 #define NC_LOAD "ld.global.nc.L1::no_allocate"
 
@@ -70,7 +76,9 @@ __device__ __forceinline__ u16 to_out(float v) {
 
 // A row's dim d after rotate-half rotary by the position's cos/sin row, rounded to the 16-bit dtype as
 // kernels/rotary.py stores it: x1 cos - x2 sin for the first half, x2 cos + x1 sin for the second.
-__device__ __forceinline__ float rotated(const u16* row, const u16* cos_sin, int d) {
+__device__ __forceinline__ float in_float(float f) { return f; }
+
+__device__ __forceinline__ float rotated(const u16* row, const cos_sin_t* cos_sin, int d) {
   const int half = HEAD_DIM / 2, i = d % half;
   const float c = in_float(cos_sin[i]), s = in_float(cos_sin[half + i]);
   const float x1 = in_float(row[i]), x2 = in_float(row[half + i]);
@@ -264,7 +272,7 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
                      const int* __restrict__ query_start_loc, float qk_scale, float k_scale, float v_scale,
                      int stride_q_tok, int stride_q_head, int stride_o_tok, int stride_o_head, int stride_block,
                      int stride_slot, int stride_head, int stride_table, const long long* __restrict__ positions,
-                     const u16* __restrict__ cos_sin, const u16* __restrict__ key, const u16* __restrict__ value,
+                     const cos_sin_t* __restrict__ cos_sin, const u16* __restrict__ key, const u16* __restrict__ value,
                      const long long* __restrict__ slot_mapping, int stride_cos, int stride_key_tok,
                      int stride_key_head, int stride_value_tok, int stride_value_head) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -278,7 +286,7 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
   // Nor the token's position and slot.
   const long long pos = query_len > 0 ? positions[q_start] : 0;
   const long long slot = query_len > 0 ? slot_mapping[q_start] : -1;
-  const u16* cs = cos_sin + pos * stride_cos;
+  const cos_sin_t* cs = cos_sin + pos * stride_cos;
 #endif
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -111,12 +111,17 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def fuses_rotary(query: torch.Tensor, rotary: StepRotary) -> bool:
-    """Whether the launch can take `rotary` itself: int64 positions and slots, the cos/sin cache, key and
-    value in the query's dtype with contiguous rows, the cos/sin rows spanning head_dim."""
+    """Whether the launch can take `rotary` itself: int64 positions and slots, key and value in the
+    query's dtype and the cos/sin cache in it or in float32 (as layers/rotary.py holds it), with contiguous
+    rows, the cos/sin rows spanning head_dim."""
     positions, cos_sin_cache, key, value, slot_mapping = rotary
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         return False
-    if any(t.dtype != query.dtype or t.stride(-1) != 1 for t in (cos_sin_cache, key, value)):
+    if cos_sin_cache.dtype not in (query.dtype, torch.float32):
+        return False
+    if any(t.dtype != query.dtype for t in (key, value)):
+        return False
+    if any(t.stride(-1) != 1 for t in (cos_sin_cache, key, value)):
         return False
     return (
         cos_sin_cache.shape[-1] == query.shape[-1]
@@ -198,7 +203,8 @@ def fp8_decode_attention(
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
         WARPS=config.warps, AHEAD=config.ahead, MIN_BLOCKS=config.min_blocks, SPLIT=int(splits > 1),
-        ROTARY=int(fused), EARLY=int(pdl.EARLY_READS),
+        ROTARY=int(fused), COS_SIN_F32=int(fused and rotary.cos_sin_cache.dtype == torch.float32),
+        EARLY=int(pdl.EARLY_READS),
     )  # fmt: skip
     # Built (or a CudaRtcError raised) before anything is written: a caller may then decode elsewhere.
     kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
