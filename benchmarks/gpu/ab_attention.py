@@ -11,14 +11,15 @@ dimension, were measured and dropped: docs/performance.md, nineteenth to twenty-
 timing is a CUDA graph of launches over two copies of the pool (bench_kernels.time_us).
 
     python benchmarks/gpu/ab_attention.py [--groups base,layout,occupancy,tiles,pairs,cuda,cuda-layout,
-                                                    cuda-step,pages] [--case 16x32768]
+                                                    cuda-step,pages,cuda-ahead] [--case 16x32768]
                                                     [--pages random|ordered] [--out FILE]
 (tiles: the FP8 cache's tile, warps and stages without KV splits, for many short requests; pairs: the
 pair loads against the value-by-value ones at the engine's own tiles; cuda: the CUDA decode over the FP8
 cache, kernels/fp8_decode_cuda.py, by its splits; cuda-layout: the CUDA decode and the bf16 Triton one at
 the engine's tiles over token-major and head-major pages; cuda-step: the CUDA decode over head-major pages
 with the step's rotary and K/V store in its launch, as a decode step has it, against without; pages: the
-defaults over pages in random order and in the block pool's order)
+defaults over pages in random order and in the block pool's order; cuda-ahead: the CUDA decode over
+head-major pages in the pool's order by tiles ahead, warps and splits)
 """
 
 from __future__ import annotations
@@ -257,6 +258,21 @@ def main() -> int:
         del k8_hm, v8_hm
         run("bf16_default", k_bf, v_bf, None)
         run("bf16_rotary_default", k_bf.clone(), v_bf.clone(), None, rotary=rotaries)
+    if "cuda-ahead" in groups:
+        # The CUDA decode over head-major pages in the block pool's order, by tiles and splits: on the H200
+        # the engine's two-warp blocks, one tile ahead, read 3.94 TB/s at 16 x 32k with ~8 warps a
+        # multiprocessor (4 blocks); two tiles ahead (~243 registers, still 4 blocks) put 1.5x the bytes in
+        # flight, and more splits of one-warp blocks more blocks.
+        default = fp8_decode_cuda.CONFIG
+        k8_hm, v8_hm = head_major(k8), head_major(v8)
+        for config in ((2, 1), (2, 2), (1, 2), (1, 1), (4, 2), (2, 2, 4), (1, 2, 8)):
+            fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(*config)
+            for splits in (4, 8):
+                name = "_".join(f"{v}{u}" for v, u in zip(config, ("w", "a", "b")))
+                run(f"fp8_cuda_hm_{name}_s{splits}", k8_hm, v8_hm, splits, cuda=True, order="ordered")
+        fp8_decode_cuda.CONFIG = default
+        run("fp8_cuda_hm_engine_sdefault", k8_hm, v8_hm, None, cuda=True, order="ordered")
+        del k8_hm, v8_hm
     if "pages" in groups:
         # The engine's defaults over pages in random order and over each request's pages consecutive (as
         # the engine's block pool hands them out): the 32k step's FP8 attention took ~8% longer than this
