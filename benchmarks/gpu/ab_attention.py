@@ -272,6 +272,13 @@ def main() -> int:
                 run(f"fp8_cuda_hm_{name}_s{splits}", k8_hm, v8_hm, splits, cuda=True, order="ordered")
         fp8_decode_cuda.CONFIG = default
         run("fp8_cuda_hm_engine_sdefault", k8_hm, v8_hm, None, cuda=True, order="ordered")
+        # The splits merged by the launch's last split block of each request's KV head (MERGE) instead of
+        # the merge launch after it: the engine's tiles and two tiles ahead.
+        fp8_decode_cuda.MERGE_IN_KERNEL = True
+        run("fp8_cuda_hm_engine_merge_sdefault", k8_hm, v8_hm, None, cuda=True, order="ordered")
+        fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(2, 2)
+        run("fp8_cuda_hm_2w_2a_merge_sdefault", k8_hm, v8_hm, None, cuda=True, order="ordered")
+        fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL = default, False
         del k8_hm, v8_hm
     if "pages" in groups:
         # The engine's defaults over pages in random order and over each request's pages consecutive (as

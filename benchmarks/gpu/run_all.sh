@@ -153,7 +153,7 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                        --out "$out/attention_pages.json" 2>&1 | grep -v Warning | tail -7 ;;
     # The CUDA decode at 16 x 32k over head-major pages in the pool's order by tiles ahead, warps, splits.
     fp8-cuda-ahead) timeout 200 $py benchmarks/gpu/ab_attention.py --groups cuda-ahead --case 16x32768 \
-                      --out "$out/fp8_cuda_ahead.json" 2>&1 | grep -v Warning | tail -16 ;;
+                      --out "$out/fp8_cuda_ahead.json" 2>&1 | grep -v Warning | tail -18 ;;
     decode-kv32k-cuda) for run in ${KV32K_RUNS:-auto fp8 fp8-cuda}; do
                          TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) kv32k_step ${run%-cuda} $run
                        done ;;

@@ -39,7 +39,7 @@ def test_every_variant_compiles_without_spills(arch) -> None:
         bf16, split, rotary = n % 2, (n // 2) % 2, (n // 3) % 2
         defines = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, BF16=bf16, WARPS=warps, AHEAD=ahead,
                        MIN_BLOCKS=1, SPLIT=split, ROTARY=rotary, EARLY=(n // 5) % 2,
-                       COS_SIN_F32=rotary * (n // 7) % 2)  # fmt: skip
+                       COS_SIN_F32=rotary * (n // 7) % 2, MERGE=split * (n // 4) % 2)  # fmt: skip
         cubin, log = cuda_rtc.compile_cubin(source, "fp8_decode_attention", arch, defines, verbose=True)
         assert cubin[:4] == b"\x7fELF", defines
         assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, (defines, log)
@@ -130,6 +130,27 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, num_kv_splits, dty
     )
     assert supports(*batch[:3], *batch[3:6])
     check(batch, num_kv_splits=num_kv_splits, max_seq_len=max(seq_lens))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (12, 1, 128), (16, 8, 64)])
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 16])
+def test_merges_its_splits_in_the_launch(
+    monkeypatch, num_heads, num_kv_heads, head_dim, num_kv_splits
+) -> None:
+    """MERGE: the last split block of each request's KV head merges the partials itself, splits with no
+    keys (the one-key request's) among them, a padded request counting nothing; launch after launch (the
+    counters zero again after each), the reference's output."""
+    monkeypatch.setattr(fp8_decode_cuda, "MERGE_IN_KERNEL", True)
+    seq_lens = [1, 17, 100, 333, 2500]
+    batch = fp8_batch(
+        seq_lens, num_heads, num_kv_heads, head_dim, torch.bfloat16, padded=True, seed=num_kv_splits
+    )
+    for _ in range(3):
+        check(batch, num_kv_splits=num_kv_splits)
+    counts = fp8_decode_cuda.merge_counts(batch.query.device, len(seq_lens) * num_kv_heads)
+    assert not counts.any()
 
 
 @gpu
@@ -292,12 +313,15 @@ def test_rotates_and_stores_the_steps_key_itself(
 @pytest.mark.gpu
 @pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("rotary", [None, "fused", "launch"])
-def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote(monkeypatch, rotary, early) -> None:
-    """Captured with PDL between copies that write the query and the cache and the merge after it:
+@pytest.mark.parametrize("merge", [False, True])
+def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote(monkeypatch, rotary, early, merge) -> None:
+    """Captured with PDL between copies that write the query and the cache and the merge after it (or in
+    it, merge):
     replayed over new values, the graph's output follows them. With `rotary` the step's key and value are
     new each replay too, stored by the launch (fused) or by the rotary launch just before it, a kernel
     (int32 positions): the tile holding them loads after the wait, earlier keys' tiles before it (early)."""
     monkeypatch.setattr(pdl, "EARLY_READS", early)
+    monkeypatch.setattr(fp8_decode_cuda, "MERGE_IN_KERNEL", merge)
     batch = fp8_batch([900, 3000, 77, 16], 32, 8, 128, torch.bfloat16, seed=9)
     step = step_rotary(batch, 8, seed=4) if rotary else None
     if rotary == "launch":

@@ -25,7 +25,9 @@
 // multiple of 16: a tile never straddles two pages), BF16 (query and out: 1 bf16, 0 fp16), WARPS, AHEAD
 // (tiles a warp loads ahead of the one it computes), MIN_BLOCKS (blocks a multiprocessor the registers must
 // leave room for: __launch_bounds__'s second argument), EARLY (1: the first tiles of earlier steps' keys
-// load before the PDL wait), SPLIT (1: write partial outputs and log-sum-exps),
+// load before the PDL wait), SPLIT (1: write partial outputs and log-sum-exps), MERGE (with SPLIT, 1: the
+// last of a request's KV head's split blocks to finish merges the splits' partials into `out` itself,
+// counting the finished ones in merge_counts, which it leaves at zero; 0: a merge launch follows),
 // ROTARY (1: the query and the step's key arrive unrotated, as paged_attention's `rotary` has them: each
 // block rotates its query rows, and the block whose split holds the step's key rotates it and stores it
 // and the value into the cache itself, one launch instead of two), COS_SIN_F32 (1: the rotary's cos/sin
@@ -274,7 +276,7 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
                      int stride_slot, int stride_head, int stride_table, const long long* __restrict__ positions,
                      const cos_sin_t* __restrict__ cos_sin, const u16* __restrict__ key, const u16* __restrict__ value,
                      const long long* __restrict__ slot_mapping, int stride_cos, int stride_key_tok,
-                     int stride_key_head, int stride_value_tok, int stride_value_head) {
+                     int stride_key_head, int stride_value_tok, int stride_value_head, int* __restrict__ merge_counts) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
@@ -442,4 +444,37 @@ fp8_decode_attention(const u16* __restrict__ query, u8* __restrict__ k_cache, u8
     out[(long long)q_start * stride_o_tok + (long long)head * stride_o_head + dim] = to_out(result);
 #endif
   }
+#if SPLIT && MERGE
+  // Count this split done, its partials fenced first; the last one's block merges every split, reading
+  // the others' partials from L2 (ld.cg: this multiprocessor's L1 never held them), as the merge launch
+  // would: weights 2^(lse - max lse), an empty split (lse -inf) weighing nothing.
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* count = merge_counts + seq * gridDim.y + kv_head;
+    last = atomicAdd(count, 1) == num_splits - 1;
+    if (last) *count = 0;  // every split has counted: zero again for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += WARPS * 32) {
+    const int row = e / HEAD_DIM, dim = e % HEAD_DIM;
+    const int head = kv_head * GROUP + row;
+    const long long first = ((long long)seq * GROUP * gridDim.y + head) * num_splits;
+    float m = NEG_INF;
+    for (int s = 0; s < num_splits; ++s) m = fmaxf(m, __ldcg(partial_lse + first + s));
+    float o = 0.f, weights = 0.f;
+    if (m != NEG_INF) {
+      for (int s = 0; s < num_splits; ++s) {
+        const float weight = exp2f(__ldcg(partial_lse + first + s) - m);
+        o += weight * __ldcg(partial_out + (first + s) * HEAD_DIM + dim);
+        weights += weight;
+      }
+    }
+    out[(long long)q_start * stride_o_tok + (long long)head * stride_o_head + dim] =
+        to_out(weights > 0.f ? o / weights : 0.f);
+  }
+#endif
 }

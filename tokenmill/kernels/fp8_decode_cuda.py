@@ -31,6 +31,15 @@ SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
 # On: as fast as the Triton decode or faster at every size timed (docs/performance.md, forty-fourth
 # session); TOKENMILL_FP8_DECODE_CUDA=0 turns it off.
 DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "1") == "1"
+# Whether a split launch merges its splits itself (the last split block of each request's KV head, the
+# kernel's MERGE) instead of in split_kv's merge launch after it: one launch a layer fewer at long contexts.
+# TOKENMILL_FP8_DECODE_MERGE=1 turns it on; off until timed on an H200 (fiftieth session).
+MERGE_IN_KERNEL = os.environ.get("TOKENMILL_FP8_DECODE_MERGE", "0") == "1"
+# Counters of finished splits, one a (request, KV head), zero between launches (the merging block zeroes
+# its own): one buffer a device, never freed (CUDA graphs hold its address), replaced by a larger one
+# only where a launch needs more, the old ones kept.
+_MERGE_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_MERGE_COUNTS = 1 << 16
 
 
 class DecodeConfig(NamedTuple):
@@ -144,6 +153,14 @@ def default_num_splits(
     return default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device, 4, _MIN_KEYS_PER_SPLIT)
 
 
+def merge_counts(device: torch.device, size: int) -> torch.Tensor:
+    """The device's zeroed split counters, at least `size` of them."""
+    buffers = _MERGE_COUNTS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(size, _MIN_MERGE_COUNTS), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def routed_decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *args, **kwargs,
@@ -199,12 +216,13 @@ def fp8_decode_attention(
         return out
     fused = rotary is not None and fuses_rotary(query, rotary)
     splits = num_kv_splits or default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    merge = splits > 1 and MERGE_IN_KERNEL
     config = launch_config(num_seqs, num_kv_heads, query.device)
     defines = dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BF16=int(query.dtype == torch.bfloat16),
         WARPS=config.warps, AHEAD=config.ahead, MIN_BLOCKS=config.min_blocks, SPLIT=int(splits > 1),
         ROTARY=int(fused), COS_SIN_F32=int(fused and rotary.cos_sin_cache.dtype == torch.float32),
-        EARLY=int(pdl.EARLY_READS),
+        EARLY=int(pdl.EARLY_READS), MERGE=int(merge),
     )  # fmt: skip
     # Built (or a CudaRtcError raised) before anything is written: a caller may then decode elsewhere.
     kernel = cuda_rtc.kernel(SOURCE, "fp8_decode_attention", query.device, defines)
@@ -221,6 +239,7 @@ def fp8_decode_attention(
         partial_out, partial_lse = split_partials(num_seqs, num_heads, splits, head_dim, query.device)
     else:
         partial_out = partial_lse = out  # unused
+    counts = merge_counts(query.device, num_seqs * num_kv_heads) if merge else seq_lens  # (unused: seq_lens)
     kernel(
         grid=(num_seqs, num_kv_heads, splits),
         block=(config.warps * 32,),
@@ -230,10 +249,10 @@ def fp8_decode_attention(
             scale * k_scale * LOG2_E, k_scale, v_scale, query.stride(0), query.stride(1),
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), positions, cos_sin_cache, key, value, slot_mapping,
-            cos_sin_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            cos_sin_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1), counts,
         ],
         pdl=pdl.enabled(query),
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and not merge:
         merge_splits(partial_out, partial_lse, out, query_start_loc, num_seqs, splits)
     return out
