@@ -32,9 +32,9 @@
 // block rotates its query rows, and the block whose split holds the step's key rotates it and stores it
 // and the value into the cache itself, one launch instead of two), COS_SIN_F32 (1: the rotary's cos/sin
 // cache is float32, as the engine's rotary embedding holds it; 0: the query's 16-bit dtype).
-// Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B. (Tiles asked of L2 ahead of the register tiles, prefetch.global.L2,
-// and the loads' L2 fetch-size hints gained nothing on an H100 or an H200 and were taken out:
-// docs/performance.md, forty-eighth and forty-ninth sessions.)
+// Dynamic shared memory: WARPS * GROUP * (HEAD_DIM + 2) * 4 B. (Tiles asked of L2 ahead of the register
+// tiles, prefetch.global.L2, and the loads' L2 fetch-size hints gained nothing on an H100 or an H200 and
+// were taken out: docs/performance.md, forty-eighth and forty-ninth sessions.)
 // sm_89 or later (cvt.rn.f16x2.e4m3x2).
 
 typedef unsigned int u32;
