@@ -6,7 +6,8 @@ kernels can then sum past the wall time, and a short launch after a long one rea
 gives each kernel's own time (and a slower step).
 Usage: python benchmarks/gpu/profile_decode.py [--shape llama-3.1-8b] [--output-len 256] [--out FILE]
                                               [--batch 1] [--quantization fp8|int4] [--kv-cache-dtype fp8]
-                                              [--input-len 128] [--max-model-len 4096] [--decode-only]"""
+                                              [--input-len 128] [--max-model-len 4096] [--decode-only]
+                                              [--cached-prompts]"""
 
 from __future__ import annotations
 
@@ -54,10 +55,15 @@ def main() -> None:
         help="subtract a profiled run of the same prompts with one output token (their prefill; prefix "
         "caching off, so both runs prefill in full)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cached-prompts", action="store_true",
+        help="with --decode-only, prefix caching on: both runs' prompts are cache hits, what is subtracted "
+        "the recompute of each prompt's last block (long prompts, whose full prefill outlasts the decode)",
+    )  # fmt: skip
     args = parser.parse_args()
     llm = dummy_llm(
         args.shape, max_num_seqs=max(64, args.batch), quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.decode_only,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.cached_prompts or not args.decode_only,
         max_model_len=max(args.max_model_len, args.input_len + args.output_len),
     )  # fmt: skip
     prompt = [[(7 * i + 13 * b) % 10000 for i in range(args.input_len)] for b in range(args.batch)]

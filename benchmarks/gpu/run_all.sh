@@ -173,11 +173,11 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
           TOKENMILL_ROW_QUANT_FUSION=$([ $run = rowq0 ] && echo 0 || echo 1) \
           timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 $q \
           --out "$out/throughput_llama_8b_fp8kv_$run.json" 2>&1 | grep output_tok_s | tail -1; done ;;
-    # Where the 32k step's time goes (its kernels by name, a step): the FP8 cache with the CUDA decode, and
-    # with PROFILE_KV="fp8 auto" the bf16 cache beside it.
+    # Where the 32k step's time goes (its kernels by name, a decode step: a one-token run of the same cached
+    # prompts is subtracted): the FP8 cache with the CUDA decode, with PROFILE_KV="fp8 auto" the bf16 one.
     profile-kv32k-cuda) for kv in ${PROFILE_KV:-fp8}; do TOKENMILL_FP8_DECODE_CUDA=1 timeout 200 $py \
                           benchmarks/gpu/profile_decode.py --batch 16 --input-len 32768 --output-len 24 \
-                          --max-model-len 33024 --kv-cache-dtype $kv --top 12 \
+                          --max-model-len 33024 --kv-cache-dtype $kv --top 12 --decode-only --cached-prompts \
                           --out "$out/profile_kv32k_$([ $kv = fp8 ] && echo cuda || echo $kv).json" 2>&1 | tail -14; done ;;
     attention-32k) for kv in bf16 fp8; do timeout 200 $py benchmarks/gpu/bench_kernels.py --decode-only --sweep \
                      --decode-cases 16x32768 --kv-dtype $kv --out "$out/attention_32k_$kv.json" 2>&1 | tail -3; done ;;
