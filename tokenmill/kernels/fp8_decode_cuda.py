@@ -37,7 +37,8 @@ DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "1") == "1"
 MERGE_IN_KERNEL = os.environ.get("TOKENMILL_FP8_DECODE_MERGE", "0") == "1"
 # Counters of finished splits, one a (request, KV head), zero between launches (the merging block zeroes
 # its own): one buffer a device, never freed (CUDA graphs hold its address), replaced by a larger one
-# only where a launch needs more, the old ones kept.
+# only where a launch needs more, the old ones kept. Shared by every launch on the device: the engine's
+# forwards run on one stream, so two launches never count at once (a PDL launch counts after its wait).
 _MERGE_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
 _MIN_MERGE_COUNTS = 1 << 16
 
