@@ -19,7 +19,8 @@ cache, kernels/fp8_decode_cuda.py, by its splits; cuda-layout: the CUDA decode a
 the engine's tiles over token-major and head-major pages; cuda-step: the CUDA decode over head-major pages
 with the step's rotary and K/V store in its launch, as a decode step has it, against without; pages: the
 defaults over pages in random order and in the block pool's order; cuda-ahead: the CUDA decode over
-head-major pages in the pool's order by tiles ahead, warps and splits)
+head-major pages in the pool's order by tiles ahead, warps and splits, and with the splits merged in its
+launch)
 """
 
 from __future__ import annotations
@@ -261,8 +262,8 @@ def main() -> int:
     if "cuda-ahead" in groups:
         # The CUDA decode over head-major pages in the block pool's order, by tiles and splits: on the H200
         # the engine's two-warp blocks, one tile ahead, read 3.94 TB/s at 16 x 32k with ~8 warps a
-        # multiprocessor (4 blocks); two tiles ahead (~243 registers, still 4 blocks) put 1.5x the bytes in
-        # flight, and more splits of one-warp blocks more blocks.
+        # multiprocessor (4 blocks); two tiles ahead (240 registers, still 4 blocks) put 1.5x the bytes in
+        # flight, and more splits of one-warp blocks more blocks (H100, fiftieth session: two ahead -1.2%).
         default = fp8_decode_cuda.CONFIG
         k8_hm, v8_hm = head_major(k8), head_major(v8)
         for config in ((2, 1), (2, 2), (1, 2), (1, 1), (4, 2), (2, 2, 4), (1, 2, 8)):
@@ -281,9 +282,9 @@ def main() -> int:
         fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL = default, False
         del k8_hm, v8_hm
     if "pages" in groups:
-        # The engine's defaults over pages in random order and over each request's pages consecutive (as
-        # the engine's block pool hands them out): the 32k step's FP8 attention took ~8% longer than this
-        # benchmark's random-order kernel on the H200 (forty-ninth session), the bf16 one ~3% less.
+        # The engine's defaults over pages in random order (every earlier kernel figure) and over each
+        # request's pages consecutive, as the engine's block pool hands them out and a step reads them: on
+        # an H100 the pool's order was 2.4-3.4% faster (fiftieth session).
         k8_hm, v8_hm = head_major(k8), head_major(v8)
         for order in page_orders:
             run(f"bf16_{order}", k_bf, v_bf, None, order=order)
