@@ -316,10 +316,10 @@ def test_rotates_and_stores_the_steps_key_itself(
 @pytest.mark.parametrize("merge", [False, True])
 def test_pdl_launches_in_a_graph_read_what_the_launch_before_wrote(monkeypatch, rotary, early, merge) -> None:
     """Captured with PDL between copies that write the query and the cache and the merge after it (or in
-    it, merge):
-    replayed over new values, the graph's output follows them. With `rotary` the step's key and value are
-    new each replay too, stored by the launch (fused) or by the rotary launch just before it, a kernel
-    (int32 positions): the tile holding them loads after the wait, earlier keys' tiles before it (early)."""
+    it, merge): replayed over new values, the graph's output follows them. With `rotary` the step's key
+    and value are new each replay too, stored by the launch (fused) or by the rotary launch just before
+    it, a kernel (int32 positions): the tile holding them loads after the wait, earlier keys' tiles before
+    it (early)."""
     monkeypatch.setattr(pdl, "EARLY_READS", early)
     monkeypatch.setattr(fp8_decode_cuda, "MERGE_IN_KERNEL", merge)
     batch = fp8_batch([900, 3000, 77, 16], 32, 8, 128, torch.bfloat16, seed=9)
