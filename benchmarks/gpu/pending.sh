@@ -24,7 +24,7 @@ case $call in
   # (TOKENMILL_FP8_DECODE_MERGE=1, GPU tests never run) and two tiles ahead (TILES=2,2: -1.2% on the
   # H100's kernel). First the CUDA decode's GPU tests (the merge's among them), the kernel sweep over
   # head-major pages in the pool's order (tiles ahead, warps, splits, the merge), then the goal's two
-  # steps at the defaults and the FP8 step with each switch. ~380 s.
+  # steps at the defaults and the FP8 step with each switch. ~450 s.
   1) timeout 120 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
        --junitxml="$out/fp8_decode_cuda_tests.xml" 2>&1 | tail -2
      bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-ahead
