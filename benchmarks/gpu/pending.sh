@@ -24,13 +24,13 @@ case $call in
   # (TOKENMILL_FP8_DECODE_MERGE=1, GPU tests never run) and two tiles ahead (TILES=2,2: -1.2% on the
   # H100's kernel). First the CUDA decode's GPU tests (the merge's among them), the kernel sweep over
   # head-major pages in the pool's order (tiles ahead, warps, splits, the merge), then the goal's two
-  # steps at the defaults and the FP8 step with each switch. ~450 s.
+  # steps at the defaults and each switch against the defaults in one process, in turns (ab-kv32k). ~450 s.
   1) timeout 120 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
        --junitxml="$out/fp8_decode_cuda_tests.xml" 2>&1 | tail -2
      bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-ahead
      KV32K_RUNS="fp8-cuda auto" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
-     TOKENMILL_FP8_DECODE_MERGE=1 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/merge" decode-kv32k-cuda
-     TOKENMILL_FP8_DECODE_TILES=2,2 KV32K_RUNS=fp8-cuda bash benchmarks/gpu/run_all.sh "$out/ahead2" decode-kv32k-cuda ;;
+     bash benchmarks/gpu/run_all.sh "$out/ahead2" ab-kv32k
+     AB_VARIANTS="base: merge:merge=1" bash benchmarks/gpu/run_all.sh "$out/merge" ab-kv32k ;;
   # Where the 32k steps' time goes on an H200, kernel by kernel (without PDL, where a launch's time is its
   # own; the H100's profile, fiftieth session, found the rotary launch the CUDA decode should have fused),
   # the FP8 and the bf16 cache, and the decode over pages in the pool's order against random. ~300 s.

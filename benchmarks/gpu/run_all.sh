@@ -3,7 +3,7 @@
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync speculative prefill reference throughput-small throughput-small-sync
 #         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes pdl-early ncu-gemv ncu-decode fp8-pairs fp8-pairs-step server
-#         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-layout fp8-cuda-step attention-pages fp8-cuda-ahead decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
+#         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-layout fp8-cuda-step attention-pages fp8-cuda-ahead ab-kv32k decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
 #         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
 #         1, 4 with 1,000 requests at once). The -sync stages rerun with
@@ -156,6 +156,10 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # The CUDA decode at 16 x 32k over head-major pages in the pool's order by tiles ahead, warps, splits.
     fp8-cuda-ahead) timeout 200 $py benchmarks/gpu/ab_attention.py --groups cuda-ahead --case 16x32768 \
                       --out "$out/fp8_cuda_ahead.json" 2>&1 | grep -v Warning | tail -18 ;;
+    # The 32k step of engine variants in one process, timed in turns (ab_decode_step.py; AB_VARIANTS, two at
+    # most at 16 x 32k on an H200: the defaults against TILES=2,2 unless set).
+    ab-kv32k) timeout 300 $py benchmarks/gpu/ab_decode_step.py --variants ${AB_VARIANTS:-base: ahead2:tiles=2,2} \
+                --out "$out/ab_kv32k.json" 2>&1 | grep -E "^round|a step" ;;
     decode-kv32k-cuda) for run in ${KV32K_RUNS:-auto fp8 fp8-cuda}; do
                          TOKENMILL_FP8_DECODE_CUDA=$([ $run = fp8-cuda ] && echo 1 || echo 0) kv32k_step ${run%-cuda} $run
                        done ;;
