@@ -70,6 +70,8 @@ __device__ __forceinline__ float in_float(u16 h) {
 #endif
 }
 
+__device__ __forceinline__ float in_float(float f) { return f; }  // a float32 cos/sin cache's values
+
 __device__ __forceinline__ u16 to_out(float v) {
   u16 h;
   asm(CVT_OUT " %0, %1;" : "=h"(h) : "f"(v));
@@ -78,8 +80,6 @@ __device__ __forceinline__ u16 to_out(float v) {
 
 // A row's dim d after rotate-half rotary by the position's cos/sin row, rounded to the 16-bit dtype as
 // kernels/rotary.py stores it: x1 cos - x2 sin for the first half, x2 cos + x1 sin for the second.
-__device__ __forceinline__ float in_float(float f) { return f; }
-
 __device__ __forceinline__ float rotated(const u16* row, const cos_sin_t* cos_sin, int d) {
   const int half = HEAD_DIM / 2, i = d % half;
   const float c = in_float(cos_sin[i]), s = in_float(cos_sin[half + i]);
