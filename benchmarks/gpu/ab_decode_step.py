@@ -37,7 +37,7 @@ from tokenmill.layers import attention  # noqa: E402
 
 
 def _tiles(value: str) -> None:
-    fp8_decode_cuda.CONFIG = fp8_decode_cuda.DecodeConfig(*(int(v) for v in value.split(",")))
+    fp8_decode_cuda.CONFIG = fp8_decode_cuda.parse_tiles(value, "tiles")
 
 
 KNOBS = {

@@ -70,20 +70,20 @@ def launch_config(num_seqs: int, num_kv_heads: int, device: torch.device) -> Dec
     return MANY_REQUESTS if many else FEW_REQUESTS
 
 
-def _config_from_env() -> DecodeConfig | None:
-    forced = os.environ.get("TOKENMILL_FP8_DECODE_TILES")
-    if not forced:
-        return None
+def parse_tiles(text: str, source: str = "TOKENMILL_FP8_DECODE_TILES") -> DecodeConfig:
+    """DecodeConfig from "warps,ahead[,min_blocks]"; a ValueError naming `source` for anything else."""
     try:
-        values = [int(v) for v in forced.split(",")]
+        values = [int(v) for v in text.split(",")]
         if not 2 <= len(values) <= 3 or min(values) < 1:
             raise ValueError
-        config = DecodeConfig(*values)
     except ValueError:
-        raise ValueError(
-            f"TOKENMILL_FP8_DECODE_TILES={forced!r}: give warps,ahead[,min_blocks] (positive integers)"
-        ) from None
-    return config
+        raise ValueError(f"{source}={text!r}: give warps,ahead[,min_blocks] (positive integers)") from None
+    return DecodeConfig(*values)
+
+
+def _config_from_env() -> DecodeConfig | None:
+    forced = os.environ.get("TOKENMILL_FP8_DECODE_TILES")
+    return parse_tiles(forced) if forced else None
 
 
 # Every launch's tiles where TOKENMILL_FP8_DECODE_TILES="warps,ahead[,min_blocks]"
