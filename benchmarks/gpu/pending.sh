@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 1c, 1d, 2, 2b, 3 or 4). A call that tests
-# a patch applies it to the device's copy of the tree with `apply` and takes it out again (none does
-# now); run_all.sh holds the stages.
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 1c, 1d, 1e, 2, 2b, 3 or 4). A call that
+# tests a patch applies it to the device's copy of the tree with `apply` and takes it out again (none
+# does now); run_all.sh holds the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
 call=${2:?usage: pending.sh OUTDIR CALL}
 export PYTHONUNBUFFERED=1
@@ -31,6 +31,16 @@ case $call in
      KV32K_RUNS="fp8-cuda auto" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
      bash benchmarks/gpu/run_all.sh "$out/ahead2" ab-kv32k
      AB_VARIANTS="base: merge:merge=1" bash benchmarks/gpu/run_all.sh "$out/merge" ab-kv32k ;;
+  # The nano-vllm ratio (1.357x on an H200, goal 1.4x) with the FP8 linears' scales left to the launch
+  # after them past 64 rows (TOKENMILL_FP8_SCALES_AFTER=1, new, off): cuBLAS's per-tensor FP8 GEMM at
+  # scales 1 in place of the row-wise one, whose tiles leave SMs idle at 128-256 rows of the 8B's O and
+  # down (the twentieth session's H200: 77 against 104 us a layer at 128 rows). bf16, then the default
+  # and the switch alternated, the same FP8 + FP8 KV engine (CUDA decode, head-major pages); its GPU
+  # tests first (the kernels over ScaledRows, fp8_linear's unit-scale product against the row-wise
+  # one, an engine's greedy tokens with it on and off). ~300 s.
+  1e) timeout 120 python3 -m pytest -q tests/kernels/test_scales_after.py -p no:cacheprovider \
+        --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
+      FP8KV_RUNS="bf16 cuda after cuda after" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
   # The 32k goal's two steps with FP8 weights in both (the goal holds the weights' dtype and compares the
   # caches; with bf16 weights ~4.5 ms of each step is the weights' read, the same in both, which is what
   # keeps the FP8 cache's step under 1.6x): the ratio where the weights are FP8 too, as a user of an FP8
@@ -76,5 +86,5 @@ case $call in
   4) bash benchmarks/gpu/run_all.sh "$out" pdl-early
      timeout 150 python3 -m pytest -q tests/kernels/test_skinny_gemm.py -k "early or several_rows or first_tiles" \
        -p no:cacheprovider --junitxml="$out/gemv_early_tests.xml" 2>&1 | tail -3 ;;
-  *) echo "CALL is 1, 1b, 1c, 1d, 2, 2b, 3 or 4" >&2; exit 2 ;;
+  *) echo "CALL is 1, 1b, 1c, 1d, 1e, 2, 2b, 3 or 4" >&2; exit 2 ;;
 esac

@@ -87,6 +87,30 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
+class ScaledRows(NamedTuple):
+    """A W8A8 linear's product handed to the launch after it with its scales not yet applied: values
+    [R, N] = x_q w_q^T (bf16: the unit-scale product, which fp16 could overflow), row_scale [R, 1] fp32
+    (the activations' per-token scales), col_scale [N] fp32 (the weight's per-channel scales), and the
+    dtype of the output they stand for. The launch that reads the product (an RMSNorm's residual add, the
+    gated activation) multiplies each value by its row's and column's scale as it loads it, so cuBLAS's
+    per-tensor FP8 GEMM (scales 1) serves where its row-wise one picks slow tiles; resolve() is the
+    output itself, for everything else."""
+
+    values: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+    dtype: torch.dtype
+
+    def resolve(self) -> torch.Tensor:
+        """The scaled product in `dtype`, rounded once, as the linear would have returned it."""
+        return (self.values.float() * self.row_scale * self.col_scale).to(self.dtype)
+
+
+def resolved(x: torch.Tensor | ScaledRows) -> torch.Tensor:
+    """x, or the output a ScaledRows stands for."""
+    return x.resolve() if isinstance(x, ScaledRows) else x
+
+
 def get_kernels(device: torch.device | str | None = None) -> Kernels:
     """The kernels for tensors on `device`, by default the device modules are being built on
     (torch.get_default_device(), set by `with torch.device(...)`)."""

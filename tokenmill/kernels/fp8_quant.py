@@ -18,6 +18,22 @@ import triton.language as tl
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def scaled_rows_args(x) -> tuple[torch.Tensor, torch.dtype, dict]:
+    """For a launch that reads a linear's output: (the tensor to read, the dtype the output has, the
+    launch's x_row_scale / x_col_scale / SCALED arguments). A ScaledRows (a W8A8 product with its scales
+    left to this launch) gives its unscaled values, its scales and its dtype; a tensor gives itself."""
+    from tokenmill.kernels import ScaledRows
+
+    if not isinstance(x, ScaledRows):
+        return x, x.dtype, {}
+    args = dict(
+        x_row_scale=x.row_scale.reshape(-1).contiguous(),
+        x_col_scale=x.col_scale.reshape(-1).contiguous(),
+        SCALED=TL_DTYPES[x.dtype],
+    )
+    return x.values, x.dtype, args
+
+
 @triton.jit
 def row_scale(amax, static_scale, INT8: tl.constexpr, STATIC: tl.constexpr):
     """A row's fp32 scale from its elementwise magnitudes' running maximum `amax` (a block of them), or

@@ -1,7 +1,8 @@
 """Triton RMSNorm, alone and fused with the residual add; rounds exactly where the reference does. With a
 RowQuant (rms_norm_quant) the launch also quantizes each normalized row for the FP8 or INT8 linear after
 it, writing the quantized rows and their scales in place of the 16-bit output: the bits the separate
-quantizing launch (kernels/fp8_quant.py) would write, one launch fewer."""
+quantizing launch (kernels/fp8_quant.py) would write, one launch fewer. x may be a W8A8 linear's product
+with its scales not yet applied (ScaledRows): the launch applies them as it loads each row."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels import QuantizedRows, RowQuant, pdl
-from tokenmill.kernels.fp8_quant import TL_DTYPES, quantize_groups, quantize_values, row_scale
+from tokenmill.kernels import QuantizedRows, RowQuant, ScaledRows, pdl
+from tokenmill.kernels.fp8_quant import (
+    TL_DTYPES,
+    quantize_groups,
+    quantize_values,
+    row_scale,
+    scaled_rows_args,
+)
 from tokenmill.kernels.reference import FP8_DTYPE
 
 
@@ -37,20 +44,31 @@ def _rms_norm_kernel(
     INT8: tl.constexpr = False,
     STATIC: tl.constexpr = False,
     GROUP: tl.constexpr = 0,
+    x_row_scale=None,
+    x_col_scale=None,
+    SCALED: tl.constexpr = None,
 ):
     """One program per row: optional residual add (rounded to the residual's dtype, as torch does),
     then normalise in fp32, round to the input dtype, and multiply by the weight. EARLY
     (pdl.EARLY_READS): the weight is read before the PDL wait (no kernel of the step writes it).
     QUANT (the output's 16-bit dtype): the product, rounded to it, is quantized to `out`'s int8 or e4m3
     at the row's scale (fp8_quant.row_scale's rule, STATIC: the static one), stored at scale_out; with
-    GROUP, each GROUP columns at their own scale (e4m3), a row's ceil(HIDDEN / GROUP) scales at scale_out."""
+    GROUP, each GROUP columns at their own scale (e4m3), a row's ceil(HIDDEN / GROUP) scales at scale_out.
+    SCALED (the dtype x stands for; ScaledRows): x is an unscaled product, each value multiplied by its
+    row's row_scale and its column's col_scale in fp32 and rounded to SCALED, as the linear's output."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     if EARLY:
         w = tl.load(weight + cols, mask=mask, other=0.0)
+        if SCALED is not None:
+            col_s = tl.load(x_col_scale + cols, mask=mask, other=0.0)
     pdl.start(PDL)
     hidden = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED is not None:
+        if not EARLY:
+            col_s = tl.load(x_col_scale + cols, mask=mask, other=0.0)
+        hidden = (hidden.to(tl.float32) * tl.load(x_row_scale + row) * col_s).to(SCALED)
     if ADD_RESIDUAL:
         res = tl.load(residual + row * stride_residual + cols, mask=mask, other=0.0)
         hidden = (hidden.to(tl.float32) + res.to(tl.float32)).to(residual_out.dtype.element_ty)
@@ -79,21 +97,22 @@ def _rms_norm_kernel(
 
 
 def _launch(
-    x: torch.Tensor,
+    x: torch.Tensor | ScaledRows,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     quant: RowQuant | None = None,
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]:
+    x, x_dtype, scaled_args = scaled_rows_args(x)
     hidden_size = x.shape[-1]
     rows = x.reshape(-1, hidden_size)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     residual_rows = residual_out = None
-    normed_dtype = x.dtype
+    normed_dtype = x_dtype
     if residual is not None:
         residual_rows = residual.reshape(-1, hidden_size).contiguous()
-        normed_dtype = torch.promote_types(x.dtype, residual.dtype)
+        normed_dtype = torch.promote_types(x_dtype, residual.dtype)
         residual_out = torch.empty(rows.shape, dtype=normed_dtype, device=x.device)
     out_dtype = torch.promote_types(weight.dtype, normed_dtype)
     quant_args: dict = {}
@@ -118,7 +137,7 @@ def _launch(
             rows.stride(0), residual_rows.stride(0) if residual_rows is not None else 0,
             out.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps,
             HIDDEN=hidden_size, BLOCK=block, ADD_RESIDUAL=residual is not None,
-            EARLY=pdl.EARLY_READS, num_warps=min(max(block // 512, 1), 16), **quant_args,
+            EARLY=pdl.EARLY_READS, num_warps=min(max(block // 512, 1), 16), **quant_args, **scaled_args,
             **pdl.launch_args(x),
         )  # fmt: skip
     if residual_out is not None:
@@ -128,13 +147,13 @@ def _launch(
     return out.view(*x.shape[:-1], hidden_size), residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor | ScaledRows, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in fp32 and cast back, as transformers does."""
     return _launch(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | ScaledRows, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual + x, then RMSNorm of the sum, in one pass; returns (normed, new residual).
     Writes fresh tensors: neither input is modified."""
@@ -143,7 +162,11 @@ def fused_add_rms_norm(
 
 
 def rms_norm_quant(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: RowQuant
+    x: torch.Tensor | ScaledRows,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    quant: RowQuant,
 ) -> tuple[QuantizedRows, torch.Tensor | None]:
     """RMSNorm of x (of residual + x, with a residual) with each normalized row quantized in the same
     launch as `quant` asks: (the quantized rows, the new residual or None)."""

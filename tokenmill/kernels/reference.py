@@ -261,8 +261,15 @@ def _attention_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+def _resolved(x):
+    """x, or the output a ScaledRows (a W8A8 product with its scales not yet applied) stands for: every
+    reference takes one where its Triton namesake does."""
+    return x.resolve() if hasattr(x, "resolve") else x
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, as transformers does."""
+    x = _resolved(x)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -272,7 +279,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x, then RMSNorm of the sum; returns (normed, new residual)."""
-    residual = x + residual
+    residual = _resolved(x) + residual
     return rms_norm(residual, weight, eps), residual
 
 
@@ -334,7 +341,7 @@ def rotary_and_write_kv_cache(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = gate || up  ->  silu(gate) * up, [T, I]."""
-    gate, up = x.chunk(2, dim=-1)
+    gate, up = _resolved(x).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

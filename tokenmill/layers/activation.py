@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, QuantizedRows, RowQuant, get_kernels, reference
+from tokenmill.kernels import Kernels, QuantizedRows, RowQuant, ScaledRows, get_kernels, reference, resolved
 
 # hidden_act -> the torch function of the gate (None: SiLU, SiluAndMul's kernels).
 _GATES = {
@@ -27,8 +27,11 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.kernels = kernels or get_kernels()
 
-    def forward(self, x: torch.Tensor, quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows:
-        """quant: the output comes quantized as it asks, in the same launch where the kernel set has one."""
+    def forward(
+        self, x: torch.Tensor | ScaledRows, quant: RowQuant | None = None
+    ) -> torch.Tensor | QuantizedRows:
+        """quant: the output comes quantized as it asks, in the same launch where the kernel set has one;
+        x may be the gate/up product with its scales left to this launch (ScaledRows)."""
         if quant is not None:
             return self.kernels.silu_and_mul_quant(x, quant)
         return self.kernels.silu_and_mul(x)
@@ -39,8 +42,10 @@ class GatedActivation(nn.Module):
         super().__init__()
         self.gate = _GATES[name]
 
-    def forward(self, x: torch.Tensor, quant: RowQuant | None = None) -> torch.Tensor | QuantizedRows:
-        gate, up = x.chunk(2, dim=-1)
+    def forward(
+        self, x: torch.Tensor | ScaledRows, quant: RowQuant | None = None
+    ) -> torch.Tensor | QuantizedRows:
+        gate, up = resolved(x).chunk(2, dim=-1)
         out = self.gate(gate) * up
         return out if quant is None else reference.quantize_rows(out, quant)
 

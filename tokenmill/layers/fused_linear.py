@@ -10,7 +10,7 @@ import os
 import torch
 from torch import nn
 
-from tokenmill.kernels import GemvFusion, QuantizedRows, RowQuant
+from tokenmill.kernels import GemvFusion, QuantizedRows, RowQuant, ScaledRows
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import LinearBase
 
@@ -62,10 +62,11 @@ def fused_linear(
     feeds, where row_quant_for asks."""
     if isinstance(act, SiluAndMul) and isinstance(x, torch.Tensor) and gemv_fusion_takes(layer, x, "act"):
         return layer.quant_method.gemv(layer, x, layer.bias, GemvFusion(silu_mul=True))
-    y = layer(x)
     if act is None:
-        return y
-    quant = row_quant_for(then, y)
+        return layer(x)
+    # The activation's launch takes the product with its scales not yet applied (W8A8 at cuBLAS's sizes).
+    y = layer.forward_scaled(x)
+    quant = row_quant_for(then, y.values if isinstance(y, ScaledRows) else y)
     return act(y) if quant is None else act(y, quant)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill import distributed
-from tokenmill.kernels import GemvFusion, RowQuant, triton_kernel
+from tokenmill.kernels import GemvFusion, RowQuant, ScaledRows, triton_kernel
 from tokenmill.layers.dense import dense_gemv_takes, dense_linear
 from tokenmill.layers.sharding import ShardId, WeightLoader, divide, heads_per_rank, load_shard, split_fused
 
@@ -37,6 +37,14 @@ class LinearMethodBase(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def apply_scaled(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | ScaledRows:
+        """apply, or where the method leaves its product's scales to the launch that reads it (a W8A8
+        method at cuBLAS's sizes: fp8.SCALES_AFTER), that product unscaled (ScaledRows). Only callers
+        whose next launch takes ScaledRows (an RMSNorm, the gated activation) ask for it."""
+        return self.apply(layer, x, bias)
 
     def after_loading(self, layer: nn.Module) -> None:
         """Once every checkpoint tensor is in (or dummy weights): what needs all of them at once."""
@@ -186,6 +194,13 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def forward_scaled(self, x: torch.Tensor) -> torch.Tensor | ScaledRows:
+        """forward, or its product with the scales left to the launch after it (apply_scaled), where the
+        layer is whole on this rank (a row-parallel shard's partial sums are all-reduced first)."""
+        if self.tp_size > 1:
+            return self(x)
+        return self.quant_method.apply_scaled(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):

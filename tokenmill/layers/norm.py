@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, QuantizedRows, RowQuant, get_kernels
+from tokenmill.kernels import Kernels, QuantizedRows, RowQuant, ScaledRows, get_kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +17,14 @@ class RMSNorm(nn.Module):
         self.kernels = kernels or get_kernels()
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: RowQuant | None = None
+        self,
+        x: torch.Tensor | ScaledRows,
+        residual: torch.Tensor | None = None,
+        quant: RowQuant | None = None,
     ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """The normalized x (of residual + x), and the new residual with one; quant: the normalized rows
-        come quantized as it asks (QuantizedRows), in the same launch where the kernel set has one."""
+        come quantized as it asks (QuantizedRows), in the same launch where the kernel set has one. x may
+        be a W8A8 linear's product with its scales left to this launch (ScaledRows)."""
         if quant is not None:
             out, residual_out = self.kernels.rms_norm_quant(x, residual, self.weight, self.eps, quant)
             return out if residual is None else (out, residual_out)

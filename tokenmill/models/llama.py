@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill.kernels import Kernels, QuantizedRows, get_kernels
+from tokenmill.kernels import Kernels, QuantizedRows, ScaledRows, get_kernels, resolved
 from tokenmill.layers.activation import check_hidden_act, gated_activation
 from tokenmill.layers.attention import Attention, AttentionMetadata
 from tokenmill.layers.fused_linear import fused_linear, row_quant_for
@@ -103,7 +103,11 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels, self.rotary_emb
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata, scaled_out: bool = False
+    ) -> torch.Tensor | ScaledRows:
+        """scaled_out: the caller's next launch (an RMSNorm) takes o_proj's product with its scales left
+        to it (LinearBase.forward_scaled)."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -111,7 +115,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # The attention layer rotates q and k in the launch that stores K and V.
-        return self.o_proj(self.attn(q, k, v, md, positions))
+        out = self.attn(q, k, v, md, positions)
+        return self.o_proj.forward_scaled(out) if scaled_out else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -122,10 +127,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=flags.mlp_bias)
         self.act = gated_activation(flags.hidden_act, kernels)
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, scaled_out: bool = False) -> torch.Tensor | ScaledRows:
         """The activation goes into the gate/up projection's store where fused_linear can fold it, and
-        quantizes its output for down_proj where that asks (W8A8)."""
-        return self.down_proj(fused_linear(self.gate_up_proj, x, act=self.act, then=self.down_proj))
+        quantizes its output for down_proj where that asks (W8A8). scaled_out: the caller's next launch
+        (an RMSNorm) takes down_proj's product with its scales left to it."""
+        h = fused_linear(self.gate_up_proj, x, act=self.act, then=self.down_proj)
+        return self.down_proj.forward_scaled(h) if scaled_out else self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -142,25 +149,34 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(config, flags, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # Whether forward may return the MLP's product with its scales left to the next RMSNorm
+        # (ScaledRows): set by LlamaModel, whose next launch for it is a norm; other callers get tensors.
+        self.scaled_out = False
 
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | ScaledRows,
         residual: torch.Tensor | None,
         md: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The norms quantize their output for the linear after them where it asks (W8A8: row_quant_for).
-        quant = row_quant_for(self.self_attn.qkv_proj, hidden)
+    ) -> tuple[torch.Tensor | ScaledRows, torch.Tensor]:
+        # The norms quantize their output for the linear after them where it asks (W8A8: row_quant_for);
+        # they take the O and down projections' products with their scales not yet applied (ScaledRows).
+        quant = row_quant_for(
+            self.self_attn.qkv_proj, hidden.values if isinstance(hidden, ScaledRows) else hidden
+        )
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden, quant=quant)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, quant)
-        hidden = self.self_attn(positions, hidden, md)
+        hidden = self.self_attn(positions, hidden, md, scaled_out=True)
         mlp = self.mlp
-        quant = row_quant_for(mlp.gate_up_proj, hidden) if isinstance(mlp, LlamaMLP) else None
+        rows = hidden.values if isinstance(hidden, ScaledRows) else hidden
+        quant = row_quant_for(mlp.gate_up_proj, rows) if isinstance(mlp, LlamaMLP) else None
         hidden, residual = self.post_attention_layernorm(hidden, residual, quant)
-        return self.mlp(hidden), residual
+        if isinstance(mlp, LlamaMLP):
+            return mlp(hidden, scaled_out=self.scaled_out), residual
+        return mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -171,6 +187,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, flags, max_position, kernels, index)
             for index in range(config.num_hidden_layers)
         )
+        for layer in self.layers:  # each layer's output goes to the next one's norm, or to self.norm
+            layer.scaled_out = True
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # Set by an EAGLE drafter (models/eagle.py): every full forward leaves the head's features there.
         self.feature_sink: FeatureSink | None = None
@@ -189,10 +207,10 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for index, layer in enumerate(self.layers[:num_layers]):
             if index in taps:  # the residual stream entering this layer
-                sink.tap(index, hidden if residual is None else hidden + residual)
+                sink.tap(index, hidden if residual is None else resolved(hidden) + residual)
             hidden, residual = layer(positions, hidden, residual, md)
         if len(self.layers) in taps:  # the stream after the last layer, before the final norm
-            sink.tap(len(self.layers), hidden + residual)
+            sink.tap(len(self.layers), resolved(hidden) + residual)
         hidden, _ = self.norm(hidden, residual)
         if sink is not None and not taps:
             sink.put(0, hidden)

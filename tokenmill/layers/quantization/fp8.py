@@ -8,6 +8,7 @@ in fp32, so quality measured on a CPU is the quality of the FP8 scheme, not of a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,7 @@ from tokenmill.kernels import (
     GemvFusion,
     QuantizedRows,
     RowQuant,
+    ScaledRows,
     skinny_kernel,
     triton_kernel,
 )
@@ -35,6 +37,31 @@ __all__ = [
     "fp8_row_quant",
     "quantize_per_row",
 ]
+
+
+# Whether an FP8 W8A8 linear past FP8_GEMM_MAX_ROWS rows (cuBLAS's sizes) whose output goes straight into
+# an RMSNorm or the gated activation (LinearBase.forward_scaled: the O, down and gate/up projections)
+# leaves its scales to that launch (TOKENMILL_FP8_SCALES_AFTER=1): the product through cuBLAS's
+# per-tensor FP8 GEMM at scales 1, which has split-K tiles for 128-256 rows of the 8B's O and down where
+# the row-wise one (a CUTLASS kernel in torch) leaves most SMs idle (H200, twentieth session: 77 against
+# 104 us a layer at 128 rows), and the per-token and per-channel scales applied by the norm or the
+# activation as they load it (kernels.ScaledRows). The same scheme and scales either way; off until a
+# device has timed it end to end.
+SCALES_AFTER = os.environ.get("TOKENMILL_FP8_SCALES_AFTER", "0") == "1"
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1 on `device`, made once: by the eager warm-up steps that come before every graph
+    capture (a 1 made inside a capture would hold its value only once that graph had replayed)."""
+    unit = _UNIT_SCALES.get(device)
+    if unit is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fp8 scales_after: the unit scale must be made in an eager step before capture"
+            )
+        unit = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return unit
 
 
 def check_fp8_support(device: torch.device, what: str = "quantization='fp8'") -> None:
@@ -86,14 +113,16 @@ def fp8_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    scales_after: bool = False,
+) -> torch.Tensor | ScaledRows:
     """y = x W^T + b with W stored as (w_q, w_scale); x [..., K] quantized per token, or with a
     calibrated per-tensor input_scale (a checkpoint's static activation scale) when one is given, or
     already quantized so by the launch that made it (QuantizedRows, where fp8_row_quant asked for it).
     Decode-sized batches on CUDA skip the activation quantization: the skinny W8A16 kernel multiplies
     the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two. Up to
     FP8_GEMM_MAX_ROWS rows the Triton FP8 GEMM takes the quantized rows, above that cuBLAS
-    (torch._scaled_mm)."""
+    (torch._scaled_mm). scales_after (a caller whose next launch applies them, where SCALES_AFTER is on,
+    past FP8_GEMM_MAX_ROWS rows and without a bias): the product unscaled, as ScaledRows."""
     if isinstance(x, QuantizedRows):
         shape, dtype, x_q, x_scale = x.shape, x.dtype, x.values, x.scale
         x2 = x_q
@@ -104,6 +133,8 @@ def fp8_linear(
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         x_q, x_scale = quantize_per_row(x2, input_scale)
+    if scales_after and SCALES_AFTER and bias is None and x_q.shape[0] > FP8_GEMM_MAX_ROWS:
+        return _unscaled_product(x_q, x_scale, w_q, w_scale, shape, dtype)
     triton_gemm = _triton_fp8_gemm(x2)
     if triton_gemm is not None:
         y = triton_gemm(x_q, x_scale, w_q, w_scale, bias, dtype)
@@ -116,6 +147,32 @@ def fp8_linear(
     else:
         y = fp8_linear_reference(x_q, x_scale, w_q, w_scale, bias, dtype)
     return y.reshape(*shape[:-1], w_q.shape[0])
+
+
+def _unscaled_product(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+) -> ScaledRows:
+    """x_q w_q^T with the scales left to the next launch: cuBLAS's per-tensor FP8 GEMM at scales 1 into
+    bf16 (whose range holds any sum of e4m3 products; fp16's would not) on CUDA, the exact fp32 product
+    elsewhere; the row scales [..., 1] (a static per-tensor scale spread over the rows) and the weight's
+    per-channel scales [N] beside it."""
+    rows, n = x_q.shape[0], w_q.shape[0]
+    if _scaled_mm_fits(x_q, w_q):
+        unit = _unit_scale(x_q.device)
+        values = torch._scaled_mm(x_q, w_q.t(), scale_a=unit, scale_b=unit, out_dtype=torch.bfloat16)
+    else:
+        values = x_q.float() @ w_q.float().t()
+    row_scale = x_scale.reshape(-1, 1).float()
+    if row_scale.shape[0] != rows:
+        row_scale = row_scale.expand(rows, 1)
+    return ScaledRows(
+        values.reshape(*shape[:-1], n), row_scale.reshape(*shape[:-1], 1), w_scale.reshape(n).float(), dtype
+    )
 
 
 def fp8_row_quant(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> RowQuant | None:
@@ -184,6 +241,11 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def apply_scaled(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | ScaledRows:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, scales_after=True)
 
     def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
         return fp8_row_quant(x)

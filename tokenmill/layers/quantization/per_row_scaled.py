@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.kernels import GemvFusion, RowQuant, skinny_kernel
+from tokenmill.kernels import GemvFusion, RowQuant, ScaledRows, skinny_kernel
 from tokenmill.kernels.quant_reference import w8a16_gemm
 from tokenmill.layers.linear import (
     LinearMethodBase,
@@ -78,6 +78,14 @@ class CompressedTensorsFp8LinearMethod(LinearMethodBase):
         # to the activations' dtype and multiply there).
         gemm = skinny_kernel(x, "w8a16_skinny") or w8a16_gemm
         return gemm(x, layer.weight, layer.weight_scale, bias)
+
+    def apply_scaled(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | ScaledRows:
+        if self.weight_dtype != FP8_DTYPE or self.input_scheme is None:
+            return self.apply(layer, x, bias)
+        input_scale = layer.input_scale if self.input_scheme == "tensor" else None
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, input_scale, scales_after=True)
 
     def row_quant(self, layer: nn.Module, x: torch.Tensor) -> RowQuant | None:
         if self.input_scheme is None:  # weight-only
