@@ -37,10 +37,10 @@ case $call in
   # down (the twentieth session's H200: 77 against 104 us a layer at 128 rows). bf16, then the default
   # and the switch alternated, the same FP8 + FP8 KV engine (CUDA decode, head-major pages); its GPU
   # tests first (the kernels over ScaledRows, fp8_linear's unit-scale product against the row-wise
-  # one, an engine's greedy tokens with it on and off) and the GEMMs alone at 96-256 rows. ~330 s.
+  # one, an engine's greedy tokens with it on and off) and the GEMMs alone at 96-8192 rows. ~340 s.
   1e) timeout 120 python3 -m pytest -q tests/kernels/test_scales_after.py -p no:cacheprovider \
         --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
-      timeout 90 python3 benchmarks/gpu/bench_quant_gemm.py --fp8-gemm --rows 96,128,256 --budget-s 0 \
+      timeout 90 python3 benchmarks/gpu/bench_quant_gemm.py --fp8-gemm --rows 96,128,256,2048,8192 --budget-s 0 \
         --out "$out/fp8_gemm_rows.json" 2>&1 | tail -2
       FP8KV_RUNS="bf16 cuda after cuda after" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
   # The 32k goal's two steps with FP8 weights in both (the goal holds the weights' dtype and compares the
