@@ -20,6 +20,7 @@ from tokenmill.kernels import (
     QuantizedRows,
     RowQuant,
     ScaledRows,
+    env_int,
     skinny_kernel,
     triton_kernel,
 )
@@ -48,6 +49,8 @@ __all__ = [
 # activation as they load it (kernels.ScaledRows). The same scheme and scales either way; off until a
 # device has timed it end to end.
 SCALES_AFTER = os.environ.get("TOKENMILL_FP8_SCALES_AFTER", "0") == "1"
+# The most rows it does so at (TOKENMILL_FP8_SCALES_AFTER_MAX_ROWS; unset: every size past 64).
+SCALES_AFTER_MAX_ROWS = env_int("TOKENMILL_FP8_SCALES_AFTER_MAX_ROWS", 1 << 62)
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -133,7 +136,12 @@ def fp8_linear(
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         x_q, x_scale = quantize_per_row(x2, input_scale)
-    if scales_after and SCALES_AFTER and bias is None and x_q.shape[0] > FP8_GEMM_MAX_ROWS:
+    if (
+        scales_after
+        and SCALES_AFTER
+        and bias is None
+        and FP8_GEMM_MAX_ROWS < x_q.shape[0] <= SCALES_AFTER_MAX_ROWS
+    ):
         return _unscaled_product(x_q, x_scale, w_q, w_scale, shape, dtype)
     triton_gemm = _triton_fp8_gemm(x2)
     if triton_gemm is not None:
