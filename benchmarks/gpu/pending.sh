@@ -35,14 +35,14 @@ case $call in
   # after them past 64 rows (TOKENMILL_FP8_SCALES_AFTER=1, new, off): cuBLAS's per-tensor FP8 GEMM at
   # scales 1 in place of the row-wise one, whose tiles leave SMs idle at 128-256 rows of the 8B's O and
   # down (the twentieth session's H200: 77 against 104 us a layer at 128 rows). bf16, then the default
-  # and the switch alternated, the same FP8 + FP8 KV engine (CUDA decode, head-major pages); its GPU
+  # and the switch (at every size, and up to 512 rows) alternated, the same FP8 + FP8 KV engine (CUDA decode, head-major pages); its GPU
   # tests first (the kernels over ScaledRows, fp8_linear's unit-scale product against the row-wise
   # one, an engine's greedy tokens with it on and off) and the GEMMs alone at 96-8192 rows. ~340 s.
   1e) timeout 120 python3 -m pytest -q tests/kernels/test_scales_after.py -p no:cacheprovider \
         --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
       timeout 90 python3 benchmarks/gpu/bench_quant_gemm.py --fp8-gemm --rows 96,128,256,2048,8192 --budget-s 0 \
         --out "$out/fp8_gemm_rows.json" 2>&1 | tail -2
-      FP8KV_RUNS="bf16 cuda after cuda after" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
+      FP8KV_RUNS="bf16 cuda after after512 cuda after after512" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
   # The 32k goal's two steps with FP8 weights in both (the goal holds the weights' dtype and compares the
   # caches; with bf16 weights ~4.5 ms of each step is the weights' read, the same in both, which is what
   # keeps the FP8 cache's step under 1.6x): the ratio where the weights are FP8 too, as a user of an FP8

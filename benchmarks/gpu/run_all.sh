@@ -175,12 +175,14 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
     # runs them (cuda: the CUDA decode, its tiles from FP8_TILES = warps,ahead[,min_blocks] if set, and the
     # norms / activation quantizing for the W8A8 linears), with the quantization in the linears' own
     # launches (rowq0), with the Triton decode (triton), and with the O, gate/up and down products' scales
-    # left to the norm or activation after them (after: TOKENMILL_FP8_SCALES_AFTER=1). FP8KV_RUNS picks some.
+    # left to the norm or activation after them (after: TOKENMILL_FP8_SCALES_AFTER=1; afterN: up to N rows).
+    # FP8KV_RUNS picks some.
     throughput-8b-fp8kv-cuda)
       for run in ${FP8KV_RUNS:-bf16 cuda rowq0 triton}; do q=$([ $run = bf16 ] || echo "--quantization fp8 --kv-cache-dtype fp8")
         TOKENMILL_FP8_DECODE_CUDA=$([ $run = triton ] && echo 0 || echo 1) TOKENMILL_FP8_DECODE_TILES=${FP8_TILES:-} \
           TOKENMILL_ROW_QUANT_FUSION=$([ $run = rowq0 ] && echo 0 || echo 1) \
-          TOKENMILL_FP8_SCALES_AFTER=$([ $run = after ] && echo 1 || echo 0) \
+          TOKENMILL_FP8_SCALES_AFTER=$(case $run in after*) echo 1 ;; *) echo 0 ;; esac) \
+          TOKENMILL_FP8_SCALES_AFTER_MAX_ROWS=$(case $run in after?*) echo ${run#after} ;; esac) \
           timeout 150 $bench throughput --shape llama-3.1-8b --seed 1 --peer-requests 0 $q \
           --out "$out/throughput_llama_8b_fp8kv_$run.json" 2>&1 | grep output_tok_s | tail -1; done ;;
     # Where the 32k step's time goes (its kernels by name, a decode step: a one-token run of the same cached
