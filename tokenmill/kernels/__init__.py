@@ -89,7 +89,8 @@ class QuantizedRows(NamedTuple):
 
 class ScaledRows(NamedTuple):
     """A W8A8 linear's product handed to the launch after it with its scales not yet applied: values
-    [R, N] = x_q w_q^T (bf16: the unit-scale product, which fp16 could overflow), row_scale [R, 1] fp32
+    [R, N] = x_q w_q^T (cuBLAS's unit-scale product in bf16, whose range fp16's would not hold; fp32 on
+    the references), row_scale [R, 1] fp32
     (the activations' per-token scales), col_scale [N] fp32 (the weight's per-channel scales), and the
     dtype of the output they stand for. The launch that reads the product (an RMSNorm's residual add, the
     gated activation) multiplies each value by its row's and column's scale as it loads it, so cuBLAS's

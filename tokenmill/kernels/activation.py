@@ -63,7 +63,7 @@ def _silu_product(
     """silu(gate) * up of a row's columns `cols` (zero past the row's end), rounded to ROUND (the output's
     dtype) and held in fp32. silu(gate) is rounded to the input dtype before the product, as torch's two
     ops round. SCALED (the dtype x stands for): x is an unscaled product, each value multiplied by the
-    row's row_s and its column's col_scale and rounded to SCALED first, as the linear's output."""
+    row's row_s and its column's x_col_scale and rounded to SCALED first, as the linear's output."""
     mask = cols < INTERMEDIATE
     gate = tl.load(x + cols, mask=mask, other=0.0)
     up = tl.load(x + INTERMEDIATE + cols, mask=mask, other=0.0)

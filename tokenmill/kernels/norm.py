@@ -55,7 +55,8 @@ def _rms_norm_kernel(
     at the row's scale (fp8_quant.row_scale's rule, STATIC: the static one), stored at scale_out; with
     GROUP, each GROUP columns at their own scale (e4m3), a row's ceil(HIDDEN / GROUP) scales at scale_out.
     SCALED (the dtype x stands for; ScaledRows): x is an unscaled product, each value multiplied by its
-    row's row_scale and its column's col_scale in fp32 and rounded to SCALED, as the linear's output."""
+    row's x_row_scale and its column's x_col_scale in fp32 and rounded to SCALED, as the linear's output
+    (x_col_scale, the weight's, read before the PDL wait with the norm's weight under EARLY)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN

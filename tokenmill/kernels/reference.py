@@ -264,7 +264,9 @@ def _attention_dtype(dtype: torch.dtype) -> torch.dtype:
 def _resolved(x):
     """x, or the output a ScaledRows (a W8A8 product with its scales not yet applied) stands for: every
     reference takes one where its Triton namesake does."""
-    return x.resolve() if hasattr(x, "resolve") else x
+    from tokenmill.kernels import resolved
+
+    return resolved(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
