@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1, 1b, 1c, 1d, 1e, 2, 2b, 3 or 4). A call that
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1e, 1, 1b, 1c, 1d, 2, 2b, 3 or 4). A call that
 # tests a patch applies it to the device's copy of the tree with `apply` and takes it out again (none
 # does now); run_all.sh holds the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -17,6 +17,20 @@ apply() {
 }
 nvidia-smi --query-gpu=name --format=csv,noheader
 case $call in
+  # The nano-vllm ratio (1.357x on an H200, goal 1.4x) with the FP8 linears' scales left to the launch
+  # after them past 64 rows (TOKENMILL_FP8_SCALES_AFTER=1, fifty-first session, off): cuBLAS's per-tensor
+  # FP8 GEMM at scales 1 in place of the row-wise one, whose tiles leave SMs idle at 128-256 rows of the
+  # 8B's O and down (the twentieth session's H200: 77 against 104 us a layer at 128 rows). Its GPU tests
+  # (the kernels over ScaledRows, the unit-scale product against the row-wise one, an engine's greedy
+  # tokens with it on and off), the GEMMs alone at 32-8192 rows (32 and 64: the Triton FP8 GEMM's sizes,
+  # would the per-tensor GEMM serve there too?), then bf16 and the same FP8 + FP8 KV engine with the
+  # switch off, on at every size and on up to 512 rows, alternated. ~400 s.
+  1e) timeout 120 python3 -m pytest -q tests/kernels/test_scales_after.py -p no:cacheprovider \
+        --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
+      timeout 120 python3 benchmarks/gpu/bench_quant_gemm.py --fp8-gemm --rows 32,64,96,128,256,2048,8192 \
+        --budget-s 0 --out "$out/fp8_gemm_rows.json" 2>&1 | tail -2
+      FP8KV_RUNS="bf16 cuda after after512 cuda after" bash benchmarks/gpu/run_all.sh "$out" \
+        throughput-8b-fp8kv-cuda ;;
   # Issue 11's FP8 KV goal on an H200 (forty-ninth session: the 32k step 13.32 ms on head-major pages
   # against bf16 KV's 20.75, 1.56x of the 1.6x asked). Since then (fiftieth session, H100 only): the CUDA
   # decode fuses the step's rotary at last (the engine's float32 cos/sin cache; -1.0% on the H100's 32k
@@ -31,18 +45,6 @@ case $call in
      KV32K_RUNS="fp8-cuda auto" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
      bash benchmarks/gpu/run_all.sh "$out/ahead2" ab-kv32k
      AB_VARIANTS="base: merge:merge=1" bash benchmarks/gpu/run_all.sh "$out/merge" ab-kv32k ;;
-  # The nano-vllm ratio (1.357x on an H200, goal 1.4x) with the FP8 linears' scales left to the launch
-  # after them past 64 rows (TOKENMILL_FP8_SCALES_AFTER=1, new, off): cuBLAS's per-tensor FP8 GEMM at
-  # scales 1 in place of the row-wise one, whose tiles leave SMs idle at 128-256 rows of the 8B's O and
-  # down (the twentieth session's H200: 77 against 104 us a layer at 128 rows). bf16, then the default
-  # and the switch (at every size, and up to 512 rows) alternated, the same FP8 + FP8 KV engine (CUDA decode, head-major pages); its GPU
-  # tests first (the kernels over ScaledRows, fp8_linear's unit-scale product against the row-wise
-  # one, an engine's greedy tokens with it on and off) and the GEMMs alone at 96-8192 rows. ~340 s.
-  1e) timeout 120 python3 -m pytest -q tests/kernels/test_scales_after.py -p no:cacheprovider \
-        --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
-      timeout 90 python3 benchmarks/gpu/bench_quant_gemm.py --fp8-gemm --rows 96,128,256,2048,8192 --budget-s 0 \
-        --out "$out/fp8_gemm_rows.json" 2>&1 | tail -2
-      FP8KV_RUNS="bf16 cuda after after512 cuda after after512" bash benchmarks/gpu/run_all.sh "$out" throughput-8b-fp8kv-cuda ;;
   # The 32k goal's two steps with FP8 weights in both (the goal holds the weights' dtype and compares the
   # caches; with bf16 weights ~4.5 ms of each step is the weights' read, the same in both, which is what
   # keeps the FP8 cache's step under 1.6x): the ratio where the weights are FP8 too, as a user of an FP8
