@@ -102,9 +102,9 @@ def _linear_inputs(rows: int, k: int = 96, n: int = 48):
 
 
 def test_fp8_linear_leaves_its_scales_only_where_it_may(monkeypatch) -> None:
-    """Past FP8_GEMM_MAX_ROWS rows (up to SCALES_AFTER_MAX_ROWS), with the switch on, asked by its caller
-    and without a bias, the product comes unscaled; its resolve() is the scaled product (to the rounding
-    of the order in which the scales are applied). Everywhere else a tensor, as before."""
+    """At SCALES_AFTER_MIN_ROWS (past FP8_GEMM_MAX_ROWS unless set) to _MAX_ROWS rows, with the switch on,
+    asked by its caller and without a bias, the product comes unscaled; its resolve() is the scaled
+    product (to the rounding of the order in which the scales are applied). Elsewhere a tensor."""
     rows = FP8_GEMM_MAX_ROWS + 9
     x, w_q, w_scale = _linear_inputs(rows)
     monkeypatch.setattr(fp8, "SCALES_AFTER", True)
@@ -123,6 +123,9 @@ def test_fp8_linear_leaves_its_scales_only_where_it_may(monkeypatch) -> None:
     assert isinstance(fp8.fp8_linear(x, w_q, w_scale, None, scales_after=True), torch.Tensor)
     monkeypatch.setattr(fp8, "SCALES_AFTER_MAX_ROWS", rows)
     assert isinstance(fp8.fp8_linear(x, w_q, w_scale, None, scales_after=True), ScaledRows)
+    monkeypatch.setattr(fp8, "SCALES_AFTER_MIN_ROWS", 17)  # the Triton FP8 GEMM's sizes too
+    assert isinstance(fp8.fp8_linear(x[:17], w_q, w_scale, None, scales_after=True), ScaledRows)
+    assert isinstance(fp8.fp8_linear(x[:16], w_q, w_scale, None, scales_after=True), torch.Tensor)
     monkeypatch.setattr(fp8, "SCALES_AFTER", False)
     assert isinstance(fp8.fp8_linear(x, w_q, w_scale, None, scales_after=True), torch.Tensor)
 

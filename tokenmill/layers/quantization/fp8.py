@@ -49,7 +49,9 @@ __all__ = [
 # activation as they load it (kernels.ScaledRows). The same scheme and scales either way; off until a
 # device has timed it end to end.
 SCALES_AFTER = os.environ.get("TOKENMILL_FP8_SCALES_AFTER", "0") == "1"
-# The most rows it does so at (TOKENMILL_FP8_SCALES_AFTER_MAX_ROWS; unset: every size past 64).
+# The rows it does so at (TOKENMILL_FP8_SCALES_AFTER_MIN_ROWS / _MAX_ROWS; unset: every size past 64,
+# cuBLAS's; from 17 to 64 rows the Triton FP8 GEMM runs, which the per-tensor GEMM may or may not beat).
+SCALES_AFTER_MIN_ROWS = env_int("TOKENMILL_FP8_SCALES_AFTER_MIN_ROWS", FP8_GEMM_MAX_ROWS + 1)
 SCALES_AFTER_MAX_ROWS = env_int("TOKENMILL_FP8_SCALES_AFTER_MAX_ROWS", 1 << 62)
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
@@ -125,7 +127,7 @@ def fp8_linear(
     the FP8 weight with x as it is, reading the same weight bytes with one launch instead of two. Up to
     FP8_GEMM_MAX_ROWS rows the Triton FP8 GEMM takes the quantized rows, above that cuBLAS
     (torch._scaled_mm). scales_after (a caller whose next launch applies them, where SCALES_AFTER is on,
-    past FP8_GEMM_MAX_ROWS rows and without a bias): the product unscaled, as ScaledRows."""
+    at SCALES_AFTER_MIN_ROWS to _MAX_ROWS rows and without a bias): the product unscaled, as ScaledRows."""
     if isinstance(x, QuantizedRows):
         shape, dtype, x_q, x_scale = x.shape, x.dtype, x.values, x.scale
         x2 = x_q
@@ -140,7 +142,7 @@ def fp8_linear(
         scales_after
         and SCALES_AFTER
         and bias is None
-        and FP8_GEMM_MAX_ROWS < x_q.shape[0] <= SCALES_AFTER_MAX_ROWS
+        and SCALES_AFTER_MIN_ROWS <= x_q.shape[0] <= SCALES_AFTER_MAX_ROWS
     ):
         return _unscaled_product(x_q, x_scale, w_q, w_scale, shape, dtype)
     triton_gemm = _triton_fp8_gemm(x2)
