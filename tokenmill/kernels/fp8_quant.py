@@ -12,18 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import ScaledRows
+
 # torch's floating dtypes as Triton's, for constexpr arguments: the dtype a launch that quantizes its own
 # output (norm.py's, activation.py's) rounds it to first, as its plain launch would store it; the quantized
 # experts' operand dtypes (fused_moe_quant.py).
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def scaled_rows_args(x) -> tuple[torch.Tensor, torch.dtype, dict]:
+def scaled_rows_args(x: torch.Tensor | ScaledRows) -> tuple[torch.Tensor, torch.dtype, dict]:
     """For a launch that reads a linear's output: (the tensor to read, the dtype the output has, the
     launch's x_row_scale / x_col_scale / SCALED arguments). A ScaledRows (a W8A8 product with its scales
     left to this launch) gives its unscaled values, its scales and its dtype; a tensor gives itself."""
-    from tokenmill.kernels import ScaledRows
-
     if not isinstance(x, ScaledRows):
         return x, x.dtype, {}
     args = dict(

@@ -39,13 +39,14 @@ GEMV_FUSION = _gemv_fusion(os.environ.get("TOKENMILL_GEMV_FUSION", "act"))
 ROW_QUANT_FUSION = os.environ.get("TOKENMILL_ROW_QUANT_FUSION", "1") != "0"
 
 
-def row_quant_for(layer: LinearBase | None, x: torch.Tensor) -> RowQuant | None:
+def row_quant_for(layer: LinearBase | None, x: torch.Tensor | ScaledRows) -> RowQuant | None:
     """How the launch that makes `layer`'s input should quantize it a row at a time (the layer's
     method's row_quant, for activations with x's rows, dtype and device), or None: the launch writes
-    x as it is. x may be the launch's own input where that has the rows of its output."""
+    x as it is. x may be the launch's own input where that has the rows of its output (a ScaledRows:
+    its values')."""
     if layer is None or not ROW_QUANT_FUSION:
         return None
-    return layer.quant_method.row_quant(layer, x)
+    return layer.quant_method.row_quant(layer, x.values if isinstance(x, ScaledRows) else x)
 
 
 def fused_linear(
@@ -66,7 +67,7 @@ def fused_linear(
         return layer(x)
     # The activation's launch takes the product with its scales not yet applied (W8A8 at cuBLAS's sizes).
     y = layer.forward_scaled(x)
-    quant = row_quant_for(then, y.values if isinstance(y, ScaledRows) else y)
+    quant = row_quant_for(then, y)
     return act(y) if quant is None else act(y, quant)
 
 

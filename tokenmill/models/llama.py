@@ -162,17 +162,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | ScaledRows, torch.Tensor]:
         # The norms quantize their output for the linear after them where it asks (W8A8: row_quant_for);
         # they take the O and down projections' products with their scales not yet applied (ScaledRows).
-        quant = row_quant_for(
-            self.self_attn.qkv_proj, hidden.values if isinstance(hidden, ScaledRows) else hidden
-        )
+        quant = row_quant_for(self.self_attn.qkv_proj, hidden)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden, quant=quant)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, quant)
         hidden = self.self_attn(positions, hidden, md, scaled_out=True)
         mlp = self.mlp
-        rows = hidden.values if isinstance(hidden, ScaledRows) else hidden
-        quant = row_quant_for(mlp.gate_up_proj, rows) if isinstance(mlp, LlamaMLP) else None
+        quant = row_quant_for(mlp.gate_up_proj, hidden) if isinstance(mlp, LlamaMLP) else None
         hidden, residual = self.post_attention_layernorm(hidden, residual, quant)
         if isinstance(mlp, LlamaMLP):
             return mlp(hidden, scaled_out=self.scaled_out), residual
