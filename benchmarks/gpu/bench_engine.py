@@ -89,6 +89,7 @@ def make_llm(args, **overrides) -> LLM:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        block_size=args.block_size,
     )
     return dummy_llm(args.shape, json.loads(args.config_overrides), **{**options, **overrides})
 
@@ -127,6 +128,7 @@ def decode(args) -> dict:
         "shape": args.shape,
         "batch": args.batch,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": args.block_size,
         "quantization": args.quantization,
         "decode_step_ms": step_s * 1e3,
         "input_len": args.input_len,
@@ -448,6 +450,7 @@ def main() -> None:
         "--quantization", help="fp8 | int4: online FP8 (W8A8) or INT4 (W4A16) of the dummy weights"
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV-cache page")
     parser.add_argument("--dtype", default="auto", help="the model's dtype (float32 for a CPU smoke run)")
     parser.add_argument("--batch", type=int, default=1, help="decode: requests decoding together")
     parser.add_argument(
