@@ -7,6 +7,7 @@ what it captured, and each variant's knobs are set again before its runs for any
   tiles=W,A[,B]   kernels/fp8_decode_cuda.py CONFIG (the CUDA FP8 decode's warps, tiles ahead, blocks)
   merge=0|1       kernels/fp8_decode_cuda.py MERGE_IN_KERNEL (the splits merged in the decode's launch)
   rotary=0|1      layers/attention.py DECODE_ROTARY (the step's rotary and K/V store in attention's launch)
+  block=N         the engine's block_size (tokens a KV-cache page; 16 unless set), at its construction
 Each round times every variant once (the prompts' one-token run, then the full decode, both over cached
 prompts; the step is their difference over the new tokens), the order reversed every other round; the
 figures are each variant's median step and its median ratio to the first variant within a round.
@@ -46,6 +47,8 @@ KNOBS = {
     "rotary": lambda v: setattr(attention, "DECODE_ROTARY", v == "1"),
 }
 DEFAULTS = (fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL, attention.DECODE_ROTARY)
+# Knobs that are the engine's options, set when it is built: knob -> LLM keyword.
+ENGINE_KNOBS = {"block": "block_size"}
 
 
 def parse_variant(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -53,15 +56,21 @@ def parse_variant(text: str) -> tuple[str, list[tuple[str, str]]]:
     name, _, spec = text.partition(":")
     knobs = [tuple(item.split("=", 1)) for item in spec.split("+") if item]
     for knob in knobs:
-        if len(knob) != 2 or knob[0] not in KNOBS:
-            raise ValueError(f"variant {text!r}: knobs are {', '.join(KNOBS)} as knob=value, joined by '+'")
+        names = [*KNOBS, *ENGINE_KNOBS]
+        if len(knob) != 2 or knob[0] not in names:
+            raise ValueError(f"variant {text!r}: knobs are {', '.join(names)} as knob=value, joined by '+'")
     return name, knobs  # type: ignore[return-value]
 
 
 def apply(knobs: list[tuple[str, str]]) -> None:
     fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL, attention.DECODE_ROTARY = DEFAULTS
     for knob, value in knobs:
-        KNOBS[knob](value)
+        if knob in KNOBS:
+            KNOBS[knob](value)
+
+
+def engine_options(knobs: list[tuple[str, str]]) -> dict:
+    return {ENGINE_KNOBS[knob]: int(value) for knob, value in knobs if knob in ENGINE_KNOBS}
 
 
 def main() -> None:
@@ -81,15 +90,16 @@ def main() -> None:
     prompts = [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch)]
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    need_blocks = args.batch * -(-(args.input_len + args.output_len) // 16)
     engines = {}
     for name, knobs in variants:
         apply(knobs)
+        options = engine_options(knobs)
         llm = dummy_llm(
             args.shape, max_model_len=args.input_len + args.output_len + 256, max_num_seqs=args.batch,
             kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-            gpu_memory_utilization=0.9 / len(variants),
+            gpu_memory_utilization=0.9 / len(variants), **options,
         )  # fmt: skip
+        need_blocks = args.batch * -(-(args.input_len + args.output_len) // options.get("block_size", 16))
         have_blocks = llm.engine.scheduler.kv.num_blocks
         if have_blocks < need_blocks:
             raise SystemExit(f"variant {name}: {have_blocks} KV blocks hold less than the batch's "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1e, 1, 1b, 1c, 1d, 2, 2b, 3 or 4). A call that
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1e, 1, 1b, 1c, 1d, 1f, 2, 2b, 3 or 4). A call that
 # tests a patch applies it to the device's copy of the tree with `apply` and takes it out again (none
 # does now); run_all.sh holds the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -50,6 +50,11 @@ case $call in
   # keeps the FP8 cache's step under 1.6x): the ratio where the weights are FP8 too, as a user of an FP8
   # cache would run, beside the bf16-weights one. ~200 s.
   1d) KV32K_QUANT=fp8 KV32K_RUNS="fp8-cuda auto" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda ;;
+  # The FP8 32k step over pages of 32 tokens against 16 (fifty-second session: every block size is tested
+  # now): a head's page is 2 KB of each K and V at 16 tokens, 4 KB at 32, so the decode's reads are runs
+  # twice as long and its block table half as long. In one process, in turns (a step moves ~2% between
+  # processes). ~300 s.
+  1f) AB_VARIANTS="base: block32:block=32" bash benchmarks/gpu/run_all.sh "$out/block" ab-kv32k ;;
   # Where the 32k steps' time goes on an H200, kernel by kernel (without PDL, where a launch's time is its
   # own; the H100's profile, fiftieth session, found the rotary launch the CUDA decode should have fused),
   # the FP8 and the bf16 cache, and the decode over pages in the pool's order against random. ~300 s.
