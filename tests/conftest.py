@@ -148,6 +148,15 @@ def hf_model_dirs(tmp_path_factory):
     return models
 
 
+@pytest.fixture(scope="session")
+def llama_head_dim_64_dir(tmp_path_factory) -> str:
+    """A saved random Llama whose heads are 64 wide: a head size the CUDA FP8 decode takes (64, 128, 256),
+    which the odd-sized models above are not, so that engine tests on a GPU run it."""
+    path = tmp_path_factory.mktemp("llama_hd64_model")
+    make_hf_model("llama", head_dim=64).save_pretrained(path)
+    return str(path)
+
+
 _GGUF_READERS: dict = {}
 
 

@@ -117,14 +117,14 @@ def test_the_layout_knob(monkeypatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_an_engine_on_a_head_major_cache_writes_the_same_tokens(
-    monkeypatch, hf_model_dirs, kv_cache_dtype
+    monkeypatch, llama_head_dim_64_dir, kv_cache_dtype
 ) -> None:
-    """The whole engine (prefill, decode graphs, the CUDA FP8 decode) on each layout: the same greedy
-    tokens, and the cache allocated as asked."""
+    """The whole engine (prefill, decode graphs, the CUDA FP8 decode: 64-wide heads, which it takes) on
+    each layout: the same greedy tokens, and the cache allocated as asked."""
     from tests.models.test_llama_equivalence import PROMPTS
     from tokenmill import LLM, SamplingParams
 
-    path, _ = hf_model_dirs["llama"]
+    path = llama_head_dim_64_dir
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
     for layout in kv_layout.LAYOUTS:
