@@ -22,14 +22,15 @@ case $call in
   # FP8 GEMM at scales 1 in place of the row-wise one, whose tiles leave SMs idle at 128-256 rows of the
   # 8B's O and down (the twentieth session's H200: 77 against 104 us a layer at 128 rows). Its GPU tests
   # (the kernels over ScaledRows, the unit-scale product against the row-wise one, an engine's greedy
-  # tokens with it on and off), the GEMMs alone at 32-8192 rows (32 and 64: the Triton FP8 GEMM's sizes,
-  # would the per-tensor GEMM serve there too?), then bf16 and the same FP8 + FP8 KV engine with the
-  # switch off, on at every size and on up to 512 rows, alternated. ~400 s.
-  1e) timeout 120 python3 -m pytest -q tests/kernels/test_scales_after.py -p no:cacheprovider \
-        --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
+  # tokens with it on and off; and the block sizes' and head-major cache's engine tests, the CUDA FP8
+  # decode in an engine at last), the GEMMs alone at 32-8192 rows (32 and 64: the Triton FP8 GEMM's
+  # sizes, would the per-tensor GEMM serve there too?), then bf16 and the same FP8 + FP8 KV engine with
+  # the switch off and on, alternated (`after512`, on up to 512 rows, if the GEMMs say so). ~450 s.
+  1e) timeout 150 python3 -m pytest -q tests/kernels/test_scales_after.py tests/kernels/test_block_sizes.py \
+        tests/kernels/test_kv_layout.py -p no:cacheprovider --junitxml="$out/scales_after_tests.xml" 2>&1 | tail -3
       timeout 120 python3 benchmarks/gpu/bench_quant_gemm.py --fp8-gemm --rows 32,64,96,128,256,2048,8192 \
         --budget-s 0 --out "$out/fp8_gemm_rows.json" 2>&1 | tail -2
-      FP8KV_RUNS="bf16 cuda after after512 cuda after" bash benchmarks/gpu/run_all.sh "$out" \
+      FP8KV_RUNS="bf16 cuda after cuda after" bash benchmarks/gpu/run_all.sh "$out" \
         throughput-8b-fp8kv-cuda ;;
   # Issue 11's FP8 KV goal on an H200 (forty-ninth session: the 32k step 13.32 ms on head-major pages
   # against bf16 KV's 20.75, 1.56x of the 1.6x asked). Since then (fiftieth session, H100 only): the CUDA
@@ -39,8 +40,8 @@ case $call in
   # H100's kernel). First the CUDA decode's GPU tests (the merge's among them), the kernel sweep over
   # head-major pages in the pool's order (tiles ahead, warps, splits, the merge), then the goal's two
   # steps at the defaults and each switch against the defaults in one process, in turns (ab-kv32k). ~450 s.
-  1) timeout 120 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py -p no:cacheprovider \
-       --junitxml="$out/fp8_decode_cuda_tests.xml" 2>&1 | tail -2
+  1) timeout 150 python3 -m pytest -q tests/kernels/test_fp8_decode_cuda.py tests/kernels/test_block_sizes.py \
+       tests/kernels/test_kv_layout.py -p no:cacheprovider --junitxml="$out/fp8_decode_cuda_tests.xml" 2>&1 | tail -2
      bash benchmarks/gpu/run_all.sh "$out" fp8-cuda-ahead
      KV32K_RUNS="fp8-cuda auto" bash benchmarks/gpu/run_all.sh "$out" decode-kv32k-cuda
      bash benchmarks/gpu/run_all.sh "$out/ahead2" ab-kv32k

@@ -48,6 +48,7 @@ def test_every_block_size_writes_the_same_tokens(hf_model_dirs, kv_cache_dtype) 
 
 # The Triton attention, cache-store and rotary kernels in the CPU's interpreter (~1 min).
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's: the GPU test runs Triton there")
 def test_the_triton_kernels_take_every_block_size(hf_model_dirs, monkeypatch) -> None:
     monkeypatch.setenv(BACKEND_ENV, "triton")
     path, _ = hf_model_dirs["llama"]

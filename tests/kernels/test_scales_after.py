@@ -171,7 +171,19 @@ def _generate(path: str, scales_after: bool, monkeypatch) -> tuple[list, int]:
 
 
 # The Triton kernels on the CPU's interpreter take ~30 s a model (-m slow; the GPU calls run them).
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's: a GPU runs Triton"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_model_writes_the_same_with_the_scales_after(arch, backend, hf_model_dirs, monkeypatch) -> None:
     """Online FP8 on the CPU (the references, or the Triton norms and activation in the interpreter, which
