@@ -150,7 +150,7 @@ def hf_model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_head_dim_64_dir(tmp_path_factory) -> str:
-    """A saved random Llama whose heads are 64 wide: a head size the CUDA FP8 decode takes (64, 128, 256),
+    """A saved random Llama whose heads are 64 wide: a head size the CUDA FP8 decode takes (64 and 128),
     which the odd-sized models above are not, so that engine tests on a GPU run it."""
     path = tmp_path_factory.mktemp("llama_hd64_model")
     make_hf_model("llama", head_dim=64).save_pretrained(path)
