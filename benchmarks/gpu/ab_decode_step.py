@@ -55,8 +55,8 @@ def parse_variant(text: str) -> tuple[str, list[tuple[str, str]]]:
     """'name:knob=value+knob=value' -> (name, [(knob, value), ...]); 'name:' is the defaults."""
     name, _, spec = text.partition(":")
     knobs = [tuple(item.split("=", 1)) for item in spec.split("+") if item]
+    names = [*KNOBS, *ENGINE_KNOBS]
     for knob in knobs:
-        names = [*KNOBS, *ENGINE_KNOBS]
         if len(knob) != 2 or knob[0] not in names:
             raise ValueError(f"variant {text!r}: knobs are {', '.join(names)} as knob=value, joined by '+'")
     return name, knobs  # type: ignore[return-value]

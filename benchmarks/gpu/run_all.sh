@@ -20,15 +20,15 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 bench="$py benchmarks/gpu/bench_engine.py"
 log() { echo "=== $(date +%T) $*"; }
-# The 16 x 32k decode step (8B, bf16 weights; KV32K_QUANT=fp8 for FP8 weights, named _fp8w; KV32K_BLOCK
-# tokens a page, named _bN, 16 unless set) with KV cache dtype $1 into $out/decode_8b_b16_32k_$2.json.
+# The 16 x 32k decode step (8B, bf16 weights; KV32K_QUANT=fp8 for FP8 weights, named _fp8w) with KV cache
+# dtype $1 into $out/decode_8b_b16_32k_$2.json.
 # The 32k step: three timed runs a process, the median (each ~1 s once the prompts are cached; an H100's
 # step read 17.63 and 18.05 ms in two processes a minute apart, fiftieth session).
 kv32k_step() {
   timeout 200 $bench decode --shape llama-3.1-8b --batch 16 --input-len 32768 --output-len 64 \
     --max-model-len 33024 --max-num-seqs 16 --repeats 3 --kv-cache-dtype "$1" \
-    ${KV32K_QUANT:+--quantization $KV32K_QUANT} ${KV32K_BLOCK:+--block-size $KV32K_BLOCK} \
-    --out "$out/decode_8b_b16_32k_$2${KV32K_QUANT:+_${KV32K_QUANT}w}${KV32K_BLOCK:+_b$KV32K_BLOCK}.json" 2>&1 | grep -E '"decode_step_ms"'
+    ${KV32K_QUANT:+--quantization $KV32K_QUANT} \
+    --out "$out/decode_8b_b16_32k_$2${KV32K_QUANT:+_${KV32K_QUANT}w}.json" 2>&1 | grep -E '"decode_step_ms"'
 }
 
 for stage in $stages; do
