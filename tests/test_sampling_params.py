@@ -87,6 +87,35 @@ def test_knobs_this_engine_cannot_honour_are_named(knobs, knob):
     assert caught.value.param == knob
 
 
+@pytest.mark.parametrize(
+    "knob, value",
+    [
+        ("temperature", "0.7"),
+        ("temperature", float("nan")),
+        ("top_p", None),
+        ("min_p", float("inf")),
+        ("presence_penalty", None),
+        ("repetition_penalty", "1"),
+        ("n", True),
+        ("max_tokens", 5.0),
+        ("logprobs", True),
+        ("prompt_logprobs", "2"),
+        ("best_of", "1"),
+        ("stop", 5),
+        ("stop_token_ids", 3),
+        ("allowed_token_ids", 7),
+        ("logit_bias", [1]),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", {"1": 5.0}),  # SamplingParams.from_optional takes JSON's text keys
+    ],
+)
+def test_a_knob_of_the_wrong_type_is_a_value_error_naming_it(knob, value):
+    """Not a TypeError from deep inside a comparison, and no bool taken for 0 or 1, no NaN let through."""
+    with pytest.raises(ValueError, match=knob) as caught:
+        SamplingParams(**{knob: value})
+    assert caught.value.param == knob
+
+
 def test_unknown_knob_is_a_type_error():
     with pytest.raises(TypeError, match="use_beam_search"):
         SamplingParams(use_beam_search=True)

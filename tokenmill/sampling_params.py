@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,8 +203,12 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if self.allowed_token_ids is not None:
+            rule = "a non-empty list of token ids >= 0"
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, rule)
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM's "no seed"
@@ -215,6 +220,26 @@ class SamplingParams:
             )  # fmt: skip
             self.temperature = _MIN_TEMPERATURE
         self._validate()
+
+    def _check_types(self) -> None:
+        """The numeric knobs are numbers (a string or None is named here, not met as a TypeError in a
+        comparison; a bool is not taken for 0 or 1; NaN and infinities are refused), logit_bias a dict of
+        token ids to finite numbers."""
+        for knob in _REAL_KNOBS:
+            value = getattr(self, knob)
+            if not _is_real(value) or not math.isfinite(value):
+                raise KnobError(knob, f"{knob} must be a finite number, got {value!r}.")
+        for knob in _INT_KNOBS:
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not (value is None or isinstance(value, int)):
+                raise KnobError(knob, f"{knob} must be an integer, got {value!r}.")
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in bias)
+            or any(not _is_real(b) or not math.isfinite(b) for b in bias.values())
+        ):
+            raise KnobError("logit_bias", f"logit_bias must map token ids to finite numbers, got {bias!r}.")
 
     def _validate(self) -> None:
         def bad(knob: str, value: object, rule: str) -> ValueError:
@@ -306,6 +331,30 @@ class SamplingParams:
         if not self.stop or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
+
+
+# Knobs that must be finite numbers, and those that must be integers where given (None passes: what None
+# means, where it is allowed, _validate says).
+_REAL_KNOBS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+)  # fmt: skip
+_INT_KNOBS = (
+    "n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+    "best_of",
+)  # fmt: skip
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_list(knob: str, value: object, rule: str) -> list:
+    """A list knob as a list (None is empty); anything but a list or tuple is refused by name."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise KnobError(knob, f"{knob} must be {rule}, got {value!r}.")
+    return list(value)
 
 
 def pooling_request_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:
