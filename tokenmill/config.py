@@ -149,6 +149,8 @@ class EngineConfig:
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}.")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}."
@@ -183,7 +185,12 @@ class EngineConfig:
             raise ValueError("kv_offload_disk_gib sizes the disk tier: give kv_offload_disk a directory.")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        utilization = self.gpu_memory_utilization
+        if (
+            not isinstance(utilization, (int, float))
+            or isinstance(utilization, bool)
+            or not 0 < utilization <= 1
+        ):
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."
             )

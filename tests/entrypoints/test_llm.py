@@ -237,8 +237,11 @@ def test_bad_models_and_engine_knobs(tmp_path):
         LLM(model=str(broken))
     with pytest.raises(ValueError, match="block_size"):
         LLM(model="default", block_size=0)
-    with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        LLM(model="default", gpu_memory_utilization=1.5)
+    for utilization in (1.5, "0.5", None):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            LLM(model="default", gpu_memory_utilization=utilization)
+    with pytest.raises(ValueError, match="seed"):
+        LLM(model="default", seed="x")
     with pytest.raises(ValueError, match="dtype"):
         LLM(model="default", dtype="float7")
 
