@@ -170,6 +170,17 @@ def _attention_launches(dtype: torch.dtype) -> None:
                 query, cache, cache, block_tables, seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1,
                 max_query_len=1, num_kv_splits=4, rotary=step,
             )  # fmt: skip
+        # Split decodes that merge their splits in their own launch (attention.MERGE_IN_KERNEL), over a
+        # cache of the query's dtype and an FP8 one, the second with the rotary in its launch too.
+        attention.MERGE_IN_KERNEL = True
+        try:
+            for cache, rotary_step in ((k_cache, None), (k_cache.to(torch.float8_e4m3fn), step)):
+                attention.paged_attention(
+                    query, cache, cache, block_tables, seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32),
+                    0.1, max_query_len=1, num_kv_splits=4, rotary=rotary_step,
+                )  # fmt: skip
+        finally:
+            attention.MERGE_IN_KERNEL = False
         # And a decode over an FP8 cache without it (its tile is 128 keys); under bf16 queries also with
         # its whole tiles read as pairs (attention.FP8_PAIR_LOADS), and for 128-dim heads a launch of
         # many short decodes (64-key tiles of two warps) with and without them.

@@ -69,9 +69,11 @@ def test_every_launch_builds_for_sm90_without_spills() -> None:
     # five formats (FP8 per row and in groups, INT4 with and without zero points, INT8), 3 rows, 2 GEMMs
     assert len(moe_builds) == 30 and all(build["uses_tensor_cores"] for build in moe_builds)
     attention_builds = [build for build in builds if build["kernel"] == "_paged_attention_kernel"]
-    # 12, 6 decodes that rotate and store the step's key themselves, 3 over an FP8 cache without, 3 of
-    # each of those with their tiles read as pairs, and many short FP8 decodes with and without
-    assert len(attention_builds) == 29
+    # 12, 6 decodes that rotate and store the step's key themselves, 6 that merge their splits in their
+    # launch, 3 over an FP8 cache without, 3 of each of those with their tiles read as pairs, and many
+    # short FP8 decodes with and without
+    assert len(attention_builds) == 35
+    assert sum(bool(build["constants"].get("MERGE")) for build in attention_builds) == 6
     pairs = [build for build in attention_builds if build["constants"].get("FP8_PAIRS")]
     # (48-dim heads asked for pairs keep the value reads: their last word would straddle the padding)
     assert len(pairs) == 5 and all(build["constants"]["HEAD_DIM"] in (64, 128) for build in pairs)

@@ -29,7 +29,14 @@ from tokenmill.kernels.attention_tiles import (  # noqa: F401 (the tile configs:
     widen_pairs,
 )
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
-from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_splits, split_partials
+from tokenmill.kernels.split_kv import (
+    LOG2_E,
+    default_num_kv_splits,
+    merge_counts,
+    merge_head,
+    merge_splits,
+    split_partials,
+)
 
 # A decode over an e4m3 cache under bf16 queries reads its tiles (the newest keys' register tile, the
 # whole tiles, the remainder) as 16-bit words of two values widened in registers (attention_tiles
@@ -40,6 +47,12 @@ FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
 # A register cap for those decodes (None: the compiler's choice), so that more blocks share a
 # multiprocessor: at 168, 6 blocks of the 64-key two-warp tile instead of 5. For A/B until timed.
 FP8_PAIR_MAXNREG = env_int("TOKENMILL_FP8_PAIR_MAXNREG", 0) or None
+# Whether a split decode merges its splits itself (the last split program of each request's KV head to
+# finish, counting in split_kv's merge_counts) instead of in merge_splits' launch after it: one launch a
+# layer fewer (~1.1 us a layer of the batch-1 FP8 step on an H200, twenty-seventh session's probes).
+# TOKENMILL_DECODE_MERGE=1 turns it on; off until timed (fifty-third session; the CUDA FP8 decode has
+# its own switch, fp8_decode_cuda.MERGE_IN_KERNEL).
+MERGE_IN_KERNEL = os.environ.get("TOKENMILL_DECODE_MERGE", "0") == "1"
 
 
 # num_seqs and the block table's row stride (the step's widest request, in blocks) change every step:
@@ -78,6 +91,7 @@ def _paged_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_block_table,
+    merge_counts,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -96,6 +110,8 @@ def _paged_attention_kernel(
     HALF_DIM: tl.constexpr = 1,
     LAST_N: tl.constexpr = 64,
     FP8_PAIRS: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr = 1,
 ):
     """One program: BLOCK_Q query tokens x the GROUP heads of one KV head (BLOCK_M rows, token-major),
     against split program_id(2) of its request's keys. DECODE maps program_id(0) straight to a request.
@@ -108,7 +124,10 @@ def _paged_attention_kernel(
     step writes them); the step's key and value, which the launch before stores, after it. ROTARY
     (decodes only): query and key arrive unrotated (positions, cos_sin_cache): the program rotates its
     query rows, and the one whose split holds the step's key rotates it, stores it and the value at the
-    step's slot (FP8: as x / scale) and attends to them from registers; one launch instead of two."""
+    step's slot (FP8: as x / scale) and attends to them from registers; one launch instead of two. MERGE
+    (a decode over NUM_SPLITS > 1): the last of a request's KV head's split programs to finish merges
+    the splits' partials into `out` (merge_splits' bits), counting the finished ones in merge_counts,
+    which it leaves at zero."""
     if not EARLY:
         pdl.start(PDL)  # before the early exits below: every program waits
     kv_head = tl.program_id(1)
@@ -267,6 +286,19 @@ def _paged_attention_kernel(
         tl.store(partial_out + partial_row[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(partial_lse + partial_row, lse, mask=row_ok)
+        if MERGE:
+            # Every thread's partials stored before the count (the atomic's release orders them for the
+            # program that counts last, whose acquire sees them all).
+            tl.debug_barrier()
+            counter = merge_counts + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+                for g in tl.static_range(GROUP):
+                    merge_head(
+                        partial_out, partial_lse, out, seq, kv_head * GROUP + g, num_heads, q_start,
+                        stride_o_tok, stride_o_head, NUM_SPLITS, SPLITS_PAD,
+                        HEAD_DIM, HEAD_DIM_PAD, ".cg",
+                    )  # fmt: skip
 
 
 def paged_attention(
@@ -364,23 +396,28 @@ def paged_attention(
     else:  # unused pointers
         positions = cos_sin_cache = key = value = slot_mapping = query
 
+    # The merge in the decode's launch (MERGE_IN_KERNEL) or in merge_splits' after it.
+    merge = decode and num_kv_splits > 1 and MERGE_IN_KERNEL
+    counts = merge_counts(query.device, num_seqs * num_kv_heads) if merge else seq_lens  # (unused: seq_lens)
+
     def launch(grid, partial_out, partial_lse, tile: TileConfig, block_q: int, num_splits: int, decode: bool,
-               seq_filter: int) -> None:  # fmt: skip
+               seq_filter: int, merge: bool = False) -> None:  # fmt: skip
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, partial_out, partial_lse,
             block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale * LOG2_E, k_scale, v_scale,
             positions, cos_sin_cache, key, value, slot_mapping, cos_sin_cache.stride(0),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), counts,
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KV_BLOCK_SIZE=kv_block_size,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits,
             DECODE=decode, PRECISION=precision, SEQ_FILTER=seq_filter, DOT_FP16=dot_fp16,
             EARLY=pdl.EARLY_READS, ROTARY=rotary is not None, HALF_DIM=head_dim // 2,
             # A decode's register tile: 16 keys a warp at most (64 FP8 keys of 128 widened to fp16 ran
             # the registers out).
-            LAST_N=min(tile.block_n, 16 * tile.num_warps), FP8_PAIRS=fp8_pairs,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl.launch_args(query), **capped,
+            LAST_N=min(tile.block_n, 16 * tile.num_warps), FP8_PAIRS=fp8_pairs, MERGE=merge,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=tile.num_warps,
+            num_stages=tile.num_stages, **pdl.launch_args(query), **capped,
         )  # fmt: skip
 
     small = config if decode else decode_config(group, query.element_size(), k_cache.element_size())
@@ -393,7 +430,9 @@ def paged_attention(
         partial_out, partial_lse = split_partials(num_seqs, num_heads, num_kv_splits, head_dim, query.device)
     else:
         partial_out = partial_lse = out
-    launch(grid, partial_out, partial_lse, config, block_q, num_kv_splits, decode, 2 if split_mixed else 0)
-    if num_kv_splits > 1:
+    launch(
+        grid, partial_out, partial_lse, config, block_q, num_kv_splits, decode, 2 if split_mixed else 0, merge
+    )
+    if num_kv_splits > 1 and not merge:
         merge_splits(partial_out, partial_lse, out, query_start_loc, num_seqs, num_kv_splits)
     return out

@@ -24,7 +24,13 @@ import torch
 
 from tokenmill.kernels import StepRotary, cuda_rtc, pdl, sm_count
 from tokenmill.kernels.rotary import rotary_and_write_kv_cache
-from tokenmill.kernels.split_kv import LOG2_E, default_num_kv_splits, merge_splits, split_partials
+from tokenmill.kernels.split_kv import (
+    LOG2_E,
+    default_num_kv_splits,
+    merge_counts,
+    merge_splits,
+    split_partials,
+)
 
 logger = logging.getLogger("tokenmill")
 SOURCE = Path(__file__).with_name("fp8_decode_attention.cu")
@@ -35,12 +41,6 @@ DECODE_CUDA = os.environ.get("TOKENMILL_FP8_DECODE_CUDA", "1") == "1"
 # kernel's MERGE) instead of in split_kv's merge launch after it: one launch a layer fewer at long contexts.
 # TOKENMILL_FP8_DECODE_MERGE=1 turns it on; off until timed on an H200 (fiftieth session).
 MERGE_IN_KERNEL = os.environ.get("TOKENMILL_FP8_DECODE_MERGE", "0") == "1"
-# Counters of finished splits, one a (request, KV head), zero between launches (the merging block zeroes
-# its own): one buffer a device, never freed (CUDA graphs hold its address), replaced by a larger one
-# only where a launch needs more, the old ones kept. Shared by every launch on the device: the engine's
-# forwards run on one stream, so two launches never count at once (a PDL launch counts after its wait).
-_MERGE_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_MERGE_COUNTS = 1 << 16
 
 
 class DecodeConfig(NamedTuple):
@@ -152,14 +152,6 @@ def default_num_splits(
             raise ValueError(f"TOKENMILL_FP8_DECODE_SPLITS={forced!r}: give a positive number of splits")
         return int(forced)
     return default_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, device, 4, _MIN_KEYS_PER_SPLIT)
-
-
-def merge_counts(device: torch.device, size: int) -> torch.Tensor:
-    """The device's zeroed split counters, at least `size` of them."""
-    buffers = _MERGE_COUNTS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < size:
-        buffers.append(torch.zeros(max(size, _MIN_MERGE_COUNTS), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def routed_decode(

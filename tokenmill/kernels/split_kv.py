@@ -15,6 +15,14 @@ _MAX_KV_SPLITS = 32
 # The decodes' softmax runs in exp2, so log2(e) folds into the score scale and the log-sum-exps the splits
 # report (and the merge weighs) are base 2.
 LOG2_E = 1.4426950408889634
+# Counters of finished splits, one a (request, KV head), for the decodes that merge their splits in their
+# own launch (the last split program to finish merges; it zeroes its counter again): one buffer a device,
+# never freed (CUDA graphs hold its address), replaced by a larger one only where a launch needs more, the
+# old ones kept. Shared by every such launch on the device, the CUDA FP8 decode's and the Triton one's:
+# the engine's forwards run on one stream, so two launches never count at once (a PDL launch counts
+# after its wait).
+_MERGE_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_MERGE_COUNTS = 1 << 16
 
 
 @triton.jit
@@ -44,17 +52,43 @@ def _reduce_splits_kernel(
         pdl.start(PDL)  # before the exit: every program waits
     if q_end == q_start:
         return
+    merge_head(
+        partial_out, partial_lse, out, seq, head, tl.num_programs(1), q_start, stride_o_tok, stride_o_head,
+        NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD, "",
+    )  # fmt: skip
+
+
+@triton.jit
+def merge_head(partial_out, partial_lse, out, seq, head, num_heads, q_start, stride_o_tok, stride_o_head,
+               NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """out[q_start, head] from the head's NUM_SPLITS partials, weighted by their log-sum-exps. CACHE: the
+    loads' cache modifier, "" or ".cg" (from L2 only: a decode's merging program reads what other programs
+    wrote this launch, which its multiprocessor's L1 may hold stale from an earlier one)."""
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
-    lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
+    rows = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse + rows, mask=splits < NUM_SPLITS, other=float("-inf"), cache_modifier=CACHE)
     # An empty split wrote lse -inf and a zero output, so it weighs nothing here.
     weight = tl.exp2(lse - tl.max(lse, 0))
     part_mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
-    part = tl.load(partial_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=part_mask, other=0.0)
+    part = tl.load(
+        partial_out + rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=part_mask,
+        other=0.0,
+        cache_modifier=CACHE,
+    )
     result = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
     o_offsets = q_start * stride_o_tok + head * stride_o_head + dims
     tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def merge_counts(device: torch.device, size: int) -> torch.Tensor:
+    """The device's zeroed split counters, at least `size` of them."""
+    buffers = _MERGE_COUNTS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(size, _MIN_MERGE_COUNTS), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def merge_splits(
