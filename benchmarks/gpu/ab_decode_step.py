@@ -6,6 +6,7 @@ CUDA graphs captured with its knobs set; the knobs are module switches read at l
 what it captured, and each variant's knobs are set again before its runs for any eager launch:
   tiles=W,A[,B]   kernels/fp8_decode_cuda.py CONFIG (the CUDA FP8 decode's warps, tiles ahead, blocks)
   merge=0|1       kernels/fp8_decode_cuda.py MERGE_IN_KERNEL (the splits merged in the decode's launch)
+  tmerge=0|1      kernels/attention.py MERGE_IN_KERNEL (the same in the Triton decode's launch: a bf16 cache)
   rotary=0|1      layers/attention.py DECODE_ROTARY (the step's rotary and K/V store in attention's launch)
   block=N         the engine's block_size (tokens a KV-cache page; 16 unless set), at its construction
 Each round times every variant once (the prompts' one-token run, then the full decode, both over cached
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import dummy_llm, timed_generate  # noqa: E402
 
 from tokenmill import SamplingParams  # noqa: E402
+from tokenmill.kernels import attention as attention_kernels  # noqa: E402
 from tokenmill.kernels import fp8_decode_cuda  # noqa: E402
 from tokenmill.layers import attention  # noqa: E402
 
@@ -45,8 +47,12 @@ KNOBS = {
     "tiles": _tiles,
     "merge": lambda v: setattr(fp8_decode_cuda, "MERGE_IN_KERNEL", v == "1"),
     "rotary": lambda v: setattr(attention, "DECODE_ROTARY", v == "1"),
+    "tmerge": lambda v: setattr(attention_kernels, "MERGE_IN_KERNEL", v == "1"),
 }
-DEFAULTS = (fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL, attention.DECODE_ROTARY)
+DEFAULTS = (
+    fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL, attention.DECODE_ROTARY,
+    attention_kernels.MERGE_IN_KERNEL,
+)  # fmt: skip
 # Knobs that are the engine's options, set when it is built: knob -> LLM keyword.
 ENGINE_KNOBS = {"block": "block_size"}
 
@@ -63,7 +69,10 @@ def parse_variant(text: str) -> tuple[str, list[tuple[str, str]]]:
 
 
 def apply(knobs: list[tuple[str, str]]) -> None:
-    fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL, attention.DECODE_ROTARY = DEFAULTS
+    (
+        fp8_decode_cuda.CONFIG, fp8_decode_cuda.MERGE_IN_KERNEL, attention.DECODE_ROTARY,
+        attention_kernels.MERGE_IN_KERNEL,
+    ) = DEFAULTS  # fmt: skip
     for knob, value in knobs:
         if knob in KNOBS:
             KNOBS[knob](value)

@@ -53,9 +53,10 @@ def variants(quantization: str | None) -> list[dict]:
     folded into the gate/up GEMV (fused_linear.GEMV_FUSION "act"), and that with the metadata and a
     decode's earlier keys read after the PDL wait (pdl.EARLY_READS off: late-reads), and with the
     rotary and KV store done by the decode attention's launch instead of their own (layers/attention.py
-    DECODE_ROTARY on: rotary-in-attention). int4 also without the packed-fp16 kernel's paired words and
-    vector activation loads, with its one-row GEMV launched plainly, and the fp32 one-row kernel so
-    launched, as before the packed-fp16 one."""
+    DECODE_ROTARY on: rotary-in-attention), and with the decode's KV splits merged in its own launch
+    (kernels/attention.py MERGE_IN_KERNEL: merge-in-launch). int4 also without the packed-fp16 kernel's
+    paired words and vector activation loads, with its one-row GEMV launched plainly, and the fp32 one-row
+    kernel so launched, as before the packed-fp16 one."""
     if quantization is None:
         return [
             {"name": "cublas-nopdl", "pdl": False, "gemv": False},
@@ -69,6 +70,8 @@ def variants(quantization: str | None) -> list[dict]:
             {"name": "triton-pdl-fuse-act-rotary-in-attention", "pdl": True, "gemv": True, "fusion": _ACT,
              "decode_rotary": True},
             *_early("triton-pdl-fuse-act", {"gemv": True}),
+            {"name": "triton-pdl-fuse-act-merge-in-launch", "pdl": True, "gemv": True, "fusion": _ACT,
+             "decode_merge": True},
         ]  # fmt: skip
     out = [{"name": "nopdl", "pdl": False}, {"name": "pdl", "pdl": True}]
     out.append({"name": "pdl-late", "pdl": True, "switches": {"GEMV_EARLY": 0}})
@@ -78,6 +81,7 @@ def variants(quantization: str | None) -> list[dict]:
         {"name": "pdl-fuse-act-rotary-in-attention", "pdl": True, "fusion": _ACT, "decode_rotary": True}
     )
     out.extend(_early("pdl-fuse-act", {}))
+    out.append({"name": "pdl-fuse-act-merge-in-launch", "pdl": True, "fusion": _ACT, "decode_merge": True})
     if quantization == "int4":
         # The packed-fp16 kernel without its defaults, with the default act: two words' products summed
         # in fp16 before fp32 (skinny_gemm.GEMV4_PAIRED), each word's activations in one vector load
@@ -194,6 +198,8 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
     early_reads, pdl.EARLY_READS = pdl.EARLY_READS, variant.get("early_reads", True)
     decode_rotary = attention_layer.DECODE_ROTARY  # the layer's default unless the variant names one
     attention_layer.DECODE_ROTARY = variant.get("decode_rotary", decode_rotary)
+    decode_merge = attention_kernels.MERGE_IN_KERNEL  # likewise the Triton decode's merge in its launch
+    attention_kernels.MERGE_IN_KERNEL = variant.get("decode_merge", decode_merge)
     try:
         with skinny_gemm.switches(**variant.get("switches", {})), patched(runner.model, variant):
             graphs = DecodeGraphs(
@@ -205,6 +211,7 @@ def capture(runner, variant: dict, context: int) -> DecodeGraphs:
         fused_linear.GEMV_FUSION = fusion
         pdl.EARLY_READS = early_reads
         attention_layer.DECODE_ROTARY = decode_rotary
+        attention_kernels.MERGE_IN_KERNEL = decode_merge
     # One request at `context` tokens over distinct blocks; its new token into a real slot.
     block = runner.block_size
     blocks = min(-(-context // block), graphs.block_tables.shape[1])

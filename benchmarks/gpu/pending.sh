@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the last sessions prepared and no device has run yet, most wanted first, in calls that fit the
-# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1e, 1, 1b, 1c, 1d, 1f, 2, 2b, 3 or 4). A call that
+# device's 600 s limit: `pending.sh OUTDIR CALL` (CALL 1e, 1, 1b, 1c, 1d, 1f, 2, 2b, 3, 4 or 5). A call that
 # tests a patch applies it to the device's copy of the tree with `apply` and takes it out again (none
 # does now); run_all.sh holds the stages.
 out=${1:?usage: pending.sh OUTDIR CALL}
@@ -96,5 +96,13 @@ case $call in
   4) bash benchmarks/gpu/run_all.sh "$out" pdl-early
      timeout 150 python3 -m pytest -q tests/kernels/test_skinny_gemm.py -k "early or several_rows or first_tiles" \
        -p no:cacheprovider --junitxml="$out/gemv_early_tests.xml" 2>&1 | tail -3 ;;
-  *) echo "CALL is 1, 1b, 1c, 1d, 1e, 2, 2b, 3 or 4" >&2; exit 2 ;;
+  # The Triton split decode merging its splits in its own launch (fifty-third session,
+  # TOKENMILL_DECODE_MERGE=1, off; the twenty-seventh session's probes put the merge launch at ~1.1 us a
+  # layer of the batch-1 FP8 step): its GPU tests (against the merge launch; two layers' decodes sharing
+  # the counters in a graph under PDL) and the attention tests, then batch-1 steps with it against the
+  # default, bf16 / FP8 / INT4 weights over the bf16 cache (bench_pdl in turns). ~250 s.
+  5) timeout 150 python3 -m pytest -q tests/kernels/test_decode_merge.py tests/kernels/test_decode_attention.py \
+       -p no:cacheprovider --junitxml="$out/decode_merge_tests.xml" 2>&1 | tail -2
+     bash benchmarks/gpu/run_all.sh "$out" pdl-merge ;;
+  *) echo "CALL is 1, 1b, 1c, 1d, 1e, 1f, 2, 2b, 3, 4 or 5" >&2; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 # Every GPU test and benchmark in one call, JSON results under OUTDIR (on the device machine: $OUT).
 # Usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE ...]
 # Stages: tests kernel-tests-rest gpu-tests structured host-loop sampling-ab kernels small-batches ceilings decode decode-sync speculative prefill reference throughput-small throughput-small-sync
-#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes pdl-early ncu-gemv ncu-decode fp8-pairs fp8-pairs-step server
+#         throughput-8b throughput-8b-sync decode-fp8 decode-int4 gemv-fusion int4-batches throughput-8b-fp8 throughput-8b-fp8kv throughput-8b-quant profile-b256 decode-kv32k attention-32k attention-variants quant-gemm profile-quant pdl attention-tests pdl-launches rotary-tests decode-rotary pdl-probes pdl-early pdl-merge ncu-gemv ncu-decode fp8-pairs fp8-pairs-step server
 #         late-compiles fp8-cuda-tests fp8-cuda fp8-cuda-layout fp8-cuda-step attention-pages fp8-cuda-ahead ab-kv32k decode-kv32k-cuda decode-fp8kv-cuda decode-fp8-fp8kv throughput-8b-fp8kv-cuda profile-kv32k-cuda int4-mma-tests int4-mma decode-int4-mma decode-int4-mma-one-row decode-int4-small server-scale server-burst mixed-step embeddings poisson kv-offload moe moe-quant moe-quant-tests moe-int4-sweep int8-rows int8-gemm grouped-sweep int8-tests tp-x2 tp-70b router-x2 disagg-x2 (default:
 #         the `stages=` line below; the rest by name, several per call as they fit the device's 600 s.
 #         server-scale and server-burst need a call each: --api-server-count 1, 2, 4 at 256 streams, and
@@ -293,6 +293,13 @@ print(shape_dir('qwen3-0.6b', vocab_size=49152, bos_token_id=1, eos_token_id=2))
                  timeout 150 $py benchmarks/gpu/bench_pdl.py $([ $q = none ] || echo --quantization $q) \
                    --rounds 7 --variants $base,$base-early2,$base-early4 --out "$out/pdl_early_$q.json" \
                    2>&1 | grep -v "Warn\|variant met" | tail -4; done ;;
+    # Batch-1 decode with the Triton decode's KV splits merged in its own launch (kernels/attention.py
+    # MERGE_IN_KERNEL) against the merge launch after it, bf16 / FP8 / INT4 weights over a bf16 cache,
+    # alternating in one process each.
+    pdl-merge) for q in none fp8 int4; do base=pdl-fuse-act; [ $q = none ] && base=triton-pdl-fuse-act
+                 timeout 150 $py benchmarks/gpu/bench_pdl.py $([ $q = none ] || echo --quantization $q) \
+                   --rounds 7 --variants $base,$base-merge-in-launch --out "$out/pdl_merge_$q.json" \
+                   2>&1 | grep -v "Warn\|variant met" | tail -3; done ;;
     # What each small launch costs the FP8 step (bench_pdl --probes: variants that leave one out), and the
     # decode attention tile's pipeline stages, warps and keys.
     pdl-probes) timeout 300 $py benchmarks/gpu/bench_pdl.py --quantization fp8 --probes --variants \
