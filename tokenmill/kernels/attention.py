@@ -126,7 +126,7 @@ def _paged_attention_kernel(
     query rows, and the one whose split holds the step's key rotates it, stores it and the value at the
     step's slot (FP8: as x / scale) and attends to them from registers; one launch instead of two. MERGE
     (a decode over NUM_SPLITS > 1): the last of a request's KV head's split programs to finish merges
-    the splits' partials into `out` (merge_splits' bits), counting the finished ones in merge_counts,
+    the splits' partials into `out` (merge_splits' arithmetic), counting the finished ones in merge_counts,
     which it leaves at zero."""
     if not EARLY:
         pdl.start(PDL)  # before the early exits below: every program waits
