@@ -126,3 +126,39 @@ def test_merging_decodes_replay_in_a_graph_under_pdl(monkeypatch) -> None:
         for got, expected in zip(outs, want):
             torch.testing.assert_close(got, expected, **BF16_TOL)
         assert not split_kv.merge_counts(DEVICE, 1).any()
+
+
+# The engine on the Triton kernels in the CPU's interpreter (~1 min): prompts past 256 tokens, so that
+# its decodes split their keys (two splits of the interpreter's nominal 8 multiprocessors).
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's: the GPU test above runs Triton there"
+)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_engine_writes_the_same_tokens_with_the_merge_in_the_launch(
+    hf_model_dirs, monkeypatch, kv_cache_dtype
+) -> None:
+    from tests.models.test_llama_equivalence import random_prompts
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.kernels import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    path, _ = hf_model_dirs["llama"]
+    prompts = random_prompts([300, 270], seed=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=512,
+              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    launches = []
+    merge_launch = split_kv.merge_splits
+    monkeypatch.setattr(attention, "merge_splits", lambda *args: launches.append(merge_launch(*args)))
+    tokens, merge_launches = {}, {}
+    for merge in (False, True):
+        monkeypatch.setattr(attention, "MERGE_IN_KERNEL", merge)
+        launches.clear()
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        tokens[merge] = [output.outputs[0].token_ids for output in outputs]
+        merge_launches[merge] = len(launches)
+    # The decodes split (a merge launch a layer and step without the switch, none with it).
+    assert merge_launches[False] > 0 and merge_launches[True] == 0
+    assert tokens[True] == tokens[False]
+    assert not split_kv.merge_counts(torch.device("cpu"), 1).any()
