@@ -1,7 +1,8 @@
 """A split decode that merges its splits in its own launch (kernels/attention.py's MERGE, asked for by
 attention.MERGE_IN_KERNEL): the last split program of each request's KV head to finish merges, counting in
 split_kv.merge_counts. The same outputs as the merge launch, on the interpreter and (`-m gpu`) on a GPU,
-where the counters must also come back to zero between the launches of a CUDA graph under PDL."""
+where the counters must also come back to zero between the launches of a CUDA graph under PDL; and the
+engine's greedy tokens with and without it (`-m slow`, the interpreter)."""
 
 from __future__ import annotations
 
