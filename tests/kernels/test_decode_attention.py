@@ -325,7 +325,7 @@ def test_decode_after_pdl_launches_in_a_graph_matches_eager(fp8: bool, fused: bo
     their metadata and earlier keys before their PDL waits (pdl.EARLY_READS). The step's slots hold NaN
     before each run, so a read of them before the store lands would show. Replayed, it matches the same
     launches run eagerly (no PDL), output and cache, bit for bit."""
-    from tokenmill.kernels import norm, pdl, rotary
+    from tokenmill.kernels import norm, rotary
 
     batch = make_batch([300, 17, 64, 1], [1] * 4, 32, 8, 128, dtype=torch.bfloat16, seed=5)
     if fp8:
@@ -365,12 +365,7 @@ def test_decode_after_pdl_launches_in_a_graph_matches_eager(fp8: bool, fused: bo
     torch.cuda.synchronize()
     want, want_k = out.clone(), batch.k_cache.clone()
     assert torch.isfinite(want.float()).all()
-    graph = torch.cuda.CUDAGraph()
-    with pdl.in_graphs():
-        run()  # the PDL variants compile outside the capture
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            run()
+    graph = pdl_graph(run)
     for _ in range(3):
         poison()
         out.zero_()
@@ -378,3 +373,17 @@ def test_decode_after_pdl_launches_in_a_graph_matches_eager(fp8: bool, fused: bo
         torch.cuda.synchronize()
         assert torch.equal(out, want)
         assert torch.equal(batch.k_cache.view(torch.uint8), want_k.view(torch.uint8))
+
+
+def pdl_graph(run) -> torch.cuda.CUDAGraph:
+    """run() captured in a CUDA graph with PDL, after a run that compiles its PDL variants (nothing may
+    compile while a stream captures)."""
+    from tokenmill.kernels import pdl
+
+    graph = torch.cuda.CUDAGraph()
+    with pdl.in_graphs():
+        run()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            run()
+    return graph

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from tests.kernels.test_attention import BF16_TOL, DEVICE, FP32_TOL, fp8_cache, make_batch, needs_cuda  # noqa: E402
-from tests.kernels.test_decode_attention import step_rotary  # noqa: E402
+from tests.kernels.test_decode_attention import pdl_graph, step_rotary  # noqa: E402
 from tokenmill.kernels import attention, fp8_decode_cuda, reference, split_kv  # noqa: E402
 
 # Requests long and short (a short one leaves splits empty), one with no query token (a graph's padding:
@@ -90,8 +90,6 @@ def test_merging_decodes_replay_in_a_graph_under_pdl(monkeypatch) -> None:
     """Two layers' decodes in a graph with PDL, each merging its splits in its launch and sharing the
     counters (the second starts counting once the first has zeroed them): replayed over new queries, the
     outputs are the eager launches', bit for bit."""
-    from tokenmill.kernels import pdl
-
     monkeypatch.setattr(fp8_decode_cuda, "DECODE_CUDA", False)
     monkeypatch.setattr(attention, "MERGE_IN_KERNEL", True)
     batch = make_batch([300, 17, 64, 1], [1] * 4, 32, 8, 128, dtype=torch.bfloat16, seed=3)
@@ -106,12 +104,7 @@ def test_merging_decodes_replay_in_a_graph_under_pdl(monkeypatch) -> None:
         query.normal_()
     run()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with pdl.in_graphs():
-        run()  # the PDL variants compile outside the capture
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            run()
+    graph = pdl_graph(run)
     for _ in range(3):
         for query in queries:
             query.normal_()
