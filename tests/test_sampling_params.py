@@ -116,6 +116,17 @@ def test_a_knob_of_the_wrong_type_is_a_value_error_naming_it(knob, value):
     assert caught.value.param == knob
 
 
+def test_numpy_numbers_are_taken_as_pythons():
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(
+        temperature=np.float32(0.5), top_p=np.float16(1), max_tokens=np.int64(7), n=np.int32(2),
+        seed=np.uint16(3), logit_bias={np.int64(5): np.float32(-1.5)},
+    )  # fmt: skip
+    assert (params.temperature, params.top_p, params.max_tokens, params.n, params.seed) == (0.5, 1.0, 7, 2, 3)
+    assert type(params.temperature) is float and type(params.max_tokens) is int
+    assert params.logit_bias == {5: -1.5} and type(next(iter(params.logit_bias))) is int
+
+
 def test_unknown_knob_is_a_type_error():
     with pytest.raises(TypeError, match="use_beam_search"):
         SamplingParams(use_beam_search=True)

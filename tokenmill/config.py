@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -149,8 +150,9 @@ class EngineConfig:
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}.")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        self.seed = int(self.seed)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}."
@@ -187,7 +189,7 @@ class EngineConfig:
             raise ValueError("kv_offload_gib is a tier of the prefix cache: it needs enable_prefix_caching.")
         utilization = self.gpu_memory_utilization
         if (
-            not isinstance(utilization, (int, float))
+            not isinstance(utilization, numbers.Real)
             or isinstance(utilization, bool)
             or not 0 < utilization <= 1
         ):

@@ -6,6 +6,7 @@ import copy
 import enum
 import logging
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,22 +225,29 @@ class SamplingParams:
     def _check_types(self) -> None:
         """The numeric knobs are numbers (a string or None is named here, not met as a TypeError in a
         comparison; a bool is not taken for 0 or 1; NaN and infinities are refused), logit_bias a dict of
-        token ids to finite numbers."""
+        token ids to finite numbers. Numbers of other types (numpy's scalars) become Python's, as the
+        engine core's messages carry them."""
         for knob in _REAL_KNOBS:
             value = getattr(self, knob)
             if not _is_real(value) or not math.isfinite(value):
                 raise KnobError(knob, f"{knob} must be a finite number, got {value!r}.")
+            setattr(self, knob, float(value))
         for knob in _INT_KNOBS:
             value = getattr(self, knob)
-            if isinstance(value, bool) or not (value is None or isinstance(value, int)):
+            if value is not None and not _is_integer(value):
                 raise KnobError(knob, f"{knob} must be an integer, got {value!r}.")
+            setattr(self, knob, None if value is None else int(value))
         bias = self.logit_bias
-        if bias is not None and (
-            not isinstance(bias, dict)
-            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in bias)
-            or any(not _is_real(b) or not math.isfinite(b) for b in bias.values())
-        ):
-            raise KnobError("logit_bias", f"logit_bias must map token ids to finite numbers, got {bias!r}.")
+        if bias is not None:
+            if (
+                not isinstance(bias, dict)
+                or any(not _is_integer(t) or t < 0 for t in bias)
+                or any(not _is_real(b) or not math.isfinite(b) for b in bias.values())
+            ):
+                raise KnobError(
+                    "logit_bias", f"logit_bias must map token ids to finite numbers, got {bias!r}."
+                )
+            self.logit_bias = {int(t): float(b) for t, b in bias.items()}
 
     def _validate(self) -> None:
         def bad(knob: str, value: object, rule: str) -> ValueError:
@@ -345,7 +353,11 @@ _INT_KNOBS = (
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _as_list(knob: str, value: object, rule: str) -> list:
