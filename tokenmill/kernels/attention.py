@@ -33,9 +33,9 @@ from tokenmill.kernels.split_kv import (
     LOG2_E,
     default_num_kv_splits,
     merge_counts,
-    merge_head,
     merge_splits,
     split_partials,
+    store_split_result,
 )
 
 # A decode over an e4m3 cache under bf16 queries reads its tiles (the newest keys' register tile, the
@@ -47,11 +47,9 @@ FP8_PAIR_LOADS = os.environ.get("TOKENMILL_FP8_PAIR_LOADS") == "1"
 # A register cap for those decodes (None: the compiler's choice), so that more blocks share a
 # multiprocessor: at 168, 6 blocks of the 64-key two-warp tile instead of 5. For A/B until timed.
 FP8_PAIR_MAXNREG = env_int("TOKENMILL_FP8_PAIR_MAXNREG", 0) or None
-# Whether a split decode merges its splits itself (the last split program of each request's KV head to
-# finish, counting in split_kv's merge_counts) instead of in merge_splits' launch after it: one launch a
-# layer fewer (~1.1 us a layer of the batch-1 FP8 step on an H200, twenty-seventh session's probes).
-# TOKENMILL_DECODE_MERGE=1 turns it on; off until timed (fifty-third session; the CUDA FP8 decode has
-# its own switch, fp8_decode_cuda.MERGE_IN_KERNEL).
+# Whether a split decode merges its own splits (split_kv.merge_if_last) instead of merge_splits' launch
+# after it: a launch a layer fewer (~1.1 us of the batch-1 FP8 step on an H200, twenty-seventh session).
+# TOKENMILL_DECODE_MERGE=1 turns it on; off until timed (the CUDA FP8 decode's: fp8_decode_cuda's).
 MERGE_IN_KERNEL = os.environ.get("TOKENMILL_DECODE_MERGE", "0") == "1"
 
 
@@ -125,9 +123,7 @@ def _paged_attention_kernel(
     (decodes only): query and key arrive unrotated (positions, cos_sin_cache): the program rotates its
     query rows, and the one whose split holds the step's key rotates it, stores it and the value at the
     step's slot (FP8: as x / scale) and attends to them from registers; one launch instead of two. MERGE
-    (a decode over NUM_SPLITS > 1): the last of a request's KV head's split programs to finish merges
-    the splits' partials into `out` (merge_splits' arithmetic), counting the finished ones in merge_counts,
-    which it leaves at zero."""
+    (a decode over NUM_SPLITS > 1): the splits merged by the last one to finish (merge_if_last)."""
     if not EARLY:
         pdl.start(PDL)  # before the early exits below: every program waits
     kv_head = tl.program_id(1)
@@ -276,29 +272,11 @@ def _paged_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     # v_scale: an FP8 cache holds V / v_scale; the weighted sum is linear in V, so one multiply here.
     result = acc * (v_scale / l_safe)[:, None]
-    store_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
-        o_offsets = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
-        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=store_mask)
-    else:
-        num_heads = GROUP * tl.num_programs(1)
-        partial_row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(partial_out + partial_row[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(partial_lse + partial_row, lse, mask=row_ok)
-        if MERGE:
-            # Every thread's partials stored before the count (the atomic's release orders them for the
-            # program that counts last, whose acquire sees them all).
-            tl.debug_barrier()
-            counter = merge_counts + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                for g in tl.static_range(GROUP):
-                    merge_head(
-                        partial_out, partial_lse, out, seq, kv_head * GROUP + g, num_heads, q_start,
-                        stride_o_tok, stride_o_head, NUM_SPLITS, SPLITS_PAD,
-                        HEAD_DIM, HEAD_DIM_PAD, ".cg",
-                    )  # fmt: skip
+    store_split_result(
+        out, partial_out, partial_lse, merge_counts, result, m_i, l_i, l_safe, row_ok, dims, dim_ok, seq,
+        kv_head, split, q_start, tok, head, tl.num_programs(1), stride_o_tok, stride_o_head,
+        GROUP, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD, MERGE,
+    )  # fmt: skip
 
 
 def paged_attention(

@@ -83,6 +83,50 @@ def merge_head(partial_out, partial_lse, out, seq, head, num_heads, q_start, str
     tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+@triton.jit
+def store_split_result(out, partial_out, partial_lse, merge_counts, result, m_i, l_i, l_safe, row_ok, dims,
+                       dim_ok, seq, kv_head, split, q_start, tok, head, num_kv_heads, stride_o_tok,
+                       stride_o_head, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE: tl.constexpr):  # fmt: skip
+    """A paged-attention program's normalized rows `result` (its tokens tok, heads head): into `out`
+    with one split; else its split's partial outputs and base-2 log-sum-exps (m_i + log2 l_i; an empty
+    split, l_i 0, reports -inf) for merge_splits, or with MERGE merged by the last split (merge_if_last)."""
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_offsets = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+        tl.store(out + o_offsets, result.to(out.dtype.element_ty), mask=store_mask)
+    else:
+        partial_row = (seq.to(tl.int64) * GROUP * num_kv_heads + head) * NUM_SPLITS + split
+        tl.store(partial_out + partial_row[:, None] * HEAD_DIM + dims[None, :], result, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(partial_lse + partial_row, lse, mask=row_ok)
+        if MERGE:
+            merge_if_last(
+                partial_out, partial_lse, out, merge_counts, seq, kv_head, num_kv_heads, q_start,
+                stride_o_tok, stride_o_head, GROUP, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD,
+            )  # fmt: skip
+
+
+@triton.jit
+def merge_if_last(partial_out, partial_lse, out, merge_counts, seq, kv_head, num_kv_heads, q_start,
+                  stride_o_tok, stride_o_head, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):  # fmt: skip
+    """In a split decode's program, after it stored its partials: count the split done; the last of the
+    request's KV head's splits to finish merges the GROUP heads' partials into `out` (merge_head, its
+    loads from L2) and zeroes the counter for the next launch. The barrier puts every thread's partials
+    before the count; the atomic's release orders them for the program that counts last, whose acquire
+    sees them all."""
+    tl.debug_barrier()
+    counter = merge_counts + seq * num_kv_heads + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        for g in tl.static_range(GROUP):
+            merge_head(
+                partial_out, partial_lse, out, seq, kv_head * GROUP + g, num_kv_heads * GROUP, q_start,
+                stride_o_tok, stride_o_head, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD, ".cg",
+            )  # fmt: skip
+
+
 def merge_counts(device: torch.device, size: int) -> torch.Tensor:
     """The device's zeroed split counters, at least `size` of them."""
     buffers = _MERGE_COUNTS.setdefault(device, [])
