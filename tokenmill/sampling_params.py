@@ -232,9 +232,9 @@ class SamplingParams:
             if not _is_real(value) or not math.isfinite(value):
                 raise KnobError(knob, f"{knob} must be a finite number, got {value!r}.")
             setattr(self, knob, float(value))
-        for knob in _INT_KNOBS:
+        for knob in _INT_KNOBS + _OPTIONAL_INT_KNOBS:
             value = getattr(self, knob)
-            if value is not None and not _is_integer(value):
+            if (value is not None or knob in _INT_KNOBS) and not _is_integer(value):
                 raise KnobError(knob, f"{knob} must be an integer, got {value!r}.")
             setattr(self, knob, None if value is None else int(value))
         bias = self.logit_bias
@@ -253,13 +253,13 @@ class SamplingParams:
         def bad(knob: str, value: object, rule: str) -> ValueError:
             return KnobError(knob, f"{knob} must be {rule}, got {value!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", self.temperature, ">= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise bad("top_k", self.top_k, "0 or -1 (disabled) or a positive integer")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "in [0, 1]")
@@ -269,13 +269,13 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", self.repetition_penalty, "> 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", self.logprobs, "an integer >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0")
@@ -283,8 +283,6 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
         if self.stop and not self.detokenize:
             raise KnobError("stop", "stop strings need detokenize=True (the text is what they match).")
         if self.allowed_token_ids is not None and (
@@ -292,7 +290,7 @@ class SamplingParams:
         ):
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
         truncate = self.truncate_prompt_tokens
-        if truncate is not None and (not isinstance(truncate, int) or truncate < -1 or truncate == 0):
+        if truncate is not None and (truncate < -1 or truncate == 0):
             raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "-1 (max_model_len) or >= 1")
         if self.best_of is not None and self.best_of != self.n:
             raise KnobError(
@@ -341,15 +339,19 @@ class SamplingParams:
         return max(len(s) for s in self.stop) - 1
 
 
-# Knobs that must be finite numbers, and those that must be integers where given (None passes: what None
-# means, where it is allowed, _validate says).
+# Knobs that must be finite numbers, those that must be integers, and those that may also be None.
 _REAL_KNOBS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
 )  # fmt: skip
-_INT_KNOBS = (
-    "n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+_INT_KNOBS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_KNOBS = (
+    "max_tokens",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
     "best_of",
-)  # fmt: skip
+)
 
 
 def _is_real(value: object) -> bool:
